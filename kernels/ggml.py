@@ -1,0 +1,211 @@
+"""ctypes binding to the ggml shared libraries that llama-cpp-python installs.
+
+Binds only what the slice engine uses. The struct layouts below match the ggml bundled with
+llama-cpp-python 0.3.36 (pinned in pyproject.toml); a different version may move them.
+
+Every tensor and context is passed around as a plain integer address (``c_void_p``); use
+``tensor_view(ptr)`` to read a tensor's type and shape.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+from ctypes import c_bool, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_uint8, c_void_p
+from pathlib import Path
+
+GGML_MAX_DIMS = 4
+GGML_MAX_SRC = 10
+GGML_MAX_OP_PARAMS = 64
+GGML_MAX_NAME = 64
+GGML_DEFAULT_GRAPH_SIZE = 2048
+
+# enum ggml_type (only the members we name in code; any GGUF type id passes through untouched)
+TYPE_F32 = 0
+TYPE_F16 = 1
+TYPE_Q4_0 = 2
+TYPE_Q4_1 = 3
+TYPE_Q8_0 = 8
+TYPE_I32 = 26
+TYPE_I64 = 27
+
+# enum ggml_prec
+PREC_F32 = 10
+
+# rope modes (ggml.h GGML_ROPE_TYPE_*)
+ROPE_TYPE_NORM = 0
+ROPE_TYPE_NEOX = 2
+
+STATUS_SUCCESS = 0
+
+
+class InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
+
+
+class TensorStruct(ctypes.Structure):
+    """struct ggml_tensor, read-only use: type, shape, strides, name."""
+
+    _fields_ = [
+        ("type", c_int),
+        ("buffer", c_void_p),
+        ("ne", c_int64 * GGML_MAX_DIMS),
+        ("nb", c_size_t * GGML_MAX_DIMS),
+        ("op", c_int),
+        ("op_params", c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", c_int32),
+        ("src", c_void_p * GGML_MAX_SRC),
+        ("view_src", c_void_p),
+        ("view_offs", c_size_t),
+        ("data", c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+def tensor_view(ptr: int) -> TensorStruct:
+    return TensorStruct.from_address(ptr)
+
+
+def tensor_shape(ptr: int) -> tuple[int, int, int, int]:
+    """ggml order: ne[0] is the fastest-moving (innermost) dimension."""
+    t = tensor_view(ptr)
+    return (t.ne[0], t.ne[1], t.ne[2], t.ne[3])
+
+
+def tensor_strides(ptr: int) -> tuple[int, int, int, int]:
+    t = tensor_view(ptr)
+    return (t.nb[0], t.nb[1], t.nb[2], t.nb[3])
+
+
+def _library_dir() -> Path:
+    # Locate llama_cpp without importing it: importing it loads libllama, which a trunk does not need.
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+def _load(name: str) -> ctypes.CDLL:
+    # Load the files named by the libraries' sonames (libggml-base.so.0, not libggml-base.so): pip
+    # installs the two as separate copies, and libllama (the oracle, and our tokenizer) links
+    # against the soname. Loading the same file keeps one ggml in the process, not two.
+    lib_dir = _library_dir()
+    for candidate in (f"{name}.so.0", f"{name}.so"):
+        path = lib_dir / candidate
+        if path.exists():
+            return ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_GLOBAL)
+    raise ImportError(f"{name} not found in {lib_dir}")
+
+
+base = _load("libggml-base")
+cpu = _load("libggml-cpu")
+
+_P = c_void_p  # any pointer: context, tensor, graph, backend, buffer
+
+
+def _bind(lib: ctypes.CDLL, name: str, restype, *argtypes):
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+# --- contexts, tensors, graphs (ggml.h) ---
+init = _bind(base, "ggml_init", _P, InitParams)
+free = _bind(base, "ggml_free", None, _P)
+tensor_overhead = _bind(base, "ggml_tensor_overhead", c_size_t)
+graph_overhead_custom = _bind(base, "ggml_graph_overhead_custom", c_size_t, c_size_t, c_bool)
+new_tensor_1d = _bind(base, "ggml_new_tensor_1d", _P, _P, c_int, c_int64)
+new_tensor_2d = _bind(base, "ggml_new_tensor_2d", _P, _P, c_int, c_int64, c_int64)
+new_tensor_3d = _bind(base, "ggml_new_tensor_3d", _P, _P, c_int, c_int64, c_int64, c_int64)
+new_tensor_4d = _bind(base, "ggml_new_tensor_4d", _P, _P, c_int, c_int64, c_int64, c_int64, c_int64)
+set_name = _bind(base, "ggml_set_name", _P, _P, c_char_p)
+format_name = _bind(base, "ggml_format_name", _P, _P, c_char_p)
+set_input = _bind(base, "ggml_set_input", None, _P)
+set_output = _bind(base, "ggml_set_output", None, _P)
+nbytes = _bind(base, "ggml_nbytes", c_size_t, _P)
+nelements = _bind(base, "ggml_nelements", c_int64, _P)
+row_size = _bind(base, "ggml_row_size", c_size_t, c_int, c_int64)
+type_size = _bind(base, "ggml_type_size", c_size_t, c_int)
+blck_size = _bind(base, "ggml_blck_size", c_int64, c_int)
+type_name = _bind(base, "ggml_type_name", c_char_p, c_int)
+new_graph_custom = _bind(base, "ggml_new_graph_custom", _P, _P, c_size_t, c_bool)
+build_forward_expand = _bind(base, "ggml_build_forward_expand", None, _P, _P)
+graph_n_nodes = _bind(base, "ggml_graph_n_nodes", c_int, _P)
+graph_get_tensor = _bind(base, "ggml_graph_get_tensor", _P, _P, c_char_p)
+
+# --- operators (ggml.h) ---
+get_rows = _bind(base, "ggml_get_rows", _P, _P, _P, _P)
+set_rows = _bind(base, "ggml_set_rows", _P, _P, _P, _P, _P)
+rms_norm = _bind(base, "ggml_rms_norm", _P, _P, _P, c_float)
+mul = _bind(base, "ggml_mul", _P, _P, _P, _P)
+add = _bind(base, "ggml_add", _P, _P, _P, _P)
+scale = _bind(base, "ggml_scale", _P, _P, _P, c_float)
+mul_mat = _bind(base, "ggml_mul_mat", _P, _P, _P, _P)
+mul_mat_id = _bind(base, "ggml_mul_mat_id", _P, _P, _P, _P, _P)
+prec_set_acc = _bind(base, "ggml_prec_set_acc", c_bool, _P, c_int)
+reshape_2d = _bind(base, "ggml_reshape_2d", _P, _P, _P, c_int64, c_int64)
+reshape_3d = _bind(base, "ggml_reshape_3d", _P, _P, _P, c_int64, c_int64, c_int64)
+view_1d = _bind(base, "ggml_view_1d", _P, _P, _P, c_int64, c_size_t)
+view_2d = _bind(base, "ggml_view_2d", _P, _P, _P, c_int64, c_int64, c_size_t, c_size_t)
+view_3d = _bind(base, "ggml_view_3d", _P, _P, _P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t)
+view_4d = _bind(base, "ggml_view_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t, c_size_t)
+permute = _bind(base, "ggml_permute", _P, _P, _P, c_int, c_int, c_int, c_int)
+transpose = _bind(base, "ggml_transpose", _P, _P, _P)
+cont = _bind(base, "ggml_cont", _P, _P, _P)
+cont_2d = _bind(base, "ggml_cont_2d", _P, _P, _P, c_int64, c_int64)
+cpy = _bind(base, "ggml_cpy", _P, _P, _P, _P)
+rope_ext = _bind(base, "ggml_rope_ext", _P, _P, _P, _P, _P, c_int, c_int, c_int, c_float, c_float, c_float, c_float, c_float, c_float)
+soft_max_ext = _bind(base, "ggml_soft_max_ext", _P, _P, _P, _P, c_float, c_float)
+swiglu_split = _bind(base, "ggml_swiglu_split", _P, _P, _P, _P)
+silu = _bind(base, "ggml_silu", _P, _P, _P)
+argsort_top_k = _bind(base, "ggml_argsort_top_k", _P, _P, _P, c_int)
+soft_max = _bind(base, "ggml_soft_max", _P, _P, _P)
+sum_rows = _bind(base, "ggml_sum_rows", _P, _P, _P)
+div = _bind(base, "ggml_div", _P, _P, _P, _P)
+sigmoid = _bind(base, "ggml_sigmoid", _P, _P, _P)
+
+# --- backends and allocation (ggml-backend.h, ggml-alloc.h, ggml-cpu.h) ---
+backend_free = _bind(base, "ggml_backend_free", None, _P)
+backend_graph_compute = _bind(base, "ggml_backend_graph_compute", c_int, _P, _P)
+backend_get_default_buffer_type = _bind(base, "ggml_backend_get_default_buffer_type", _P, _P)
+backend_tensor_set = _bind(base, "ggml_backend_tensor_set", None, _P, c_void_p, c_size_t, c_size_t)
+backend_tensor_get = _bind(base, "ggml_backend_tensor_get", None, _P, c_void_p, c_size_t, c_size_t)
+backend_tensor_alloc = _bind(base, "ggml_backend_tensor_alloc", c_int, _P, _P, c_void_p)
+backend_buffer_free = _bind(base, "ggml_backend_buffer_free", None, _P)
+backend_buffer_get_size = _bind(base, "ggml_backend_buffer_get_size", c_size_t, _P)
+backend_buffer_clear = _bind(base, "ggml_backend_buffer_clear", None, _P, c_uint8)
+backend_alloc_ctx_tensors = _bind(base, "ggml_backend_alloc_ctx_tensors", _P, _P, _P)
+backend_cpu_buffer_from_ptr = _bind(base, "ggml_backend_cpu_buffer_from_ptr", _P, c_void_p, c_size_t)
+backend_cpu_buffer_type = _bind(base, "ggml_backend_cpu_buffer_type", _P)
+gallocr_new = _bind(base, "ggml_gallocr_new", _P, _P)
+gallocr_free = _bind(base, "ggml_gallocr_free", None, _P)
+gallocr_alloc_graph = _bind(base, "ggml_gallocr_alloc_graph", c_bool, _P, _P)
+gallocr_get_buffer_size = _bind(base, "ggml_gallocr_get_buffer_size", c_size_t, _P, c_int)
+backend_cpu_init = _bind(cpu, "ggml_backend_cpu_init", _P)
+backend_cpu_set_n_threads = _bind(cpu, "ggml_backend_cpu_set_n_threads", None, _P, c_int)
+
+# ggml writes its log to stderr by default; route it to Python logging (debug level) instead, so
+# stderr stays for our own one-line messages.
+_log = logging.getLogger("ggml")
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)(
+    lambda level, text, user: _log.debug("%s", (text or b"").decode(errors="replace").rstrip())
+)
+log_set = _bind(base, "ggml_log_set", None, c_void_p, c_void_p)
+log_set(_LOG_CALLBACK, None)
+
+
+def new_context(n_tensors: int, *, graph_nodes: int = 0) -> int:
+    """A metadata-only context (no_alloc): tensor data lives in backend buffers, never here."""
+    size = tensor_overhead() * n_tensors
+    if graph_nodes:
+        size += graph_overhead_custom(graph_nodes, False)
+    ctx = init(InitParams(size, None, True))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    return ctx
+

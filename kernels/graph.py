@@ -1,0 +1,240 @@
+"""Forward graphs of a slice, built from ggml operators.
+
+Reads like llama.cpp's ``llm_build_llama``: inputs → layer loop (norm, Q/K/V, RoPE, attention,
+residual, norm, FFN, residual) → output norm → LM head, with every intermediate tensor named the
+way llama.cpp names it (``attn_norm-3``, ``Qcur-3``, ``ffn_inp-3``, ``l_out-3``, ``result_norm``),
+so a slice's tensors can be compared with a whole-model llama.cpp run by name.
+
+The operator sequence deliberately mirrors llama.cpp's graph without flash attention (F16 KV
+cache, transposed V, F32-accumulated KQ, fused soft_max_ext, swiglu_split): the same kernels on
+the same data give the same bits, which keeps greedy tokens equal to the oracle's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import ggml
+from .kv_cache import KVCache
+from .spec import ModelSpec, SliceSpec
+from .weights import LayerWeights, SliceWeights
+
+
+@dataclass
+class GraphInputs:
+    """Placeholders filled just before compute (llama.cpp's llm_graph_input_*)."""
+
+    pos: int | None  # I32 [n_tokens]: absolute position of each token
+    kq_mask: int | None  # F32 [n_kv, n_tokens]: 0 where a token may attend a cell, -inf elsewhere
+    k_idxs: int | None  # I64 [n_tokens]: cell each token's K is written to
+    v_idxs: int | None  # I64 [n_tokens * n_embd_kv]: element of the transposed V each value goes to
+    tokens: int | None = None  # I32 [n_tokens] (slices with the embedding)
+    embd: int | None = None  # F32 [n_embd, n_tokens] (slices fed by activations)
+    out_ids: int | None = None  # I32 [n_outputs]: rows kept after the model's last layer
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """Everything a built graph depends on besides input data; equal shapes → reuse the graph."""
+
+    n_tokens: int
+    n_kv: int  # cells attended (padded like llama.cpp's n_kv)
+    n_outputs: int  # rows kept after the model's last layer
+    kv_generation: int  # the cache tensors it reads and writes
+
+
+class SliceGraph:
+    """A built graph with its ggml context. Free with ``close()``."""
+
+    def __init__(self, ctx: int, graph: int, inputs: GraphInputs, output: int, shape: GraphShape) -> None:
+        self.ctx = ctx
+        self.graph = graph
+        self.inputs = inputs
+        self.output = output  # F32 [n_embd or n_vocab, n_rows]
+        self.shape = shape
+
+    def close(self) -> None:
+        if self.ctx:
+            ggml.free(self.ctx)
+            self.ctx = 0
+
+
+class GraphBuilder:
+    """Shared helpers for the architecture builders; each names the tensors it makes."""
+
+    def __init__(self, spec: ModelSpec, ctx: int, graph: int, kv: KVCache | None, shape: GraphShape,
+                 inputs: GraphInputs, rope_freqs: int | None) -> None:
+        self.spec = spec
+        self.ctx = ctx
+        self.graph = graph
+        self.kv = kv
+        self.n_tokens = shape.n_tokens
+        self.n_kv = shape.n_kv
+        self.inputs = inputs
+        self.rope_freqs = rope_freqs
+
+    def name(self, tensor: int, label: str, il: int = -1) -> int:
+        ggml.set_name(tensor, (f"{label}-{il}" if il >= 0 else label).encode())
+        return tensor
+
+    def norm(self, x: int, weight: int, label: str, il: int) -> int:
+        """RMSNorm, then the learned scale (llama.cpp's build_norm with LLM_NORM_RMS)."""
+        return self.name(ggml.mul(self.ctx, ggml.rms_norm(self.ctx, x, self.spec.norm_eps), weight), label, il)
+
+    def linear(self, weight: int, x: int, bias: int | None = None) -> int:
+        y = ggml.mul_mat(self.ctx, weight, x)
+        return ggml.add(self.ctx, y, bias) if bias is not None else y
+
+    def qkv(self, w: LayerWeights, x: int, il: int) -> tuple[int, int, int]:
+        """Projections, biases where present, reshaped to [head_dim, heads, n_tokens]."""
+        s = self.spec
+        q = ggml.reshape_3d(self.ctx, self.linear(w.wq, x, w.bq), s.head_dim, s.n_head, self.n_tokens)
+        k = ggml.reshape_3d(self.ctx, self.linear(w.wk, x, w.bk), s.head_dim, s.n_head_kv, self.n_tokens)
+        v = ggml.reshape_3d(self.ctx, self.linear(w.wv, x, w.bv), s.head_dim, s.n_head_kv, self.n_tokens)
+        return self.name(q, "Qcur", il), self.name(k, "Kcur", il), self.name(v, "Vcur", il)
+
+    def rope(self, x: int, label: str, il: int) -> int:
+        r = self.spec.rope
+        y = ggml.rope_ext(self.ctx, x, self.inputs.pos, self.rope_freqs, r.n_dims, r.mode, r.n_ctx_orig,
+                          r.freq_base, r.freq_scale, r.ext_factor, r.attn_factor, r.beta_fast, r.beta_slow)
+        return self.name(y, label, il)
+
+    def attention(self, w: LayerWeights, q: int, k: int, v: int, il: int) -> int:
+        """Store this step's K/V in the request's cache, attend over its cells, project out."""
+        assert self.kv is not None and self.inputs.kq_mask is not None
+        self._store_kv(k, v, il)
+        k_all, v_all = self._cached_kv(il)
+        s, ctx = self.spec, self.ctx
+        q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n_tokens, n_head]
+        k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
+        v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
+        kq = self.name(ggml.mul_mat(ctx, k_all, q), "kq", il)  # [n_kv, n_tokens, n_head]
+        ggml.prec_set_acc(kq, ggml.PREC_F32)
+        kq = self.name(ggml.soft_max_ext(ctx, kq, self.inputs.kq_mask, s.attention_scale, 0.0), "kq_soft_max", il)
+        kqv = self.name(ggml.mul_mat(ctx, v_all, kq), "kqv", il)  # [head_dim, n_tokens, n_head]
+        cur = ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), s.n_embd_q, self.n_tokens)
+        self.name(cur, "kqv_out", il)
+        return self.linear(w.wo, cur, w.bo)
+
+    def _store_kv(self, k: int, v: int, il: int) -> None:
+        ctx, n = self.ctx, self.spec.n_embd_kv
+        k_rows = ggml.view_2d(ctx, k, n, self.n_tokens, ggml.tensor_strides(k)[2], 0)
+        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, self.kv.k[il], k_rows, self.inputs.k_idxs))
+        # V is stored transposed: scatter single elements, as llama.cpp's cpy_v does.
+        v_elems = ggml.reshape_2d(ctx, v, 1, n * self.n_tokens)
+        v_cells = ggml.reshape_2d(ctx, self.kv.v[il], 1, n * self.kv.capacity)
+        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, v_cells, v_elems, self.inputs.v_idxs))
+
+    def _cached_kv(self, il: int) -> tuple[int, int]:
+        s, cap, f16 = self.spec, self.kv.capacity, ggml.TYPE_F16
+        row = ggml.row_size
+        k = ggml.view_4d(self.ctx, self.kv.k[il], s.head_dim, s.n_head_kv, self.n_kv, 1,
+                         row(f16, s.head_dim), row(f16, s.n_embd_kv), row(f16, s.n_embd_kv * cap), 0)
+        v = ggml.view_4d(self.ctx, self.kv.v[il], self.n_kv, s.n_head_kv, s.head_dim, 1,
+                         row(f16, cap * s.head_dim), row(f16, cap), row(f16, cap * s.n_embd_kv), 0)
+        return k, v
+
+    def swiglu_ffn(self, w: LayerWeights, x: int, il: int) -> int:
+        up = self.name(ggml.mul_mat(self.ctx, w.ffn_up, x), "ffn_up", il)
+        gate = self.name(ggml.mul_mat(self.ctx, w.ffn_gate, x), "ffn_gate", il)
+        act = self.name(ggml.swiglu_split(self.ctx, gate, up), "ffn_swiglu", il)
+        return self.name(ggml.mul_mat(self.ctx, w.ffn_down, act), "ffn_out", il)
+
+    def keep_output_rows(self, x: int, il: int) -> int:
+        """On the model's last layer keep only the rows whose output is wanted (llama.cpp's inp_out_ids)."""
+        if il != self.spec.n_layer - 1 or self.inputs.out_ids is None:
+            return x
+        return ggml.get_rows(self.ctx, x, self.inputs.out_ids)
+
+
+# --- one builder per architecture family: a transformer block, top to bottom ---
+
+def llama_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
+    """llama (SmolLM2, Llama 2/3, Mistral). qwen2 is the same block with Q/K/V biases and NEOX RoPE,
+    both of which come from the model's data (bias tensors, rope mode), so it shares this builder."""
+    inp_sa = x
+    cur = b.norm(x, w.attn_norm, "attn_norm", il)
+    q, k, v = b.qkv(w, cur, il)
+    q, k = b.rope(q, "Qcur", il), b.rope(k, "Kcur", il)
+    cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
+    cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
+    ffn_inp = b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
+    cur = b.swiglu_ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
+    return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
+
+
+def qwen3_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
+    """qwen3: llama's block plus a per-head RMSNorm on Q and K before RoPE."""
+    inp_sa = x
+    cur = b.norm(x, w.attn_norm, "attn_norm", il)
+    q, k, v = b.qkv(w, cur, il)
+    q = b.rope(b.norm(q, w.q_norm, "Qcur_normed", il), "Qcur", il)
+    k = b.rope(b.norm(k, w.k_norm, "Kcur_normed", il), "Kcur", il)
+    cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
+    cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
+    ffn_inp = b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
+    cur = b.swiglu_ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
+    return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
+
+
+LayerBuilder = Callable[[GraphBuilder, LayerWeights, int, int], int]
+LAYER_BUILDERS: dict[str, LayerBuilder] = {"llama": llama_layer, "qwen2": llama_layer, "qwen3": qwen3_layer}
+
+
+def graph_size_for(n_layers: int) -> int:
+    """Graph nodes to reserve: a dense block makes about 40 tensors; leave headroom."""
+    return 64 * n_layers + 64
+
+
+def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, kv: KVCache | None,
+                      shape: GraphShape) -> SliceGraph:
+    """The whole slice as one graph: [embedding] → layers [start, stop) → [output norm → LM head]."""
+    n_layers = slice_spec.stop - slice_spec.start
+    size = graph_size_for(n_layers)
+    ctx = ggml.new_context(size + 16, graph_nodes=size)
+    graph = ggml.new_graph_custom(ctx, size, False)
+    inputs = _new_inputs(ctx, spec, slice_spec, shape)
+    b = GraphBuilder(spec, ctx, graph, kv, shape, inputs, weights.rope_freqs)
+
+    if slice_spec.has_embedding:
+        cur = b.name(ggml.get_rows(ctx, weights.tok_embd, inputs.tokens), "inp_embd")
+    else:
+        cur = inputs.embd
+    layer = LAYER_BUILDERS[spec.architecture]
+    for il in slice_spec.layers:
+        cur = layer(b, weights.layers[il], cur, il)
+    if slice_spec.has_lm_head:
+        if n_layers == 0 and inputs.out_ids is not None:  # a head-only slice selects rows itself
+            cur = ggml.get_rows(ctx, cur, inputs.out_ids)
+        cur = b.norm(cur, weights.output_norm, "result_norm", -1)
+        cur = b.name(b.linear(weights.output, cur, weights.output_b), "result_output")
+    ggml.set_output(cur)
+    ggml.build_forward_expand(graph, cur)
+    return SliceGraph(ctx, graph, inputs, cur, shape)
+
+
+def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> GraphInputs:
+    n = shape.n_tokens
+
+    def placeholder(name: str, ggml_type: int, *ne: int) -> int:
+        t = ggml.new_tensor_1d(ctx, ggml_type, ne[0]) if len(ne) == 1 else ggml.new_tensor_2d(ctx, ggml_type, *ne)
+        ggml.set_name(t, name.encode())
+        ggml.set_input(t)
+        return t
+
+    has_layers = s.stop > s.start
+    inputs = GraphInputs(
+        pos=placeholder("inp_pos", ggml.TYPE_I32, n) if has_layers else None,
+        kq_mask=placeholder("attn_inp_kq_mask", ggml.TYPE_F32, shape.n_kv, n) if has_layers else None,
+        k_idxs=placeholder("attn_inp_k_idxs", ggml.TYPE_I64, n) if has_layers else None,
+        v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, n * spec.n_embd_kv) if has_layers else None,
+    )
+    if s.has_embedding:
+        inputs.tokens = placeholder("inp_tokens", ggml.TYPE_I32, n)
+    else:
+        inputs.embd = placeholder("inp_embd", ggml.TYPE_F32, spec.n_embd, n)
+    holds_last = s.stop == spec.n_layer and (has_layers or s.has_lm_head)
+    if holds_last and shape.n_outputs != n:
+        inputs.out_ids = placeholder("inp_out_ids", ggml.TYPE_I32, shape.n_outputs)
+    return inputs

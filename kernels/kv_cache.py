@@ -1,0 +1,98 @@
+"""Per-request key/value cache for the layers of one slice.
+
+Layout mirrors llama.cpp's cache without flash attention, so that attention runs the same ggml
+operations on the same data layout and gives the same bits:
+
+    K per layer: [n_embd_kv, capacity] f16, one row per cell (cell i holds position i)
+    V per layer: [capacity, n_embd_kv] f16, transposed: one row per channel
+
+Capacity grows in steps of ``KV_CELL_PAD`` cells up to the request's context bound; growing copies
+the filled cells into the larger tensors (a handful of times per request, never per token).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml
+from .backend import Backend
+from .errors import ContextOverflowError
+from .spec import KV_CELL_PAD
+
+
+def pad_cells(n: int) -> int:
+    return -(-n // KV_CELL_PAD) * KV_CELL_PAD
+
+
+class KVCache:
+    def __init__(self, backend: Backend, layers: range, n_embd_kv: int, max_tokens: int) -> None:
+        self.backend = backend
+        self.layers = layers
+        self.n_embd_kv = n_embd_kv
+        self.max_tokens = max_tokens  # the context bound: positions [0, max_tokens)
+        self.n_filled = 0  # positions [0, n_filled) hold valid keys and values
+        self.capacity = 0  # cells allocated per layer (a multiple of KV_CELL_PAD)
+        self.k: dict[int, int] = {}  # layer → tensor
+        self.v: dict[int, int] = {}
+        self._ctx = 0
+        self._buffer = 0
+        self.generation = 0  # bumps on every reallocation; graphs built on older tensors are stale
+
+    @property
+    def n_bytes(self) -> int:
+        return 2 * 2 * self.n_embd_kv * self.capacity * len(self.layers)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for positions [0, n_tokens), or raise if that exceeds the context bound."""
+        if n_tokens > self.max_tokens:
+            raise ContextOverflowError(
+                f"request needs {n_tokens} positions but the context length is {self.max_tokens}"
+            )
+        if n_tokens <= self.capacity:
+            return
+        new_capacity = min(pad_cells(self.max_tokens), max(pad_cells(n_tokens), 2 * self.capacity))
+        self._reallocate(new_capacity)
+
+    def _reallocate(self, capacity: int) -> None:
+        old = (self._ctx, self._buffer, self.k, self.v, self.capacity)
+        n_layers = len(self.layers)
+        ctx = ggml.new_context(2 * n_layers + 1)
+        k = {il: ggml.new_tensor_2d(ctx, ggml.TYPE_F16, self.n_embd_kv, capacity) for il in self.layers}
+        v = {il: ggml.new_tensor_2d(ctx, ggml.TYPE_F16, capacity, self.n_embd_kv) for il in self.layers}
+        for il in self.layers:
+            ggml.set_name(k[il], f"cache_k_l{il}".encode())
+            ggml.set_name(v[il], f"cache_v_l{il}".encode())
+        buffer = self.backend.alloc_context_tensors(ctx)  # zeroed: masked cells must not be NaN
+        old_ctx, old_buffer, old_k, old_v, old_capacity = old
+        if self.n_filled:
+            self._copy_cells(old_k, old_v, old_capacity, k, v, capacity)
+        self._ctx, self._buffer, self.k, self.v, self.capacity = ctx, buffer, k, v, capacity
+        self.generation += 1
+        _free(old_ctx, old_buffer)
+
+    def _copy_cells(self, old_k: dict, old_v: dict, old_capacity: int, new_k: dict, new_v: dict,
+                    new_capacity: int) -> None:
+        n = self.n_filled
+        row = self.n_embd_kv * 2
+        for il in self.layers:
+            k_bytes = np.empty(n * row, dtype=np.uint8)
+            ggml.backend_tensor_get(old_k[il], k_bytes.ctypes.data, 0, k_bytes.nbytes)
+            ggml.backend_tensor_set(new_k[il], k_bytes.ctypes.data, 0, k_bytes.nbytes)
+            v_old = np.empty((self.n_embd_kv, old_capacity), dtype=np.float16)
+            ggml.backend_tensor_get(old_v[il], v_old.ctypes.data, 0, v_old.nbytes)
+            v_new = np.zeros((self.n_embd_kv, new_capacity), dtype=np.float16)
+            v_new[:, :n] = v_old[:, :n]
+            ggml.backend_tensor_set(new_v[il], v_new.ctypes.data, 0, v_new.nbytes)
+
+    def close(self) -> None:
+        _free(self._ctx, self._buffer)
+        self._ctx = self._buffer = 0
+        self.k, self.v = {}, {}
+        self.capacity = self.n_filled = 0
+
+
+def _free(ctx: int, buffer: int) -> None:
+    if buffer:
+        ggml.backend_buffer_free(buffer)
+    if ctx:
+        ggml.free(ctx)
