@@ -1,0 +1,3 @@
+from swarmctl.cli import main
+
+raise SystemExit(main())

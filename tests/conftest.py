@@ -1,0 +1,90 @@
+"""Shared, expensive fixtures: the bundled model, the oracle, tiny models. Built once per session."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from kernels.slice import SliceEngine
+from swarmctl.models import default_model_path
+from tests.tiny_models import TinyConfig, write_tiny_model
+
+N_THREADS = 2
+
+
+@pytest.fixture(autouse=True)
+def _swarmctl_home(tmp_path, monkeypatch):
+    """Every test gets its own SWARMCTL_HOME, so no test reads or writes the user's state."""
+    home = tmp_path / "swarmctl-home"
+    monkeypatch.setenv("SWARMCTL_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> Path:
+    return default_model_path()
+
+
+def make_oracle(path: Path):
+    from llama_cpp import Llama
+
+    from kernels.tokenizer import _quiet_llama_logs
+
+    _quiet_llama_logs()
+    # flash_attn=False is llama-cpp-python's default: F16 KV cache, transposed V. Our graphs mirror it.
+    return Llama(os.fspath(path), n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+                 logits_all=True, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def oracle(bundled_model):
+    return make_oracle(bundled_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+TINY_CONFIGS = {
+    "llama-f32": TinyConfig(arch="llama", qtype="F32"),
+    "llama-q8_0": TinyConfig(arch="llama", qtype="Q8_0", seed=1),
+    "qwen2-f32": TinyConfig(arch="qwen2", qtype="F32", tied_output=False, seed=2),
+    "qwen2-q4_1": TinyConfig(arch="qwen2", qtype="Q4_1", tied_output=False, seed=3),
+    "qwen3-q8_0": TinyConfig(arch="qwen3", qtype="Q8_0", seed=4),
+    "qwen3-f32": TinyConfig(arch="qwen3", qtype="F32", n_head=2, n_head_kv=1, seed=5),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir, bundled_model):
+    """tiny_model(name) → path of that tiny GGUF, written on first use."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = write_tiny_model(tiny_model_dir / f"{name}.gguf", TINY_CONFIGS[name], bundled_model)
+        return cache[name]
+
+    return get
+
+
+def run_split(engines: Sequence[SliceEngine], tokens: Sequence[int], outputs: str = "all") -> np.ndarray:
+    """One prefill through consecutive slices; returns the last slice's output. Frees the request."""
+    rid = secrets.token_bytes(16)
+    try:
+        x = None
+        for i, engine in enumerate(engines):
+            if i == 0:
+                x = engine.forward(rid, start_pos=0, tokens=list(tokens), outputs=outputs)
+            else:
+                x = engine.forward(rid, start_pos=0, hidden=x, outputs=outputs)
+        return x
+    finally:
+        for engine in engines:
+            engine.release(rid)

@@ -1,0 +1,132 @@
+"""Tiny random-weight GGUF models written with ``gguf.GGUFWriter``, for tests.
+
+They carry the bundled model's tokenizer (vocabulary, merges, chat template) so that
+llama-cpp-python loads them and stays the oracle. Architectures: llama, qwen2 (Q/K/V biases,
+separate output matrix with a bias), qwen3 (per-head Q/K norms); F32 or a quantized type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from kernels.gguf_file import GGUFFile
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    arch: str = "llama"
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_ctx: int = 512
+    qtype: str = "F32"  # or Q8_0, Q4_0, Q4_1, Q5_0: used for every matrix
+    tied_output: bool = True
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                  "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                  "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
+    with GGUFFile(source) as src:
+        tokens = src.get("tokenizer.ggml.tokens")
+        writer.add_tokenizer_model(src.get("tokenizer.ggml.model"))
+        writer.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
+        writer.add_token_list(tokens)
+        writer.add_token_types([int(t) for t in src.get("tokenizer.ggml.token_type")])
+        writer.add_token_merges(src.get("tokenizer.ggml.merges"))
+        writer.add_bos_token_id(int(src.get("tokenizer.ggml.bos_token_id")))
+        writer.add_eos_token_id(int(src.get("tokenizer.ggml.eos_token_id")))
+        writer.add_add_bos_token(bool(src.get("tokenizer.ggml.add_bos_token", False)))
+        template = src.get("tokenizer.chat_template")
+        if template:
+            writer.add_chat_template(template)
+        return len(tokens)
+
+
+def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Path:
+    rng = np.random.default_rng(cfg.seed)
+    writer = gguf.GGUFWriter(str(path), cfg.arch)
+    writer.add_name(f"tiny-{cfg.arch}-{cfg.qtype}")
+    n_vocab = _copy_tokenizer(writer, tokenizer_source)
+    writer.add_context_length(cfg.n_ctx)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_block_count(cfg.n_layer)
+    writer.add_feed_forward_length(cfg.n_ff)
+    writer.add_head_count(cfg.n_head)
+    writer.add_head_count_kv(cfg.n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(n_vocab)
+    if cfg.arch == "qwen3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    qtype = gguf.GGMLQuantizationType[cfg.qtype]
+
+    def matrix(name: str, rows: int, cols: int, scale: float | None = None) -> None:
+        """A [cols, rows] ggml matrix (numpy shape (rows, cols)), quantized if asked."""
+        data = rng.standard_normal((rows, cols)).astype(np.float32) * (scale or cols ** -0.5)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_shape=data.shape, raw_dtype=qtype)
+
+    def vector(name: str, n: int, center: float, spread: float) -> None:
+        writer.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+
+    e, q, kv, ff = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_ff
+    matrix("token_embd.weight", n_vocab, e, scale=1.0)
+    vector("output_norm.weight", e, 1.0, 0.1)
+    if not cfg.tied_output:
+        matrix("output.weight", n_vocab, e, scale=0.5)
+        if cfg.arch == "qwen2":
+            vector("output.bias", n_vocab, 0.0, 0.1)
+    for il in range(cfg.n_layer):
+        p = f"blk.{il}."
+        vector(p + "attn_norm.weight", e, 1.0, 0.1)
+        matrix(p + "attn_q.weight", q, e)
+        matrix(p + "attn_k.weight", kv, e)
+        matrix(p + "attn_v.weight", kv, e)
+        matrix(p + "attn_output.weight", e, q)
+        if cfg.arch == "qwen2":
+            vector(p + "attn_q.bias", q, 0.0, 0.2)
+            vector(p + "attn_k.bias", kv, 0.0, 0.2)
+            vector(p + "attn_v.bias", kv, 0.0, 0.2)
+        if cfg.arch == "qwen3":
+            vector(p + "attn_q_norm.weight", cfg.head_dim, 1.0, 0.1)
+            vector(p + "attn_k_norm.weight", cfg.head_dim, 1.0, 0.1)
+        vector(p + "ffn_norm.weight", e, 1.0, 0.1)
+        matrix(p + "ffn_gate.weight", ff, e)
+        matrix(p + "ffn_up.weight", ff, e)
+        matrix(p + "ffn_down.weight", e, ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_unsupported_model(path: Path, arch: str = "bert") -> Path:
+    """A well-formed GGUF of an architecture we do not run."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_embedding_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
