@@ -47,11 +47,51 @@ class ForwardStats:
         return self.total_s - self.compute_s
 
 
+class _InputHost:
+    """Host-side arrays for one graph's inputs, allocated with the graph and refilled per step, so a
+    decode step costs a few in-place writes and one copy per input (no allocation)."""
+
+    def __init__(self, graph: SliceGraph, n_embd_kv: int, kv_capacity: int) -> None:
+        n, n_kv = graph.shape.n_tokens, graph.shape.n_kv
+        self.n = n
+        self.pos = np.empty(n, dtype=np.int32)
+        self.cells = np.arange(n_kv, dtype=np.int32)
+        self.mask = np.empty((n, n_kv), dtype=np.float32)
+        self.k_idxs = np.empty(n, dtype=np.int64)
+        self.v_idxs = np.empty((n, n_embd_kv), dtype=np.int64)
+        self.v_channel_base = np.arange(n_embd_kv, dtype=np.int64) * kv_capacity  # V is transposed
+        self.out_ids = np.array([n - 1], dtype=np.int32)
+        self.out_shape = ggml.tensor_shape(graph.output)[1::-1]  # (rows, width)
+        inp = graph.inputs
+        self.copies = [(inp.pos, self.pos), (inp.kq_mask, self.mask), (inp.k_idxs, self.k_idxs),
+                       (inp.v_idxs, self.v_idxs), (inp.out_ids, self.out_ids)]
+        self.copies = [(t, a.ctypes.data, a.nbytes) for t, a in self.copies if t is not None]
+
+    def fill(self, start: int) -> None:
+        n = self.n
+        if n == 1:  # a decode step: the common case, kept cheap
+            self.pos[0] = start
+            self.mask.fill(-np.inf)
+            self.mask[0, : start + 1] = 0.0
+            self.k_idxs[0] = start
+            np.add(self.v_channel_base, start, out=self.v_idxs[0])
+        else:
+            self.pos[:] = np.arange(start, start + n, dtype=np.int32)
+            self.mask[:] = np.where(self.cells[None, :] <= self.pos[:, None], np.float32(0), np.float32(-np.inf))
+            self.k_idxs[:] = self.pos  # cell i holds position i
+            np.add(self.k_idxs[:, None], self.v_channel_base[None, :], out=self.v_idxs)
+
+    def upload(self) -> None:
+        for tensor, address, size in self.copies:
+            ggml.backend_tensor_set(tensor, address, 0, size)
+
+
 class _Request:
     def __init__(self, kv: KVCache | None) -> None:
         self.kv = kv
         self.n_filled = 0  # positions processed so far (also the next start position)
         self.graph: SliceGraph | None = None
+        self.host: _InputHost | None = None
 
 
 class SliceEngine:
@@ -109,11 +149,11 @@ class SliceEngine:
             request.kv.reserve(n_total)
         shape = self._shape_for(request, n_tokens, n_total, outputs)
         graph = self._graph_for(request, shape)
-        self._set_inputs(graph, request, x, start_pos, n_tokens)
+        self._set_inputs(graph, request, x, start_pos)
         t1 = time.perf_counter()
         self.backend.compute(graph.graph)
         t2 = time.perf_counter()
-        result = self._read_output(graph)
+        result = self._read_output(request)
         request.n_filled = n_total
         if request.kv is not None:
             request.kv.n_filled = n_total
@@ -144,10 +184,10 @@ class SliceEngine:
         if self.slice.has_embedding:
             if tokens is None or hidden is not None:
                 raise InputShapeError("this slice starts at the embedding: give token ids, not activations")
-            ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            ids = np.array(tokens, dtype=np.int64).reshape(-1)
             if ids.size == 0:
                 raise InputShapeError("no tokens to run")
-            if ids.min() < 0 or ids.max() >= self.spec.n_vocab:
+            if not (0 <= int(ids.min()) and int(ids.max()) < self.spec.n_vocab):
                 raise InputShapeError(f"token id outside the vocabulary [0, {self.spec.n_vocab})")
             return ids.astype(np.int32), int(ids.size)
         if hidden is None or tokens is not None:
@@ -189,6 +229,7 @@ class SliceEngine:
             self._drop_graph(request)
             graph = build_slice_graph(self.spec, self.slice, self.weights, request.kv, shape)
             request.graph = graph
+            request.host = _InputHost(graph, self.spec.n_embd_kv, request.kv.capacity if request.kv else 0)
             self.stats.graph_builds += 1
         if self._allocated is not graph:
             if not ggml.gallocr_alloc_graph(self._galloc, graph.graph):
@@ -202,27 +243,17 @@ class SliceEngine:
                 self._allocated = None
             request.graph.close()
             request.graph = None
+            request.host = None
 
-    def _set_inputs(self, graph: SliceGraph, request: _Request, x: np.ndarray, start: int, n: int) -> None:
+    def _set_inputs(self, graph: SliceGraph, request: _Request, x: np.ndarray, start: int) -> None:
         inp = graph.inputs
         _set(inp.tokens if inp.tokens is not None else inp.embd, x)
-        if inp.pos is not None:
-            positions = np.arange(start, start + n, dtype=np.int32)
-            _set(inp.pos, positions)
-            cells = np.arange(graph.shape.n_kv, dtype=np.int32)
-            mask = np.where(cells[None, :] <= positions[:, None], np.float32(0), np.float32(-np.inf))
-            _set(inp.kq_mask, mask.astype(np.float32, copy=False))
-            cell_ids = positions.astype(np.int64)  # cell i holds position i
-            _set(inp.k_idxs, cell_ids)
-            channels = np.arange(self.spec.n_embd_kv, dtype=np.int64) * request.kv.capacity
-            _set(inp.v_idxs, (cell_ids[:, None] + channels[None, :]).reshape(-1))
-        if inp.out_ids is not None:
-            _set(inp.out_ids, np.array([n - 1], dtype=np.int32))
+        request.host.fill(start)
+        request.host.upload()
 
-    def _read_output(self, graph: SliceGraph) -> np.ndarray:
-        ne0, ne1 = ggml.tensor_shape(graph.output)[:2]
-        out = np.empty((ne1, ne0), dtype=np.float32)
-        ggml.backend_tensor_get(graph.output, out.ctypes.data, 0, out.nbytes)
+    def _read_output(self, request: _Request) -> np.ndarray:
+        out = np.empty(request.host.out_shape, dtype=np.float32)
+        ggml.backend_tensor_get(request.graph.output, out.ctypes.data, 0, out.nbytes)
         return out
 
     def close(self) -> None:

@@ -82,7 +82,7 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, data)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_shape=data.shape, raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
     def vector(name: str, n: int, center: float, spread: float) -> None:
         writer.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))

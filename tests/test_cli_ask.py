@@ -1,0 +1,81 @@
+"""`swarmctl ask --transport inproc`, run as a real process: the answer, and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import write_unsupported_model
+
+PROMPT = "The three primary colours are"
+
+
+def swarmctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarmctl", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_inproc_raw_greedy_completion_matches_llama_cpp(oracle):
+    """The CLI's streamed text is llama-cpp-python's create_completion text, token for token."""
+    want = oracle.create_completion(PROMPT, max_tokens=24, temperature=0)["choices"][0]["text"]
+    r = swarmctl("ask", "--transport", "inproc", "--raw", "--temperature", "0", "--max-tokens", "24",
+                 "--threads", "2", PROMPT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+    assert r.stderr == ""  # logs go to stderr only with -v
+
+
+def test_chat_answer_streams_and_logs_to_stderr():
+    r = swarmctl("ask", "-v", "--temperature", "0", "--max-tokens", "40", "--threads", "2",
+                 "Name the three primary colours.")
+    assert r.returncode == 0, r.stderr
+    assert "Red" in r.stdout and "Blue" in r.stdout  # the bundled model's greedy answer names them
+    assert "layers [4, 15), layers [15, 26)" in r.stderr  # head 4 / trunk 11 + 11 / tail 4
+
+
+def _bad_input_cases(tmp: Path, bundled: Path) -> dict[str, tuple[list[str], str]]:
+    not_gguf = tmp / "notes.gguf"
+    not_gguf.write_text("these are my notes, not a model\n")
+    truncated = tmp / "truncated.gguf"
+    truncated.write_bytes(bundled.read_bytes()[:4096])
+    unsupported = write_unsupported_model(tmp / "bert.gguf")
+    return {
+        "missing file": (["--model", str(tmp / "nope.gguf")], "model file not found"),
+        "not GGUF": (["--model", str(not_gguf)], "is not a GGUF file"),
+        "truncated GGUF": (["--model", str(truncated)], "truncated"),
+        "unsupported architecture": (["--model", str(unsupported)], "architecture 'bert' is not supported"),
+        "head layers beyond the model": (["--head-layers", "20"], "needs 40 layers; the model has 30"),
+        "more stages than layers": (["--stages", "40"], "cannot split 22 trunk layers into 40 stages"),
+        "prompt longer than the context": (["--ctx", "16", "--raw"], "context length is 16"),
+        "zero max tokens": (["--max-tokens", "0"], "must be a positive number"),
+        "negative max tokens": (["--max-tokens", "-3"], "must be a positive number"),
+        "bad top-p": (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    }
+
+
+CASES = ["missing file", "not GGUF", "truncated GGUF", "unsupported architecture", "head layers beyond the model",
+         "more stages than layers", "prompt longer than the context", "zero max tokens", "negative max tokens",
+         "bad top-p"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gets_one_line_and_nonzero_exit(tmp_path, bundled_model, case):
+    args, expected = _bad_input_cases(tmp_path, bundled_model)[case]
+    prompt = "word " * 40 if "context" in case else "hello"
+    r = swarmctl("ask", "--transport", "inproc", *args, prompt)
+    assert r.returncode != 0
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert expected in lines[0]
+
+
+def test_unknown_command_and_help():
+    r = swarmctl("frobnicate")
+    assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr
+    r = swarmctl("--help")
+    assert r.returncode == 0 and "ask" in r.stdout
