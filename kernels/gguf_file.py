@@ -226,6 +226,14 @@ class GGUFFile:
             digest.update(self.tensor_bytes(info))
         return digest.hexdigest()
 
+    def layer_tensor_names(self, layer: int) -> list[str]:
+        prefix = f"blk.{layer}."
+        return sorted(name for name in self.tensors if name.startswith(prefix))
+
+    def layer_hash(self, layer: int) -> str:
+        """SHA-256 over one layer's tensors: how members check they hold the same weights."""
+        return self.hash_tensors(self.layer_tensor_names(layer))
+
     def close(self) -> None:
         # The numpy view pins the map; drop it first so the map can really close.
         self._view = None

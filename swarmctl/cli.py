@@ -28,6 +28,12 @@ class CommandInfo:
 
 COMMANDS: dict[str, CommandInfo] = {
     "ask": CommandInfo("swarmctl.commands.ask", "ask the model and stream its answer"),
+    "init": CommandInfo("swarmctl.commands.init", "create a swarm here (this machine becomes the host)"),
+    "invite": CommandInfo("swarmctl.commands.invite", "print a one-line invite code for a friend"),
+    "join": CommandInfo("swarmctl.commands.join", "join a swarm with an invite code"),
+    "run": CommandInfo("swarmctl.commands.run", "run this node: --role host or --role trunk"),
+    "status": CommandInfo("swarmctl.commands.status", "show members, layer ranges and health"),
+    "revoke": CommandInfo("swarmctl.commands.revoke", "end a member's access"),
 }
 
 
@@ -69,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list[1:])
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                             format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        logging.getLogger("quic").setLevel(logging.WARNING if args.verbose else logging.ERROR)
         return int(module.run(args) or EXIT_OK)
     except UsageError as e:
         print(str(e), file=sys.stderr)
@@ -85,7 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(error: Exception) -> int:
     from kernels.errors import EngineError
 
-    if isinstance(error, (EngineError, OSError)):
+    from net.endpoint import AddressError
+    from net.identity import IdentityError
+    from net.invite import InviteError
+
+    if isinstance(error, (EngineError, OSError, InviteError, IdentityError, AddressError)):
         print(f"swarmctl: error: {_one_line(error)}", file=sys.stderr)
     else:
         print(f"swarmctl: internal error: {type(error).__name__}: {_one_line(error)}"

@@ -1,5 +1,10 @@
 """Ask the model and stream its answer to stdout.
 
+With a swarm joined (a node home in $SWARMCTL_HOME), the trunk of the model runs on the swarm.
+With none, a local swarm starts for this one question: a host and --trunk-nodes trunk
+processes on loopback, with real QUIC and mutual TLS, shut down afterwards.
+--transport inproc runs every slice inside this process instead.
+
 examples:
   swarmctl ask "What is the capital of France?"
   swarmctl ask --raw --temperature 0 --max-tokens 32 "The three primary colours are"
@@ -28,8 +33,10 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the question (or, with --raw, the text to continue)")
-    parser.add_argument("--transport", choices=["inproc"], default="inproc",
-                        help="inproc: run every slice in this process")
+    parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
+                        help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
+    parser.add_argument("--trunk-nodes", type=_positive_int, default=2, metavar="N",
+                        help="trunk processes of the local swarm started when no swarm is joined (default 2)")
     parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.2, metavar="T",
@@ -39,44 +46,88 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
     parser.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     parser.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
-    parser.add_argument("--head-layers", type=int, default=4, metavar="K",
-                        help="layers kept on this machine at each end of the model (default 4)")
-    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages (default 2)")
+    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
+                        help="layers kept on this machine at each end of the model (default 4; a joined "
+                             "swarm's plan decides)")
+    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages with --transport inproc "
+                                                                           "(default 2)")
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="compute threads")
     parser.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
                         help="context length in tokens (default: the model's, at most 4096)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarmctl.models import resolve_model
-    from swarmctl.ushape import LocalTrunk, UShapeClient, u_split
-
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError("--top-p must be in (0, 1]")
     if args.temperature < 0:
         raise UsageError("--temperature must be 0 or more")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.transport == "inproc":
+        return _ask_inproc(args, sampling)
+    return _ask_swarm(args, sampling)
+
+
+def _ask_inproc(args: argparse.Namespace, sampling: SamplingParams) -> int:
+    from swarmctl.models import resolve_model
+    from swarmctl.ushape import LocalTrunk, UShapeClient, u_split
+
     model = resolve_model(args.model)
+    head_layers = 4 if args.head_layers is None else args.head_layers
     t0 = time.perf_counter()
-    client = UShapeClient(model, args.head_layers, n_threads=args.threads, max_context=args.ctx)
+    client = UShapeClient(model, head_layers, n_threads=args.threads, max_context=args.ctx)
     trunk = None
     try:
-        split = u_split(client.spec.n_layer, args.head_layers, args.stages)
+        split = u_split(client.spec.n_layer, head_layers, args.stages)
         if split.trunk:
             trunk = LocalTrunk(client.gguf, split.trunk, n_threads=args.threads, max_context=client.max_context)
         log.info("loaded %s: %s | %s | %s in %.2fs", model.name, split.head.describe(),
                  ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
                  time.perf_counter() - t0)
-        if args.raw:
-            prompt = client.tokenizer.encode_prompt(args.prompt)
-        else:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt = client.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
-        return _stream(client, trunk, prompt, args.max_tokens, sampling)
+        return _stream(client, trunk, _prompt_tokens(client, args), args.max_tokens, sampling)
     finally:
         if trunk is not None:
             trunk.close()
         client.close()
+
+
+def _ask_swarm(args: argparse.Namespace, sampling: SamplingParams) -> int:
+    from kernels.errors import EngineError
+    from swarmctl.home import SwarmHome
+    from swarmctl.local_swarm import LocalSwarm
+    from swarmctl.models import resolve_model
+    from swarmctl.swarm_client import SwarmTrunk
+    from swarmctl.ushape import UShapeClient
+
+    home = SwarmHome()
+    local = trunk = client = None
+    try:
+        if home.exists:
+            model = resolve_model(args.model or home.load_config().model)
+            swarm_home = home
+        else:
+            model = resolve_model(args.model)
+            log.info("no swarm joined: starting a local one (host + %d trunks)", args.trunk_nodes)
+            local = LocalSwarm(model=str(model.resolve()), n_trunks=args.trunk_nodes,
+                               head_layers=4 if args.head_layers is None else args.head_layers, threads=args.threads)
+            swarm_home = local.asker_home
+        trunk = SwarmTrunk(swarm_home, alive_check=local.check_alive if local else None)
+        if args.head_layers is not None and args.head_layers != trunk.head_layers:
+            raise EngineError(f"this swarm's plan keeps {trunk.head_layers} layers at each end; "
+                              f"--head-layers {args.head_layers} does not match")
+        client = UShapeClient(model, trunk.head_layers, n_threads=args.threads, max_context=args.ctx)
+        trunk.check_model(client.gguf)
+        return _stream(client, trunk, _prompt_tokens(client, args), args.max_tokens, sampling)
+    finally:
+        for part in (client, trunk, local):
+            if part is not None:
+                part.close()
+
+
+def _prompt_tokens(client, args: argparse.Namespace) -> list[int]:
+    if args.raw:
+        return client.tokenizer.encode_prompt(args.prompt)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    return client.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
 
 
 def _stream(client, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> int:

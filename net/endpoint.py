@@ -1,0 +1,121 @@
+"""Opening QUIC endpoints: a member's server, member-to-member client connections, a joiner's
+pinned connection to the host. Configuration is built once and passed in."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+from dataclasses import dataclass
+
+from aioquic.asyncio.server import QuicServer, serve
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from .identity import Credentials, IdentityError
+from .protocol import ConnectionHandler, SwarmProtocol
+from .tls import (ALPN_JOIN, ALPN_SWARM, DEFAULT_DATAGRAM_SIZE, CertificateCheck, check_pinned_host,
+                  client_configuration, join_configuration, server_configuration)
+from .wire import DEFAULT_MAX_FRAME
+
+CONNECT_TIMEOUT = 10.0
+
+
+class AddressError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, default_port: int | None = None) -> "Address":
+        text = text.strip()
+        if text.startswith("["):  # [IPv6]:port
+            host, _, rest = text[1:].partition("]")
+            port_text = rest.removeprefix(":")
+        elif text.count(":") == 1:
+            host, port_text = text.split(":")
+        else:
+            host, port_text = text, ""
+        if not port_text:
+            if default_port is None:
+                raise AddressError(f"address {text!r} needs a port (HOST:PORT)")
+            port_text = str(default_port)
+        if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+            raise AddressError(f"invalid address {text!r} (expected HOST:PORT)")
+        return cls(host, int(port_text))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+async def serve_member(address: Address, creds: Credentials, handler: ConnectionHandler, *,
+                       client_check: CertificateCheck, accept_joins: bool = False,
+                       max_frame: int = DEFAULT_MAX_FRAME,
+                       max_datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> QuicServer:
+    """Listen for swarm connections (mTLS required) and, on the host, for joiners."""
+    alpns = [ALPN_SWARM, ALPN_JOIN] if accept_joins else [ALPN_SWARM]
+    config = server_configuration(creds, alpns=alpns, max_datagram_size=max_datagram_size)
+    create = functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame, client_check=client_check,
+                               anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset())
+    return await serve(address.host, address.port, configuration=config, create_protocol=create)
+
+
+async def connect_member(address: Address, creds: Credentials, peer_name: str, handler: ConnectionHandler, *,
+                         max_frame: int = DEFAULT_MAX_FRAME,
+                         max_datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> SwarmProtocol:
+    config = client_configuration(creds, peer_name=peer_name, max_datagram_size=max_datagram_size)
+    return await _connect(address, config, handler, max_frame)
+
+
+async def connect_pinned_host(address: Address, ca_fingerprint: str, handler: ConnectionHandler):
+    """A joiner's connection: refuses (closes) unless the host proves it holds the pinned CA's chain."""
+    conn = await _connect(address, join_configuration(), handler, DEFAULT_MAX_FRAME)
+    try:
+        ca_cert = check_pinned_host(conn._quic, ca_fingerprint)
+    except IdentityError:
+        await close(conn)
+        raise
+    return conn, ca_cert
+
+
+async def _connect(address: Address, config: QuicConfiguration, handler: ConnectionHandler,
+                   max_frame: int) -> SwarmProtocol:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as e:
+        raise ConnectionError(f"cannot resolve {address}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    connection = QuicConnection(configuration=config)
+    transport, protocol = await loop.create_datagram_endpoint(
+        lambda: SwarmProtocol(connection, handler=handler, max_frame=max_frame),
+        family=family, local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+    protocol.connect(addr)
+    try:
+        await asyncio.wait_for(protocol.wait_connected(), CONNECT_TIMEOUT)
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        reason = _close_reason(connection) or ("no answer" if isinstance(e, asyncio.TimeoutError) else "refused")
+        transport.close()
+        raise ConnectionError(f"cannot connect to {address}: {reason}") from None
+    protocol.owned_transport = transport  # closed by close()
+    return protocol
+
+
+def _close_reason(connection: QuicConnection) -> str:
+    event = getattr(connection, "_close_event", None)
+    return getattr(event, "reason_phrase", "") or ""
+
+
+async def close(conn: SwarmProtocol, reason: str = "") -> None:
+    """Close a connection we opened and release its socket."""
+    conn.close(reason_phrase=reason)
+    try:
+        await asyncio.wait_for(conn.wait_closed(), 2.0)
+    except asyncio.TimeoutError:
+        pass
+    if conn.owned_transport is not None:
+        conn.owned_transport.close()

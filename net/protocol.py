@@ -1,0 +1,192 @@
+"""One QUIC connection of the swarm, as an aioquic protocol that reacts to events and nothing else.
+
+Bytes arriving on a stream are buffered by that stream's ``FrameDecoder`` until a frame is
+complete; complete frames go to the connection's ``ConnectionHandler`` (the role logic in
+``swarmctl``), or to a waiter when this side opened the stream with ``request``. A stream that
+carries bytes which are not valid frames is reset and logged in one line; the connection and its
+other streams carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+
+from .identity import member_name
+from .tls import CertificateCheck, peer_certificate, require_client_certificates
+from .wire import DEFAULT_MAX_FRAME, Frame, FrameDecoder, WireError
+
+log = logging.getLogger("swarmctl.net")
+
+STREAM_ERROR_BAD_FRAME = 0x101  # application error code for a reset stream
+
+
+class ConnectionHandler(Protocol):
+    """What a role does with a connection. Called on the event loop; must not block."""
+
+    def connection_made(self, conn: "SwarmProtocol") -> None: ...
+
+    def frame_received(self, conn: "SwarmProtocol", stream_id: int, frame: Frame) -> None: ...
+
+    def stream_ended(self, conn: "SwarmProtocol", stream_id: int) -> None: ...
+
+    def connection_lost(self, conn: "SwarmProtocol") -> None: ...
+
+
+class SwarmProtocol(QuicConnectionProtocol):
+    def __init__(self, quic: QuicConnection, stream_handler=None, *, handler: ConnectionHandler,
+                 max_frame: int = DEFAULT_MAX_FRAME, client_check: CertificateCheck | None = None,
+                 anonymous_alpns: frozenset[str] = frozenset()) -> None:
+        super().__init__(quic, stream_handler)
+        self.handler = handler
+        self.max_frame = max_frame
+        self.peer_cert: x509.Certificate | None = None
+        self.peer_name = ""  # the authenticated member at the other end ("" for an anonymous joiner)
+        self.alpn: str | None = None
+        self.is_open = False
+        self._decoders: dict[int, FrameDecoder] = {}
+        self._dead_streams: set[int] = set()
+        self._waiters: dict[int, asyncio.Future[Frame]] = {}
+        self._progress: asyncio.Future[None] | None = None
+        self.owned_transport: asyncio.DatagramTransport | None = None  # set when we opened the socket
+        if not quic.configuration.is_client and client_check is not None:
+            require_client_certificates(quic, client_check, anonymous_alpns)
+
+    # --- events ---
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.HandshakeCompleted):
+            self._handshake_completed(event)
+        elif isinstance(event, events.StreamDataReceived):
+            self._stream_data(event)
+        elif isinstance(event, events.StreamReset):
+            self._forget_stream(event.stream_id)
+            self._fail_waiter(event.stream_id, ConnectionResetError("the peer reset the stream"))
+        elif isinstance(event, events.ConnectionTerminated):
+            self.is_open = False
+            for stream_id in list(self._waiters):
+                self._fail_waiter(stream_id, ConnectionError(f"connection closed: {event.reason_phrase or 'closed'}"))
+            self._wake_senders()
+            self.handler.connection_lost(self)
+
+    def _handshake_completed(self, event: events.HandshakeCompleted) -> None:
+        self.alpn = event.alpn_protocol
+        self.peer_cert = peer_certificate(self._quic)
+        self.peer_name = member_name(self.peer_cert) if self.peer_cert is not None else ""
+        self.is_open = True
+        self.handler.connection_made(self)
+
+    def _stream_data(self, event: events.StreamDataReceived) -> None:
+        stream_id = event.stream_id
+        if stream_id in self._dead_streams:
+            return
+        decoder = self._decoders.setdefault(stream_id, FrameDecoder(self.max_frame))
+        try:
+            frames = decoder.feed(event.data) if event.data else []
+            if event.end_stream:
+                decoder.finish()
+        except WireError as e:
+            self.reject_stream(stream_id, str(e))
+            return
+        for frame in frames:
+            waiter = self._waiters.pop(stream_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(frame)
+            else:
+                self.handler.frame_received(self, stream_id, frame)
+        if event.end_stream:
+            self._decoders.pop(stream_id, None)
+            self._fail_waiter(stream_id, ConnectionResetError("the peer ended the stream without answering"))
+            self.handler.stream_ended(self, stream_id)
+
+    def datagram_received(self, data, addr) -> None:
+        super().datagram_received(data, addr)
+        self._wake_senders()  # acknowledgements may have freed send buffer space
+
+    # --- sending ---
+
+    def open_stream(self) -> int:
+        return self._quic.get_next_available_stream_id()
+
+    def send(self, stream_id: int, data: bytes, end: bool = False) -> None:
+        if not self.is_open:
+            raise ConnectionError(f"connection to {self.peer_name or 'peer'} is closed")
+        self._quic.send_stream_data(stream_id, data, end_stream=end)
+        self.transmit()
+
+    async def drain(self, stream_id: int, limit: int) -> None:
+        """Backpressure: wait until at most ``limit`` bytes of this stream are unacknowledged.
+        (aioquic buffers whatever it is given; this is where the sender waits instead.)"""
+        while self.is_open and self._backlog(stream_id) > limit:
+            if self._progress is None or self._progress.done():
+                self._progress = self._loop.create_future()
+            await self._progress
+
+    def _backlog(self, stream_id: int) -> int:
+        stream = self._quic._streams.get(stream_id)
+        return len(stream.sender._buffer) if stream is not None else 0
+
+    def _wake_senders(self) -> None:
+        if self._progress is not None and not self._progress.done():
+            self._progress.set_result(None)
+
+    async def request(self, data: bytes, timeout: float = 30.0, stream_id: int | None = None) -> Frame:
+        """Send one frame on a new stream (or the given fresh one) and wait for the first frame the
+        peer answers on it. Later frames on that stream go to the handler."""
+        stream_id = self.open_stream() if stream_id is None else stream_id
+        waiter: asyncio.Future[Frame] = self._loop.create_future()
+        self._waiters[stream_id] = waiter
+        self.send(stream_id, data)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        finally:
+            self._waiters.pop(stream_id, None)
+
+    def reject_stream(self, stream_id: int, reason: str) -> None:
+        """Reset a stream that carried bad bytes; log one line; keep the connection."""
+        log.warning("stream %d from %s rejected: %s", stream_id, self.peer_name or "anonymous peer", reason)
+        self._forget_stream(stream_id)
+        self._dead_streams.add(stream_id)
+        try:
+            self._quic.stop_stream(stream_id, STREAM_ERROR_BAD_FRAME)
+        except (ValueError, AssertionError):
+            pass  # e.g. a unidirectional stream we cannot stop
+        try:
+            self._quic.reset_stream(stream_id, STREAM_ERROR_BAD_FRAME)
+        except (ValueError, AssertionError):
+            pass  # e.g. a peer-initiated unidirectional stream we cannot send on
+        self.transmit()
+
+    def _forget_stream(self, stream_id: int) -> None:
+        self._decoders.pop(stream_id, None)
+
+    def _fail_waiter(self, stream_id: int, error: Exception) -> None:
+        waiter = self._waiters.pop(stream_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+    def close_with(self, reason: str) -> None:
+        log.info("closing connection to %s: %s", self.peer_name or "peer", reason)
+        self.close(error_code=0x100, reason_phrase=reason[:200])
+
+
+class RequestOnlyHandler:
+    """For connections that only send requests and read replies (a joiner, a status query)."""
+
+    def connection_made(self, conn: SwarmProtocol) -> None:
+        pass
+
+    def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        pass
+
+    def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        pass
+
+    def connection_lost(self, conn: SwarmProtocol) -> None:
+        pass

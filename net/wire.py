@@ -1,0 +1,188 @@
+"""Bytes on the wire: frames on QUIC streams, activation packets, control messages.
+
+Pure encode/decode, no I/O (like aioquic's QuicConnection): the protocol layer feeds received
+bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
+
+    frame      := length:u32be  type:u8  body[length - 1]
+    type 1     := control message, a UTF-8 JSON object with a "type" field
+    type 2     := activation packet:
+
+      version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s
+      plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
+      reply_to_len:u8  reply_to:utf-8[reply_to_len]
+      data: n_tokens * n_embd little-endian IEEE 754 values (f32 or f16); for ERROR, UTF-8 text
+
+All integers in packets are little-endian; the frame length is big-endian (network order).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes; a prefill chunk of 512 tokens × 8192 wide in f32 is 16 MiB
+FRAME_HEADER = struct.Struct(">IB")
+PACKET_VERSION = 1
+_PACKET_FIXED = struct.Struct("<BBBB16sIIIIIB")
+
+
+class WireError(Exception):
+    """Bytes that are not a valid frame or packet. The message is one line, safe to log."""
+
+
+class FrameType(enum.IntEnum):
+    CONTROL = 1
+    ACTIVATION = 2
+
+
+class PacketKind(enum.IntEnum):
+    PREFILL = 1  # activations of several prompt tokens
+    DECODE = 2  # activations of one generated token
+    RESULT = 3  # the last trunk stage's output, on its way back to the asker
+    END = 4  # the request is over: free its state
+    ERROR = 5  # data is a UTF-8 message
+
+
+class DType(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+
+    @property
+    def numpy(self) -> np.dtype:
+        return np.dtype("<f4") if self is DType.F32 else np.dtype("<f2")
+
+
+@dataclass
+class ActivationPacket:
+    kind: PacketKind
+    request_id: bytes  # 16 random bytes
+    plan_version: int
+    layer_index: int  # first layer the receiver runs
+    start_pos: int  # position of the first token
+    data: np.ndarray  # [n_tokens, n_embd] float32 or float16; empty for END / ERROR
+    dtype: DType = DType.F32
+    reply_to: str = ""  # member name of the asker, who receives the RESULT
+    message: str = ""  # ERROR only
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.data.shape[0]) if self.data.ndim == 2 else 0
+
+
+@dataclass
+class Frame:
+    type: FrameType
+    body: bytes
+
+
+# --- frames ---
+
+def encode_frame(frame_type: FrameType, body: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    if len(body) + 1 > max_frame:
+        raise WireError(f"frame of {len(body) + 1} bytes exceeds the maximum of {max_frame}")
+    return FRAME_HEADER.pack(len(body) + 1, frame_type) + body
+
+
+@dataclass
+class FrameDecoder:
+    """Buffers a stream's bytes until its framing says a frame is complete."""
+
+    max_frame: int = DEFAULT_MAX_FRAME
+    _buffer: bytearray = field(default_factory=bytearray)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buffer += data
+        frames = []
+        while len(self._buffer) >= FRAME_HEADER.size:
+            length, ftype = FRAME_HEADER.unpack_from(self._buffer)
+            if length == 0 or length > self.max_frame:
+                raise WireError(f"frame length {length} is outside (0, {self.max_frame}]")
+            if ftype not in FrameType._value2member_map_:
+                raise WireError(f"unknown frame type {ftype}")
+            if len(self._buffer) < 4 + length:
+                break
+            frames.append(Frame(FrameType(ftype), bytes(self._buffer[FRAME_HEADER.size:4 + length])))
+            del self._buffer[:4 + length]
+        return frames
+
+    def finish(self) -> None:
+        """The stream ended: anything still buffered is a truncated frame."""
+        if self._buffer:
+            raise WireError(f"stream ended inside a frame ({len(self._buffer)} bytes left over)")
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+
+# --- activation packets ---
+
+def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    if p.kind == PacketKind.ERROR:
+        payload = p.message.encode("utf-8")
+        n_tokens = n_embd = 0
+    elif p.kind == PacketKind.END:
+        payload, n_tokens, n_embd = b"", 0, 0
+    else:
+        data = np.ascontiguousarray(p.data, dtype=p.dtype.numpy)
+        if data.ndim != 2:
+            raise WireError("activations must be a 2-D array [n_tokens, n_embd]")
+        n_tokens, n_embd = data.shape
+        payload = data.tobytes()
+    reply = p.reply_to.encode("utf-8")
+    if len(reply) > 255 or len(p.request_id) != 16:
+        raise WireError("reply_to longer than 255 bytes or request_id not 16 bytes")
+    header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, 0, p.request_id, p.plan_version, p.layer_index,
+                                p.start_pos, n_tokens, n_embd, len(reply))
+    return encode_frame(FrameType.ACTIVATION, header + reply + payload, max_frame)
+
+
+def decode_packet(body: bytes) -> ActivationPacket:
+    if len(body) < _PACKET_FIXED.size:
+        raise WireError(f"activation packet of {len(body)} bytes is shorter than its header")
+    (version, kind, dtype, _flags, request_id, plan_version, layer_index, start_pos, n_tokens, n_embd,
+     reply_len) = _PACKET_FIXED.unpack_from(body)
+    if version != PACKET_VERSION:
+        raise WireError(f"unsupported packet version {version}")
+    if kind not in PacketKind._value2member_map_ or dtype not in DType._value2member_map_:
+        raise WireError(f"unknown packet kind {kind} or dtype {dtype}")
+    kind, dtype = PacketKind(kind), DType(dtype)
+    offset = _PACKET_FIXED.size + reply_len
+    if len(body) < offset:
+        raise WireError("activation packet ends inside its reply_to field")
+    reply_to = body[_PACKET_FIXED.size:offset].decode("utf-8", errors="replace")
+    payload = body[offset:]
+    if kind == PacketKind.ERROR:
+        return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, np.empty((0, 0), np.float32),
+                                dtype, reply_to, payload.decode("utf-8", errors="replace")[:500])
+    expected = n_tokens * n_embd * dtype.numpy.itemsize
+    if len(payload) != expected:
+        raise WireError(f"activation data has {len(payload)} bytes; shape [{n_tokens}, {n_embd}] "
+                        f"in {dtype.name.lower()} needs {expected}")
+    if kind in (PacketKind.PREFILL, PacketKind.DECODE, PacketKind.RESULT) and n_tokens == 0:
+        raise WireError("activation packet carries no tokens")
+    data = np.frombuffer(payload, dtype=dtype.numpy).reshape(n_tokens, n_embd)
+    return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to)
+
+
+# --- control messages ---
+
+def encode_control(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    if "type" not in message:
+        raise WireError("control message without a type")
+    return encode_frame(FrameType.CONTROL, json.dumps(message, separators=(",", ":")).encode("utf-8"), max_frame)
+
+
+def decode_control(body: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"control message is not UTF-8 JSON ({type(e).__name__})") from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise WireError("control message is not a JSON object with a string 'type'")
+    return message

@@ -1,0 +1,71 @@
+"""The Plan: who serves which layers, under which version. Travels as JSON from the host."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StageAssignment:
+    member: str
+    address: str  # "host:port" the member listens on
+    start: int  # layers [start, stop)
+    stop: int
+    ready: bool = False  # loaded, hash-checked, serving
+
+
+@dataclass
+class Plan:
+    version: int
+    model_name: str
+    n_layer: int
+    head_layers: int  # the asker keeps [0, K) and [L-K, L)
+    stages: list[StageAssignment] = field(default_factory=list)
+    layer_hashes: list[str] = field(default_factory=list)  # SHA-256 of each layer's tensors (host's copy)
+    revoked_serials: list[int] = field(default_factory=list)
+
+    @property
+    def trunk_range(self) -> tuple[int, int]:
+        return self.head_layers, self.n_layer - self.head_layers
+
+    @property
+    def complete(self) -> bool:
+        """Every trunk layer is assigned, contiguously, to a stage that is ready."""
+        start, stop = self.trunk_range
+        cursor = start
+        for stage in self.stages:
+            if stage.start != cursor or not stage.ready:
+                return False
+            cursor = stage.stop
+        return cursor == stop
+
+    def stage_for(self, member: str) -> StageAssignment | None:
+        return next((s for s in self.stages if s.member == member), None)
+
+    def next_stage(self, stage: StageAssignment) -> StageAssignment | None:
+        return next((s for s in self.stages if s.start == stage.stop), None)
+
+    def missing_layers(self) -> list[tuple[int, int]]:
+        """Trunk layer ranges no ready stage serves."""
+        start, stop = self.trunk_range
+        covered = sorted((s.start, s.stop) for s in self.stages if s.ready)
+        gaps, cursor = [], start
+        for a, b in covered:
+            if a > cursor:
+                gaps.append((cursor, a))
+            cursor = max(cursor, b)
+        if cursor < stop:
+            gaps.append((cursor, stop))
+        return gaps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        stages = [StageAssignment(**s) for s in d.get("stages", [])]
+        return cls(**{**d, "stages": stages})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())

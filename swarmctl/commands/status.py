@@ -1,0 +1,64 @@
+"""Show the swarm's members, their addresses, layer ranges and health.
+
+examples:
+  swarmctl status
+  swarmctl status --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from kernels.errors import EngineError
+from net.endpoint import Address, close, connect_member
+from net.protocol import RequestOnlyHandler
+from net.wire import decode_control, encode_control
+from swarmctl.home import SwarmHome
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+async def fetch_status(home: SwarmHome) -> dict:
+    config = home.load_config()
+    creds = home.credentials()
+    errors = []
+    addresses = config.host_addresses
+    if config.role == "host":
+        addresses = [config.listen.replace("0.0.0.0", "127.0.0.1"), *addresses]
+    for text in addresses:
+        try:
+            conn = await connect_member(Address.parse(text), creds, config.host_name, RequestOnlyHandler())
+        except (ConnectionError, OSError) as e:
+            errors.append(str(e))
+            continue
+        try:
+            return decode_control((await conn.request(encode_control({"type": "status"}), timeout=10)).body)
+        finally:
+            await close(conn)
+    raise EngineError(f"cannot reach the swarm host: {'; '.join(errors)}")
+
+
+def format_table(status: dict) -> str:
+    rows = [("NAME", "ROLE", "ADDRESS", "LAYERS", "MEMORY", "HEALTH")]
+    for m in status["members"]:
+        layers = f"[{m['layers'][0]}, {m['layers'][1]})" if m["layers"] else "-"
+        memory = f"{m['memory'] / 1e9:.1f} GB" if m.get("memory") else "-"
+        rows.append((m["name"], m["role"], m["address"] or "-", layers, memory, m["health"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"swarm {status['swarm']}: model {status['model']} ({status['n_layer']} layers, asker keeps "
+             f"{status['head_layers']} at each end), plan v{status['plan_version']}, "
+             + ("complete" if status["complete"] else
+                "INCOMPLETE: no ready trunk for layers " + ", ".join(f"[{a}, {b})" for a, b in status["missing_layers"]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    status = asyncio.run(fetch_status(SwarmHome()))
+    status.pop("type", None)
+    print(json.dumps(status, indent=2) if args.json else format_table(status))
+    return 0

@@ -1,0 +1,259 @@
+"""The host role: membership, joins, and the plan (who serves which layers).
+
+Control messages (JSON frames, one request per stream unless noted):
+
+    join        {token_id, secret, csr, name}          joiner (join ALPN) → host → joined | error
+    register    {listen, memory}                       trunk → host; the stream stays open and
+                                                       the host sends every new plan on it
+    ready       {plan_version}                         trunk loaded its layers → ok
+    refuse      {reason}                               trunk cannot serve (e.g. model mismatch) → ok
+    get_plan    {}                                     anyone → plan
+    status      {}                                     anyone → status
+    revoked     {}                                     the host's own CLI after 'swarmctl revoke' → ok
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from dataclasses import dataclass, field
+
+from cryptography import x509
+
+from kernels.gguf_file import GGUFFile
+from kernels.spec import ModelSpec
+from net.endpoint import Address, serve_member
+from net.identity import cert_pem, verify_member
+from net.protocol import SwarmProtocol
+from net.tls import ALPN_JOIN
+from net.wire import Frame, FrameType, WireError, decode_control, encode_control
+from plans.even import Candidate, split_by_memory
+from plans.plan import Plan, StageAssignment
+from swarmctl.home import SwarmHome
+from swarmctl.membership import JoinRefused, admit
+from swarmctl.models import resolve_model
+
+log = logging.getLogger("swarmctl.host")
+
+
+@dataclass
+class TrunkInfo:
+    conn: SwarmProtocol
+    plan_stream: int  # the register stream; new plans go out on it
+    listen: str
+    memory: int
+    registered_at: float = field(default_factory=time.time)
+    refused: str = ""  # why it cannot serve, if it said so
+
+
+class HostService:
+    def __init__(self, home: SwarmHome) -> None:
+        self.home = home
+        self.config = home.load_config()
+        self.creds = home.credentials()
+        self.model_path = resolve_model(self.config.model)
+        with GGUFFile(self.model_path) as gguf:
+            spec = ModelSpec.from_gguf(gguf)
+            hashes = [gguf.layer_hash(i) for i in range(spec.n_layer)]
+        self.plan = Plan(version=0, model_name=self.model_path.name, n_layer=spec.n_layer,
+                         head_layers=self.config.head_layers, layer_hashes=hashes,
+                         revoked_serials=sorted(home.revoked_serials()))
+        self.trunks: dict[str, TrunkInfo] = {}
+        self.online: dict[str, SwarmProtocol] = {}
+        self.server = None
+        self.address: Address | None = None
+
+    async def start(self) -> Address:
+        listen = Address.parse(self.config.listen)
+        self.server = await serve_member(listen, self.creds, self, client_check=self._check_member,
+                                         accept_joins=True)
+        port = self.server._transport.get_extra_info("sockname")[1]
+        self.address = Address(listen.host, port)
+        log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
+                 self.plan.model_name, self.plan.n_layer)
+        return self.address
+
+    def close(self) -> None:
+        for conn in list(self.online.values()):
+            conn.close_with("host shutting down")
+        if self.server is not None:
+            self.server.close()
+
+    def _check_member(self, cert: x509.Certificate) -> None:
+        verify_member(cert, self.creds.ca_cert, self.home.revoked_serials())
+
+    # --- ConnectionHandler ---
+
+    def connection_made(self, conn: SwarmProtocol) -> None:
+        if conn.peer_name:
+            self.online[conn.peer_name] = conn
+            log.info("member %s connected", conn.peer_name)
+
+    def connection_lost(self, conn: SwarmProtocol) -> None:
+        if conn.peer_name and self.online.get(conn.peer_name) is conn:
+            del self.online[conn.peer_name]
+            log.info("member %s disconnected", conn.peer_name)
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None and trunk.conn is conn:
+            del self.trunks[conn.peer_name]
+            self._replan()
+
+    def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        pass
+
+    def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        if frame.type != FrameType.CONTROL:
+            conn.reject_stream(stream_id, "the host accepts only control messages")
+            return
+        try:
+            message = decode_control(frame.body)
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+            return
+        if conn.alpn == ALPN_JOIN:
+            if message["type"] != "join":
+                conn.reject_stream(stream_id, "only 'join' is accepted before joining")
+                return
+            asyncio.ensure_future(self._join(conn, stream_id, message))
+            return
+        handler = {
+            "register": self._register, "ready": self._ready, "refuse": self._refuse,
+            "get_plan": self._get_plan, "status": self._status, "revoked": self._revoked,
+        }.get(message["type"])
+        if handler is None:
+            self._reply(conn, stream_id, {"type": "error", "message": f"unknown request {message['type']!r}"})
+            return
+        try:
+            handler(conn, stream_id, message)
+        except (KeyError, TypeError, ValueError) as e:
+            self._reply(conn, stream_id, {"type": "error", "message": f"malformed {message['type']}: {e}"})
+
+    # --- requests ---
+
+    async def _join(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        try:
+            secret = base64.urlsafe_b64decode(str(message["secret"]) + "==")
+            cert = await asyncio.to_thread(admit, self.home, token_id=str(message["token_id"]), secret=secret,
+                                           csr_pem=str(message["csr"]).encode(), name=str(message["name"]))
+        except (JoinRefused, KeyError, ValueError) as e:
+            reason = str(e) if isinstance(e, JoinRefused) else "malformed join request"
+            log.warning("join refused: %s", reason)
+            self._reply(conn, stream_id, {"type": "error", "message": reason}, end=True)
+            return
+        log.info("member %s joined", message["name"])
+        self._reply(conn, stream_id, {
+            "type": "joined", "name": message["name"], "cert": cert_pem(cert).decode(),
+            "ca": cert_pem(self.creds.ca_cert).decode(), "swarm_name": self.config.swarm_name,
+            "host_name": self.config.name, "host_addresses": self.config.host_addresses,
+            "model_name": self.plan.model_name}, end=True)
+
+    def _register(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        listen = str(Address.parse(str(message["listen"])))
+        memory = int(message["memory"])
+        self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, memory)
+        log.info("trunk %s registered at %s with %.1f GB", conn.peer_name, listen, memory / 1e9)
+        self._replan(also_send_to=conn.peer_name)
+
+    def _ready(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        stage = self.plan.stage_for(conn.peer_name)
+        if stage is not None and int(message["plan_version"]) == self.plan.version:
+            stage.ready = True
+            log.info("trunk %s ready with layers [%d, %d)", conn.peer_name, stage.start, stage.stop)
+            self._push_plan()
+        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+
+    def _refuse(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.refused = str(message["reason"])[:300]
+            log.warning("trunk %s cannot serve: %s", conn.peer_name, trunk.refused)
+            self._replan()
+        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+
+    def _get_plan(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        self._reply(conn, stream_id, {"type": "plan", "plan": self.plan.to_dict()}, end=True)
+
+    def _status(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        self._reply(conn, stream_id, {"type": "status", **self.status()}, end=True)
+
+    def _revoked(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        if conn.peer_cert is None or conn.peer_cert.serial_number != self.creds.cert.serial_number:
+            self._reply(conn, stream_id, {"type": "error", "message": "only the host may announce revocations"})
+            return
+        revoked = self.home.revoked_serials()
+        self.plan.revoked_serials = sorted(revoked)
+        for name, live in list(self.online.items()):
+            if live.peer_cert is not None and live.peer_cert.serial_number in revoked:
+                live.close_with("membership revoked")
+        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+        self._replan(force_push=True)
+
+    # --- planning ---
+
+    def _replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
+        start, stop = self.plan.trunk_range
+        candidates = [Candidate(name, t.memory) for name, t in
+                      sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at) if not t.refused]
+        ranges = split_by_memory(start, stop, candidates)
+        old = {(s.member, s.start, s.stop): s for s in self.plan.stages}
+        stages = [old.get((m, a, b)) or StageAssignment(m, self.trunks[m].listen, a, b) for m, a, b in ranges]
+        if [(s.member, s.start, s.stop) for s in stages] != [(s.member, s.start, s.stop) for s in self.plan.stages]:
+            self.plan.version += 1
+            for s in stages:
+                s.ready = False  # every stage re-confirms under the new version
+            self.plan.stages = stages
+            log.info("plan v%d: %s", self.plan.version,
+                     ", ".join(f"{s.member}[{s.start},{s.stop})" for s in stages) or "no trunks")
+            self._push_plan()
+        elif force_push:
+            self._push_plan()
+        elif also_send_to is not None:
+            self._push_plan(only=also_send_to)
+
+    def _push_plan(self, only: str | None = None) -> None:
+        frame = encode_control({"type": "plan", "plan": self.plan.to_dict()})
+        for name, trunk in self.trunks.items():
+            if (only is None or name == only) and trunk.conn.is_open:
+                trunk.conn.send(trunk.plan_stream, frame)
+
+    def status(self) -> dict:
+        members = []
+        for name, record in sorted(self.home.members().items()):
+            stage = self.plan.stage_for(name)
+            trunk = self.trunks.get(name)
+            if record.revoked:
+                health = "revoked"
+            elif name == self.config.name:
+                health = "up (host)"
+            elif trunk is not None and trunk.refused:
+                health = f"refused: {trunk.refused}"
+            elif stage is not None:
+                health = "ready" if stage.ready else "loading"
+            else:
+                health = "up" if name in self.online else "down"
+            members.append({"name": name, "role": "host" if name == self.config.name else
+                            ("trunk" if trunk is not None else "member"),
+                            "address": str(self.address) if name == self.config.name else (trunk.listen if trunk else ""),
+                            "layers": [stage.start, stage.stop] if stage else None,
+                            "memory": trunk.memory if trunk else None, "health": health})
+        return {"swarm": self.config.swarm_name, "model": self.plan.model_name, "n_layer": self.plan.n_layer,
+                "head_layers": self.plan.head_layers, "plan_version": self.plan.version,
+                "complete": self.plan.complete, "missing_layers": self.plan.missing_layers(), "members": members}
+
+    def _reply(self, conn: SwarmProtocol, stream_id: int, message: dict, end: bool = False) -> None:
+        if conn.is_open:
+            conn.send(stream_id, encode_control(message), end=end)
+
+
+async def run_host(home: SwarmHome, stop: asyncio.Event, ready_file=None) -> None:
+    service = HostService(home)
+    address = await service.start()
+    if ready_file is not None:
+        ready_file.write_text(str(address))
+    try:
+        await stop.wait()
+    finally:
+        service.close()
+

@@ -1,0 +1,57 @@
+"""The joiner's side of ``swarmctl join``: make a key here, prove the invite to the pinned host,
+receive a certificate. Nothing secret leaves this machine except the invite's own secret, and
+that only after the host has proven it holds the CA the invite names."""
+
+from __future__ import annotations
+
+import base64
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from net.endpoint import Address, close, connect_pinned_host
+from net.identity import IdentityError, make_csr, member_name, new_private_key, verify_member
+from net.invite import Invite
+from net.protocol import RequestOnlyHandler
+from net.wire import decode_control, encode_control
+from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.membership import JoinRefused
+
+
+async def join_swarm(home: SwarmHome, invite: Invite, *, name: str, listen: str, model: str | None) -> NodeConfig:
+    if home.exists:
+        raise JoinRefused(f"{home.path} already holds a swarm node (remove it or set SWARMCTL_HOME)")
+    if invite.expired:
+        raise JoinRefused("invite has expired")
+    key = new_private_key()
+    csr = make_csr(key, name).public_bytes(serialization.Encoding.PEM).decode()
+    conn, ca_cert, errors = None, None, []
+    for text in invite.addresses:
+        try:
+            conn, ca_cert = await connect_pinned_host(Address.parse(text), invite.ca_fingerprint,
+                                                      RequestOnlyHandler())
+            break
+        except (ConnectionError, OSError, IdentityError) as e:
+            errors.append(f"{text}: {e}")
+    if conn is None:
+        raise JoinRefused("cannot join: " + "; ".join(errors))
+    try:
+        secret = base64.urlsafe_b64encode(invite.secret).decode().rstrip("=")
+        reply = decode_control((await conn.request(encode_control(
+            {"type": "join", "token_id": invite.token_id, "secret": secret, "csr": csr, "name": name}))).body)
+    finally:
+        await close(conn)
+    if reply.get("type") != "joined":
+        raise JoinRefused(f"the host refused: {reply.get('message', 'no reason given')}")
+    cert = x509.load_pem_x509_certificate(str(reply["cert"]).encode())
+    verify_member(cert, ca_cert)
+    if member_name(cert) != name or cert.public_key() != key.public_key():
+        raise JoinRefused("the host returned a certificate for another name or key")
+    home.save_identity(key, cert, ca_cert)
+    config = NodeConfig(name=name, role="member", swarm_name=str(reply["swarm_name"]),
+                        ca_fingerprint=invite.ca_fingerprint, host_name=str(reply["host_name"]),
+                        host_addresses=list(dict.fromkeys([*invite.addresses, *(reply.get("host_addresses") or [])])),
+                        listen=listen,
+                        model=model)
+    home.save_config(config)
+    return config

@@ -1,0 +1,108 @@
+"""A throwaway swarm on this machine, so ``swarmctl ask`` works before any friend has joined.
+
+One host process and N trunk processes on loopback, each with its own home in a temporary
+folder, talking real QUIC with mutual TLS, and an identity for the asker. Everything is removed
+on exit. Certificates are issued directly by the local CA (the same records an invite and join
+would produce, without the round trip).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kernels.errors import EngineError
+from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.membership import create_swarm, issue_direct
+
+STARTUP_TIMEOUT = 60.0
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalSwarm:
+    def __init__(self, *, model: str | None, n_trunks: int, head_layers: int, threads: int | None = None,
+                 capture: bool = False) -> None:
+        if n_trunks < 1:
+            raise EngineError("--trunk-nodes must be at least 1")
+        self.root = Path(tempfile.mkdtemp(prefix="swarmctl-local-"))
+        self.processes: list[subprocess.Popen] = []
+        self.capture_dirs: list[Path] = []
+        try:
+            self.host_home = SwarmHome(self.root / "host")
+            address = f"127.0.0.1:{free_udp_port()}"
+            create_swarm(self.host_home, swarm_name="local", host_name="host", listen=address, advertise=[address],
+                         model=model, head_layers=head_layers)
+            self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model) for i in range(n_trunks)]
+            self.asker_home = self._member_home("asker", model)
+            self._spawn(self.host_home, ["run", "--role", "host"])
+            for i, home in enumerate(self.trunk_homes):
+                extra = ["--threads", str(threads)] if threads else []
+                if capture:
+                    self.capture_dirs.append(self.root / f"capture-{i + 1}")
+                    self.capture_dirs[-1].mkdir()
+                    extra += ["--capture", str(self.capture_dirs[-1])]
+                self._spawn(home, ["run", "--role", "trunk", *extra])
+        except BaseException:
+            self.close()
+            raise
+
+    def _member_home(self, name: str, model: str | None) -> SwarmHome:
+        host = self.host_home.load_config()
+        key, cert, ca_cert = issue_direct(self.host_home, name)
+        home = SwarmHome(self.root / name)
+        home.path.mkdir(mode=0o700)
+        home.save_identity(key, cert, ca_cert)
+        home.save_config(NodeConfig(name=name, role="member", swarm_name=host.swarm_name,
+                                    ca_fingerprint=host.ca_fingerprint, host_name=host.host_name,
+                                    host_addresses=host.host_addresses, listen="127.0.0.1:0", model=model))
+        return home
+
+    def _spawn(self, home: SwarmHome, args: list[str]) -> None:
+        env = {**os.environ, "SWARMCTL_HOME": str(home.path), "OMP_WAIT_POLICY": "PASSIVE"}
+        log = open(home.path / "node.log", "wb")
+        self.processes.append(subprocess.Popen([sys.executable, "-m", "swarmctl", *args], env=env,
+                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+
+    def check_alive(self) -> None:
+        for process in self.processes:
+            if process.poll() is not None:
+                raise EngineError(f"a local swarm node exited early (code {process.returncode}): "
+                                  f"{self._last_log_line(process)}")
+
+    def _last_log_line(self, process: subprocess.Popen) -> str:
+        index = self.processes.index(process)
+        home = [self.host_home, *self.trunk_homes][index]
+        lines = (home.path / "node.log").read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "no output"
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes = []
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""The host's membership rules: creating the swarm, issuing and redeeming invites, admitting and
+revoking members. Pure state changes on a ``SwarmHome``; no networking."""
+
+from __future__ import annotations
+
+import time
+
+from cryptography import x509
+
+from kernels.errors import EngineError
+from net.identity import (IdentityError, check_name, fingerprint, make_ca, new_private_key, public_key_from_csr,
+                          sign_member)
+from net.invite import Invite, hash_secret, secret_matches
+from swarmctl.home import InviteRecord, MemberRecord, NodeConfig, SwarmHome
+
+
+class JoinRefused(EngineError):
+    """An invite or join request the host turns down. The message goes back to the joiner."""
+
+
+def create_swarm(home: SwarmHome, *, swarm_name: str, host_name: str, listen: str, advertise: list[str],
+                 model: str | None, head_layers: int) -> NodeConfig:
+    if home.exists:
+        raise JoinRefused(f"{home.path} already holds a swarm node (remove it or set SWARMCTL_HOME)")
+    check_name(host_name)
+    ca_key, ca_cert = make_ca(swarm_name)
+    key = new_private_key()
+    cert = sign_member(ca_key, ca_cert, key.public_key(), host_name)
+    home.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    home.save_ca(ca_key)
+    home.save_identity(key, cert, ca_cert)
+    config = NodeConfig(name=host_name, role="host", swarm_name=swarm_name, ca_fingerprint=fingerprint(ca_cert),
+                        host_name=host_name, host_addresses=advertise, listen=listen, model=model,
+                        head_layers=head_layers)
+    with home.locked():
+        home.save_members({host_name: MemberRecord(host_name, cert.serial_number, fingerprint(cert), time.time())})
+        home.save_invites({})
+    home.save_config(config)
+    return config
+
+
+def issue_invite(home: SwarmHome, *, ttl_seconds: int, uses: int) -> Invite:
+    config = home.load_config()
+    home.ca_key()  # only the host can invite
+    if ttl_seconds <= 0 or uses <= 0:
+        raise JoinRefused("--ttl and --uses must be positive")
+    invite = Invite.new(tuple(config.host_addresses), config.ca_fingerprint, ttl_seconds)
+    with home.locked():
+        invites = {t: r for t, r in home.invites().items() if r.expires_at > time.time() and r.uses_left > 0}
+        invites[invite.token_id] = InviteRecord(invite.token_id, hash_secret(invite.secret), invite.expires_at,
+                                                uses, time.time())
+        home.save_invites(invites)
+    return invite
+
+
+def admit(home: SwarmHome, *, token_id: str, secret: bytes, csr_pem: bytes, name: str) -> x509.Certificate:
+    """Redeem an invite and sign the joiner's key. All checks happen before any state changes, and
+    the invite's use is counted in the same locked transaction as the new member's record, so a
+    failed join leaves the swarm as it was and a single-use invite admits exactly one member."""
+    ca_key = home.ca_key()
+    ca_cert = home.credentials().ca_cert
+    try:
+        check_name(name)
+        public_key = public_key_from_csr(csr_pem)
+    except IdentityError as e:
+        raise JoinRefused(str(e)) from None
+    with home.locked():
+        invites = home.invites()
+        record = invites.get(token_id)
+        if record is None or not secret_matches(secret, record.secret_hash):
+            raise JoinRefused("invite not recognised (unknown token or wrong secret)")
+        if record.expires_at < time.time():
+            raise JoinRefused("invite has expired")
+        if record.uses_left <= 0:
+            raise JoinRefused("invite has already been used")
+        members = home.members()
+        if name in members:
+            raise JoinRefused(f"a member named {name!r} already exists; choose another with --name")
+        cert = sign_member(ca_key, ca_cert, public_key, name)
+        record.uses_left -= 1
+        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time())
+        home.save_invites(invites)
+        home.save_members(members)
+    return cert
+
+
+def revoke(home: SwarmHome, name: str) -> MemberRecord:
+    config = home.load_config()
+    home.ca_key()
+    if name == config.name:
+        raise JoinRefused("the host cannot revoke itself")
+    with home.locked():
+        members = home.members()
+        if name not in members:
+            raise JoinRefused(f"no member named {name!r}")
+        members[name].revoked = True
+        home.save_members(members)
+    return members[name]
+
+
+def issue_direct(home: SwarmHome, name: str):
+    """For a local swarm that one process sets up entirely: a key and certificate for ``name``,
+    recorded as a member, without the invite round trip."""
+    ca_key, ca_cert = home.ca_key(), home.credentials().ca_cert
+    key = new_private_key()
+    cert = sign_member(ca_key, ca_cert, key.public_key(), name)
+    with home.locked():
+        members = home.members()
+        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time())
+        home.save_members(members)
+    return key, cert, ca_cert

@@ -1,0 +1,432 @@
+"""The trunk role: serve a slice of layers for the swarm.
+
+A trunk registers with the host, receives the plan, checks its own copy of the model against the
+host's per-layer hashes, loads its layer range and serves it. Each request arrives on its own
+stream from the previous hop (the asker, or the previous stage); its output goes straight to the
+next stage, or, from the last stage, to the asker's results stream. Errors travel back along the
+request's streams as ERROR packets. KV caches live per request id until END or an idle timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kernels.errors import EngineError
+from kernels.gguf_file import GGUFFile
+from kernels.slice import SliceEngine
+from kernels.spec import SliceSpec
+from net.endpoint import Address, close, connect_member, serve_member
+from net.identity import verify_member
+from net.protocol import SwarmProtocol
+from net.wire import (ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_control, decode_packet,
+                      encode_control, encode_packet)
+from plans.plan import Plan, StageAssignment
+from swarmctl.home import SwarmHome
+from swarmctl.models import resolve_model
+
+log = logging.getLogger("swarmctl.trunk")
+
+SEND_BACKLOG = 8 * 1024 * 1024  # bytes unacknowledged per stream before a sender waits
+PING_INTERVAL = 10.0
+RECONNECT_INTERVAL = 2.0
+
+
+@dataclass
+class Route:
+    """One request as this stage sees it: where packets come from, and the stream onward."""
+
+    in_conn: SwarmProtocol
+    in_stream: int
+    reply_to: str
+    out_stream: int | None = None
+    last_active: float = field(default_factory=time.monotonic)
+
+
+def available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3
+
+
+class TrunkService:
+    def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
+                 idle_timeout: float = 300.0, capture_dir: Path | None = None) -> None:
+        self.home = home
+        self.config = home.load_config()
+        self.creds = home.credentials()
+        self.name = self.creds.name
+        self.model_path = resolve_model(self.config.model)
+        self.memory = memory or available_memory()
+        self.n_threads = n_threads
+        self.idle_timeout = idle_timeout
+        self.capture_dir = capture_dir
+        self.plan: Plan | None = None
+        self.stage: StageAssignment | None = None
+        self.engine: SliceEngine | None = None
+        self.gguf: GGUFFile | None = None
+        self.routes: dict[bytes, Route] = {}
+        self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # asker name → results stream
+        self.host_conn: SwarmProtocol | None = None
+        self.plan_stream: int | None = None
+        self.next_conn: SwarmProtocol | None = None
+        self.next_member: str | None = None
+        self.address: Address | None = None
+        self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
+        self.on_fatal: Callable[[], None] = lambda: None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slice")
+        self._loading: asyncio.Task | None = None
+        self._capture_seq = 0
+        self._server = None
+
+    # --- lifecycle ---
+
+    async def run(self, stop: asyncio.Event) -> None:
+        listen = Address.parse(self.config.listen)
+        self._server = await serve_member(listen, self.creds, self, client_check=self._check_member)
+        self.address = Address(listen.host, self._server._transport.get_extra_info("sockname")[1])
+        log.info("trunk %s listening on %s", self.name, self.address)
+        tasks = [asyncio.ensure_future(self._work()), asyncio.ensure_future(self._keep_host_link(stop)),
+                 asyncio.ensure_future(self._reap_idle())]
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        for conn in (self.host_conn, self.next_conn):
+            if conn is not None:
+                await close(conn, "trunk shutting down")
+        if self._server is not None:
+            self._server.close()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._unload)
+        self._executor.shutdown(wait=False)
+
+    def _check_member(self, cert) -> None:
+        revoked = frozenset(self.plan.revoked_serials) if self.plan else frozenset()
+        verify_member(cert, self.creds.ca_cert, revoked)
+
+    # --- the host link ---
+
+    async def _keep_host_link(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self.host_conn is None or not self.host_conn.is_open:
+                try:
+                    await self._register()
+                except (ConnectionError, asyncio.TimeoutError, OSError) as e:
+                    log.warning("cannot reach the host: %s (retrying)", e)
+                    await asyncio.sleep(RECONNECT_INTERVAL)
+                    continue
+            try:
+                await asyncio.wait_for(self.host_conn.ping(), PING_INTERVAL)
+            except (ConnectionError, asyncio.TimeoutError):
+                continue
+            await asyncio.sleep(PING_INTERVAL)
+
+    async def _register(self) -> None:
+        errors = []
+        for text in self.config.host_addresses:
+            try:
+                conn = await connect_member(Address.parse(text), self.creds, self.config.host_name, self)
+                break
+            except (ConnectionError, OSError) as e:
+                errors.append(str(e))
+        else:
+            raise ConnectionError("; ".join(errors) or "no host address")
+        self.host_conn = conn
+        self.plan_stream = conn.open_stream()
+        reply = await conn.request(encode_control({"type": "register", "listen": str(self.address),
+                                                   "memory": self.memory}), stream_id=self.plan_stream)
+        self._host_message(decode_control(reply.body))
+
+    def _host_message(self, message: dict) -> None:
+        if message.get("type") == "plan":
+            self._apply_plan(Plan.from_dict(message["plan"]))
+        elif message.get("type") == "error":
+            log.error("host: %s", message.get("message"))
+
+    def _apply_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        revoked = set(plan.revoked_serials)
+        for conn in {r.in_conn for r in self.routes.values()} | {c for c, _ in self.subscribers.values()}:
+            if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
+                conn.close_with("membership revoked")
+        stage = plan.stage_for(self.name)
+        if stage is None:
+            if self.stage is not None:
+                log.info("plan v%d gives this trunk no layers", plan.version)
+            self.stage = None
+            return
+        if self._loading is not None and not self._loading.done():
+            return  # the load in progress re-reads the plan when it finishes
+        self._loading = asyncio.ensure_future(self._load(stage))
+
+    async def _load(self, stage: StageAssignment) -> None:
+        loop = asyncio.get_running_loop()
+        same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == (stage.start, stage.stop)
+        if not same:
+            self._drop_all_routes("the plan changed")
+            try:
+                await loop.run_in_executor(self._executor, self._load_engine, stage)
+            except EngineError as e:
+                self.fatal = str(e)
+                log.error("%s", e)
+                await self._tell_host({"type": "refuse", "reason": str(e)})
+                self.on_fatal()
+                return
+        self.stage = stage
+        latest = self.plan.stage_for(self.name) if self.plan else None
+        if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):
+            self._loading = asyncio.ensure_future(self._load(latest)) if latest else None
+            return
+        await self._tell_host({"type": "ready", "plan_version": self.plan.version})
+        log.info("serving layers [%d, %d) under plan v%d", stage.start, stage.stop, self.plan.version)
+
+    def _load_engine(self, stage: StageAssignment) -> None:
+        """In the engine thread: check our copy of the model against the host's, then load."""
+        self._unload()
+        gguf = GGUFFile(self.model_path)
+        try:
+            mismatched = [i for i in range(stage.start, stage.stop)
+                          if gguf.layer_hash(i) != self.plan.layer_hashes[i]]
+            if mismatched:
+                raise EngineError(f"this trunk's copy of the model ({self.model_path.name}) differs from the "
+                                  f"host's ({self.plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
+                                  "refusing to serve them")
+            self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads)
+            self.gguf = gguf
+        except BaseException:
+            gguf.close()
+            raise
+
+    def _unload(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.gguf is not None:
+            self.gguf.close()
+            self.gguf = None
+
+    async def _tell_host(self, message: dict) -> None:
+        if self.host_conn is not None and self.host_conn.is_open:
+            try:
+                await self.host_conn.request(encode_control(message), timeout=10)
+            except (ConnectionError, asyncio.TimeoutError) as e:
+                log.warning("host did not answer %s: %s", message["type"], e)
+
+    # --- ConnectionHandler ---
+
+    def connection_made(self, conn: SwarmProtocol) -> None:
+        log.debug("connection from %s", conn.peer_name)
+
+    def connection_lost(self, conn: SwarmProtocol) -> None:
+        for rid, route in list(self.routes.items()):
+            if route.in_conn is conn:
+                self._queue.put_nowait(("drop", rid))
+            elif conn is self.next_conn and route.out_stream is not None:
+                self._send_error(route.in_conn, route.in_stream, rid, f"next stage {self.next_member} went away")
+                self._queue.put_nowait(("drop", rid))
+        if conn is self.next_conn:
+            self.next_conn = self.next_member = None
+        for name, (sub_conn, _) in list(self.subscribers.items()):
+            if sub_conn is conn:
+                del self.subscribers[name]
+
+    def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        pass
+
+    def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        self._capture("recv", frame)
+        if frame.type == FrameType.CONTROL:
+            self._control(conn, stream_id, frame)
+            return
+        try:
+            packet = decode_packet(frame.body)
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+            return
+        if conn is self.next_conn:  # something coming back from the next stage
+            self._from_next_stage(packet)
+            return
+        self._queue.put_nowait(("packet", conn, stream_id, packet))
+
+    def _control(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        try:
+            message = decode_control(frame.body)
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+            return
+        if conn is self.host_conn and stream_id == self.plan_stream:
+            self._host_message(message)
+        elif message["type"] == "subscribe":
+            self.subscribers[conn.peer_name] = (conn, stream_id)
+            conn.send(stream_id, encode_control({"type": "ok"}))
+        else:
+            conn.send(stream_id, encode_control({"type": "error", "message": "unknown request"}), end=True)
+
+    def _from_next_stage(self, packet: ActivationPacket) -> None:
+        route = self.routes.get(packet.request_id)
+        if route is not None and packet.kind == PacketKind.ERROR:
+            self._send(route.in_conn, route.in_stream, packet)
+
+    # --- the data path ---
+
+    async def _work(self) -> None:
+        while True:
+            item = await self._queue.get()
+            try:
+                if item[0] == "drop":
+                    await self._release(item[1])
+                else:
+                    await self._handle(*item[1:])
+            except Exception:  # noqa: BLE001 - one bad request must not stop the stage
+                log.exception("unexpected error while handling a packet")
+
+    async def _handle(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+        rid = packet.request_id
+        if packet.kind == PacketKind.END:
+            await self._release(rid, forward=True)
+            return
+        if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
+            self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
+            return
+        problem = self._check_packet(packet)
+        if problem:
+            self._refuse(conn, stream_id, rid, problem)
+            return
+        route = self.routes.get(rid)
+        if route is None:
+            is_first = self.stage.start == self.plan.head_layers
+            route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
+        elif route.in_conn is not conn or route.in_stream != stream_id:
+            self._refuse(conn, stream_id, rid, "request id is in use on another stream")
+            return
+        route.last_active = time.monotonic()
+        hidden = np.asarray(packet.data, dtype=np.float32)
+        loop = asyncio.get_running_loop()
+        try:
+            out = await loop.run_in_executor(self._executor, self._forward, rid, packet.start_pos, hidden)
+        except EngineError as e:
+            self._refuse(conn, stream_id, rid, str(e))
+            return
+        self.routes[rid] = route
+        await self._pass_on(route, packet, out)
+
+    def _forward(self, rid: bytes, start_pos: int, hidden: np.ndarray) -> np.ndarray:
+        if self.engine is None:
+            raise EngineError("this trunk has no layers loaded")
+        return self.engine.forward(rid, start_pos=start_pos, hidden=hidden)
+
+    def _check_packet(self, packet: ActivationPacket) -> str:
+        if self.stage is None or self.engine is None or self.plan is None:
+            return "this trunk is not serving any layers right now"
+        if packet.plan_version != self.plan.version:
+            return f"stale plan: packet has version {packet.plan_version}, the swarm is at {self.plan.version}"
+        if packet.layer_index != self.stage.start:
+            return f"this stage runs layers [{self.stage.start}, {self.stage.stop}), not layer {packet.layer_index}"
+        if packet.data.ndim != 2 or packet.data.shape[1] != self.engine.spec.n_embd:
+            return (f"activations of shape {list(packet.data.shape)} do not fit: expected "
+                    f"[n_tokens, {self.engine.spec.n_embd}]")
+        return ""
+
+    async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray) -> None:
+        rid = packet.request_id
+        is_last = self.stage.stop == self.plan.trunk_range[1]
+        onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, self.plan.version,
+                                  self.stage.stop, packet.start_pos, out, packet.dtype, route.reply_to)
+        if is_last:
+            sub = self.subscribers.get(route.reply_to)
+            if sub is None:
+                self._refuse(route.in_conn, route.in_stream, rid, f"asker {route.reply_to!r} has no results stream "
+                                                                  "open at the last stage")
+                return
+            await self._send_and_drain(sub[0], sub[1], onward)
+            return
+        try:
+            conn = await self._next_stage_conn()
+        except (ConnectionError, OSError) as e:
+            self._refuse(route.in_conn, route.in_stream, rid, f"cannot reach the next stage: {e}")
+            return
+        if route.out_stream is None:
+            route.out_stream = conn.open_stream()
+        await self._send_and_drain(conn, route.out_stream, onward)
+
+    async def _next_stage_conn(self) -> SwarmProtocol:
+        nxt = self.plan.next_stage(self.stage)
+        if nxt is None:
+            raise ConnectionError("the plan has no stage after this one")
+        if self.next_conn is not None and self.next_conn.is_open and self.next_member == nxt.member:
+            return self.next_conn
+        if self.next_conn is not None:
+            await close(self.next_conn, "plan changed")
+        self.next_conn = await connect_member(Address.parse(nxt.address), self.creds, nxt.member, self)
+        self.next_member = nxt.member
+        return self.next_conn
+
+    async def _release(self, rid: bytes, forward: bool = False) -> None:
+        route = self.routes.pop(rid, None)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, lambda: self.engine.release(rid) if self.engine else None)
+        if forward and route is not None and route.out_stream is not None and self.next_conn is not None \
+                and self.next_conn.is_open:
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.stage.stop, 0,
+                                   np.empty((0, 0), np.float32))
+            self.next_conn.send(route.out_stream, encode_packet(end), end=True)
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(10.0, self.idle_timeout))
+            now = time.monotonic()
+            for rid, route in list(self.routes.items()):
+                if now - route.last_active > self.idle_timeout:
+                    log.info("request %s idle for %.0fs: freeing its cache", rid.hex()[:8], now - route.last_active)
+                    self._queue.put_nowait(("drop", rid))
+
+    def _drop_all_routes(self, reason: str) -> None:
+        for rid, route in list(self.routes.items()):
+            self._send_error(route.in_conn, route.in_stream, rid, reason)
+        self.routes.clear()
+
+    # --- sending ---
+
+    def _refuse(self, conn: SwarmProtocol, stream_id: int, rid: bytes, reason: str) -> None:
+        log.warning("request %s from %s refused: %s", rid.hex()[:8], conn.peer_name, reason)
+        self._send_error(conn, stream_id, rid, reason)
+
+    def _send_error(self, conn: SwarmProtocol, stream_id: int, rid: bytes, message: str) -> None:
+        error = ActivationPacket(PacketKind.ERROR, rid, self.plan.version if self.plan else 0, 0, 0,
+                                 np.empty((0, 0), np.float32), DType.F32, "", message)
+        self._send(conn, stream_id, error)
+
+    def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+        if conn.is_open:
+            data = encode_packet(packet)
+            self._capture("send", Frame(FrameType.ACTIVATION, data[5:]))
+            conn.send(stream_id, data)
+
+    async def _send_and_drain(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+        self._send(conn, stream_id, packet)
+        await conn.drain(stream_id, SEND_BACKLOG)
+
+    def _capture(self, direction: str, frame: Frame) -> None:
+        """With --capture DIR, keep every frame this stage receives and sends, exactly as bytes:
+        what a curious member running this stage could see."""
+        if self.capture_dir is None:
+            return
+        self._capture_seq += 1
+        kind = frame.type.name.lower()
+        (self.capture_dir / f"{self._capture_seq:06d}-{direction}-{kind}.bin").write_bytes(frame.body)
