@@ -158,7 +158,7 @@ class HostService:
 
     def _ready(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
         stage = self.plan.stage_for(conn.peer_name)
-        if stage is not None and int(message["plan_version"]) == self.plan.version:
+        if stage is not None and int(message["plan_version"]) == self.plan.version and not stage.ready:
             stage.ready = True
             log.info("trunk %s ready with layers [%d, %d)", conn.peer_name, stage.start, stage.stop)
             self._push_plan()

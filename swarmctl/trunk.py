@@ -88,6 +88,7 @@ class TrunkService:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slice")
         self._loading: asyncio.Task | None = None
+        self._ready_sent: tuple[int, int, int] | None = None  # (plan version, start, stop) last confirmed
         self._capture_seq = 0
         self._server = None
 
@@ -138,6 +139,7 @@ class TrunkService:
             await asyncio.sleep(PING_INTERVAL)
 
     async def _register(self) -> None:
+        self._ready_sent = None  # a (re)connected host needs to hear it again
         errors = []
         for text in self.config.host_addresses:
             try:
@@ -193,8 +195,10 @@ class TrunkService:
         if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):
             self._loading = asyncio.ensure_future(self._load(latest)) if latest else None
             return
-        await self._tell_host({"type": "ready", "plan_version": self.plan.version})
-        log.info("serving layers [%d, %d) under plan v%d", stage.start, stage.stop, self.plan.version)
+        if self._ready_sent != (self.plan.version, stage.start, stage.stop):
+            self._ready_sent = (self.plan.version, stage.start, stage.stop)
+            await self._tell_host({"type": "ready", "plan_version": self.plan.version})
+            log.info("serving layers [%d, %d) under plan v%d", stage.start, stage.stop, self.plan.version)
 
     def _load_engine(self, stage: StageAssignment) -> None:
         """In the engine thread: check our copy of the model against the host's, then load."""

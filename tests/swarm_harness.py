@@ -1,0 +1,120 @@
+"""Real swarms for tests: every node a separate `swarmctl` process with its own SWARMCTL_HOME,
+set up only through the CLI (init / invite / join / run), talking QUIC with mTLS on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from swarmctl.local_swarm import free_udp_port
+
+
+def swarmctl(home: Path | None, *args: str, timeout: float = 120, check: bool = False,
+             env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    if home is not None:
+        env["SWARMCTL_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "swarmctl", *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"swarmctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    return r
+
+
+class Node:
+    """A running `swarmctl run` process."""
+
+    def __init__(self, home: Path, role: str, *extra: str) -> None:
+        self.home = home
+        self.log_path = home.parent / f"{home.name}-{role}.log"
+        env = {**os.environ, "SWARMCTL_HOME": str(home), "OMP_WAIT_POLICY": "PASSIVE"}
+        self.process = subprocess.Popen([sys.executable, "-m", "swarmctl", "run", "--role", role, *extra], env=env,
+                                        stdin=subprocess.DEVNULL, stdout=open(self.log_path, "wb"),
+                                        stderr=subprocess.STDOUT)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.alive:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class Swarm:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.host_home = root / "host"
+        self.host_port = free_udp_port()
+        self.nodes: list[Node] = []
+        self.homes: dict[str, Path] = {}
+        self.captures: dict[str, Path] = {}
+
+    def init(self) -> None:
+        swarmctl(self.host_home, "init", "--listen", f"127.0.0.1:{self.host_port}", check=True)
+
+    def invite(self, *args: str) -> str:
+        return swarmctl(self.host_home, "invite", *args, check=True).stdout.strip()
+
+    def join(self, name: str) -> Path:
+        home = self.root / name
+        swarmctl(home, "join", self.invite(), "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", check=True)
+        self.homes[name] = home
+        return home
+
+    def start_host(self) -> Node:
+        node = Node(self.host_home, "host")
+        self.nodes.append(node)
+        return node
+
+    def start_trunk(self, name: str, *extra: str, capture: bool = True) -> Node:
+        args = list(extra)
+        if capture:
+            self.captures[name] = self.root / f"capture-{name}"
+            self.captures[name].mkdir(exist_ok=True)
+            args += ["--capture", str(self.captures[name])]
+        node = Node(self.homes[name], "trunk", *args)
+        self.nodes.append(node)
+        return node
+
+    def status(self) -> dict:
+        r = swarmctl(self.host_home, "status", "--json")
+        return json.loads(r.stdout) if r.returncode == 0 else {}
+
+    def wait_host(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.status():
+                return
+            time.sleep(0.2)
+        raise AssertionError("the host did not come up:\n" + self.nodes[0].log())
+
+    def wait_complete(self, n_stages: int, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                if not node.alive:
+                    raise AssertionError(f"node {node.home.name} died:\n{node.log()}")
+            status = self.status()
+            stages = [m for m in status.get("members", []) if m["layers"]]
+            if status.get("complete") and len(stages) == n_stages:
+                return status
+            time.sleep(0.3)
+        raise AssertionError(f"swarm not complete with {n_stages} stages: {self.status()}")
+
+    def close(self) -> None:
+        for node in reversed(self.nodes):
+            node.stop()
