@@ -14,8 +14,8 @@ from aioquic.quic.connection import QuicConnection
 
 from .identity import Credentials, IdentityError
 from .protocol import ConnectionHandler, SwarmProtocol
-from .tls import (ALPN_JOIN, ALPN_SWARM, DEFAULT_DATAGRAM_SIZE, CertificateCheck, check_pinned_host,
-                  client_configuration, join_configuration, server_configuration)
+from .tls import (ALPN_JOIN, ALPN_SWARM, CertificateCheck, check_pinned_host, client_configuration,
+                  datagram_size_for, join_configuration, server_configuration)
 from .wire import DEFAULT_MAX_FRAME
 
 CONNECT_TIMEOUT = 10.0
@@ -54,26 +54,26 @@ class Address:
 
 async def serve_member(address: Address, creds: Credentials, handler: ConnectionHandler, *,
                        client_check: CertificateCheck, accept_joins: bool = False,
-                       max_frame: int = DEFAULT_MAX_FRAME,
-                       max_datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> QuicServer:
+                       max_frame: int = DEFAULT_MAX_FRAME, max_datagram_size: int | None = None) -> QuicServer:
     """Listen for swarm connections (mTLS required) and, on the host, for joiners."""
     alpns = [ALPN_SWARM, ALPN_JOIN] if accept_joins else [ALPN_SWARM]
-    config = server_configuration(creds, alpns=alpns, max_datagram_size=max_datagram_size)
+    config = server_configuration(creds, alpns=alpns,
+                                  max_datagram_size=max_datagram_size or datagram_size_for(address.host))
     create = functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame, client_check=client_check,
                                anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset())
     return await serve(address.host, address.port, configuration=config, create_protocol=create)
 
 
 async def connect_member(address: Address, creds: Credentials, peer_name: str, handler: ConnectionHandler, *,
-                         max_frame: int = DEFAULT_MAX_FRAME,
-                         max_datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> SwarmProtocol:
-    config = client_configuration(creds, peer_name=peer_name, max_datagram_size=max_datagram_size)
+                         max_frame: int = DEFAULT_MAX_FRAME, max_datagram_size: int | None = None) -> SwarmProtocol:
+    config = client_configuration(creds, peer_name=peer_name,
+                                  max_datagram_size=max_datagram_size or datagram_size_for(address.host))
     return await _connect(address, config, handler, max_frame)
 
 
 async def connect_pinned_host(address: Address, ca_fingerprint: str, handler: ConnectionHandler):
     """A joiner's connection: refuses (closes) unless the host proves it holds the pinned CA's chain."""
-    conn = await _connect(address, join_configuration(), handler, DEFAULT_MAX_FRAME)
+    conn = await _connect(address, join_configuration(datagram_size_for(address.host)), handler, DEFAULT_MAX_FRAME)
     try:
         ca_cert = check_pinned_host(conn._quic, ca_fingerprint)
     except IdentityError:

@@ -17,6 +17,8 @@ fetcher or handler): a resumed handshake carries no client certificate.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import ssl
 from typing import Callable
 
@@ -30,11 +32,27 @@ from .identity import Credentials, IdentityError, cert_pem, fingerprint
 ALPN_SWARM = "swarmctl/1"
 ALPN_JOIN = "swarmctl-join/1"
 DEFAULT_DATAGRAM_SIZE = 1350  # fits typical Internet paths (1500-byte MTU with tunnel headroom)
+# Loopback has a 64 KiB MTU. aioquic 1.7.2 writes packet lengths in 2 bytes (at most 16383), and
+# larger datagrams fail to parse at the peer ("Failed to parse frame", measured), so stay below.
+LOOPBACK_DATAGRAM_SIZE = 16000
 IDLE_TIMEOUT = 30.0
 MAX_STREAM_DATA = 16 * 1024 * 1024
 MAX_DATA = 64 * 1024 * 1024
 
 CertificateCheck = Callable[[x509.Certificate], None]  # raises IdentityError
+
+
+def datagram_size_for(host: str) -> int:
+    """Raise the datagram size where the path allows: loopback always does; other paths take
+    $SWARMCTL_MAX_DATAGRAM (e.g. a LAN with jumbo frames) or the Internet-safe default."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return LOOPBACK_DATAGRAM_SIZE
+    except ValueError:
+        if host == "localhost":
+            return LOOPBACK_DATAGRAM_SIZE
+    override = os.environ.get("SWARMCTL_MAX_DATAGRAM", "")
+    return max(1200, min(int(override), LOOPBACK_DATAGRAM_SIZE)) if override.isdigit() else DEFAULT_DATAGRAM_SIZE
 
 
 def server_configuration(creds: Credentials, *, alpns: list[str],

@@ -29,7 +29,7 @@ def test_inproc_raw_greedy_completion_matches_llama_cpp(oracle):
 
 
 def test_chat_answer_streams_and_logs_to_stderr():
-    r = swarmctl("ask", "-v", "--temperature", "0", "--max-tokens", "40", "--threads", "2",
+    r = swarmctl("ask", "-v", "--transport", "inproc", "--temperature", "0", "--max-tokens", "40", "--threads", "2",
                  "Name the three primary colours.")
     assert r.returncode == 0, r.stderr
     assert "Red" in r.stdout and "Blue" in r.stdout  # the bundled model's greedy answer names them
