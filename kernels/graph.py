@@ -1,4 +1,4 @@
-"""Forward graphs of a slice, built from ggml operators.
+"""Forward graphs of a slice, built from ggml operators, for one request or a batch of them.
 
 Reads like llama.cpp's ``llm_build_llama``: inputs → layer loop (norm, Q/K/V, RoPE, attention,
 residual, norm, FFN, residual) → output norm → LM head, with every intermediate tensor named the
@@ -8,11 +8,16 @@ so a slice's tensors can be compared with a whole-model llama.cpp run by name.
 The operator sequence deliberately mirrors llama.cpp's graph without flash attention (F16 KV
 cache, transposed V, F32-accumulated KQ, fused soft_max_ext, swiglu_split): the same kernels on
 the same data give the same bits, which keeps greedy tokens equal to the oracle's.
+
+A batch stacks the requests' tokens as columns: norms, projections and the FFN run once over all
+of them (shared matmuls); attention runs per request, against that request's own KV cache with
+its own mask and padded length, exactly as it would alone; the per-request results are
+concatenated back before the output projection. A batch of one is the single-request graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from . import ggml
@@ -21,27 +26,50 @@ from .spec import ModelSpec, SliceSpec
 from .weights import LayerWeights, SliceWeights
 
 
-@dataclass
-class GraphInputs:
-    """Placeholders filled just before compute (llama.cpp's llm_graph_input_*)."""
+@dataclass(frozen=True)
+class RequestShape:
+    """What one request contributes to a graph's shape."""
 
-    pos: int | None  # I32 [n_tokens]: absolute position of each token
-    kq_mask: int | None  # F32 [n_kv, n_tokens]: 0 where a token may attend a cell, -inf elsewhere
-    k_idxs: int | None  # I64 [n_tokens]: cell each token's K is written to
-    v_idxs: int | None  # I64 [n_tokens * n_embd_kv]: element of the transposed V each value goes to
-    tokens: int | None = None  # I32 [n_tokens] (slices with the embedding)
-    embd: int | None = None  # F32 [n_embd, n_tokens] (slices fed by activations)
-    out_ids: int | None = None  # I32 [n_outputs]: rows kept after the model's last layer
+    n_tokens: int
+    n_kv: int  # cells attended (padded like llama.cpp's n_kv); 0 for a slice without layers
+    n_outputs: int  # rows kept after the model's last layer
+    kv_generation: int  # the cache tensors it reads and writes
 
 
 @dataclass(frozen=True)
 class GraphShape:
     """Everything a built graph depends on besides input data; equal shapes → reuse the graph."""
 
-    n_tokens: int
-    n_kv: int  # cells attended (padded like llama.cpp's n_kv)
-    n_outputs: int  # rows kept after the model's last layer
-    kv_generation: int  # the cache tensors it reads and writes
+    requests: tuple[RequestShape, ...]
+    request_ids: tuple[bytes, ...]  # each member's KV cache is wired into the graph
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(r.n_tokens for r in self.requests)
+
+    @property
+    def n_outputs(self) -> int:
+        return sum(r.n_outputs for r in self.requests)
+
+
+@dataclass
+class AttentionInputs:
+    """One request's attention placeholders (llama.cpp's llm_graph_input_attn_kv)."""
+
+    kq_mask: int  # F32 [n_kv, n_tokens]: 0 where a token may attend a cell, -inf elsewhere
+    k_idxs: int  # I64 [n_tokens]: cell each token's K is written to
+    v_idxs: int  # I64 [n_tokens * n_embd_kv]: element of the transposed V each value goes to
+
+
+@dataclass
+class GraphInputs:
+    """Placeholders filled just before compute (llama.cpp's llm_graph_input_*)."""
+
+    pos: int | None  # I32 [N]: absolute position of each token (all requests, stacked)
+    attention: list[AttentionInputs] = field(default_factory=list)  # one per request
+    tokens: int | None = None  # I32 [N] (slices with the embedding)
+    embd: int | None = None  # F32 [n_embd, N] (slices fed by activations)
+    out_ids: int | None = None  # I32 [n_outputs]: rows kept after the model's last layer
 
 
 class SliceGraph:
@@ -51,7 +79,7 @@ class SliceGraph:
         self.ctx = ctx
         self.graph = graph
         self.inputs = inputs
-        self.output = output  # F32 [n_embd or n_vocab, n_rows]
+        self.output = output  # F32 [n_embd or n_vocab, rows]
         self.shape = shape
 
     def close(self) -> None:
@@ -63,16 +91,20 @@ class SliceGraph:
 class GraphBuilder:
     """Shared helpers for the architecture builders; each names the tensors it makes."""
 
-    def __init__(self, spec: ModelSpec, ctx: int, graph: int, kv: KVCache | None, shape: GraphShape,
+    def __init__(self, spec: ModelSpec, ctx: int, graph: int, caches: list[KVCache | None], shape: GraphShape,
                  inputs: GraphInputs, rope_freqs: int | None) -> None:
         self.spec = spec
         self.ctx = ctx
         self.graph = graph
-        self.kv = kv
+        self.caches = caches
+        self.shape = shape
         self.n_tokens = shape.n_tokens
-        self.n_kv = shape.n_kv
         self.inputs = inputs
         self.rope_freqs = rope_freqs
+        starts = [0]
+        for r in shape.requests:
+            starts.append(starts[-1] + r.n_tokens)
+        self.row_starts = starts  # request m owns stacked rows [starts[m], starts[m + 1])
 
     def name(self, tensor: int, label: str, il: int = -1) -> int:
         ggml.set_name(tensor, (f"{label}-{il}" if il >= 0 else label).encode())
@@ -87,7 +119,7 @@ class GraphBuilder:
         return ggml.add(self.ctx, y, bias) if bias is not None else y
 
     def qkv(self, w: LayerWeights, x: int, il: int) -> tuple[int, int, int]:
-        """Projections, biases where present, reshaped to [head_dim, heads, n_tokens]."""
+        """Projections, biases where present, reshaped to [head_dim, heads, N]."""
         s = self.spec
         q = ggml.reshape_3d(self.ctx, self.linear(w.wq, x, w.bq), s.head_dim, s.n_head, self.n_tokens)
         k = ggml.reshape_3d(self.ctx, self.linear(w.wk, x, w.bk), s.head_dim, s.n_head_kv, self.n_tokens)
@@ -101,37 +133,55 @@ class GraphBuilder:
         return self.name(y, label, il)
 
     def attention(self, w: LayerWeights, q: int, k: int, v: int, il: int) -> int:
-        """Store this step's K/V in the request's cache, attend over its cells, project out."""
-        assert self.kv is not None and self.inputs.kq_mask is not None
-        self._store_kv(k, v, il)
-        k_all, v_all = self._cached_kv(il)
-        s, ctx = self.spec, self.ctx
-        q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n_tokens, n_head]
-        k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
-        v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
-        kq = self.name(ggml.mul_mat(ctx, k_all, q), "kq", il)  # [n_kv, n_tokens, n_head]
-        ggml.prec_set_acc(kq, ggml.PREC_F32)
-        kq = self.name(ggml.soft_max_ext(ctx, kq, self.inputs.kq_mask, s.attention_scale, 0.0), "kq_soft_max", il)
-        kqv = self.name(ggml.mul_mat(ctx, v_all, kq), "kqv", il)  # [head_dim, n_tokens, n_head]
-        cur = ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), s.n_embd_q, self.n_tokens)
+        """Per request: store its K/V in its cache, attend over its cells. Then project out."""
+        outs = []
+        for m, (cache, inp) in enumerate(zip(self.caches, self.inputs.attention)):
+            q_m, k_m, v_m = (self._rows(t, m) for t in (q, k, v))
+            self._store_kv(cache, inp, k_m, v_m, il)
+            outs.append(self._attend(cache, inp, q_m, il))
+        cur = _concat_rows(self.ctx, outs)
         self.name(cur, "kqv_out", il)
         return self.linear(w.wo, cur, w.bo)
 
-    def _store_kv(self, k: int, v: int, il: int) -> None:
-        ctx, n = self.ctx, self.spec.n_embd_kv
-        k_rows = ggml.view_2d(ctx, k, n, self.n_tokens, ggml.tensor_strides(k)[2], 0)
-        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, self.kv.k[il], k_rows, self.inputs.k_idxs))
-        # V is stored transposed: scatter single elements, as llama.cpp's cpy_v does.
-        v_elems = ggml.reshape_2d(ctx, v, 1, n * self.n_tokens)
-        v_cells = ggml.reshape_2d(ctx, self.kv.v[il], 1, n * self.kv.capacity)
-        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, v_cells, v_elems, self.inputs.v_idxs))
+    def _rows(self, t: int, m: int) -> int:
+        """Request m's slice [head_dim, heads, n_m] of a stacked [head_dim, heads, N] tensor."""
+        if len(self.caches) == 1:
+            return t
+        ne0, ne1, _, _ = ggml.tensor_shape(t)
+        nb = ggml.tensor_strides(t)
+        a, b = self.row_starts[m], self.row_starts[m + 1]
+        return ggml.view_3d(self.ctx, t, ne0, ne1, b - a, nb[1], nb[2], a * nb[2])
 
-    def _cached_kv(self, il: int) -> tuple[int, int]:
-        s, cap, f16 = self.spec, self.kv.capacity, ggml.TYPE_F16
+    def _store_kv(self, cache: KVCache, inp: AttentionInputs, k: int, v: int, il: int) -> None:
+        ctx, n_embd_kv = self.ctx, self.spec.n_embd_kv
+        n = ggml.tensor_shape(k)[2]
+        k_rows = ggml.view_2d(ctx, k, n_embd_kv, n, ggml.tensor_strides(k)[2], 0)
+        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, cache.k[il], k_rows, inp.k_idxs))
+        # V is stored transposed: scatter single elements, as llama.cpp's cpy_v does.
+        v_elems = ggml.reshape_2d(ctx, v, 1, n_embd_kv * n)
+        v_cells = ggml.reshape_2d(ctx, cache.v[il], 1, n_embd_kv * cache.capacity)
+        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, v_cells, v_elems, inp.v_idxs))
+
+    def _attend(self, cache: KVCache, inp: AttentionInputs, q: int, il: int) -> int:
+        s, ctx = self.spec, self.ctx
+        n = ggml.tensor_shape(q)[2]
+        n_kv = ggml.tensor_shape(inp.kq_mask)[0]
+        k_all, v_all = self._cached_kv(cache, n_kv, il)
+        q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
+        k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
+        v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
+        kq = self.name(ggml.mul_mat(ctx, k_all, q), "kq", il)  # [n_kv, n, n_head]
+        ggml.prec_set_acc(kq, ggml.PREC_F32)
+        kq = self.name(ggml.soft_max_ext(ctx, kq, inp.kq_mask, s.attention_scale, 0.0), "kq_soft_max", il)
+        kqv = self.name(ggml.mul_mat(ctx, v_all, kq), "kqv", il)  # [head_dim, n, n_head]
+        return ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), s.n_embd_q, n)
+
+    def _cached_kv(self, cache: KVCache, n_kv: int, il: int) -> tuple[int, int]:
+        s, cap, f16 = self.spec, cache.capacity, ggml.TYPE_F16
         row = ggml.row_size
-        k = ggml.view_4d(self.ctx, self.kv.k[il], s.head_dim, s.n_head_kv, self.n_kv, 1,
+        k = ggml.view_4d(self.ctx, cache.k[il], s.head_dim, s.n_head_kv, n_kv, 1,
                          row(f16, s.head_dim), row(f16, s.n_embd_kv), row(f16, s.n_embd_kv * cap), 0)
-        v = ggml.view_4d(self.ctx, self.kv.v[il], self.n_kv, s.n_head_kv, s.head_dim, 1,
+        v = ggml.view_4d(self.ctx, cache.v[il], n_kv, s.n_head_kv, s.head_dim, 1,
                          row(f16, cap * s.head_dim), row(f16, cap), row(f16, cap * s.n_embd_kv), 0)
         return k, v
 
@@ -146,6 +196,14 @@ class GraphBuilder:
         if il != self.spec.n_layer - 1 or self.inputs.out_ids is None:
             return x
         return ggml.get_rows(self.ctx, x, self.inputs.out_ids)
+
+
+def _concat_rows(ctx: int, parts: list[int]) -> int:
+    """Stack [width, n_m] tensors along rows, as a balanced tree (each row is copied log2(B) times)."""
+    while len(parts) > 1:
+        parts = [ggml.concat(ctx, parts[i], parts[i + 1], 1) if i + 1 < len(parts) else parts[i]
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
 # --- one builder per architecture family: a transformer block, top to bottom ---
@@ -182,20 +240,20 @@ LayerBuilder = Callable[[GraphBuilder, LayerWeights, int, int], int]
 LAYER_BUILDERS: dict[str, LayerBuilder] = {"llama": llama_layer, "qwen2": llama_layer, "qwen3": qwen3_layer}
 
 
-def graph_size_for(n_layers: int) -> int:
-    """Graph nodes to reserve: a dense block makes about 40 tensors; leave headroom."""
-    return 64 * n_layers + 64
+def graph_size_for(n_layers: int, n_requests: int) -> int:
+    """Graph nodes to reserve: a dense block makes about 25 shared tensors and 20 per request."""
+    return (32 + 24 * n_requests) * max(n_layers, 1) + 64 + 4 * n_requests
 
 
-def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, kv: KVCache | None,
-                      shape: GraphShape) -> SliceGraph:
+def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights,
+                      caches: list[KVCache | None], shape: GraphShape) -> SliceGraph:
     """The whole slice as one graph: [embedding] → layers [start, stop) → [output norm → LM head]."""
     n_layers = slice_spec.stop - slice_spec.start
-    size = graph_size_for(n_layers)
+    size = graph_size_for(n_layers, len(shape.requests))
     ctx = ggml.new_context(size + 16, graph_nodes=size)
     graph = ggml.new_graph_custom(ctx, size, False)
     inputs = _new_inputs(ctx, spec, slice_spec, shape)
-    b = GraphBuilder(spec, ctx, graph, kv, shape, inputs, weights.rope_freqs)
+    b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
 
     if slice_spec.has_embedding:
         cur = b.name(ggml.get_rows(ctx, weights.tok_embd, inputs.tokens), "inp_embd")
@@ -215,21 +273,21 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
 
 
 def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> GraphInputs:
-    n = shape.n_tokens
-
     def placeholder(name: str, ggml_type: int, *ne: int) -> int:
         t = ggml.new_tensor_1d(ctx, ggml_type, ne[0]) if len(ne) == 1 else ggml.new_tensor_2d(ctx, ggml_type, *ne)
         ggml.set_name(t, name.encode())
         ggml.set_input(t)
         return t
 
+    n = shape.n_tokens
     has_layers = s.stop > s.start
-    inputs = GraphInputs(
-        pos=placeholder("inp_pos", ggml.TYPE_I32, n) if has_layers else None,
-        kq_mask=placeholder("attn_inp_kq_mask", ggml.TYPE_F32, shape.n_kv, n) if has_layers else None,
-        k_idxs=placeholder("attn_inp_k_idxs", ggml.TYPE_I64, n) if has_layers else None,
-        v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, n * spec.n_embd_kv) if has_layers else None,
-    )
+    inputs = GraphInputs(pos=placeholder("inp_pos", ggml.TYPE_I32, n) if has_layers else None)
+    if has_layers:
+        inputs.attention = [AttentionInputs(
+            kq_mask=placeholder("attn_inp_kq_mask", ggml.TYPE_F32, r.n_kv, r.n_tokens),
+            k_idxs=placeholder("attn_inp_k_idxs", ggml.TYPE_I64, r.n_tokens),
+            v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, r.n_tokens * spec.n_embd_kv),
+        ) for r in shape.requests]
     if s.has_embedding:
         inputs.tokens = placeholder("inp_tokens", ggml.TYPE_I32, n)
     else:

@@ -3,17 +3,20 @@
     engine = SliceEngine.open(path, SliceSpec(0, 4, has_embedding=True))
     hidden = engine.forward(request_id, start_pos=0, tokens=[1, 2, 3])     # prefill
     hidden = engine.forward(request_id, start_pos=3, tokens=[4])           # one decode step
+    outs = engine.forward_batch([Step(a, 17, tokens=[9]), Step(b, 4, tokens=[7])])  # one batch
     engine.release(request_id)
 
-Each request owns a KV cache for the slice's layers. A built graph is kept per request and
-reused while its shape holds (decode steps within one 256-cell window), so a decode step costs
-a few input copies and one ``ggml_backend_graph_compute``.
+Each request owns a KV cache for the slice's layers. Built graphs are kept (a few, keyed by the
+batch's shape) and reused while the shape holds: a steady decode step costs a few input copies
+and one ``ggml_backend_graph_compute``. A batch runs the requests' tokens through shared matmuls
+and gives each request exactly the bits it would get alone.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -22,7 +25,7 @@ import numpy as np
 from . import ggml
 from .backend import Backend
 from .errors import ContextOverflowError, InputShapeError, RequestStateError
-from .graph import GraphShape, SliceGraph, build_slice_graph
+from .graph import GraphShape, RequestShape, SliceGraph, build_slice_graph
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, pad_cells
 from .spec import ModelSpec, SliceSpec
@@ -30,6 +33,23 @@ from .weights import SliceWeights
 
 Outputs = Literal["last", "all"]
 DEFAULT_MAX_CONTEXT = 4096
+GRAPH_CACHE_SIZE = 4
+
+
+@dataclass
+class Step:
+    """One request's share of a forward pass: n new tokens at positions [start_pos, start_pos + n)."""
+
+    request_id: bytes | str
+    start_pos: int
+    tokens: Sequence[int] | np.ndarray | None = None  # slices with the embedding
+    hidden: np.ndarray | None = None  # [n, n_embd] float32, slices fed by activations
+    outputs: Outputs = "last"
+
+    @property
+    def key(self) -> bytes:
+        rid = self.request_id
+        return rid.encode() if isinstance(rid, str) else bytes(rid)
 
 
 @dataclass
@@ -41,57 +61,71 @@ class ForwardStats:
     total_s: float = 0.0
     compute_s: float = 0.0
     graph_builds: int = 0
+    batched_requests: int = 0
 
     @property
     def overhead_s(self) -> float:
         return self.total_s - self.compute_s
 
 
-class _InputHost:
-    """Host-side arrays for one graph's inputs, allocated with the graph and refilled per step, so a
-    decode step costs a few in-place writes and one copy per input (no allocation)."""
-
-    def __init__(self, graph: SliceGraph, n_embd_kv: int, kv_capacity: int) -> None:
-        n, n_kv = graph.shape.n_tokens, graph.shape.n_kv
-        self.n = n
-        self.pos = np.empty(n, dtype=np.int32)
-        self.cells = np.arange(n_kv, dtype=np.int32)
-        self.mask = np.empty((n, n_kv), dtype=np.float32)
-        self.k_idxs = np.empty(n, dtype=np.int64)
-        self.v_idxs = np.empty((n, n_embd_kv), dtype=np.int64)
-        self.v_channel_base = np.arange(n_embd_kv, dtype=np.int64) * kv_capacity  # V is transposed
-        self.out_ids = np.array([n - 1], dtype=np.int32)
-        self.out_shape = ggml.tensor_shape(graph.output)[1::-1]  # (rows, width)
-        inp = graph.inputs
-        self.copies = [(inp.pos, self.pos), (inp.kq_mask, self.mask), (inp.k_idxs, self.k_idxs),
-                       (inp.v_idxs, self.v_idxs), (inp.out_ids, self.out_ids)]
-        self.copies = [(t, a.ctypes.data, a.nbytes) for t, a in self.copies if t is not None]
-
-    def fill(self, start: int) -> None:
-        n = self.n
-        if n == 1:  # a decode step: the common case, kept cheap
-            self.pos[0] = start
-            self.mask.fill(-np.inf)
-            self.mask[0, : start + 1] = 0.0
-            self.k_idxs[0] = start
-            np.add(self.v_channel_base, start, out=self.v_idxs[0])
-        else:
-            self.pos[:] = np.arange(start, start + n, dtype=np.int32)
-            self.mask[:] = np.where(self.cells[None, :] <= self.pos[:, None], np.float32(0), np.float32(-np.inf))
-            self.k_idxs[:] = self.pos  # cell i holds position i
-            np.add(self.k_idxs[:, None], self.v_channel_base[None, :], out=self.v_idxs)
-
-    def upload(self) -> None:
-        for tensor, address, size in self.copies:
-            ggml.backend_tensor_set(tensor, address, 0, size)
-
-
 class _Request:
     def __init__(self, kv: KVCache | None) -> None:
         self.kv = kv
         self.n_filled = 0  # positions processed so far (also the next start position)
-        self.graph: SliceGraph | None = None
-        self.host: _InputHost | None = None
+
+
+class _InputHost:
+    """Host-side arrays for one graph's inputs, allocated with the graph and refilled per step, so a
+    steady decode step costs a few in-place writes and one copy per input (no allocation)."""
+
+    def __init__(self, graph: SliceGraph, n_embd_kv: int, capacities: list[int], out_rows: np.ndarray) -> None:
+        shape = graph.shape
+        self.pos = np.empty(shape.n_tokens, dtype=np.int32)
+        self.members = []
+        copies = []
+        for r, cap, inp in zip(shape.requests, capacities, graph.inputs.attention):
+            member = {
+                "n": r.n_tokens,
+                "mask": np.empty((r.n_tokens, r.n_kv), dtype=np.float32),
+                "cells": np.arange(r.n_kv, dtype=np.int32),
+                "k_idxs": np.empty(r.n_tokens, dtype=np.int64),
+                "v_idxs": np.empty((r.n_tokens, n_embd_kv), dtype=np.int64),
+                "v_base": np.arange(n_embd_kv, dtype=np.int64) * cap,  # V is transposed
+            }
+            self.members.append(member)
+            copies += [(inp.kq_mask, member["mask"]), (inp.k_idxs, member["k_idxs"]), (inp.v_idxs, member["v_idxs"])]
+        self.out_ids = out_rows.astype(np.int32)
+        if graph.inputs.pos is not None:
+            copies.append((graph.inputs.pos, self.pos))
+        if graph.inputs.out_ids is not None:
+            copies.append((graph.inputs.out_ids, self.out_ids))
+        self.copies = [(t, a.ctypes.data, a.nbytes) for t, a in copies]
+        self.out_shape = ggml.tensor_shape(graph.output)[1::-1]  # (rows, width)
+
+    def fill(self, starts: list[int]) -> None:
+        offset = 0
+        for member, start in zip(self.members, starts):
+            n = member["n"]
+            pos = self.pos[offset:offset + n]
+            if n == 1:  # a decode step: the common case, kept cheap
+                pos[0] = start
+                member["mask"].fill(-np.inf)
+                member["mask"][0, : start + 1] = 0.0
+                member["k_idxs"][0] = start
+                np.add(member["v_base"], start, out=member["v_idxs"][0])
+            else:
+                pos[:] = np.arange(start, start + n, dtype=np.int32)
+                member["mask"][:] = np.where(member["cells"][None, :] <= pos[:, None], np.float32(0),
+                                             np.float32(-np.inf))
+                member["k_idxs"][:] = pos  # cell i holds position i
+                np.add(member["k_idxs"][:, None], member["v_base"][None, :], out=member["v_idxs"])
+            offset += n
+        if not self.members:  # a slice without layers still stacks positions (unused)
+            self.pos[:] = 0
+
+    def upload(self) -> None:
+        for tensor, address, size in self.copies:
+            ggml.backend_tensor_set(tensor, address, 0, size)
 
 
 class SliceEngine:
@@ -107,6 +141,7 @@ class SliceEngine:
         self.stats = ForwardStats()
         self._owns_file = owns_file
         self._requests: dict[bytes, _Request] = {}
+        self._graphs: OrderedDict[GraphShape, tuple[SliceGraph, _InputHost]] = OrderedDict()
         self._galloc = ggml.gallocr_new(self.backend.buffer_type())
         self._allocated: SliceGraph | None = None  # the graph whose tensors gallocr placed last
 
@@ -136,40 +171,66 @@ class SliceEngine:
         with the LM head. Rows are all ``n`` tokens, except after the model's last layer, where
         ``outputs="last"`` keeps only the final token (as llama.cpp does without logits_all).
         """
+        return self.forward_batch([Step(request_id, start_pos, tokens, hidden, outputs)])[0]
+
+    def forward_batch(self, steps: Sequence[Step]) -> list[np.ndarray]:
+        """One pass for several requests (distinct ids). Every step is checked before any state
+        changes: if one is invalid, this raises and nothing ran."""
         t0 = time.perf_counter()
-        key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
-        x, n_tokens = self._check_input(tokens, hidden)
-        request = self._request_for(key, start_pos)
-        n_total = start_pos + n_tokens
-        if n_total > self.max_context:
-            raise ContextOverflowError(
-                f"request needs {n_total} positions but the context length is {self.max_context}"
-            )
-        if request.kv is not None:
-            request.kv.reserve(n_total)
-        shape = self._shape_for(request, n_tokens, n_total, outputs)
-        graph = self._graph_for(request, shape)
-        self._set_inputs(graph, request, x, start_pos)
+        if not steps:
+            return []
+        inputs = [self.check_step(step) for step in steps]
+        keys = [step.key for step in steps]
+        if len(set(keys)) != len(keys):
+            raise RequestStateError("a batch cannot hold the same request twice")
+        requests = [self._requests.get(k) or self._new_request(k) for k in keys]
+        for step, request, x in zip(steps, requests, inputs):
+            if request.kv is not None:
+                request.kv.reserve(step.start_pos + len(x))
+        shape = self._shape_for(steps, requests, inputs)
+        graph, host = self._graph_for(shape, requests)
+        self._set_inputs(graph, host, inputs, [s.start_pos for s in steps])
         t1 = time.perf_counter()
         self.backend.compute(graph.graph)
         t2 = time.perf_counter()
-        result = self._read_output(request)
-        request.n_filled = n_total
-        if request.kv is not None:
-            request.kv.n_filled = n_total
+        outputs = self._read_outputs(graph, host)
+        for step, request, x in zip(steps, requests, inputs):
+            request.n_filled = step.start_pos + len(x)
+            if request.kv is not None:
+                request.kv.n_filled = request.n_filled
         self.stats.calls += 1
-        self.stats.tokens += n_tokens
+        self.stats.batched_requests += len(steps)
+        self.stats.tokens += shape.n_tokens
         self.stats.compute_s += t2 - t1
         self.stats.total_s += time.perf_counter() - t0
-        return result
+        return outputs
+
+    def check_step(self, step: Step) -> np.ndarray:
+        """Validate one step against this slice and the request's state; returns its input array.
+        Raises an EngineError (one line) without changing anything."""
+        x = self._check_input(step.tokens, step.hidden)
+        request = self._requests.get(step.key)
+        if request is None:
+            if step.start_pos != 0:
+                raise RequestStateError(f"unknown request {step.key.hex()[:8]} (a new request starts at position 0)")
+        elif step.start_pos < 0 or step.start_pos > request.n_filled:
+            raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; "
+                                    f"cannot continue at {step.start_pos}")
+        # start_pos < n_filled rewinds: later cells are masked out and then overwritten.
+        n_total = step.start_pos + len(x)
+        if n_total > self.max_context:
+            raise ContextOverflowError(f"request needs {n_total} positions but the context length is "
+                                       f"{self.max_context}")
+        return x
 
     def release(self, request_id: bytes | str) -> bool:
-        """Free a request's KV cache and graph. Returns False if the id was unknown."""
+        """Free a request's KV cache and the graphs that used it. Returns False if the id was unknown."""
         key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
         request = self._requests.pop(key, None)
         if request is None:
             return False
-        self._drop_graph(request)
+        for shape in [s for s in self._graphs if key in s.request_ids]:
+            self._drop_graph(shape)
         if request.kv is not None:
             request.kv.close()
         return True
@@ -180,7 +241,14 @@ class SliceEngine:
 
     # --- internals ---
 
-    def _check_input(self, tokens, hidden) -> tuple[np.ndarray, int]:
+    def _new_request(self, key: bytes) -> _Request:
+        kv = None
+        if self.slice.stop > self.slice.start:
+            kv = KVCache(self.backend, self.slice.layers, self.spec.n_embd_kv, self.max_context)
+        request = self._requests[key] = _Request(kv)
+        return request
+
+    def _check_input(self, tokens, hidden) -> np.ndarray:
         if self.slice.has_embedding:
             if tokens is None or hidden is not None:
                 raise InputShapeError("this slice starts at the embedding: give token ids, not activations")
@@ -189,76 +257,82 @@ class SliceEngine:
                 raise InputShapeError("no tokens to run")
             if not (0 <= int(ids.min()) and int(ids.max()) < self.spec.n_vocab):
                 raise InputShapeError(f"token id outside the vocabulary [0, {self.spec.n_vocab})")
-            return ids.astype(np.int32), int(ids.size)
+            return ids.astype(np.int32)
         if hidden is None or tokens is not None:
             raise InputShapeError("this slice starts mid-model: give activations, not token ids")
         act = np.asarray(hidden)
         if act.ndim != 2 or act.shape[1] != self.spec.n_embd or act.shape[0] == 0:
             raise InputShapeError(
-                f"activations of shape {list(act.shape)} do not fit: expected [n_tokens, {self.spec.n_embd}]"
-            )
-        return np.ascontiguousarray(act, dtype=np.float32), int(act.shape[0])
+                f"activations of shape {list(act.shape)} do not fit: expected [n_tokens, {self.spec.n_embd}]")
+        return np.ascontiguousarray(act, dtype=np.float32)
 
-    def _request_for(self, key: bytes, start_pos: int) -> _Request:
-        request = self._requests.get(key)
-        if request is None:
-            if start_pos != 0:
-                raise RequestStateError(f"unknown request {key.hex()[:8]} (a new request starts at position 0)")
-            kv = None
-            if self.slice.stop > self.slice.start:
-                kv = KVCache(self.backend, self.slice.layers, self.spec.n_embd_kv, self.max_context)
-            request = self._requests[key] = _Request(kv)
-        elif start_pos < 0 or start_pos > request.n_filled:
-            raise RequestStateError(
-                f"request {key.hex()[:8]} has {request.n_filled} positions; cannot continue at {start_pos}"
-            )
-        # start_pos < n_filled rewinds: later cells are masked out and then overwritten.
-        return request
-
-    def _shape_for(self, request: _Request, n_tokens: int, n_total: int, outputs: Outputs) -> GraphShape:
+    def _shape_for(self, steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray]) -> GraphShape:
         holds_last = self.slice.stop == self.spec.n_layer
-        n_outputs = 1 if (outputs == "last" and holds_last) else n_tokens
-        if request.kv is None:
-            return GraphShape(n_tokens, 0, n_outputs, 0)
-        n_kv = min(request.kv.capacity, pad_cells(n_total))
-        return GraphShape(n_tokens, n_kv, n_outputs, request.kv.generation)
+        shapes = []
+        for step, request, x in zip(steps, requests, inputs):
+            n = len(x)
+            n_outputs = 1 if (step.outputs == "last" and holds_last) else n
+            if request.kv is None:
+                shapes.append(RequestShape(n, 0, n_outputs, 0))
+            else:
+                n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
+                shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation))
+        return GraphShape(tuple(shapes), tuple(step.key for step in steps))
 
-    def _graph_for(self, request: _Request, shape: GraphShape) -> SliceGraph:
-        graph = request.graph
-        if graph is None or graph.shape != shape:
-            self._drop_graph(request)
-            graph = build_slice_graph(self.spec, self.slice, self.weights, request.kv, shape)
-            request.graph = graph
-            request.host = _InputHost(graph, self.spec.n_embd_kv, request.kv.capacity if request.kv else 0)
+    def _graph_for(self, shape: GraphShape, requests: list[_Request]) -> tuple[SliceGraph, _InputHost]:
+        entry = self._graphs.get(shape)
+        if entry is None:
+            caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
+            graph = build_slice_graph(self.spec, self.slice, self.weights, caches, shape)
+            host = _InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches], self._output_rows(shape))
+            entry = self._graphs[shape] = (graph, host)
             self.stats.graph_builds += 1
+            while len(self._graphs) > GRAPH_CACHE_SIZE:
+                self._drop_graph(next(iter(self._graphs)))
+        else:
+            self._graphs.move_to_end(shape)
+        graph = entry[0]
         if self._allocated is not graph:
             if not ggml.gallocr_alloc_graph(self._galloc, graph.graph):
                 raise MemoryError("cannot allocate the compute graph")
             self._allocated = graph
-        return graph
+        return entry
 
-    def _drop_graph(self, request: _Request) -> None:
-        if request.graph is not None:
-            if self._allocated is request.graph:
-                self._allocated = None
-            request.graph.close()
-            request.graph = None
-            request.host = None
+    @staticmethod
+    def _output_rows(shape: GraphShape) -> np.ndarray:
+        """Stacked row index of every output row (the last row of a request keeping one)."""
+        rows, start = [], 0
+        for r in shape.requests:
+            rows.extend(range(start + r.n_tokens - r.n_outputs, start + r.n_tokens))
+            start += r.n_tokens
+        return np.array(rows, dtype=np.int32)
 
-    def _set_inputs(self, graph: SliceGraph, request: _Request, x: np.ndarray, start: int) -> None:
-        inp = graph.inputs
-        _set(inp.tokens if inp.tokens is not None else inp.embd, x)
-        request.host.fill(start)
-        request.host.upload()
+    def _drop_graph(self, shape: GraphShape) -> None:
+        graph, _ = self._graphs.pop(shape)
+        if self._allocated is graph:
+            self._allocated = None
+        graph.close()
 
-    def _read_output(self, request: _Request) -> np.ndarray:
-        out = np.empty(request.host.out_shape, dtype=np.float32)
-        ggml.backend_tensor_get(request.graph.output, out.ctypes.data, 0, out.nbytes)
-        return out
+    def _set_inputs(self, graph: SliceGraph, host: _InputHost, inputs: list[np.ndarray], starts: list[int]) -> None:
+        x = inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
+        ggml.backend_tensor_set(graph.inputs.tokens if graph.inputs.tokens is not None else graph.inputs.embd,
+                                x.ctypes.data, 0, x.nbytes)
+        host.fill(starts)
+        host.upload()
+
+    def _read_outputs(self, graph: SliceGraph, host: _InputHost) -> list[np.ndarray]:
+        out = np.empty(host.out_shape, dtype=np.float32)
+        ggml.backend_tensor_get(graph.output, out.ctypes.data, 0, out.nbytes)
+        if len(graph.shape.requests) == 1:
+            return [out]
+        bounds = np.cumsum([0] + [r.n_outputs for r in graph.shape.requests])
+        return [out[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def close(self) -> None:
         for key in list(self._requests):
             self.release(key)
+        for shape in list(self._graphs):
+            self._drop_graph(shape)
         if self._galloc:
             ggml.gallocr_free(self._galloc)
             self._galloc = 0
@@ -272,7 +346,3 @@ class SliceEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _set(tensor: int, data: np.ndarray) -> None:
-    ggml.backend_tensor_set(tensor, data.ctypes.data, 0, data.nbytes)
