@@ -3,7 +3,7 @@
 Exact for quantized weights (ggml quantizes each activation row on its own and the integer dot
 products do not depend on the batch): checked here for Q4_1, Q8_0 and the bundled model. With F32
 weights ggml's float matmul tiles the batch (llamafile's sgemm), so sums are taken in a different
-order and rows agree only to ~1e-6 relative; the test states that tolerance instead.
+order and logits agree only to within ~1e-3 (of values up to ~20); the test states that tolerance.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_batched_logits_equal_solo_logits(bundled_model, tiny_model, model):
         for step, (want, got) in enumerate(zip(alone[rid], together[rid])):
             message = f"{model} request {rid[:1]} step {step}"
             if model.endswith("f32"):
-                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=message)
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3, err_msg=message)
             else:
                 np.testing.assert_array_equal(got, want, err_msg=message)
 
