@@ -101,6 +101,13 @@ def _load(name: str) -> ctypes.CDLL:
     raise ImportError(f"{name} not found in {lib_dir}")
 
 
+# ggml parallelises each graph with OpenMP; after a parallel region libgomp's threads spin for
+# GOMP_SPINCOUNT iterations (300000 by default) before sleeping. Several swarm processes share a
+# small machine's cores, and that spinning starved the one doing the work (a local swarm ran at
+# 30 tokens/s instead of 63 on 2 cores, measured). A short spin keeps barriers fast without
+# stealing. Must be set before libgomp loads; a value the user set wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 base = _load("libggml-base")
 cpu = _load("libggml-cpu")
 

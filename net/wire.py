@@ -10,7 +10,12 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
       version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s
       plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
       reply_to_len:u8  reply_to:utf-8[reply_to_len]
+      n_hops:u8  n_hops × (name_len:u8 name:utf-8 queued_us:u32 compute_us:u32 batch:u16)
       data: n_tokens * n_embd little-endian IEEE 754 values (f32 or f16); for ERROR, UTF-8 text
+
+Each stage a packet passes appends one hop record (how long the packet queued there, the compute
+of the batch it ran in, and that batch's size), so the asker can split a token's latency into
+compute per stage, queueing, and transfer (what is left of the round trip).
 
 All integers in packets are little-endian; the frame length is big-endian (network order).
 """
@@ -29,6 +34,8 @@ DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes; a prefill chunk of 512 tokens × 
 FRAME_HEADER = struct.Struct(">IB")
 PACKET_VERSION = 1
 _PACKET_FIXED = struct.Struct("<BBBB16sIIIIIB")
+_HOP = struct.Struct("<IIH")
+MAX_HOPS = 64
 
 
 class WireError(Exception):
@@ -57,6 +64,16 @@ class DType(enum.IntEnum):
         return np.dtype("<f4") if self is DType.F32 else np.dtype("<f2")
 
 
+@dataclass(frozen=True)
+class Hop:
+    """What one stage did with a packet."""
+
+    stage: str  # member name
+    queued_us: int
+    compute_us: int
+    batch: int  # requests in the batch it ran in
+
+
 @dataclass
 class ActivationPacket:
     kind: PacketKind
@@ -68,6 +85,7 @@ class ActivationPacket:
     dtype: DType = DType.F32
     reply_to: str = ""  # member name of the asker, who receives the RESULT
     message: str = ""  # ERROR only
+    hops: tuple[Hop, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -135,11 +153,16 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
         n_tokens, n_embd = data.shape
         payload = data.tobytes()
     reply = p.reply_to.encode("utf-8")
-    if len(reply) > 255 or len(p.request_id) != 16:
-        raise WireError("reply_to longer than 255 bytes or request_id not 16 bytes")
+    if len(reply) > 255 or len(p.request_id) != 16 or len(p.hops) > MAX_HOPS:
+        raise WireError("reply_to longer than 255 bytes, request_id not 16 bytes, or too many hops")
     header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, 0, p.request_id, p.plan_version, p.layer_index,
                                 p.start_pos, n_tokens, n_embd, len(reply))
-    return encode_frame(FrameType.ACTIVATION, header + reply + payload, max_frame)
+    hops = [bytes([len(p.hops)])]
+    for hop in p.hops:
+        name = hop.stage.encode("utf-8")[:255]
+        hops += [bytes([len(name)]), name, _HOP.pack(min(hop.queued_us, 2**32 - 1), min(hop.compute_us, 2**32 - 1),
+                                                      min(hop.batch, 2**16 - 1))]
+    return encode_frame(FrameType.ACTIVATION, header + reply + b"".join(hops) + payload, max_frame)
 
 
 def decode_packet(body: bytes) -> ActivationPacket:
@@ -156,10 +179,11 @@ def decode_packet(body: bytes) -> ActivationPacket:
     if len(body) < offset:
         raise WireError("activation packet ends inside its reply_to field")
     reply_to = body[_PACKET_FIXED.size:offset].decode("utf-8", errors="replace")
+    hops, offset = _decode_hops(body, offset)
     payload = body[offset:]
     if kind == PacketKind.ERROR:
         return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, np.empty((0, 0), np.float32),
-                                dtype, reply_to, payload.decode("utf-8", errors="replace")[:500])
+                                dtype, reply_to, payload.decode("utf-8", errors="replace")[:500], hops)
     expected = n_tokens * n_embd * dtype.numpy.itemsize
     if len(payload) != expected:
         raise WireError(f"activation data has {len(payload)} bytes; shape [{n_tokens}, {n_embd}] "
@@ -167,7 +191,25 @@ def decode_packet(body: bytes) -> ActivationPacket:
     if kind in (PacketKind.PREFILL, PacketKind.DECODE, PacketKind.RESULT) and n_tokens == 0:
         raise WireError("activation packet carries no tokens")
     data = np.frombuffer(payload, dtype=dtype.numpy).reshape(n_tokens, n_embd)
-    return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to)
+    return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops)
+
+
+def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:
+    if offset >= len(body):
+        raise WireError("activation packet ends before its hop records")
+    count, offset = body[offset], offset + 1
+    hops = []
+    for _ in range(count):
+        if offset >= len(body):
+            raise WireError("activation packet ends inside its hop records")
+        name_len = body[offset]
+        end = offset + 1 + name_len + _HOP.size
+        if end > len(body):
+            raise WireError("activation packet ends inside its hop records")
+        name = body[offset + 1:offset + 1 + name_len].decode("utf-8", errors="replace")
+        hops.append(Hop(name, *_HOP.unpack_from(body, offset + 1 + name_len)))
+        offset = end
+    return tuple(hops), offset
 
 
 # --- control messages ---

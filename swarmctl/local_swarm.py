@@ -70,7 +70,7 @@ class LocalSwarm:
         return home
 
     def _spawn(self, home: SwarmHome, args: list[str]) -> None:
-        env = {**os.environ, "SWARMCTL_HOME": str(home.path), "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**os.environ, "SWARMCTL_HOME": str(home.path)}
         log = open(home.path / "node.log", "wb")
         self.processes.append(subprocess.Popen([sys.executable, "-m", "swarmctl", *args], env=env,
                                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))

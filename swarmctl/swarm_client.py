@@ -1,29 +1,29 @@
 """The asker's link to a swarm: the trunk of the U, reached over QUIC.
 
-``SwarmTrunk`` implements the same ``Trunk`` interface as the in-process stages: hand it the head's
-activations, get back the last trunk stage's output. It runs an asyncio loop in a background
-thread; each request gets its own stream to the first stage, and results come back on one
-results stream this asker opened at the last stage.
+``SwarmLink`` implements the ``Trunk`` interface on the asker's event loop: hand it the head's
+activations, get back the last trunk stage's output and the per-hop timings. Each request gets its
+own stream to the first stage; results come back on one results stream this asker opened at the
+last stage. Many requests can be in flight at once; the stages batch them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from concurrent.futures import Future as ThreadFuture
 from typing import Callable
 
 import numpy as np
 
 from kernels.errors import EngineError
 from net.endpoint import Address, close, connect_member
+from net.identity import Credentials
 from net.protocol import SwarmProtocol
 from net.wire import (ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_control, decode_packet,
                       encode_control, encode_packet)
 from plans.plan import Plan
-from swarmctl.home import SwarmHome
+from swarmctl.asker import TrunkResult
+from swarmctl.home import NodeConfig, SwarmHome
 
 log = logging.getLogger("swarmctl.client")
 
@@ -40,30 +40,30 @@ class _Pending:
         self.result: asyncio.Future[ActivationPacket] | None = None
 
 
-class SwarmTrunk:
-    def __init__(self, home: SwarmHome, *, ready_timeout: float = 60.0, request_timeout: float = 120.0,
-                 dtype: DType = DType.F32, alive_check: Callable[[], None] | None = None) -> None:
-        self.home = home
-        self.config = home.load_config()
-        self.creds = home.credentials()
+class SwarmLink:
+    def __init__(self, config: NodeConfig, creds: Credentials, *, request_timeout: float = 120.0,
+                 dtype: DType = DType.F32) -> None:
+        self.config = config
+        self.creds = creds
         self.request_timeout = request_timeout
         self.dtype = dtype
-        self.alive_check = alive_check  # raises if something we depend on (a local swarm) has died
         self.plan: Plan | None = None
         self.host_conn: SwarmProtocol | None = None
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
         self._pending: dict[bytes, _Pending] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-client", daemon=True)
-        self._thread.start()
-        try:
-            self._call(self._connect(ready_timeout), ready_timeout + 15)
-        except BaseException:
-            self.close()
-            raise
 
-    # --- the Trunk interface (called from the generation thread) ---
+    @classmethod
+    async def open(cls, home: SwarmHome, *, ready_timeout: float = 60.0,
+                   alive_check: Callable[[], None] | None = None, **kwargs) -> "SwarmLink":
+        """Connect to the swarm's host, wait for a complete plan, connect to the first and last stage."""
+        link = cls(home.load_config(), home.credentials(), **kwargs)
+        try:
+            await link._connect(ready_timeout, alive_check)
+        except BaseException:
+            await link.close()
+            raise
+        return link
 
     @property
     def head_layers(self) -> int:
@@ -79,48 +79,51 @@ class SwarmTrunk:
                 raise SwarmError(f"your copy of the model differs from the swarm's ({self.plan.model_name}) "
                                  f"in layer {layer}; use --model with the swarm's GGUF")
 
-    def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> np.ndarray:
-        return self._call(self._forward(request_id, hidden, start_pos), self.request_timeout)
+    # --- the Trunk interface ---
 
-    def release(self, request_id: bytes) -> None:
+    async def forward(self, rid: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+        if self.plan is None or self.first_conn is None or not self.first_conn.is_open:
+            raise SwarmError("not connected to the swarm")
+        pending = self._pending.get(rid)
+        if pending is None:
+            pending = self._pending[rid] = _Pending(self.first_conn.open_stream())
+        pending.result = asyncio.get_running_loop().create_future()
+        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
+        packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
+                                  self.dtype, self.creds.name)
+        t0 = time.perf_counter()
+        self.first_conn.send(pending.stream_id, encode_packet(packet))
+        await self.first_conn.drain(pending.stream_id, SEND_BACKLOG)
         try:
-            self._call(self._release(request_id), 10)
-        except (SwarmError, TimeoutError):
-            pass
+            result = await asyncio.wait_for(pending.result, self.request_timeout)
+        except asyncio.TimeoutError:
+            raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s") from None
+        if result.kind == PacketKind.ERROR:
+            raise SwarmError(f"the swarm refused the request: {result.message}")
+        return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, time.perf_counter() - t0)
 
-    def close(self) -> None:
-        if self._loop.is_running():
-            try:
-                self._call(self._close(), 10)
-            except (SwarmError, TimeoutError):
-                pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+    async def release(self, rid: bytes) -> None:
+        pending = self._pending.pop(rid, None)
+        if pending is not None and self.first_conn is not None and self.first_conn.is_open:
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
+                                   np.empty((0, 0), np.float32))
+            self.first_conn.send(pending.stream_id, encode_packet(end), end=True)
 
-    def _call(self, coro, timeout: float):
-        future: ThreadFuture = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            future.cancel()
-            raise SwarmError(f"the swarm did not answer within {timeout:.0f}s") from None
-        except (ConnectionError, OSError) as e:
-            raise SwarmError(str(e)) from None
+    async def close(self) -> None:
+        for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
+            await close(conn)
 
-    # --- async side ---
+    # --- setup ---
 
-    async def _connect(self, ready_timeout: float) -> None:
+    async def _connect(self, ready_timeout: float, alive_check: Callable[[], None] | None) -> None:
         self.host_conn = await self._connect_host()
         deadline = time.monotonic() + ready_timeout
         while True:
-            reply = decode_control((await self.host_conn.request(encode_control({"type": "get_plan"}))).body)
-            if reply.get("type") != "plan":
-                raise SwarmError(f"host: {reply.get('message', 'unexpected reply')}")
-            self.plan = Plan.from_dict(reply["plan"])
+            self.plan = await self.fetch_plan()
             if self.plan.complete:
                 break
-            if self.alive_check is not None:
-                self.alive_check()
+            if alive_check is not None:
+                alive_check()
             if time.monotonic() > deadline:
                 gaps = ", ".join(f"[{a}, {b})" for a, b in self.plan.missing_layers())
                 raise SwarmError(f"the swarm cannot serve the model: no ready trunk holds layers {gaps}")
@@ -135,6 +138,12 @@ class SwarmTrunk:
         log.info("swarm plan v%d: %s", self.plan.version,
                  ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages))
 
+    async def fetch_plan(self) -> Plan:
+        reply = decode_control((await self.host_conn.request(encode_control({"type": "get_plan"}))).body)
+        if reply.get("type") != "plan":
+            raise SwarmError(f"host: {reply.get('message', 'unexpected reply')}")
+        return Plan.from_dict(reply["plan"])
+
     async def _connect_host(self) -> SwarmProtocol:
         errors = []
         for text in self.config.host_addresses:
@@ -143,33 +152,6 @@ class SwarmTrunk:
             except (ConnectionError, OSError) as e:
                 errors.append(str(e))
         raise SwarmError(f"cannot reach the swarm host: {'; '.join(errors) or 'no address'}")
-
-    async def _forward(self, rid: bytes, hidden: np.ndarray, start_pos: int) -> np.ndarray:
-        assert self.plan is not None and self.first_conn is not None
-        pending = self._pending.get(rid)
-        if pending is None:
-            pending = self._pending[rid] = _Pending(self.first_conn.open_stream())
-        pending.result = self._loop.create_future()
-        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
-        packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
-                                  self.dtype, self.creds.name)
-        self.first_conn.send(pending.stream_id, encode_packet(packet))
-        await self.first_conn.drain(pending.stream_id, SEND_BACKLOG)
-        result = await pending.result
-        if result.kind == PacketKind.ERROR:
-            raise SwarmError(f"the swarm refused the request: {result.message}")
-        return np.asarray(result.data, dtype=np.float32)
-
-    async def _release(self, rid: bytes) -> None:
-        pending = self._pending.pop(rid, None)
-        if pending is not None and self.first_conn is not None and self.first_conn.is_open:
-            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
-                                   np.empty((0, 0), np.float32))
-            self.first_conn.send(pending.stream_id, encode_packet(end), end=True)
-
-    async def _close(self) -> None:
-        for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
-            await close(conn)
 
     # --- ConnectionHandler ---
 

@@ -10,7 +10,6 @@ request's streams as ERROR packets. KV caches live per request id until END or a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,14 +20,15 @@ import numpy as np
 
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine
+from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import verify_member
 from net.protocol import SwarmProtocol
-from net.wire import (ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_control, decode_packet,
-                      encode_control, encode_packet)
+from net.wire import (ActivationPacket, DType, Frame, FrameType, Hop, PacketKind, WireError, decode_control,
+                      decode_packet, encode_control, encode_packet)
 from plans.plan import Plan, StageAssignment
+from swarmctl.batching import BatchRunner, compute_thread
 from swarmctl.home import SwarmHome
 from swarmctl.models import resolve_model
 
@@ -75,6 +75,7 @@ class TrunkService:
         self.plan: Plan | None = None
         self.stage: StageAssignment | None = None
         self.engine: SliceEngine | None = None
+        self.runner: BatchRunner | None = None  # batches the engine's steps (continuous batching)
         self.gguf: GGUFFile | None = None
         self.routes: dict[bytes, Route] = {}
         self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # asker name → results stream
@@ -85,8 +86,9 @@ class TrunkService:
         self.address: Address | None = None
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
         self.on_fatal: Callable[[], None] = lambda: None
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slice")
+        self._locks: dict[bytes, asyncio.Lock] = {}  # one request's packets run in order
+        self._tasks: set[asyncio.Task] = set()
+        self._executor = compute_thread()  # loading and unloading happen on the compute thread too
         self._loading: asyncio.Task | None = None
         self._ready_sent: tuple[int, int, int] | None = None  # (plan version, start, stop) last confirmed
         self._capture_seq = 0
@@ -99,8 +101,7 @@ class TrunkService:
         self._server = await serve_member(listen, self.creds, self, client_check=self._check_member)
         self.address = Address(listen.host, self._server._transport.get_extra_info("sockname")[1])
         log.info("trunk %s listening on %s", self.name, self.address)
-        tasks = [asyncio.ensure_future(self._work()), asyncio.ensure_future(self._keep_host_link(stop)),
-                 asyncio.ensure_future(self._reap_idle())]
+        tasks = [asyncio.ensure_future(self._keep_host_link(stop)), asyncio.ensure_future(self._reap_idle())]
         try:
             await stop.wait()
         finally:
@@ -115,7 +116,6 @@ class TrunkService:
         if self._server is not None:
             self._server.close()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._unload)
-        self._executor.shutdown(wait=False)
 
     def _check_member(self, cert) -> None:
         revoked = frozenset(self.plan.revoked_serials) if self.plan else frozenset()
@@ -182,6 +182,8 @@ class TrunkService:
         same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == (stage.start, stage.stop)
         if not same:
             self._drop_all_routes("the plan changed")
+            if self.runner is not None:
+                await self.runner.aclose("this stage is loading other layers")
             try:
                 await loop.run_in_executor(self._executor, self._load_engine, stage)
             except EngineError as e:
@@ -212,12 +214,16 @@ class TrunkService:
                                   f"host's ({self.plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
                                   "refusing to serve them")
             self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads)
+            self.runner = BatchRunner(self.engine)
             self.gguf = gguf
         except BaseException:
             gguf.close()
             raise
 
     def _unload(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -240,10 +246,10 @@ class TrunkService:
     def connection_lost(self, conn: SwarmProtocol) -> None:
         for rid, route in list(self.routes.items()):
             if route.in_conn is conn:
-                self._queue.put_nowait(("drop", rid))
+                self._spawn(self._release(rid))
             elif conn is self.next_conn and route.out_stream is not None:
                 self._send_error(route.in_conn, route.in_stream, rid, f"next stage {self.next_member} went away")
-                self._queue.put_nowait(("drop", rid))
+                self._spawn(self._release(rid))
         if conn is self.next_conn:
             self.next_conn = self.next_member = None
         for name, (sub_conn, _) in list(self.subscribers.items()):
@@ -266,7 +272,17 @@ class TrunkService:
         if conn is self.next_conn:  # something coming back from the next stage
             self._from_next_stage(packet)
             return
-        self._queue.put_nowait(("packet", conn, stream_id, packet))
+        self._spawn(self._handle(conn, stream_id, packet, time.perf_counter()))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("unexpected error while handling a packet: %r", task.exception())
 
     def _control(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
         try:
@@ -279,6 +295,8 @@ class TrunkService:
         elif message["type"] == "subscribe":
             self.subscribers[conn.peer_name] = (conn, stream_id)
             conn.send(stream_id, encode_control({"type": "ok"}))
+        elif message["type"] == "stats":
+            conn.send(stream_id, encode_control({"type": "stats", **self.stats()}), end=True)
         else:
             conn.send(stream_id, encode_control({"type": "error", "message": "unknown request"}), end=True)
 
@@ -287,56 +305,59 @@ class TrunkService:
         if route is not None and packet.kind == PacketKind.ERROR:
             self._send(route.in_conn, route.in_stream, packet)
 
+    def stats(self) -> dict:
+        """A snapshot for status views and tests (read on the event loop; counters only)."""
+        runner, engine = self.runner, self.engine
+        return {
+            "name": self.name, "layers": [self.stage.start, self.stage.stop] if self.stage else None,
+            "requests": engine.n_requests if engine else 0, "routes": len(self.routes),
+            "kv_bytes": engine.kv_bytes if engine else 0, "queue_depth": runner.queue_depth if runner else 0,
+            "batches": runner.stats.batches if runner else 0, "steps": runner.stats.steps if runner else 0,
+            "tokens": runner.stats.tokens if runner else 0, "busy_s": runner.stats.busy_s if runner else 0.0,
+            "largest_batch": runner.stats.largest_batch if runner else 0,
+            "tensor_bytes": engine.weights.n_bytes if engine else 0,
+        }
+
     # --- the data path ---
 
-    async def _work(self) -> None:
-        while True:
-            item = await self._queue.get()
-            try:
-                if item[0] == "drop":
-                    await self._release(item[1])
-                else:
-                    await self._handle(*item[1:])
-            except Exception:  # noqa: BLE001 - one bad request must not stop the stage
-                log.exception("unexpected error while handling a packet")
-
-    async def _handle(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+    async def _handle(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket, arrived: float) -> None:
         rid = packet.request_id
-        if packet.kind == PacketKind.END:
-            await self._release(rid, forward=True)
-            return
-        if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
-            self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
-            return
-        problem = self._check_packet(packet)
-        if problem:
-            self._refuse(conn, stream_id, rid, problem)
-            return
-        route = self.routes.get(rid)
-        if route is None:
-            is_first = self.stage.start == self.plan.head_layers
-            route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
-        elif route.in_conn is not conn or route.in_stream != stream_id:
-            self._refuse(conn, stream_id, rid, "request id is in use on another stream")
-            return
-        route.last_active = time.monotonic()
-        hidden = np.asarray(packet.data, dtype=np.float32)
-        loop = asyncio.get_running_loop()
-        try:
-            out = await loop.run_in_executor(self._executor, self._forward, rid, packet.start_pos, hidden)
-        except EngineError as e:
-            self._refuse(conn, stream_id, rid, str(e))
-            return
-        self.routes[rid] = route
-        await self._pass_on(route, packet, out)
-
-    def _forward(self, rid: bytes, start_pos: int, hidden: np.ndarray) -> np.ndarray:
-        if self.engine is None:
-            raise EngineError("this trunk has no layers loaded")
-        return self.engine.forward(rid, start_pos=start_pos, hidden=hidden)
+        lock = self._locks.setdefault(rid, asyncio.Lock())
+        async with lock:
+            if packet.kind == PacketKind.END:
+                await self._release(rid, forward=True)
+                return
+            if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
+                self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
+                return
+            problem = self._check_packet(packet)
+            if problem:
+                self._refuse(conn, stream_id, rid, problem)
+                return
+            route = self.routes.get(rid)
+            if route is None:
+                is_first = self.stage.start == self.plan.head_layers
+                route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
+            elif route.in_conn is not conn or route.in_stream != stream_id:
+                self._refuse(conn, stream_id, rid, "request id is in use on another stream")
+                return
+            route.last_active = time.monotonic()
+            submitted = time.perf_counter()
+            try:
+                out, timing = await self.runner.run(Step(rid, packet.start_pos,
+                                                         hidden=np.asarray(packet.data, dtype=np.float32)))
+            except EngineError as e:
+                self._refuse(conn, stream_id, rid, str(e))
+                return
+            self.routes[rid] = route
+            hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
+                      timing.batch_requests)
+            await self._pass_on(route, packet, out, hop)
+        if rid not in self.routes:
+            self._locks.pop(rid, None)
 
     def _check_packet(self, packet: ActivationPacket) -> str:
-        if self.stage is None or self.engine is None or self.plan is None:
+        if self.stage is None or self.runner is None or self.plan is None:
             return "this trunk is not serving any layers right now"
         if packet.plan_version != self.plan.version:
             return f"stale plan: packet has version {packet.plan_version}, the swarm is at {self.plan.version}"
@@ -347,11 +368,12 @@ class TrunkService:
                     f"[n_tokens, {self.engine.spec.n_embd}]")
         return ""
 
-    async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray) -> None:
+    async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray, hop: Hop) -> None:
         rid = packet.request_id
         is_last = self.stage.stop == self.plan.trunk_range[1]
         onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, self.plan.version,
-                                  self.stage.stop, packet.start_pos, out, packet.dtype, route.reply_to)
+                                  self.stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
+                                  hops=(*packet.hops, hop))
         if is_last:
             sub = self.subscribers.get(route.reply_to)
             if sub is None:
@@ -383,8 +405,9 @@ class TrunkService:
 
     async def _release(self, rid: bytes, forward: bool = False) -> None:
         route = self.routes.pop(rid, None)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, lambda: self.engine.release(rid) if self.engine else None)
+        self._locks.pop(rid, None)
+        if self.runner is not None:
+            await self.runner.call(self.engine.release, rid)
         if forward and route is not None and route.out_stream is not None and self.next_conn is not None \
                 and self.next_conn.is_open:
             end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.stage.stop, 0,
@@ -398,7 +421,7 @@ class TrunkService:
             for rid, route in list(self.routes.items()):
                 if now - route.last_active > self.idle_timeout:
                     log.info("request %s idle for %.0fs: freeing its cache", rid.hex()[:8], now - route.last_active)
-                    self._queue.put_nowait(("drop", rid))
+                    self._spawn(self._release(rid))
 
     def _drop_all_routes(self, reason: str) -> None:
         for rid, route in list(self.routes.items()):

@@ -13,7 +13,9 @@ import pytest
 
 from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine
-from swarmctl.ushape import LocalTrunk, UShapeClient, u_split
+import asyncio
+
+from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, run_split
 from tests.oracle import judge, oracle_greedy, oracle_logits
 
@@ -30,10 +32,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def client(bundled_model):
     """head 4 / trunk 11 + 11 / tail 4, as `swarmctl ask --transport inproc` runs it."""
-    c = UShapeClient(bundled_model, 4, n_threads=N_THREADS, max_context=512)
+    c = Asker(bundled_model, 4, n_threads=N_THREADS, max_context=512)
     split = u_split(c.spec.n_layer, 4, 2)
     assert [(s.start, s.stop) for s in split.trunk] == [(4, 15), (15, 26)]
-    trunk = LocalTrunk(c.gguf, split.trunk, n_threads=N_THREADS, max_context=512)
+    trunk = InprocTrunk(c.gguf, split.trunk, n_threads=N_THREADS, max_context=512)
     yield c, trunk
     trunk.close()
     c.close()
@@ -49,7 +51,7 @@ def test_greedy_split_matches_oracle(client, oracle, prompt):
     c, trunk = client
     tokens = c.tokenizer.encode_prompt(prompt)
     assert tokens == oracle.tokenize(prompt.encode(), add_bos=False, special=True) or tokens[0] == oracle.token_bos()
-    ours = list(c.generate(tokens, trunk, max_tokens=32, sampling=SamplingParams(temperature=0)))
+    ours = asyncio.run(generate_all(c, tokens, trunk, max_tokens=32, sampling=SamplingParams(temperature=0))).tokens
     theirs = oracle_greedy(oracle, tokens, 32)
     verdict = judge(tokens, ours, theirs, lambda t: split_logits(client, t), oracle)
     assert verdict.passes, verdict.explain()

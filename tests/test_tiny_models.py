@@ -12,7 +12,9 @@ from kernels.gguf_file import GGUFFile
 from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
-from swarmctl.ushape import LocalTrunk, UShapeClient, u_split
+import asyncio
+
+from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, TINY_CONFIGS, make_oracle, run_split
 from tests.oracle import judge, oracle_greedy
 
@@ -23,13 +25,14 @@ PROMPTS = ["Hello, my name is", "The weather today", "import numpy as np"]
 def test_tiny_model_matches_oracle(tiny_model, name):
     path = tiny_model(name)
     llm = make_oracle(path)
-    client = UShapeClient(path, 1, n_threads=N_THREADS, max_context=512)
-    trunk = LocalTrunk(client.gguf, u_split(client.spec.n_layer, 1, 2).trunk, n_threads=N_THREADS, max_context=512)
+    client = Asker(path, 1, n_threads=N_THREADS, max_context=512)
+    trunk = InprocTrunk(client.gguf, u_split(client.spec.n_layer, 1, 2).trunk, n_threads=N_THREADS, max_context=512)
     engines = [client.head, *trunk.engines, client.tail]
     try:
         for prompt in PROMPTS:
             tokens = client.tokenizer.encode_prompt(prompt)
-            ours = list(client.generate(tokens, trunk, max_tokens=16, sampling=SamplingParams(temperature=0)))
+            ours = asyncio.run(generate_all(client, tokens, trunk, max_tokens=16,
+                                            sampling=SamplingParams(temperature=0))).tokens
             theirs = oracle_greedy(llm, tokens, 16)
             verdict = judge(tokens, ours, theirs, lambda t: run_split(engines, t), llm)
             assert verdict.passes, f"{name} / {prompt!r}: {verdict.explain()}"
@@ -127,10 +130,11 @@ def test_numpy_reference_block_agrees_with_ggml(tiny_model):
 def test_oracle_rule_catches_a_different_model(tiny_model):
     """The rule has teeth: another model's tokens and logits do not pass as the oracle's."""
     llm = make_oracle(tiny_model("llama-f32"))
-    client = UShapeClient(tiny_model("llama-q8_0"), 2, n_threads=N_THREADS, max_context=512)
+    client = Asker(tiny_model("llama-q8_0"), 2, n_threads=N_THREADS, max_context=512)
     try:
         tokens = client.tokenizer.encode_prompt(PROMPTS[0])
-        ours = list(client.generate(tokens, None, max_tokens=16, sampling=SamplingParams(temperature=0)))
+        ours = asyncio.run(generate_all(client, tokens, None, max_tokens=16,
+                                        sampling=SamplingParams(temperature=0))).tokens
         verdict = judge(tokens, ours, oracle_greedy(llm, tokens, 16),
                         lambda t: run_split([client.head, client.tail], t), llm)
         assert not verdict.passes

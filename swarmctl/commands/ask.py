@@ -14,6 +14,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
@@ -62,44 +63,42 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise UsageError("--temperature must be 0 or more")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.transport == "inproc":
-        return _ask_inproc(args, sampling)
-    return _ask_swarm(args, sampling)
+    return asyncio.run(_ask_inproc(args, sampling) if args.transport == "inproc" else _ask_swarm(args, sampling))
 
 
-def _ask_inproc(args: argparse.Namespace, sampling: SamplingParams) -> int:
+async def _ask_inproc(args: argparse.Namespace, sampling: SamplingParams) -> int:
+    from swarmctl.asker import Asker, InprocTrunk, u_split
     from swarmctl.models import resolve_model
-    from swarmctl.ushape import LocalTrunk, UShapeClient, u_split
 
     model = resolve_model(args.model)
     head_layers = 4 if args.head_layers is None else args.head_layers
     t0 = time.perf_counter()
-    client = UShapeClient(model, head_layers, n_threads=args.threads, max_context=args.ctx)
+    asker = Asker(model, head_layers, n_threads=args.threads, max_context=args.ctx)
     trunk = None
     try:
-        split = u_split(client.spec.n_layer, head_layers, args.stages)
+        split = u_split(asker.spec.n_layer, head_layers, args.stages)
         if split.trunk:
-            trunk = LocalTrunk(client.gguf, split.trunk, n_threads=args.threads, max_context=client.max_context)
+            trunk = InprocTrunk(asker.gguf, split.trunk, n_threads=args.threads, max_context=asker.max_context)
         log.info("loaded %s: %s | %s | %s in %.2fs", model.name, split.head.describe(),
                  ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
                  time.perf_counter() - t0)
-        return _stream(client, trunk, _prompt_tokens(client, args), args.max_tokens, sampling)
+        return await _stream(asker, trunk, _prompt_tokens(asker, args), args.max_tokens, sampling)
     finally:
         if trunk is not None:
             trunk.close()
-        client.close()
+        asker.close()
 
 
-def _ask_swarm(args: argparse.Namespace, sampling: SamplingParams) -> int:
+async def _ask_swarm(args: argparse.Namespace, sampling: SamplingParams) -> int:
     from kernels.errors import EngineError
+    from swarmctl.asker import Asker
     from swarmctl.home import SwarmHome
     from swarmctl.local_swarm import LocalSwarm
     from swarmctl.models import resolve_model
-    from swarmctl.swarm_client import SwarmTrunk
-    from swarmctl.ushape import UShapeClient
+    from swarmctl.swarm_client import SwarmLink
 
     home = SwarmHome()
-    local = trunk = client = None
+    local = link = asker = None
     try:
         if home.exists:
             model = resolve_model(args.model or home.load_config().model)
@@ -110,44 +109,45 @@ def _ask_swarm(args: argparse.Namespace, sampling: SamplingParams) -> int:
             local = LocalSwarm(model=str(model.resolve()), n_trunks=args.trunk_nodes,
                                head_layers=4 if args.head_layers is None else args.head_layers, threads=args.threads)
             swarm_home = local.asker_home
-        trunk = SwarmTrunk(swarm_home, alive_check=local.check_alive if local else None)
-        if args.head_layers is not None and args.head_layers != trunk.head_layers:
-            raise EngineError(f"this swarm's plan keeps {trunk.head_layers} layers at each end; "
+        link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None)
+        if args.head_layers is not None and args.head_layers != link.head_layers:
+            raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
                               f"--head-layers {args.head_layers} does not match")
-        client = UShapeClient(model, trunk.head_layers, n_threads=args.threads, max_context=args.ctx)
-        trunk.check_model(client.gguf)
-        return _stream(client, trunk, _prompt_tokens(client, args), args.max_tokens, sampling)
+        asker = Asker(model, link.head_layers, n_threads=args.threads, max_context=args.ctx)
+        link.check_model(asker.gguf)
+        return await _stream(asker, link, _prompt_tokens(asker, args), args.max_tokens, sampling)
     finally:
-        for part in (client, trunk, local):
-            if part is not None:
-                part.close()
+        if link is not None:
+            await link.close()
+        if asker is not None:
+            asker.close()
+        if local is not None:
+            local.close()
 
 
-def _prompt_tokens(client, args: argparse.Namespace) -> list[int]:
+def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
     if args.raw:
-        return client.tokenizer.encode_prompt(args.prompt)
+        return asker.tokenizer.encode_prompt(args.prompt)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    return client.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+    return asker.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
 
 
-def _stream(client, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> int:
-    decoder = client.tokenizer.stream_decoder()
-    generation = client.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling)
+async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> int:
+    from swarmctl.asker import Generation
+
+    decoder = asker.tokenizer.stream_decoder()
+    gen = Generation(b"", len(prompt))
+    gen.request_id = __import__("secrets").token_bytes(16)
     t0 = time.perf_counter()
-    n = 0
-    for token in generation:
+    async for token in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, generation=gen):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
-        n += 1
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     elapsed = time.perf_counter() - t0
+    n = len(gen.tokens)
     log.info("%d prompt tokens, %d generated in %.2fs (%.1f tok/s), finish: %s", len(prompt), n, elapsed,
-             n / elapsed if elapsed else 0.0, generation.finish_reason)
-    if generation.finish_reason == "context":
-        print(f"swarmctl: stopped: the context length ({client.max_context} tokens) is full", file=sys.stderr)
+             n / elapsed if elapsed else 0.0, gen.finish_reason)
+    if gen.finish_reason == "context":
+        print(f"swarmctl: stopped: the context length ({asker.max_context} tokens) is full", file=sys.stderr)
     return 0
-
-
-class UsageError(Exception):
-    pass

@@ -1,0 +1,284 @@
+"""The asker's side of the U-shaped split, for many requests at once.
+
+    text → tokens → embedding → head layers [0, K)  ──activations──►  trunk [K, L-K)
+    text ← tokens ← sample ← LM head ← tail layers [L-K, L)  ◄──activations──┘
+
+Text, token ids and logits stay in this process; the trunk sees only activations. Each request is
+a coroutine: head step, trunk round trip, tail step, sample. Head and tail steps of all requests
+in flight run in shared batches (``BatchRunner``), and the trunk pipelines them. An admission
+bound caps requests in flight: beyond it, new requests wait, and give up with a clear error at
+their deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Protocol, Sequence
+
+import numpy as np
+
+from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
+from kernels.gguf_file import GGUFFile
+from kernels.sampling import Sampler, SamplingParams
+from kernels.slice import SliceEngine, Step
+from kernels.spec import ModelSpec, SliceSpec
+from kernels.tokenizer import Tokenizer
+from net.wire import Hop
+from swarmctl.batching import BatchRunner, StepTiming
+
+PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
+DEFAULT_MAX_IN_FLIGHT = 16
+
+
+class BusyError(EngineError):
+    """The admission bound is reached and a request's deadline passed while it waited."""
+
+
+@dataclass
+class TrunkResult:
+    hidden: np.ndarray  # [n_tokens, n_embd] float32
+    hops: tuple[Hop, ...]  # one record per trunk stage
+    round_trip_s: float  # from handing the activations over to getting the output back
+
+
+class Trunk(Protocol):
+    """The middle of the U: whatever runs layers [K, L-K) (in-process stages, or a swarm)."""
+
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult: ...
+
+    async def release(self, request_id: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class USplit:
+    head: SliceSpec  # embedding + layers [0, K)
+    trunk: tuple[SliceSpec, ...]  # layers [K, L-K) in consecutive stages
+    tail: SliceSpec  # layers [L-K, L) + output norm + LM head
+
+
+def u_ends(n_layer: int, head_layers: int) -> tuple[SliceSpec, SliceSpec]:
+    """The asker's two slices: embedding + [0, K), and [L-K, L) + LM head."""
+    if head_layers < 0:
+        raise SliceRangeError("--head-layers must be 0 or more")
+    if 2 * head_layers > n_layer:
+        raise SliceRangeError(f"--head-layers {head_layers} needs {2 * head_layers} layers; the model has {n_layer}")
+    return (SliceSpec(0, head_layers, has_embedding=True),
+            SliceSpec(n_layer - head_layers, n_layer, has_lm_head=True))
+
+
+def u_split(n_layer: int, head_layers: int, n_stages: int) -> USplit:
+    """Head and tail of K layers each on the asker; the trunk split evenly into n_stages."""
+    head, tail = u_ends(n_layer, head_layers)
+    n_trunk = n_layer - 2 * head_layers
+    if n_stages < 0 or (n_stages == 0 and n_trunk > 0):
+        raise SliceRangeError("--stages must be at least 1 when there are trunk layers")
+    if n_stages > n_trunk:
+        raise SliceRangeError(f"cannot split {n_trunk} trunk layers into {n_stages} stages")
+    bounds = [head_layers + (n_trunk * i) // n_stages for i in range(n_stages + 1)] if n_stages else [head_layers]
+    return USplit(head=head, trunk=tuple(SliceSpec(a, b) for a, b in zip(bounds, bounds[1:])), tail=tail)
+
+
+class InprocTrunk:
+    """Trunk stages as slice engines in this process (``--transport inproc``), each batching."""
+
+    def __init__(self, gguf: GGUFFile, stages: Sequence[SliceSpec], *, n_threads: int | None, max_context: int):
+        self.engines: list[SliceEngine] = []
+        try:
+            for stage in stages:
+                self.engines.append(SliceEngine(gguf, stage, n_threads=n_threads, max_context=max_context))
+        except BaseException:
+            self.close()
+            raise
+        self.runners = [BatchRunner(e) for e in self.engines]
+
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+        t0 = time.perf_counter()
+        hops = []
+        for i, runner in enumerate(self.runners):
+            hidden, timing = await runner.run(Step(request_id, start_pos, hidden=hidden))
+            hops.append(Hop(f"stage-{i + 1}", int(timing.queued_s * 1e6), int(timing.compute_s * 1e6),
+                            timing.batch_requests))
+        return TrunkResult(hidden, tuple(hops), time.perf_counter() - t0)
+
+    async def release(self, request_id: bytes) -> None:
+        for runner in self.runners:
+            await runner.call(runner.engine.release, request_id)
+
+    def close(self) -> None:
+        for runner in getattr(self, "runners", []):
+            runner.close()
+        for engine in self.engines:
+            engine.close()
+        self.engines = []
+
+
+@dataclass
+class TokenTiming:
+    """One generated token's latency, split by where it went."""
+
+    head: StepTiming
+    trunk: TrunkResult | None
+    tail: StepTiming
+    total_s: float
+
+    @property
+    def trunk_compute_s(self) -> float:
+        return sum(h.compute_us for h in self.trunk.hops) / 1e6 if self.trunk else 0.0
+
+    @property
+    def trunk_queued_s(self) -> float:
+        return sum(h.queued_us for h in self.trunk.hops) / 1e6 if self.trunk else 0.0
+
+    @property
+    def transfer_s(self) -> float:
+        """The trunk round trip minus what the stages spent queueing and computing: the wire."""
+        if self.trunk is None:
+            return 0.0
+        return max(0.0, self.trunk.round_trip_s - self.trunk_compute_s - self.trunk_queued_s)
+
+
+@dataclass
+class Generation:
+    """A request's progress: tokens so far, why it stopped, and per-token timings."""
+
+    request_id: bytes
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    timings: list[TokenTiming] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end of generation), "length" (max tokens), "context"
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Asker:
+    """Embedding, head, tail, LM head, tokenizer and sampling: everything the asker keeps."""
+
+    def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
+                 max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        self.gguf = GGUFFile(model_path)
+        self.head: SliceEngine | None = None
+        self.tail: SliceEngine | None = None
+        try:
+            self.spec = ModelSpec.from_gguf(self.gguf)
+            head, tail = u_ends(self.spec.n_layer, head_layers)
+            self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context)
+            self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context)
+            self.max_context = self.head.max_context
+            self.tokenizer = Tokenizer(model_path)
+        except BaseException:
+            self.close()
+            raise
+        self.head_runner = BatchRunner(self.head)
+        self.tail_runner = BatchRunner(self.tail)
+        self.max_in_flight = max_in_flight
+        self._admission: asyncio.Semaphore | None = None
+        self.in_flight: dict[bytes, Generation] = {}
+
+    async def generate(self, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
+                       sampling: SamplingParams, timeout: float | None = None,
+                       generation: Generation | None = None) -> AsyncIterator[int]:
+        """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
+        included; ``generation`` (optional) is filled in as it goes."""
+        if max_tokens <= 0:
+            raise EngineError("--max-tokens must be a positive number")
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        if len(prompt) >= self.max_context:
+            raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context length is "
+                                       f"{self.max_context}")
+        deadline = time.monotonic() + timeout if timeout else None
+        if self._admission is None:
+            self._admission = asyncio.Semaphore(self.max_in_flight)
+        try:
+            await asyncio.wait_for(self._admission.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise BusyError(f"the swarm is busy ({self.max_in_flight} requests in flight); gave up after "
+                            f"waiting {timeout:.0f}s") from None
+        gen = generation or Generation(secrets.token_bytes(16), len(prompt))
+        gen.request_id = gen.request_id or secrets.token_bytes(16)
+        self.in_flight[gen.request_id] = gen
+        try:
+            steps = self._steps(list(prompt), trunk, max_tokens, Sampler(sampling), gen)
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BusyError(f"the request ran past its {timeout:.0f}s deadline")
+                try:
+                    token = await asyncio.wait_for(steps.__anext__(), remaining)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise BusyError(f"the request ran past its {timeout:.0f}s deadline") from None
+                yield token
+        finally:
+            await steps.aclose()
+            del self.in_flight[gen.request_id]
+            self._admission.release()
+            await self._release(gen.request_id, trunk)
+
+    async def _steps(self, prompt: list[int], trunk: Trunk | None, max_tokens: int, sample: Sampler,
+                     gen: Generation):
+        rid = gen.request_id
+        start = 0
+        chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
+        for chunk in chunks[:-1]:  # all but the last prompt chunk: only fill the caches
+            await self._step(rid, start, chunk, trunk)
+            start += len(chunk)
+        new_tokens = chunks[-1]
+        for _ in range(max_tokens):
+            logits, timing = await self._step(rid, start, new_tokens, trunk)
+            token = sample(logits[-1])
+            start += len(new_tokens)
+            gen.timings.append(timing)
+            if self.tokenizer.is_end_of_generation(token):
+                gen.finish_reason = "stop"
+                return
+            gen.tokens.append(token)
+            yield token
+            if start + 1 > self.max_context:
+                gen.finish_reason = "context"
+                return
+            new_tokens = [token]
+        gen.finish_reason = "length"
+
+    async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None):
+        t0 = time.perf_counter()
+        hidden, head_timing = await self.head_runner.run(Step(rid, start, tokens=tokens))
+        trunk_result = None
+        if trunk is not None:
+            trunk_result = await trunk.forward(rid, hidden, start)
+            hidden = trunk_result.hidden
+        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden))
+        return logits, TokenTiming(head_timing, trunk_result, tail_timing, time.perf_counter() - t0)
+
+    async def _release(self, rid: bytes, trunk: Trunk | None) -> None:
+        await self.head_runner.call(self.head.release, rid)
+        await self.tail_runner.call(self.tail.release, rid)
+        if trunk is not None:
+            try:
+                await trunk.release(rid)
+            except (EngineError, ConnectionError):
+                pass  # the trunk frees idle requests on its own
+
+    def close(self) -> None:
+        for runner in (getattr(self, "head_runner", None), getattr(self, "tail_runner", None)):
+            if runner is not None:
+                runner.close()
+        for engine in (self.head, self.tail):
+            if engine is not None:
+                engine.close()
+        self.head = self.tail = None
+        self.gguf.close()
+
+
+async def generate_all(asker: Asker, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
+                       sampling: SamplingParams, timeout: float | None = None) -> Generation:
+    """Run one request to the end; returns its Generation (tokens, finish reason, timings)."""
+    gen = Generation(secrets.token_bytes(16), len(prompt))
+    async for _ in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
+                                  generation=gen):
+        pass
+    return gen
