@@ -6,9 +6,10 @@
     outs = engine.forward_batch([Step(a, 17, tokens=[9]), Step(b, 4, tokens=[7])])  # one batch
     engine.release(request_id)
 
-Each request owns a KV cache for the slice's layers. Built graphs are kept (a few, keyed by the
-batch's shape) and reused while the shape holds: a steady decode step costs a few input copies
-and one ``ggml_backend_graph_compute``. A batch runs the requests' tokens through shared matmuls
+Each request owns a KV cache for the slice's layers. Graphs of decode steps are kept (keyed by
+the batch's shape, each with its own compute buffer) and reused while the shape holds: a steady
+decode step costs a few input copies and one ``ggml_backend_graph_compute``. Graphs that carry
+prompt chunks are built, run once and freed. A batch runs the requests' tokens through shared matmuls
 and gives each request exactly the bits it would get alone.
 """
 
@@ -33,7 +34,8 @@ from .weights import SliceWeights
 
 Outputs = Literal["last", "all"]
 DEFAULT_MAX_CONTEXT = 4096
-GRAPH_CACHE_SIZE = 4
+GRAPH_CACHE_SIZE = 16  # decode graphs kept per engine (a batch's composition changes as requests come and go)
+CACHED_GRAPH_MAX_TOKENS = 64  # graphs with more tokens than this (prompt chunks) are not kept
 
 
 @dataclass
@@ -140,10 +142,12 @@ class SliceEngine:
         self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend)
         self.stats = ForwardStats()
         self._owns_file = owns_file
+        self._transient: tuple[SliceGraph, int] | None = None  # a prompt graph, freed after its one run
         self._requests: dict[bytes, _Request] = {}
-        self._graphs: OrderedDict[GraphShape, tuple[SliceGraph, _InputHost]] = OrderedDict()
-        self._galloc = ggml.gallocr_new(self.backend.buffer_type())
-        self._allocated: SliceGraph | None = None  # the graph whose tensors gallocr placed last
+        # Each kept graph owns its allocator, placed once: ggml's gallocr never re-places a tensor that
+        # already has data, so one allocator shared by graphs that take turns would leave the earlier
+        # graph pointing into a buffer it has since reallocated.
+        self._graphs: OrderedDict[GraphShape, tuple[SliceGraph, _InputHost, int]] = OrderedDict()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], slice_spec: SliceSpec, **kwargs) -> "SliceEngine":
@@ -188,12 +192,15 @@ class SliceEngine:
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
         shape = self._shape_for(steps, requests, inputs)
-        graph, host = self._graph_for(shape, requests)
-        self._set_inputs(graph, host, inputs, [s.start_pos for s in steps])
-        t1 = time.perf_counter()
-        self.backend.compute(graph.graph)
-        t2 = time.perf_counter()
-        outputs = self._read_outputs(graph, host)
+        graph, host, _ = self._graph_for(shape, requests)
+        try:
+            self._set_inputs(graph, host, inputs, [s.start_pos for s in steps])
+            t1 = time.perf_counter()
+            self.backend.compute(graph.graph)
+            t2 = time.perf_counter()
+            outputs = self._read_outputs(graph, host)
+        finally:
+            self._free_transient()
         for step, request, x in zip(steps, requests, inputs):
             request.n_filled = step.start_pos + len(x)
             if request.kv is not None:
@@ -279,24 +286,29 @@ class SliceEngine:
                 shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation))
         return GraphShape(tuple(shapes), tuple(step.key for step in steps))
 
-    def _graph_for(self, shape: GraphShape, requests: list[_Request]) -> tuple[SliceGraph, _InputHost]:
+    def _graph_for(self, shape: GraphShape, requests: list[_Request]) -> tuple[SliceGraph, _InputHost, bool]:
+        """The graph for this shape, placed in memory; the flag says it is kept (else: free after use)."""
         entry = self._graphs.get(shape)
-        if entry is None:
-            caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
-            graph = build_slice_graph(self.spec, self.slice, self.weights, caches, shape)
-            host = _InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches], self._output_rows(shape))
-            entry = self._graphs[shape] = (graph, host)
-            self.stats.graph_builds += 1
+        if entry is not None:
+            self._graphs.move_to_end(shape)
+            return entry[0], entry[1], True
+        caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
+        graph = build_slice_graph(self.spec, self.slice, self.weights, caches, shape)
+        host = _InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches], self._output_rows(shape))
+        galloc = ggml.gallocr_new(self.backend.buffer_type())
+        if not ggml.gallocr_alloc_graph(galloc, graph.graph):
+            ggml.gallocr_free(galloc)
+            graph.close()
+            raise MemoryError("cannot allocate the compute graph")
+        self.stats.graph_builds += 1
+        keep = shape.n_tokens <= CACHED_GRAPH_MAX_TOKENS
+        if keep:
+            self._graphs[shape] = (graph, host, galloc)
             while len(self._graphs) > GRAPH_CACHE_SIZE:
                 self._drop_graph(next(iter(self._graphs)))
         else:
-            self._graphs.move_to_end(shape)
-        graph = entry[0]
-        if self._allocated is not graph:
-            if not ggml.gallocr_alloc_graph(self._galloc, graph.graph):
-                raise MemoryError("cannot allocate the compute graph")
-            self._allocated = graph
-        return entry
+            self._transient = (graph, galloc)
+        return graph, host, keep
 
     @staticmethod
     def _output_rows(shape: GraphShape) -> np.ndarray:
@@ -308,10 +320,16 @@ class SliceEngine:
         return np.array(rows, dtype=np.int32)
 
     def _drop_graph(self, shape: GraphShape) -> None:
-        graph, _ = self._graphs.pop(shape)
-        if self._allocated is graph:
-            self._allocated = None
+        graph, _, galloc = self._graphs.pop(shape)
+        ggml.gallocr_free(galloc)
         graph.close()
+
+    def _free_transient(self) -> None:
+        if self._transient is not None:
+            graph, galloc = self._transient
+            ggml.gallocr_free(galloc)
+            graph.close()
+            self._transient = None
 
     def _set_inputs(self, graph: SliceGraph, host: _InputHost, inputs: list[np.ndarray], starts: list[int]) -> None:
         x = inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
@@ -333,9 +351,7 @@ class SliceEngine:
             self.release(key)
         for shape in list(self._graphs):
             self._drop_graph(shape)
-        if self._galloc:
-            ggml.gallocr_free(self._galloc)
-            self._galloc = 0
+        self._free_transient()
         self.weights.close()
         self.backend.close()
         if self._owns_file:

@@ -179,9 +179,10 @@ class Asker:
 
     async def generate(self, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
                        sampling: SamplingParams, timeout: float | None = None,
-                       generation: Generation | None = None) -> AsyncIterator[int]:
+                       generation: Generation | None = None, ignore_eos: bool = False) -> AsyncIterator[int]:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
-        included; ``generation`` (optional) is filled in as it goes."""
+        included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
+        past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos)."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")
         if not prompt:
@@ -201,7 +202,7 @@ class Asker:
         gen.request_id = gen.request_id or secrets.token_bytes(16)
         self.in_flight[gen.request_id] = gen
         try:
-            steps = self._steps(list(prompt), trunk, max_tokens, Sampler(sampling), gen)
+            steps = self._steps(list(prompt), trunk, max_tokens, Sampler(sampling), gen, ignore_eos)
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -220,7 +221,7 @@ class Asker:
             await self._release(gen.request_id, trunk)
 
     async def _steps(self, prompt: list[int], trunk: Trunk | None, max_tokens: int, sample: Sampler,
-                     gen: Generation):
+                     gen: Generation, ignore_eos: bool):
         rid = gen.request_id
         start = 0
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
@@ -233,7 +234,7 @@ class Asker:
             token = sample(logits[-1])
             start += len(new_tokens)
             gen.timings.append(timing)
-            if self.tokenizer.is_end_of_generation(token):
+            if not ignore_eos and self.tokenizer.is_end_of_generation(token):
                 gen.finish_reason = "stop"
                 return
             gen.tokens.append(token)
@@ -275,10 +276,10 @@ class Asker:
 
 
 async def generate_all(asker: Asker, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
-                       sampling: SamplingParams, timeout: float | None = None) -> Generation:
+                       sampling: SamplingParams, timeout: float | None = None, ignore_eos: bool = False) -> Generation:
     """Run one request to the end; returns its Generation (tokens, finish reason, timings)."""
     gen = Generation(secrets.token_bytes(16), len(prompt))
     async for _ in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
-                                  generation=gen):
+                                  generation=gen, ignore_eos=ignore_eos):
         pass
     return gen

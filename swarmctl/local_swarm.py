@@ -25,6 +25,17 @@ from swarmctl.membership import create_swarm, issue_direct
 STARTUP_TIMEOUT = 60.0
 
 
+def _die_with_parent() -> None:
+    """In the child: if the asker dies without cleaning up (killed, crashed), its local nodes get
+    SIGTERM from the kernel instead of lingering (Linux; elsewhere close() is the only cleanup)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -33,22 +44,30 @@ def free_udp_port() -> int:
 
 class LocalSwarm:
     def __init__(self, *, model: str | None, n_trunks: int, head_layers: int, threads: int | None = None,
-                 capture: bool = False) -> None:
+                 capture: bool = False, host_port: int | None = None, host_advertise: str | None = None,
+                 trunk_ports: list[int] | None = None, trunk_advertise: list[str] | None = None) -> None:
+        """``*_port``/``*_advertise`` place nodes at chosen ports and make others reach them at
+        another address (an impairing relay in front of them, for WAN emulation)."""
         if n_trunks < 1:
             raise EngineError("--trunk-nodes must be at least 1")
+        self.n_trunks = n_trunks
         self.root = Path(tempfile.mkdtemp(prefix="swarmctl-local-"))
         self.processes: list[subprocess.Popen] = []
         self.capture_dirs: list[Path] = []
         try:
             self.host_home = SwarmHome(self.root / "host")
-            address = f"127.0.0.1:{free_udp_port()}"
-            create_swarm(self.host_home, swarm_name="local", host_name="host", listen=address, advertise=[address],
-                         model=model, head_layers=head_layers)
-            self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model) for i in range(n_trunks)]
-            self.asker_home = self._member_home("asker", model)
+            address = f"127.0.0.1:{host_port or free_udp_port()}"
+            create_swarm(self.host_home, swarm_name="local", host_name="host", listen=address,
+                         advertise=[host_advertise or address], model=model, head_layers=head_layers)
+            ports = trunk_ports or [0] * n_trunks
+            self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
+                                for i in range(n_trunks)]
+            self.asker_home = self._member_home("asker", model, "127.0.0.1:0")
             self._spawn(self.host_home, ["run", "--role", "host"])
             for i, home in enumerate(self.trunk_homes):
                 extra = ["--threads", str(threads)] if threads else []
+                if trunk_advertise:
+                    extra += ["--advertise", trunk_advertise[i]]
                 if capture:
                     self.capture_dirs.append(self.root / f"capture-{i + 1}")
                     self.capture_dirs[-1].mkdir()
@@ -58,7 +77,7 @@ class LocalSwarm:
             self.close()
             raise
 
-    def _member_home(self, name: str, model: str | None) -> SwarmHome:
+    def _member_home(self, name: str, model: str | None, listen: str) -> SwarmHome:
         host = self.host_home.load_config()
         key, cert, ca_cert = issue_direct(self.host_home, name)
         home = SwarmHome(self.root / name)
@@ -66,14 +85,15 @@ class LocalSwarm:
         home.save_identity(key, cert, ca_cert)
         home.save_config(NodeConfig(name=name, role="member", swarm_name=host.swarm_name,
                                     ca_fingerprint=host.ca_fingerprint, host_name=host.host_name,
-                                    host_addresses=host.host_addresses, listen="127.0.0.1:0", model=model))
+                                    host_addresses=host.host_addresses, listen=listen, model=model))
         return home
 
     def _spawn(self, home: SwarmHome, args: list[str]) -> None:
         env = {**os.environ, "SWARMCTL_HOME": str(home.path)}
         log = open(home.path / "node.log", "wb")
         self.processes.append(subprocess.Popen([sys.executable, "-m", "swarmctl", *args], env=env,
-                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                               preexec_fn=_die_with_parent))
 
     def check_alive(self) -> None:
         for process in self.processes:

@@ -55,11 +55,12 @@ class SwarmLink:
 
     @classmethod
     async def open(cls, home: SwarmHome, *, ready_timeout: float = 60.0,
-                   alive_check: Callable[[], None] | None = None, **kwargs) -> "SwarmLink":
-        """Connect to the swarm's host, wait for a complete plan, connect to the first and last stage."""
+                   alive_check: Callable[[], None] | None = None, min_stages: int = 1, **kwargs) -> "SwarmLink":
+        """Connect to the swarm's host, wait for a complete plan (of at least ``min_stages`` stages:
+        a local swarm knows how many trunks it started), connect to the first and last stage."""
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
-            await link._connect(ready_timeout, alive_check)
+            await link._connect(ready_timeout, alive_check, min_stages)
         except BaseException:
             await link.close()
             raise
@@ -115,12 +116,13 @@ class SwarmLink:
 
     # --- setup ---
 
-    async def _connect(self, ready_timeout: float, alive_check: Callable[[], None] | None) -> None:
+    async def _connect(self, ready_timeout: float, alive_check: Callable[[], None] | None,
+                       min_stages: int) -> None:
         self.host_conn = await self._connect_host()
         deadline = time.monotonic() + ready_timeout
         while True:
             self.plan = await self.fetch_plan()
-            if self.plan.complete:
+            if self.plan.complete and len(self.plan.stages) >= min_stages:
                 break
             if alive_check is not None:
                 alive_check()

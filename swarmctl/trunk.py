@@ -50,6 +50,17 @@ class Route:
     last_active: float = field(default_factory=time.monotonic)
 
 
+def _proc_status(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in bytes (0 where unavailable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def available_memory() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -62,7 +73,7 @@ def available_memory() -> int:
 
 class TrunkService:
     def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
-                 idle_timeout: float = 300.0, capture_dir: Path | None = None) -> None:
+                 idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None) -> None:
         self.home = home
         self.config = home.load_config()
         self.creds = home.credentials()
@@ -72,6 +83,8 @@ class TrunkService:
         self.n_threads = n_threads
         self.idle_timeout = idle_timeout
         self.capture_dir = capture_dir
+        self.advertise = Address.parse(advertise) if advertise else None
+        self.peak_kv_bytes = 0
         self.plan: Plan | None = None
         self.stage: StageAssignment | None = None
         self.engine: SliceEngine | None = None
@@ -151,7 +164,7 @@ class TrunkService:
             raise ConnectionError("; ".join(errors) or "no host address")
         self.host_conn = conn
         self.plan_stream = conn.open_stream()
-        reply = await conn.request(encode_control({"type": "register", "listen": str(self.address),
+        reply = await conn.request(encode_control({"type": "register", "listen": str(self.advertise or self.address),
                                                    "memory": self.memory}), stream_id=self.plan_stream)
         self._host_message(decode_control(reply.body))
 
@@ -315,7 +328,8 @@ class TrunkService:
             "batches": runner.stats.batches if runner else 0, "steps": runner.stats.steps if runner else 0,
             "tokens": runner.stats.tokens if runner else 0, "busy_s": runner.stats.busy_s if runner else 0.0,
             "largest_batch": runner.stats.largest_batch if runner else 0,
-            "tensor_bytes": engine.weights.n_bytes if engine else 0,
+            "tensor_bytes": engine.weights.n_bytes if engine else 0, "peak_kv_bytes": self.peak_kv_bytes,
+            "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"),
         }
 
     # --- the data path ---
@@ -350,6 +364,7 @@ class TrunkService:
                 self._refuse(conn, stream_id, rid, str(e))
                 return
             self.routes[rid] = route
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)
             hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
                       timing.batch_requests)
             await self._pass_on(route, packet, out, hop)

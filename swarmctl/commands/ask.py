@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 
@@ -106,10 +107,14 @@ async def _ask_swarm(args: argparse.Namespace, sampling: SamplingParams) -> int:
         else:
             model = resolve_model(args.model)
             log.info("no swarm joined: starting a local one (host + %d trunks)", args.trunk_nodes)
+            # The local trunks and this process share this machine's cores: split them, or OpenMP
+            # teams oversubscribe the cores whenever several processes compute at once.
+            args.threads = args.threads or max(1, (os.cpu_count() or 1) // (args.trunk_nodes + 1))
             local = LocalSwarm(model=str(model.resolve()), n_trunks=args.trunk_nodes,
                                head_layers=4 if args.head_layers is None else args.head_layers, threads=args.threads)
             swarm_home = local.asker_home
-        link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None)
+        link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None,
+                                    min_stages=min(local.n_trunks, 22) if local else 1)
         if args.head_layers is not None and args.head_layers != link.head_layers:
             raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
                               f"--head-layers {args.head_layers} does not match")

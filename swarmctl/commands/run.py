@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["host", "trunk"], required=True)
     parser.add_argument("--memory", metavar="SIZE", help="memory this trunk offers (default: what is available)")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    parser.add_argument("--advertise", metavar="HOST:PORT",
+                        help="trunk: the address others should use to reach it (default: where it listens)")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
 
 
@@ -53,7 +55,7 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
     from swarmctl.trunk import TrunkService
 
     service = TrunkService(home, memory=parse_size(args.memory) if args.memory else None, n_threads=args.threads,
-                           capture_dir=Path(args.capture) if args.capture else None)
+                           capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise)
     service.on_fatal = stop.set
     await service.run(stop)
     return service.fatal
