@@ -17,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -157,7 +157,10 @@ class Asker:
     """Embedding, head, tail, LM head, tokenizer and sampling: everything the asker keeps."""
 
     def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
-                 max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+                 max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """``uplink_transform`` (optional) rewrites the head's activations before they leave this
+        process (e.g. a privacy mitigation that adds noise); the default sends them as computed."""
         self.gguf = GGUFFile(model_path)
         self.head: SliceEngine | None = None
         self.tail: SliceEngine | None = None
@@ -174,6 +177,7 @@ class Asker:
         self.head_runner = BatchRunner(self.head)
         self.tail_runner = BatchRunner(self.tail)
         self.max_in_flight = max_in_flight
+        self.uplink_transform = uplink_transform
         self._admission: asyncio.Semaphore | None = None
         self.in_flight: dict[bytes, Generation] = {}
 
@@ -250,6 +254,8 @@ class Asker:
         hidden, head_timing = await self.head_runner.run(Step(rid, start, tokens=tokens))
         trunk_result = None
         if trunk is not None:
+            if self.uplink_transform is not None:
+                hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
             trunk_result = await trunk.forward(rid, hidden, start)
             hidden = trunk_result.hidden
         logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden))
