@@ -13,6 +13,9 @@ class StageAssignment:
     start: int  # layers [start, stop)
     stop: int
     ready: bool = False  # loaded, hash-checked, serving
+    compute_ms: float = 0.0  # expected per token
+    memory_used: int = 0  # bytes: weights + KV for the planned context × concurrency
+    memory_free: int = 0
 
 
 @dataclass
@@ -24,6 +27,12 @@ class Plan:
     stages: list[StageAssignment] = field(default_factory=list)
     layer_hashes: list[str] = field(default_factory=list)  # SHA-256 of each layer's tensors (host's copy)
     revoked_serials: list[int] = field(default_factory=list)
+    model_hash: str = ""  # SHA-256 over the layer hashes: names the model exactly
+    objective: str = "latency"
+    expected_ms_per_token: float = 0.0  # single stream, trunk compute + links
+    expected_tokens_per_s: float = 0.0  # pipelined bound
+    bottleneck: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def trunk_range(self) -> tuple[int, int]:
@@ -58,6 +67,29 @@ class Plan:
         if cursor < stop:
             gaps.append((cursor, stop))
         return gaps
+
+    def apply(self, proposal, addresses: dict[str, str]) -> bool:
+        """Take a planner's proposal; returns True (and bumps the version) if assignments changed.
+        Stages that keep their member and range keep their readiness."""
+        old = {(s.member, s.start, s.stop): s for s in self.stages}
+        stages = []
+        for p in proposal.stages:
+            kept = old.get((p.member, p.start, p.stop))
+            stages.append(StageAssignment(p.member, addresses[p.member], p.start, p.stop,
+                                          kept.ready if kept else False, p.compute_ms, p.memory_used,
+                                          p.memory_free))
+        changed = [(s.member, s.start, s.stop) for s in stages] != [(s.member, s.start, s.stop) for s in self.stages]
+        if changed:
+            self.version += 1
+            for s in stages:
+                s.ready = False  # every stage re-confirms under the new version
+        self.stages = stages
+        self.objective = proposal.objective
+        self.expected_ms_per_token = proposal.ms_per_token
+        self.expected_tokens_per_s = proposal.tokens_per_s if proposal.tokens_per_s != float("inf") else 0.0
+        self.bottleneck = proposal.bottleneck
+        self.warnings = list(proposal.warnings)
+        return changed
 
     def to_dict(self) -> dict:
         return asdict(self)

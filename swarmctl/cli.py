@@ -34,6 +34,7 @@ COMMANDS: dict[str, CommandInfo] = {
     "run": CommandInfo("swarmctl.commands.run", "run this node: --role host or --role trunk"),
     "status": CommandInfo("swarmctl.commands.status", "show members, layer ranges and health"),
     "revoke": CommandInfo("swarmctl.commands.revoke", "end a member's access"),
+    "plan": CommandInfo("swarmctl.commands.plan", "plan which members serve which layers (runs nothing)"),
 }
 
 

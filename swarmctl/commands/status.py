@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-async def fetch_status(home: SwarmHome) -> dict:
+async def fetch_status(home: SwarmHome, request: str = "status") -> dict:
     config = home.load_config()
     creds = home.credentials()
     errors = []
@@ -36,7 +36,7 @@ async def fetch_status(home: SwarmHome) -> dict:
             errors.append(str(e))
             continue
         try:
-            return decode_control((await conn.request(encode_control({"type": "status"}), timeout=10)).body)
+            return decode_control((await conn.request(encode_control({"type": request}), timeout=10)).body)
         finally:
             await close(conn)
     raise EngineError(f"cannot reach the swarm host: {'; '.join(errors)}")

@@ -1,0 +1,101 @@
+"""What a model asks of the machines that run it, per layer: weight bytes, KV bytes per token,
+FLOPs per token, and the activation bytes that cross each link. Read from GGUF metadata and the
+tensor directory alone (no weights are read), or built from known dimensions so that a model
+nobody here has downloaded (a 70B) can be planned on paper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# bits per weight of the GGML types a layout on paper may use (block bytes × 8 / block size)
+BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5,
+                   "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q3_K": 3.4375, "Q2_K": 2.625}
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    name: str
+    n_layer: int
+    n_embd: int
+    layer_bytes: tuple[int, ...]  # weight bytes of each layer
+    layer_flops: tuple[int, ...]  # FLOPs per token of each layer (2 per weight; attention over a short context)
+    kv_bytes_per_token_per_layer: int  # K and V in f16
+    embedding_bytes: int
+    lm_head_bytes: int  # output norm + output matrix (the embedding again when tied)
+    n_vocab: int = 0
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """What crosses a link per token: one row of f32 activations."""
+        return 4 * self.n_embd
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embedding_bytes + self.lm_head_bytes
+
+    def range_bytes(self, start: int, stop: int) -> int:
+        return sum(self.layer_bytes[start:stop])
+
+    @classmethod
+    def from_gguf(cls, path) -> "ModelLayout":
+        from kernels.gguf_file import GGUFFile
+        from kernels.spec import ModelSpec, layer_of
+
+        with GGUFFile(path) as gguf:
+            spec = ModelSpec.from_gguf(gguf)
+            flops = [0] * spec.n_layer
+            for info in gguf.tensors.values():
+                il = layer_of(info.name)
+                if il is not None and il < spec.n_layer and len(info.shape) >= 2:
+                    n = 1
+                    for d in info.shape:
+                        n *= d
+                    flops[il] += 2 * n
+            return cls(name=gguf.path.name, n_layer=spec.n_layer, n_embd=spec.n_embd,
+                       layer_bytes=spec.layer_bytes, layer_flops=tuple(flops),
+                       kv_bytes_per_token_per_layer=spec.kv_bytes_per_token_per_layer,
+                       embedding_bytes=spec.embedding_bytes, lm_head_bytes=spec.lm_head_bytes, n_vocab=spec.n_vocab)
+
+    @classmethod
+    def from_dimensions(cls, name: str, *, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
+                        n_vocab: int, weight_type: str = "Q4_K", wide_type: str | None = None,
+                        embedding_type: str = "Q4_K", output_type: str = "Q6_K") -> "ModelLayout":
+        """A dense llama-style layout on paper. ``wide_type`` (e.g. Q6_K for a Q4_K_M file) is used
+        for attn_v and ffn_down on the layers llama.cpp's *_M mixes give more bits: the first and
+        last eighth of the layers and every third layer between."""
+        head_dim = n_embd // n_head
+        kv = n_head_kv * head_dim
+        bits = BITS_PER_WEIGHT
+        layer_bytes, layer_flops = [], []
+        for il in range(n_layer):
+            more = wide_type is not None and (il < n_layer // 8 or il >= 7 * n_layer // 8
+                                              or (il - n_layer // 8) % 3 == 2)
+            wide = bits[wide_type] if more else bits[weight_type]
+            main = n_embd * n_embd * 2 + n_embd * kv + 2 * n_embd * n_ff  # q, o, k, gate, up
+            wide_params = n_embd * kv + n_ff * n_embd  # v, down
+            layer_bytes.append(int(main * bits[weight_type] / 8 + wide_params * wide / 8 + 2 * n_embd * 4))
+            layer_flops.append(2 * (main + wide_params))
+        return cls(name=name, n_layer=n_layer, n_embd=n_embd, layer_bytes=tuple(layer_bytes),
+                   layer_flops=tuple(layer_flops), kv_bytes_per_token_per_layer=2 * kv * 2,
+                   embedding_bytes=int(n_vocab * n_embd * bits[embedding_type] / 8),
+                   lm_head_bytes=int(n_vocab * n_embd * bits[output_type] / 8) + n_embd * 4, n_vocab=n_vocab)
+
+
+# Layouts on paper, for `swarmctl plan --layout NAME` (dimensions from the models' published configs).
+LAYOUTS = {
+    "llama-3-70b-q4_k_m": dict(n_layer=80, n_embd=8192, n_ff=28672, n_head=64, n_head_kv=8, n_vocab=128256,
+                               weight_type="Q4_K", wide_type="Q6_K"),
+    "llama-3-8b-q4_k_m": dict(n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, n_vocab=128256,
+                              weight_type="Q4_K", wide_type="Q6_K"),
+    "qwen2.5-32b-q4_k_m": dict(n_layer=64, n_embd=5120, n_ff=27648, n_head=40, n_head_kv=8, n_vocab=152064,
+                               weight_type="Q4_K", wide_type="Q6_K"),
+}
+
+
+def layout_by_name(name: str) -> ModelLayout:
+    from kernels.errors import EngineError
+
+    key = name.lower()
+    if key not in LAYOUTS:
+        raise EngineError(f"unknown layout {name!r} (known: {', '.join(LAYOUTS)})")
+    return ModelLayout.from_dimensions(key, **LAYOUTS[key])

@@ -1,0 +1,287 @@
+"""The topology planner: which members serve which contiguous trunk layers, in which order.
+
+Objective "latency" (default) minimises a single stream's time per token: the stages' compute
+(layers × ms per layer) plus the links along asker → stage 1 → … → stage n → asker.
+Objective "throughput" minimises the pipeline's bottleneck: the slowest stage (or link) per token,
+which bounds tokens per second when many requests are in flight.
+
+Both respect memory: a stage holds its layers' weights plus KV for ``context × max_concurrent``
+tokens, within what its node offers less a fixed reserve. The weakest-link rule falls out of
+the search: a node is used only where it improves the objective or is needed for memory; any node
+left out is named in a warning with the reason.
+
+Search: every subset of nodes (exact up to ``EXACT_NODES`` nodes; larger swarms take the fastest
+nodes that fit), the best order of each subset by a Held-Karp pass over link costs, layer counts
+by filling the fastest nodes first (latency) or balancing by speed (throughput), then an exact
+dynamic programme cuts the real per-layer sizes into contiguous ranges for the chosen order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from kernels.errors import EngineError
+
+from .layout import ModelLayout
+from .nodes import ASKER, NodeDescriptor, link_between
+
+EXACT_NODES = 10
+GB = 1e9
+
+
+class PlanError(EngineError):
+    """The swarm cannot run the model as asked; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    head_layers: int = 4  # the asker keeps [0, K) and [L-K, L)
+    context_tokens: int = 4096
+    max_concurrent: int = 4  # requests whose KV a stage must hold at once
+    objective: str = "latency"  # or "throughput"
+    reserve_bytes: int = 300_000_000  # per node, for the runtime and compute buffers
+
+
+@dataclass
+class StagePlan:
+    member: str
+    start: int  # layers [start, stop)
+    stop: int
+    compute_ms: float  # per token
+    memory_used: int
+    memory_free: int
+
+
+@dataclass
+class Proposal:
+    objective: str
+    stages: list[StagePlan]
+    ms_per_token: float  # single stream: trunk compute + links (the asker's own head and tail not included)
+    tokens_per_s: float  # pipelined bound: 1000 / bottleneck
+    bottleneck: str
+    warnings: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+
+
+def plan_layers(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constraints) -> Proposal:
+    k = constraints.head_layers
+    start, stop = k, layout.n_layer - k
+    if stop < start or k < 0:
+        raise PlanError(f"head layers {k} do not fit a model of {layout.n_layer} layers")
+    if constraints.objective not in ("latency", "throughput"):
+        raise PlanError(f"unknown objective {constraints.objective!r} (latency or throughput)")
+    if stop == start:
+        return Proposal(constraints.objective, [], 0.0, math.inf, "none: the asker runs every layer")
+    problem = _Problem(layout, nodes, constraints, start, stop)
+    problem.check_capacity()
+    candidates = problem.rank_subsets()
+    for score, order in candidates:
+        stages = problem.cut(order)
+        if stages is not None:
+            return problem.proposal(order, stages, candidates)
+    raise PlanError("no member order fits the layers' sizes into the members' memory")  # pragma: no cover
+
+
+class _Problem:
+    def __init__(self, layout: ModelLayout, nodes: list[NodeDescriptor], c: Constraints, start: int, stop: int):
+        self.layout, self.nodes, self.c = layout, nodes, c
+        self.start, self.stop = start, stop
+        self.n = stop - start
+        kv_per_layer = layout.kv_bytes_per_token_per_layer * c.context_tokens * c.max_concurrent
+        self.need = [layout.layer_bytes[i] + kv_per_layer for i in range(start, stop)]  # per trunk layer
+        self.mean_need = sum(self.need) / self.n
+        self.usable = {nd.name: max(0, nd.memory_bytes - c.reserve_bytes) for nd in nodes}
+        self.cap = {nd.name: min(self.n, int(self.usable[nd.name] // self.mean_need)) for nd in nodes}
+        self.by_name = {nd.name: nd for nd in nodes}
+        self.act = layout.activation_bytes_per_token
+
+    def check_capacity(self) -> None:
+        needed, offered = sum(self.need), sum(self.usable.values())
+        if offered < needed or sum(self.cap.values()) < self.n:
+            missing = max(needed - offered, self.mean_need)
+            raise PlanError(
+                f"the swarm cannot hold the model: its trunk layers [{self.start}, {self.stop}) need "
+                f"{needed / GB:.1f} GB (weights + KV for {self.c.context_tokens} tokens × "
+                f"{self.c.max_concurrent} requests) and the members offer {offered / GB:.1f} GB after a "
+                f"{self.c.reserve_bytes / GB:.1f} GB reserve each: {missing / GB:.1f} GB missing")
+
+    # --- subsets and orders ---
+
+    def rank_subsets(self) -> list[tuple[tuple, list[str]]]:
+        names = [nd.name for nd in self.nodes if self.cap[nd.name] >= 1]
+        if len(names) > EXACT_NODES:  # keep the fastest that can hold the model, plus spares
+            names = sorted(names, key=lambda n: self.by_name[n].ms_per_layer_token)[:EXACT_NODES]
+        paths = _best_paths(names, self._link_ms)
+        ranked = []
+        for mask, (path_ms, order) in paths.items():
+            counts = self._counts(order)
+            if counts is None:
+                continue
+            compute = [counts[m] * self.by_name[m].ms_per_layer_token for m in order]
+            transfer = self._max_transfer(order)
+            latency = sum(compute) + path_ms
+            bottleneck = max(max(compute), transfer)
+            score = (latency, bottleneck) if self.c.objective == "latency" else (bottleneck, latency)
+            ranked.append((score, order))
+        ranked.sort(key=lambda x: x[0])
+        self.scores = {tuple(sorted(order)): score for score, order in ranked}
+        return ranked
+
+    def _link_ms(self, a: str, b: str) -> float:
+        if a == ASKER:
+            return self.by_name[b].link_to(ASKER).cost_ms(self.act)
+        if b == ASKER:
+            return self.by_name[a].link_to(ASKER).cost_ms(self.act)
+        return link_between(self.by_name[a], self.by_name[b]).cost_ms(self.act)
+
+    def _max_transfer(self, order: list[str]) -> float:
+        hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
+        return max(self._link_ms(a, b) - self._link_latency(a, b) for a, b in hops)
+
+    def _link_latency(self, a: str, b: str) -> float:
+        if ASKER in (a, b):
+            node = self.by_name[b if a == ASKER else a]
+            return node.link_to(ASKER).rtt_ms / 2
+        return link_between(self.by_name[a], self.by_name[b]).rtt_ms / 2
+
+    def _counts(self, order: list[str]) -> dict[str, int] | None:
+        """Layers per member (mean layer size): fastest first for latency, balanced for throughput."""
+        caps = {m: self.cap[m] for m in order}
+        if len(order) > self.n or sum(caps.values()) < self.n:
+            return None
+        speed = {m: self.by_name[m].ms_per_layer_token for m in order}
+        if self.c.objective == "latency":
+            counts = {m: 1 for m in order}
+            left = self.n - len(order)
+            for m in sorted(order, key=lambda m: speed[m]):
+                take = min(left, caps[m] - 1)
+                counts[m] += take
+                left -= take
+            return counts
+        # throughput: the smallest T such that min(cap, floor(T / speed)) layers per member cover n
+        candidates = sorted({c * speed[m] for m in order for c in range(1, caps[m] + 1)})
+        for t in candidates:
+            counts = {m: min(caps[m], int(t / speed[m] + 1e-9)) for m in order}
+            if all(v >= 1 for v in counts.values()) and sum(counts.values()) >= self.n:
+                extra = sum(counts.values()) - self.n  # give back surplus from the slowest
+                for m in sorted(order, key=lambda m: -speed[m]):
+                    give = min(extra, counts[m] - 1)
+                    counts[m] -= give
+                    extra -= give
+                return counts
+        return None
+
+    # --- exact cut for one order ---
+
+    def cut(self, order: list[str]) -> list[StagePlan] | None:
+        """Contiguous ranges with the real per-layer sizes: minimal sum (latency) or max
+        (throughput) of layers × ms, each member at least one layer, within its memory."""
+        n, k = self.n, len(order)
+        prefix = [0]
+        for b in self.need:
+            prefix.append(prefix[-1] + b)
+        inf = math.inf
+        best = [[inf] * (n + 1) for _ in range(k + 1)]
+        back = [[-1] * (n + 1) for _ in range(k + 1)]
+        best[0][0] = 0.0
+        for i, m in enumerate(order, start=1):
+            speed, usable = self.by_name[m].ms_per_layer_token, self.usable[m]
+            for q in range(i, n - (k - i) + 1):
+                for p in range(q - 1, i - 2, -1):
+                    if prefix[q] - prefix[p] > usable:
+                        break
+                    if best[i - 1][p] == inf:
+                        continue
+                    stage = (q - p) * speed
+                    value = best[i - 1][p] + stage if self.c.objective == "latency" else max(best[i - 1][p], stage)
+                    if value < best[i][q] - 1e-12:
+                        best[i][q], back[i][q] = value, p
+        if best[k][n] == inf:
+            return None
+        stages, q = [], n
+        for i in range(k, 0, -1):
+            p = back[i][q]
+            m = order[i - 1]
+            used = prefix[q] - prefix[p]
+            stages.append(StagePlan(m, self.start + p, self.start + q, (q - p) * self.by_name[m].ms_per_layer_token,
+                                    used, self.usable[m] - used))
+            q = p
+        return stages[::-1]
+
+    # --- the result ---
+
+    def proposal(self, order: list[str], stages: list[StagePlan], ranked) -> Proposal:
+        hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
+        link_ms = [self._link_ms(a, b) for a, b in hops]
+        latency = sum(s.compute_ms for s in stages) + sum(link_ms)
+        worst_stage = max(stages, key=lambda s: s.compute_ms)
+        worst_link = max(range(len(hops)), key=lambda i: link_ms[i] - self._link_latency(*hops[i]))
+        transfer = link_ms[worst_link] - self._link_latency(*hops[worst_link])
+        if worst_stage.compute_ms >= transfer:
+            bottleneck = (f"stage {worst_stage.member} (layers [{worst_stage.start}, {worst_stage.stop}), "
+                          f"{worst_stage.compute_ms:.1f} ms per token)")
+            bottleneck_ms = worst_stage.compute_ms
+        else:
+            a, b = hops[worst_link]
+            bottleneck = f"link {a} → {b} ({transfer:.1f} ms per token to move activations)"
+            bottleneck_ms = transfer
+        result = Proposal(self.c.objective, stages, latency, 1000.0 / bottleneck_ms if bottleneck_ms else math.inf,
+                          bottleneck)
+        chosen = set(order)
+        best_score = self.scores[tuple(sorted(order))]
+        for nd in self.nodes:
+            if nd.name in chosen:
+                continue
+            result.left_out.append(nd.name)
+            if self.cap[nd.name] < 1:
+                result.warnings.append(
+                    f"left out {nd.name}: its {self.usable[nd.name] / GB:.1f} GB (after the reserve) is less than "
+                    f"one layer needs ({self.mean_need / GB:.2f} GB)")
+                continue
+            with_it = [s for key, s in self.scores.items() if nd.name in key]
+            if not with_it:
+                result.warnings.append(f"left out {nd.name}: no plan that includes it fits")
+                continue
+            alt = min(with_it)
+            if self.c.objective == "latency":
+                result.warnings.append(
+                    f"left out {nd.name} ({nd.device}, {nd.ms_per_layer_token:.2f} ms per layer): the others hold "
+                    f"the model, and using it would make each token {alt[0] - best_score[0]:.1f} ms slower")
+            else:
+                result.warnings.append(
+                    f"left out {nd.name} ({nd.device}, {nd.ms_per_layer_token:.2f} ms per layer): using it would "
+                    f"lower the pipeline's bound from {1000 / best_score[0]:.1f} to {1000 / alt[0]:.1f} tokens/s")
+        return result
+
+
+def _best_paths(names: list[str], link_ms) -> dict[int, tuple[float, list[str]]]:
+    """For every non-empty subset: the cheapest order asker → … → asker (Held-Karp)."""
+    n = len(names)
+    dp: dict[tuple[int, int], tuple[float, int]] = {}
+    for j in range(n):
+        dp[(1 << j, j)] = (link_ms(ASKER, names[j]), -1)
+    for size in range(2, n + 1):
+        for combo in itertools.combinations(range(n), size):
+            mask = sum(1 << j for j in combo)
+            for j in combo:
+                prev_mask = mask & ~(1 << j)
+                best = (math.inf, -1)
+                for i in combo:
+                    if i == j or (prev_mask, i) not in dp:
+                        continue
+                    cost = dp[(prev_mask, i)][0] + link_ms(names[i], names[j])
+                    if cost < best[0]:
+                        best = (cost, i)
+                dp[(mask, j)] = best
+    paths: dict[int, tuple[float, list[str]]] = {}
+    for mask in range(1, 1 << n):
+        ends = [(dp[(mask, j)][0] + link_ms(names[j], ASKER), j) for j in range(n) if (mask >> j) & 1]
+        cost, j = min(ends)
+        order, m = [], mask
+        while j != -1:
+            order.append(names[j])
+            j, m = dp[(m, j)][1], m & ~(1 << j)
+        paths[mask] = (cost, order[::-1])
+    return paths

@@ -1,0 +1,90 @@
+"""Plan which members serve which layers, without running anything.
+
+examples:
+  swarmctl plan --layout llama-3-70b-q4_k_m --nodes plans/examples/four-friends.json
+  swarmctl plan --model ~/models/qwen3-8b.Q4_K_M.gguf --nodes nodes.json --objective throughput --json
+  swarmctl plan                      # inside a swarm: the running swarm's model and members
+
+A nodes file is a JSON list of {"name", "memory_gb", "ms_per_layer_token", "device", "links":
+{"other-node" or "asker": {"rtt_ms", "bandwidth_mb_s"}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import asdict
+
+from kernels.errors import EngineError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH", help="a GGUF (only its metadata is read)")
+    source.add_argument("--layout", metavar="NAME", help="a model on paper, e.g. llama-3-70b-q4_k_m")
+    parser.add_argument("--nodes", metavar="FILE", help="JSON list of nodes (default: the running swarm's)")
+    parser.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    parser.add_argument("--head-layers", type=int, default=4, metavar="K")
+    parser.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV room per request")
+    parser.add_argument("--concurrent", type=int, default=4, metavar="N", help="requests whose KV each stage holds")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from plans.layout import ModelLayout, layout_by_name
+    from plans.nodes import load_nodes
+    from plans.planner import Constraints, plan_layers
+    from swarmctl.models import resolve_model
+
+    if args.nodes:
+        nodes = load_nodes(args.nodes)
+        layout = layout_by_name(args.layout) if args.layout else ModelLayout.from_gguf(resolve_model(args.model))
+    else:
+        layout, nodes = asyncio.run(_from_swarm(args))
+    proposal = plan_layers(layout, nodes, Constraints(args.head_layers, args.context, args.concurrent, args.objective))
+    if args.json:
+        print(json.dumps({"model": layout.name, "n_layer": layout.n_layer, "head_layers": args.head_layers,
+                          **asdict(proposal)}, indent=2))
+    else:
+        print(format_plan(layout, args.head_layers, proposal))
+    return 0
+
+
+async def _from_swarm(args: argparse.Namespace):
+    from plans.layout import ModelLayout, layout_by_name
+    from swarmctl.commands.status import fetch_status
+    from swarmctl.home import SwarmHome
+    from swarmctl.models import resolve_model
+
+    home = SwarmHome()
+    if not home.exists:
+        raise EngineError("give --nodes FILE (no swarm is joined here to take the members from)")
+    status = await fetch_status(home, request="nodes")
+    from plans.nodes import Link, NodeDescriptor
+
+    nodes = [NodeDescriptor(n["name"], int(n["memory_bytes"]), float(n["ms_per_layer_token"]), n.get("device", "cpu"),
+                            n.get("address", ""), {k: Link(**v) for k, v in (n.get("links") or {}).items()})
+             for n in status["nodes"]]
+    if not nodes:
+        raise EngineError("the swarm has no trunk members to plan with yet")
+    if args.layout:
+        return layout_by_name(args.layout), nodes
+    return ModelLayout.from_gguf(resolve_model(args.model or home.load_config().model)), nodes
+
+
+def format_plan(layout, head_layers: int, p) -> str:
+    gb = 1e9
+    lines = [f"plan for {layout.name}: {layout.n_layer} layers, the asker keeps [0, {head_layers}) and "
+             f"[{layout.n_layer - head_layers}, {layout.n_layer}); objective {p.objective}"]
+    rows = [("STAGE", "MEMBER", "LAYERS", "USED", "FREE", "MS/TOKEN")]
+    for i, s in enumerate(p.stages, start=1):
+        rows.append((str(i), s.member, f"[{s.start}, {s.stop})", f"{s.memory_used / gb:.1f} GB",
+                     f"{s.memory_free / gb:.1f} GB", f"{s.compute_ms:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(f"expected: {p.ms_per_token:.1f} ms per token for one stream (trunk compute + links; the asker's "
+                 f"own layers not included), at most {p.tokens_per_s:.1f} tokens/s pipelined")
+    lines.append(f"bottleneck: {p.bottleneck}")
+    lines += [f"warning: {w}" for w in p.warnings]
+    return "\n".join(lines)
