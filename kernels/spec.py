@@ -102,13 +102,16 @@ class ModelSpec:
             il = layer_of(info.name)
             if il is not None and il < n_layer:
                 layer_bytes[il] += info.n_bytes
-        if "token_embd.weight" not in gguf.tensors:
+        # A slice file (written by slice distribution) holds some layers and none of the ends.
+        is_slice = gguf.get("swarmctl.slice.start") is not None
+        if "token_embd.weight" not in gguf.tensors and not is_slice:
             raise ModelFileError(f"{gguf.path}: tensor token_embd.weight is missing")
-        embedding_bytes = gguf.tensors["token_embd.weight"].n_bytes
+        embd = gguf.tensors.get("token_embd.weight")
+        embedding_bytes = embd.n_bytes if embd else 0
         tied = "output.weight" not in gguf.tensors
-        out_name = "token_embd.weight" if tied else "output.weight"
+        out = gguf.tensors.get("token_embd.weight" if tied else "output.weight")
         norm = gguf.tensors.get("output_norm.weight")
-        lm_head_bytes = gguf.tensors[out_name].n_bytes + (norm.n_bytes if norm else 0)
+        lm_head_bytes = (out.n_bytes if out else 0) + (norm.n_bytes if norm else 0)
 
         return cls(
             architecture=arch,

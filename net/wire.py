@@ -5,6 +5,7 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
 
     frame      := length:u32be  type:u8  body[length - 1]
     type 1     := control message, a UTF-8 JSON object with a "type" field
+    type 3     := raw data (a chunk of a file being transferred; its meaning comes from the stream)
     type 2     := activation packet:
 
       version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s
@@ -45,6 +46,7 @@ class WireError(Exception):
 class FrameType(enum.IntEnum):
     CONTROL = 1
     ACTIVATION = 2
+    DATA = 3
 
 
 class PacketKind(enum.IntEnum):

@@ -3,7 +3,9 @@
 Objective "latency" (default) minimises a single stream's time per token: the stages' compute
 (layers × ms per layer) plus the links along asker → stage 1 → … → stage n → asker.
 Objective "throughput" minimises the pipeline's bottleneck: the slowest stage (or link) per token,
-which bounds tokens per second when many requests are in flight.
+which bounds tokens per second when many requests are in flight. Objective "even" uses every node
+that can hold a layer, with layers in proportion to memory (a local swarm on one machine, where
+the point is to exercise every trunk).
 
 Both respect memory: a stage holds its layers' weights plus KV for ``context × max_concurrent``
 tokens, within what its node offers less a fixed reserve. The weakest-link rule falls out of
@@ -40,7 +42,7 @@ class Constraints:
     head_layers: int = 4  # the asker keeps [0, K) and [L-K, L)
     context_tokens: int = 4096
     max_concurrent: int = 4  # requests whose KV a stage must hold at once
-    objective: str = "latency"  # or "throughput"
+    objective: str = "latency"  # or "throughput", or "even"
     reserve_bytes: int = 300_000_000  # per node, for the runtime and compute buffers
 
 
@@ -70,8 +72,8 @@ def plan_layers(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: C
     start, stop = k, layout.n_layer - k
     if stop < start or k < 0:
         raise PlanError(f"head layers {k} do not fit a model of {layout.n_layer} layers")
-    if constraints.objective not in ("latency", "throughput"):
-        raise PlanError(f"unknown objective {constraints.objective!r} (latency or throughput)")
+    if constraints.objective not in ("latency", "throughput", "even"):
+        raise PlanError(f"unknown objective {constraints.objective!r} (latency, throughput or even)")
     if stop == start:
         return Proposal(constraints.objective, [], 0.0, math.inf, "none: the asker runs every layer")
     problem = _Problem(layout, nodes, constraints, start, stop)
@@ -113,7 +115,12 @@ class _Problem:
         names = [nd.name for nd in self.nodes if self.cap[nd.name] >= 1]
         if len(names) > EXACT_NODES:  # keep the fastest that can hold the model, plus spares
             names = sorted(names, key=lambda n: self.by_name[n].ms_per_layer_token)[:EXACT_NODES]
-        paths = _best_paths(names, self._link_ms)
+        if self.c.objective == "even":  # everyone who can hold a layer, in the order they came
+            names = names[:self.n]
+            hops = [(ASKER, names[0]), *zip(names, names[1:]), (names[-1], ASKER)] if names else []
+            paths = {1: (sum(self._link_ms(a, b) for a, b in hops), names)} if names else {}
+        else:
+            paths = _best_paths(names, self._link_ms)
         ranked = []
         for mask, (path_ms, order) in paths.items():
             counts = self._counts(order)
@@ -123,7 +130,7 @@ class _Problem:
             transfer = self._max_transfer(order)
             latency = sum(compute) + path_ms
             bottleneck = max(max(compute), transfer)
-            score = (latency, bottleneck) if self.c.objective == "latency" else (bottleneck, latency)
+            score = (bottleneck, latency) if self.c.objective == "throughput" else (latency, bottleneck)
             ranked.append((score, order))
         ranked.sort(key=lambda x: x[0])
         self.scores = {tuple(sorted(order)): score for score, order in ranked}
@@ -152,6 +159,13 @@ class _Problem:
         if len(order) > self.n or sum(caps.values()) < self.n:
             return None
         speed = {m: self.by_name[m].ms_per_layer_token for m in order}
+        if self.c.objective == "even":
+            total = sum(self.usable[m] for m in order)
+            counts = {m: max(1, min(caps[m], int(self.n * self.usable[m] / total))) for m in order}
+            for m in sorted(order, key=lambda m: -self.usable[m]):  # hand out what rounding left
+                while sum(counts.values()) < self.n and counts[m] < caps[m]:
+                    counts[m] += 1
+            return counts if sum(counts.values()) == self.n else None
         if self.c.objective == "latency":
             counts = {m: 1 for m in order}
             left = self.n - len(order)
@@ -182,6 +196,18 @@ class _Problem:
         prefix = [0]
         for b in self.need:
             prefix.append(prefix[-1] + b)
+        if self.c.objective == "even":
+            counts = self._counts(order)
+            stages, p = [], 0
+            for m in order:
+                q = p + counts[m]
+                used = prefix[q] - prefix[p]
+                if used > self.usable[m]:
+                    return None
+                stages.append(StagePlan(m, self.start + p, self.start + q,
+                                        (q - p) * self.by_name[m].ms_per_layer_token, used, self.usable[m] - used))
+                p = q
+            return stages
         inf = math.inf
         best = [[inf] * (n + 1) for _ in range(k + 1)]
         back = [[-1] * (n + 1) for _ in range(k + 1)]
@@ -245,7 +271,7 @@ class _Problem:
                 result.warnings.append(f"left out {nd.name}: no plan that includes it fits")
                 continue
             alt = min(with_it)
-            if self.c.objective == "latency":
+            if self.c.objective != "throughput":
                 result.warnings.append(
                     f"left out {nd.name} ({nd.device}, {nd.ms_per_layer_token:.2f} ms per layer): the others hold "
                     f"the model, and using it would make each token {alt[0] - best_score[0]:.1f} ms slower")

@@ -61,6 +61,9 @@ class NodeConfig:
     model: str | None = None  # GGUF path; None = the bundled default
     head_layers: int = 4  # host only: layers the asker keeps at each end
     created_at: float = field(default_factory=time.time)
+    objective: str = "latency"  # host only: what the planner optimises (latency or throughput)
+    plan_context: int = 4096  # host only: KV room per request each stage must hold ...
+    plan_concurrent: int = 4  # ... for this many requests at once
 
 
 @dataclass

@@ -3,8 +3,13 @@
 Control messages (JSON frames, one request per stream unless noted):
 
     join        {token_id, secret, csr, name}          joiner (join ALPN) → host → joined | error
-    register    {listen, memory}                       trunk → host; the stream stays open and
-                                                       the host sends every new plan on it
+    register    {listen, memory, ms_per_layer_token,   trunk → host; the stream stays open and
+                 device, rtt_ms}                       the host sends every new plan on it
+    links       {links: {peer: {rtt_ms, bandwidth_mb_s}}}  trunk's measured links → ok
+    speed       {ms_per_layer_token}                   a trunk measured once its fetched layers arrived
+    watch_plan  {}                                     asker → plan now, and every new plan after
+    fetch_slice {start, stop, have}                    a trunk without the model → manifest, data
+    nodes       {}                                     anyone → the planner's view of the members
     ready       {plan_version}                         trunk loaded its layers → ok
     refuse      {reason}                               trunk cannot serve (e.g. model mismatch) → ok
     get_plan    {}                                     anyone → plan
@@ -16,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -29,13 +36,19 @@ from net.identity import cert_pem, verify_member
 from net.protocol import SwarmProtocol
 from net.tls import ALPN_JOIN
 from net.wire import Frame, FrameType, WireError, decode_control, encode_control
-from plans.even import Candidate, split_by_memory
-from plans.plan import Plan, StageAssignment
+from plans.layout import ModelLayout
+from plans.nodes import ASKER, Link, NodeDescriptor
+from plans.plan import Plan
+from plans.planner import Constraints, PlanError, plan_layers
+from swarmctl.distribution import build_manifest, serve_slice
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, admit
 from swarmctl.models import resolve_model
 
 log = logging.getLogger("swarmctl.host")
+
+
+DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
 
 
 @dataclass
@@ -44,8 +57,13 @@ class TrunkInfo:
     plan_stream: int  # the register stream; new plans go out on it
     listen: str
     memory: int
+    ms_per_layer_token: float | None = None  # measured at join; None until the trunk has the model
+    device: str = "cpu"
+    rtt_ms: float | None = None  # to the host, which stands in for the asker when planning
+    links: dict[str, Link] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.time)
     refused: str = ""  # why it cannot serve, if it said so
+    served_bytes: int = 0  # slice bytes the host sent it
 
 
 class HostService:
@@ -54,13 +72,19 @@ class HostService:
         self.config = home.load_config()
         self.creds = home.credentials()
         self.model_path = resolve_model(self.config.model)
-        with GGUFFile(self.model_path) as gguf:
-            spec = ModelSpec.from_gguf(gguf)
-            hashes = [gguf.layer_hash(i) for i in range(spec.n_layer)]
+        self.gguf = GGUFFile(self.model_path)  # kept open: the host serves slices from it
+        spec = ModelSpec.from_gguf(self.gguf)
+        hashes = [self.gguf.layer_hash(i) for i in range(spec.n_layer)]
+        self.layout = ModelLayout.from_gguf(self.model_path)
         self.plan = Plan(version=0, model_name=self.model_path.name, n_layer=spec.n_layer,
                          head_layers=self.config.head_layers, layer_hashes=hashes,
-                         revoked_serials=sorted(home.revoked_serials()))
+                         revoked_serials=sorted(home.revoked_serials()),
+                         model_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
+                         objective=self.config.objective)
+        self.constraints = Constraints(self.config.head_layers, self.config.plan_context,
+                                       self.config.plan_concurrent, self.config.objective)
         self.trunks: dict[str, TrunkInfo] = {}
+        self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
         self.online: dict[str, SwarmProtocol] = {}
         self.server = None
         self.address: Address | None = None
@@ -80,6 +104,7 @@ class HostService:
             conn.close_with("host shutting down")
         if self.server is not None:
             self.server.close()
+        self.gguf.close()
 
     def _check_member(self, cert: x509.Certificate) -> None:
         verify_member(cert, self.creds.ca_cert, self.home.revoked_serials())
@@ -121,6 +146,8 @@ class HostService:
         handler = {
             "register": self._register, "ready": self._ready, "refuse": self._refuse,
             "get_plan": self._get_plan, "status": self._status, "revoked": self._revoked,
+            "links": self._links, "watch_plan": self._watch_plan, "fetch_slice": self._fetch_slice,
+            "nodes": self._nodes, "speed": self._speed,
         }.get(message["type"])
         if handler is None:
             self._reply(conn, stream_id, {"type": "error", "message": f"unknown request {message['type']!r}"})
@@ -152,9 +179,61 @@ class HostService:
     def _register(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
         listen = str(Address.parse(str(message["listen"])))
         memory = int(message["memory"])
-        self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, memory)
-        log.info("trunk %s registered at %s with %.1f GB", conn.peer_name, listen, memory / 1e9)
+        speed = message.get("ms_per_layer_token")
+        rtt = message.get("rtt_ms")
+        self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, memory,
+                                                float(speed) if speed is not None else None,
+                                                str(message.get("device", "cpu")), float(rtt) if rtt is not None else None)
+        log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen, memory / 1e9,
+                 f"{float(speed):.2f}" if speed is not None else "unmeasured")
         self._replan(also_send_to=conn.peer_name)
+
+    def _links(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.links = {str(peer): Link(float(v["rtt_ms"]), float(v.get("bandwidth_mb_s") or Link().bandwidth_mb_s))
+                           for peer, v in dict(message["links"]).items()}
+        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+
+    def _speed(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        """A trunk that fetched its layers has measured itself; the next plan uses the figure."""
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.ms_per_layer_token = float(message["ms_per_layer_token"])
+        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+
+    def _watch_plan(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        self.watchers.append((conn, stream_id))
+        self._reply(conn, stream_id, {"type": "plan", "plan": self.plan.to_dict()})
+
+    def _fetch_slice(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        start, stop = int(message["start"]), int(message["stop"])
+        lo, hi = self.plan.trunk_range
+        if not lo <= start < stop <= hi:
+            self._reply(conn, stream_id, {"type": "error", "message": f"layers [{start}, {stop}) are not trunk "
+                                                                       f"layers [{lo}, {hi})"}, end=True)
+            return
+        manifest = build_manifest(self.gguf, start, stop, self.plan.model_hash)
+        have = {str(c) for c in message.get("have") or []}
+        log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name, len(have))
+        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, have))
+
+    async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest, have: set[str]) -> None:
+        try:
+            sent = await serve_slice(conn, stream_id, self.gguf, manifest, have)
+        except ConnectionError:
+            return
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.served_bytes += sent
+        log.info("sent %.1f MB of layers [%d, %d) to %s", sent / 1e6, manifest.start, manifest.stop, conn.peer_name)
+
+    def _nodes(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        nodes = [{"name": n.name, "memory_bytes": n.memory_bytes, "ms_per_layer_token": n.ms_per_layer_token,
+                  "device": n.device, "address": n.address,
+                  "links": {k: {"rtt_ms": v.rtt_ms, "bandwidth_mb_s": v.bandwidth_mb_s} for k, v in n.links.items()}}
+                 for n in self._descriptors()]
+        self._reply(conn, stream_id, {"type": "nodes", "nodes": nodes}, end=True)
 
     def _ready(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
         stage = self.plan.stage_for(conn.peer_name)
@@ -192,20 +271,40 @@ class HostService:
 
     # --- planning ---
 
+    def _descriptors(self) -> list[NodeDescriptor]:
+        """The planner's view of the trunks that can serve: measured speed (or the others' median
+        until a trunk can measure), memory, and links (to the host standing in for the asker)."""
+        ready = [(name, t) for name, t in sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at)
+                 if not t.refused]
+        known = [t.ms_per_layer_token for _, t in ready if t.ms_per_layer_token]
+        fallback = statistics.median(known) if known else DEFAULT_MS_PER_LAYER
+        nodes = []
+        for name, t in ready:
+            links = dict(t.links)
+            if t.rtt_ms is not None:
+                links[ASKER] = Link(t.rtt_ms, links.get(ASKER, Link()).bandwidth_mb_s)
+            nodes.append(NodeDescriptor(name, t.memory, t.ms_per_layer_token or fallback, t.device, t.listen, links))
+        return nodes
+
     def _replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
-        start, stop = self.plan.trunk_range
-        candidates = [Candidate(name, t.memory) for name, t in
-                      sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at) if not t.refused]
-        ranges = split_by_memory(start, stop, candidates)
-        old = {(s.member, s.start, s.stop): s for s in self.plan.stages}
-        stages = [old.get((m, a, b)) or StageAssignment(m, self.trunks[m].listen, a, b) for m, a, b in ranges]
-        if [(s.member, s.start, s.stop) for s in stages] != [(s.member, s.start, s.stop) for s in self.plan.stages]:
-            self.plan.version += 1
-            for s in stages:
-                s.ready = False  # every stage re-confirms under the new version
-            self.plan.stages = stages
-            log.info("plan v%d: %s", self.plan.version,
-                     ", ".join(f"{s.member}[{s.start},{s.stop})" for s in stages) or "no trunks")
+        nodes = self._descriptors()
+        try:
+            proposal = plan_layers(self.layout, nodes, self.constraints) if nodes else None
+        except PlanError as e:
+            proposal = None
+            log.warning("cannot plan: %s", e)
+            self.plan.warnings = [str(e)]
+        if proposal is None:
+            changed = bool(self.plan.stages)
+            if changed:
+                self.plan.version += 1
+                self.plan.stages = []
+        else:
+            changed = self.plan.apply(proposal, {n.name: n.address for n in nodes})
+        if changed:
+            log.info("plan v%d: %s%s", self.plan.version,
+                     ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages) or "no trunks",
+                     "".join(f"; {w}" for w in self.plan.warnings))
             self._push_plan()
         elif force_push:
             self._push_plan()
@@ -217,6 +316,10 @@ class HostService:
         for name, trunk in self.trunks.items():
             if (only is None or name == only) and trunk.conn.is_open:
                 trunk.conn.send(trunk.plan_stream, frame)
+        if only is None:
+            self.watchers = [(c, sid) for c, sid in self.watchers if c.is_open]
+            for conn, stream_id in self.watchers:
+                conn.send(stream_id, frame)
 
     def status(self) -> dict:
         members = []
@@ -237,10 +340,15 @@ class HostService:
                             ("trunk" if trunk is not None else "member"),
                             "address": str(self.address) if name == self.config.name else (trunk.listen if trunk else ""),
                             "layers": [stage.start, stage.stop] if stage else None,
-                            "memory": trunk.memory if trunk else None, "health": health})
+                            "memory": trunk.memory if trunk else None, "health": health,
+                            "ms_per_layer_token": trunk.ms_per_layer_token if trunk else None,
+                            "slice_bytes_sent": trunk.served_bytes if trunk else 0})
         return {"swarm": self.config.swarm_name, "model": self.plan.model_name, "n_layer": self.plan.n_layer,
                 "head_layers": self.plan.head_layers, "plan_version": self.plan.version,
-                "complete": self.plan.complete, "missing_layers": self.plan.missing_layers(), "members": members}
+                "complete": self.plan.complete, "missing_layers": self.plan.missing_layers(), "members": members,
+                "objective": self.plan.objective, "expected_ms_per_token": self.plan.expected_ms_per_token,
+                "expected_tokens_per_s": self.plan.expected_tokens_per_s, "bottleneck": self.plan.bottleneck,
+                "warnings": self.plan.warnings}
 
     def _reply(self, conn: SwarmProtocol, stream_id: int, message: dict, end: bool = False) -> None:
         if conn.is_open:

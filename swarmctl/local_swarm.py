@@ -59,6 +59,11 @@ class LocalSwarm:
             address = f"127.0.0.1:{host_port or free_udp_port()}"
             create_swarm(self.host_home, swarm_name="local", host_name="host", listen=address,
                          advertise=[host_advertise or address], model=model, head_layers=head_layers)
+            # Every trunk here shares one machine: plan "even", so each of the N trunks asked for serves
+            # layers (the latency planner would rightly put them all on one, as an extra hop buys nothing).
+            config = self.host_home.load_config()
+            config.objective = "even"
+            self.host_home.save_config(config)
             ports = trunk_ports or [0] * n_trunks
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
                                 for i in range(n_trunks)]

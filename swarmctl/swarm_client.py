@@ -48,6 +48,9 @@ class SwarmLink:
         self.request_timeout = request_timeout
         self.dtype = dtype
         self.plan: Plan | None = None
+        self.latest_plan: Plan | None = None  # the host pushes every new plan; new requests follow it
+        self.watch_stream: int | None = None
+        self._plan_changed = asyncio.Event()
         self.host_conn: SwarmProtocol | None = None
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
@@ -86,6 +89,8 @@ class SwarmLink:
         if self.plan is None or self.first_conn is None or not self.first_conn.is_open:
             raise SwarmError("not connected to the swarm")
         pending = self._pending.get(rid)
+        if pending is None and self.latest_plan is not None and self.latest_plan.version != self.plan.version:
+            await self._follow_plan()  # a new request starts on the newest plan
         if pending is None:
             pending = self._pending[rid] = _Pending(self.first_conn.open_stream())
         pending.result = asyncio.get_running_loop().create_future()
@@ -119,17 +124,32 @@ class SwarmLink:
     async def _connect(self, ready_timeout: float, alive_check: Callable[[], None] | None,
                        min_stages: int) -> None:
         self.host_conn = await self._connect_host()
-        deadline = time.monotonic() + ready_timeout
+        self.watch_stream = self.host_conn.open_stream()
+        first = await self.host_conn.request(encode_control({"type": "watch_plan"}), stream_id=self.watch_stream)
+        self._plan_message(decode_control(first.body))
+        self.plan = await self._wait_for_plan(ready_timeout, alive_check, min_stages)
+        await self._connect_stages()
+
+    async def _wait_for_plan(self, timeout: float, alive_check: Callable[[], None] | None, min_stages: int = 1) -> Plan:
+        """The newest plan, once it is complete (every trunk layer served by a ready stage)."""
+        deadline = time.monotonic() + timeout
         while True:
-            self.plan = await self.fetch_plan()
-            if self.plan.complete and len(self.plan.stages) >= min_stages:
-                break
+            plan = self.latest_plan
+            if plan is not None and plan.complete and len(plan.stages) >= min_stages:
+                return plan
             if alive_check is not None:
                 alive_check()
             if time.monotonic() > deadline:
-                gaps = ", ".join(f"[{a}, {b})" for a, b in self.plan.missing_layers())
-                raise SwarmError(f"the swarm cannot serve the model: no ready trunk holds layers {gaps}")
-            await asyncio.sleep(0.2)
+                gaps = ", ".join(f"[{a}, {b})" for a, b in plan.missing_layers()) if plan else "all"
+                notes = f" ({'; '.join(plan.warnings)})" if plan and plan.warnings else ""
+                raise SwarmError(f"the swarm cannot serve the model: no ready trunk holds layers {gaps}{notes}")
+            self._plan_changed.clear()
+            try:
+                await asyncio.wait_for(self._plan_changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                self.latest_plan = await self.fetch_plan()  # in case a push was missed
+
+    async def _connect_stages(self) -> None:
         first, last = self.plan.stages[0], self.plan.stages[-1]
         self.first_conn = await connect_member(Address.parse(first.address), self.creds, first.member, self)
         self.last_conn = self.first_conn if last.member == first.member else \
@@ -139,6 +159,22 @@ class SwarmLink:
             raise SwarmError(f"the last stage refused the results stream: {reply}")
         log.info("swarm plan v%d: %s", self.plan.version,
                  ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages))
+
+    async def _follow_plan(self) -> None:
+        """Move to the newest plan: new stage connections once it is complete. Requests already
+        running keep their streams (the stages answer them, or tell them the plan changed)."""
+        self.plan = await self._wait_for_plan(self.request_timeout, None)
+        old = {c for c in (self.first_conn, self.last_conn) if c is not None}
+        await self._connect_stages()
+        busy = {self.first_conn, self.last_conn}
+        for conn in old - busy:
+            if not any(p.result is not None and not p.result.done() for p in self._pending.values()):
+                await close(conn)
+
+    def _plan_message(self, message: dict) -> None:
+        if message.get("type") == "plan":
+            self.latest_plan = Plan.from_dict(message["plan"])
+            self._plan_changed.set()
 
     async def fetch_plan(self) -> Plan:
         reply = decode_control((await self.host_conn.request(encode_control({"type": "get_plan"}))).body)
@@ -170,6 +206,9 @@ class SwarmLink:
         pass
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        if conn is self.host_conn and stream_id == self.watch_stream and frame.type == FrameType.CONTROL:
+            self._plan_message(decode_control(frame.body))
+            return
         if frame.type != FrameType.ACTIVATION:
             return
         try:

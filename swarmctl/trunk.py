@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,16 @@ class Route:
     last_active: float = field(default_factory=time.monotonic)
 
 
+async def _round_trip_ms(conn: SwarmProtocol, pings: int = 3) -> float:
+    """Median of a few QUIC pings on a live connection."""
+    times = []
+    for _ in range(pings):
+        t0 = time.perf_counter()
+        await asyncio.wait_for(conn.ping(), 5)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def _proc_status(field: str) -> int:
     """A memory figure of this process from /proc/self/status, in bytes (0 where unavailable)."""
     try:
@@ -79,6 +90,11 @@ class TrunkService:
         self.creds = home.credentials()
         self.name = self.creds.name
         self.model_path = resolve_model(self.config.model)
+        self.slices_dir = home.path / "slices"  # layers fetched from the swarm when the model file is missing
+        self.ms_per_layer_token: float | None = None
+        self.rtt_ms: float | None = None
+        self.fetched_bytes = 0
+        self._fetch_frames: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
         self.memory = memory or available_memory()
         self.n_threads = n_threads
         self.idle_timeout = idle_timeout
@@ -110,6 +126,13 @@ class TrunkService:
     # --- lifecycle ---
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.model_path.exists():
+            loop = asyncio.get_running_loop()
+            self.ms_per_layer_token = await loop.run_in_executor(self._executor, self._measure_speed)
+            log.info("this machine runs one layer of %s in %.2f ms per token", self.model_path.name,
+                     self.ms_per_layer_token)
+        else:
+            log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
         listen = Address.parse(self.config.listen)
         self._server = await serve_member(listen, self.creds, self, client_check=self._check_member)
         self.address = Address(listen.host, self._server._transport.get_extra_info("sockname")[1])
@@ -129,6 +152,12 @@ class TrunkService:
         if self._server is not None:
             self._server.close()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._unload)
+
+    def _measure_speed(self) -> float:
+        from kernels.speed import measure_ms_per_layer
+
+        with GGUFFile(self.model_path) as gguf:
+            return measure_ms_per_layer(gguf, n_threads=self.n_threads)
 
     def _check_member(self, cert) -> None:
         revoked = frozenset(self.plan.revoked_serials) if self.plan else frozenset()
@@ -163,9 +192,12 @@ class TrunkService:
         else:
             raise ConnectionError("; ".join(errors) or "no host address")
         self.host_conn = conn
+        self.rtt_ms = await _round_trip_ms(conn)
         self.plan_stream = conn.open_stream()
-        reply = await conn.request(encode_control({"type": "register", "listen": str(self.advertise or self.address),
-                                                   "memory": self.memory}), stream_id=self.plan_stream)
+        reply = await conn.request(encode_control({
+            "type": "register", "listen": str(self.advertise or self.address), "memory": self.memory,
+            "ms_per_layer_token": self.ms_per_layer_token, "device": "cpu", "rtt_ms": self.rtt_ms,
+        }), stream_id=self.plan_stream)
         self._host_message(decode_control(reply.body))
 
     def _host_message(self, message: dict) -> None:
@@ -198,8 +230,13 @@ class TrunkService:
             if self.runner is not None:
                 await self.runner.aclose("this stage is loading other layers")
             try:
-                await loop.run_in_executor(self._executor, self._load_engine, stage)
-            except EngineError as e:
+                model = await self._model_for(stage)
+                await loop.run_in_executor(self._executor, self._load_engine, stage, model)
+                if self.ms_per_layer_token is None:  # measure now that the layers are here; next plan uses it
+                    self.ms_per_layer_token = await loop.run_in_executor(self._executor, self._measure_slice, model,
+                                                                         stage)
+                    await self._tell_host({"type": "speed", "ms_per_layer_token": self.ms_per_layer_token})
+            except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
                 self.fatal = str(e)
                 log.error("%s", e)
                 await self._tell_host({"type": "refuse", "reason": str(e)})
@@ -214,16 +251,43 @@ class TrunkService:
             self._ready_sent = (self.plan.version, stage.start, stage.stop)
             await self._tell_host({"type": "ready", "plan_version": self.plan.version})
             log.info("serving layers [%d, %d) under plan v%d", stage.start, stage.stop, self.plan.version)
+            self._spawn(self._measure_peers(self.plan))
 
-    def _load_engine(self, stage: StageAssignment) -> None:
-        """In the engine thread: check our copy of the model against the host's, then load."""
+    async def _model_for(self, stage: StageAssignment) -> Path:
+        """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
+        if self.model_path.exists():
+            return self.model_path
+        from swarmctl.distribution import fetch_slice
+
+        if self.host_conn is None or not self.host_conn.is_open:
+            raise EngineError("no model file and no host to fetch layers from")
+        stream_id = self.host_conn.open_stream()
+        frames: asyncio.Queue = asyncio.Queue()
+        self._fetch_frames[stream_id] = frames
+        crash_after = os.environ.get("SWARMCTL_TEST_FETCH_CRASH_AFTER")  # fault injection for the resume test
+        try:
+            path, received = await fetch_slice(
+                self.host_conn, frames, stream_id, self.slices_dir, model_hash=self.plan.model_hash,
+                start=stage.start, stop=stage.stop, layer_hashes=self.plan.layer_hashes,
+                on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
+                                                         stage.start, stage.stop, have / 1e6, total / 1e6,
+                                                         100 * have / total),
+                stop_after_bytes=int(crash_after) if crash_after else None)
+        finally:
+            self._fetch_frames.pop(stream_id, None)
+        self.fetched_bytes += received
+        log.info("layers [%d, %d) ready in %s (%.1f MB received)", stage.start, stage.stop, path.name, received / 1e6)
+        return path
+
+    def _load_engine(self, stage: StageAssignment, model: Path) -> None:
+        """In the engine thread: check the model file against the host's hashes, then load."""
         self._unload()
-        gguf = GGUFFile(self.model_path)
+        gguf = GGUFFile(model)
         try:
             mismatched = [i for i in range(stage.start, stage.stop)
                           if gguf.layer_hash(i) != self.plan.layer_hashes[i]]
             if mismatched:
-                raise EngineError(f"this trunk's copy of the model ({self.model_path.name}) differs from the "
+                raise EngineError(f"this trunk's copy of the model ({model.name}) differs from the "
                                   f"host's ({self.plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
                                   "refusing to serve them")
             self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads)
@@ -232,6 +296,31 @@ class TrunkService:
         except BaseException:
             gguf.close()
             raise
+
+    async def _measure_peers(self, plan: Plan) -> None:
+        """Round trips to the plan's other stages, reported to the host for its next plan."""
+        links = {}
+        for stage in plan.stages:
+            if stage.member == self.name:
+                continue
+            try:
+                conn = await connect_member(Address.parse(stage.address), self.creds, stage.member, self)
+            except (ConnectionError, OSError):
+                continue
+            try:
+                links[stage.member] = {"rtt_ms": await _round_trip_ms(conn)}
+            except (ConnectionError, asyncio.TimeoutError):
+                pass
+            finally:
+                await close(conn)
+        if links:
+            await self._tell_host({"type": "links", "links": links})
+
+    def _measure_slice(self, model: Path, stage: StageAssignment) -> float:
+        from kernels.speed import measure_ms_per_layer
+
+        with GGUFFile(model) as gguf:
+            return measure_ms_per_layer(gguf, n_threads=self.n_threads, layer=stage.start)
 
     def _unload(self) -> None:
         if self.runner is not None:
@@ -273,6 +362,9 @@ class TrunkService:
         pass
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        if conn is self.host_conn and stream_id in self._fetch_frames:
+            self._fetch_frames[stream_id].put_nowait(frame)
+            return
         self._capture("recv", frame)
         if frame.type == FrameType.CONTROL:
             self._control(conn, stream_id, frame)
@@ -308,6 +400,8 @@ class TrunkService:
         elif message["type"] == "subscribe":
             self.subscribers[conn.peer_name] = (conn, stream_id)
             conn.send(stream_id, encode_control({"type": "ok"}))
+        elif message["type"] == "probe":  # a peer measuring our link
+            conn.send(stream_id, encode_control({"type": "ok"}), end=True)
         elif message["type"] == "stats":
             conn.send(stream_id, encode_control({"type": "stats", **self.stats()}), end=True)
         else:
@@ -329,7 +423,8 @@ class TrunkService:
             "tokens": runner.stats.tokens if runner else 0, "busy_s": runner.stats.busy_s if runner else 0.0,
             "largest_batch": runner.stats.largest_batch if runner else 0,
             "tensor_bytes": engine.weights.n_bytes if engine else 0, "peak_kv_bytes": self.peak_kv_bytes,
-            "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"),
+            "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"), "fetched_bytes": self.fetched_bytes,
+            "ms_per_layer_token": self.ms_per_layer_token,
         }
 
     # --- the data path ---
@@ -372,6 +467,8 @@ class TrunkService:
             self._locks.pop(rid, None)
 
     def _check_packet(self, packet: ActivationPacket) -> str:
+        if self._loading is not None and not self._loading.done():
+            return f"the plan changed (now v{self.plan.version}): this stage is loading other layers"
         if self.stage is None or self.runner is None or self.plan is None:
             return "this trunk is not serving any layers right now"
         if packet.plan_version != self.plan.version:

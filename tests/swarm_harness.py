@@ -63,8 +63,12 @@ class Swarm:
         self.homes: dict[str, Path] = {}
         self.captures: dict[str, Path] = {}
 
-    def init(self) -> None:
-        swarmctl(self.host_home, "init", "--listen", f"127.0.0.1:{self.host_port}", check=True)
+    def init(self, *extra: str) -> None:
+        """All nodes share this machine, so by default plan "even" (every trunk serves); tests of
+        the latency planner pass --objective themselves."""
+        if "--objective" not in extra:
+            extra = (*extra, "--objective", "even")
+        swarmctl(self.host_home, "init", "--listen", f"127.0.0.1:{self.host_port}", *extra, check=True)
 
     def invite(self, *args: str) -> str:
         return swarmctl(self.host_home, "invite", *args, check=True).stdout.strip()

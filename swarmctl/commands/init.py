@@ -26,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="the GGUF the swarm runs (default: the bundled SmolLM2)")
     parser.add_argument("--head-layers", type=int, default=4, metavar="K",
                         help="layers each asker keeps at each end of the model (default 4)")
+    parser.add_argument("--objective", choices=["latency", "throughput", "even"], default="latency",
+                        help="what the planner optimises: one stream's latency (default), the pipeline's "
+                             "throughput, or every trunk used in proportion to its memory")
+    parser.add_argument("--context", type=int, default=4096, metavar="TOKENS",
+                        help="KV room per request each stage must hold (default 4096)")
+    parser.add_argument("--concurrent", type=int, default=4, metavar="N",
+                        help="requests whose KV each stage must hold at once (default 4)")
 
 
 def _default_advertise(listen: Address) -> list[str]:
@@ -49,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     home = SwarmHome()
     config = create_swarm(home, swarm_name=args.swarm, host_name=args.name, listen=str(listen),
                           advertise=advertise, model=model, head_layers=args.head_layers)
+    config.objective, config.plan_context, config.plan_concurrent = args.objective, args.context, args.concurrent
+    home.save_config(config)
     print(f"created swarm '{config.swarm_name}' in {home.path}")
     print(f"host: {config.name}, reachable at {', '.join(config.host_addresses)} (UDP)")
     print(f"CA fingerprint: {config.ca_fingerprint}")

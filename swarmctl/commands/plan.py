@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", metavar="PATH", help="a GGUF (only its metadata is read)")
     source.add_argument("--layout", metavar="NAME", help="a model on paper, e.g. llama-3-70b-q4_k_m")
     parser.add_argument("--nodes", metavar="FILE", help="JSON list of nodes (default: the running swarm's)")
-    parser.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    parser.add_argument("--objective", choices=["latency", "throughput", "even"], default="latency")
     parser.add_argument("--head-layers", type=int, default=4, metavar="K")
     parser.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV room per request")
     parser.add_argument("--concurrent", type=int, default=4, metavar="N", help="requests whose KV each stage holds")
