@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import time
 
@@ -64,70 +63,17 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise UsageError("--temperature must be 0 or more")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    return asyncio.run(_ask_inproc(args, sampling) if args.transport == "inproc" else _ask_swarm(args, sampling))
+    return asyncio.run(_ask(args, sampling))
 
 
-async def _ask_inproc(args: argparse.Namespace, sampling: SamplingParams) -> int:
-    from swarmctl.asker import Asker, InprocTrunk, u_split
-    from swarmctl.models import resolve_model
+async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
+    from swarmctl.session import SessionOptions, open_session
 
-    model = resolve_model(args.model)
-    head_layers = 4 if args.head_layers is None else args.head_layers
-    t0 = time.perf_counter()
-    asker = Asker(model, head_layers, n_threads=args.threads, max_context=args.ctx)
-    trunk = None
-    try:
-        split = u_split(asker.spec.n_layer, head_layers, args.stages)
-        if split.trunk:
-            trunk = InprocTrunk(asker.gguf, split.trunk, n_threads=args.threads, max_context=asker.max_context)
-        log.info("loaded %s: %s | %s | %s in %.2fs", model.name, split.head.describe(),
-                 ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
-                 time.perf_counter() - t0)
-        return await _stream(asker, trunk, _prompt_tokens(asker, args), args.max_tokens, sampling)
-    finally:
-        if trunk is not None:
-            trunk.close()
-        asker.close()
-
-
-async def _ask_swarm(args: argparse.Namespace, sampling: SamplingParams) -> int:
-    from kernels.errors import EngineError
-    from swarmctl.asker import Asker
-    from swarmctl.home import SwarmHome
-    from swarmctl.local_swarm import LocalSwarm
-    from swarmctl.models import resolve_model
-    from swarmctl.swarm_client import SwarmLink
-
-    home = SwarmHome()
-    local = link = asker = None
-    try:
-        if home.exists:
-            model = resolve_model(args.model or home.load_config().model)
-            swarm_home = home
-        else:
-            model = resolve_model(args.model)
-            log.info("no swarm joined: starting a local one (host + %d trunks)", args.trunk_nodes)
-            # The local trunks and this process share this machine's cores: split them, or OpenMP
-            # teams oversubscribe the cores whenever several processes compute at once.
-            args.threads = args.threads or max(1, (os.cpu_count() or 1) // (args.trunk_nodes + 1))
-            local = LocalSwarm(model=str(model.resolve()), n_trunks=args.trunk_nodes,
-                               head_layers=4 if args.head_layers is None else args.head_layers, threads=args.threads)
-            swarm_home = local.asker_home
-        link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None,
-                                    min_stages=min(local.n_trunks, 22) if local else 1)
-        if args.head_layers is not None and args.head_layers != link.head_layers:
-            raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
-                              f"--head-layers {args.head_layers} does not match")
-        asker = Asker(model, link.head_layers, n_threads=args.threads, max_context=args.ctx)
-        link.check_model(asker.gguf)
-        return await _stream(asker, link, _prompt_tokens(asker, args), args.max_tokens, sampling)
-    finally:
-        if link is not None:
-            await link.close()
-        if asker is not None:
-            asker.close()
-        if local is not None:
-            local.close()
+    options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
+                             head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx)
+    async with open_session(options) as session:
+        return await _stream(session.asker, session.trunk, _prompt_tokens(session.asker, args), args.max_tokens,
+                             sampling)
 
 
 def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:

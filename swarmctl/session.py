@@ -1,0 +1,116 @@
+"""The asker's side, ready to generate: the model, the ``Asker`` and the trunk it talks to.
+
+``swarmctl ask`` and ``swarmctl serve`` pick the trunk the same way: a joined swarm (a node home
+in $SWARMCTL_HOME), else a throwaway local swarm on loopback, or every slice in this process
+with ``transport="inproc"``. ``open_session`` does that and undoes it on exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from kernels.errors import EngineError
+from swarmctl.asker import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
+
+log = logging.getLogger("swarmctl.session")
+
+DEFAULT_HEAD_LAYERS = 4
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    transport: str = "swarm"  # "swarm": a joined swarm or a local one; "inproc": all slices here
+    model: str | None = None  # a GGUF path; None: the swarm's, or the bundled default
+    trunk_nodes: int = 2  # trunk processes of the local swarm started when none is joined
+    head_layers: int | None = None  # None: 4, or what a joined swarm's plan says
+    stages: int = 2  # trunk stages with transport "inproc"
+    threads: int | None = None
+    ctx: int | None = None
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+
+
+@dataclass
+class Session:
+    asker: Asker
+    trunk: Trunk | None  # None when the asker's head and tail are the whole model
+    model: Path
+
+
+@asynccontextmanager
+async def open_session(options: SessionOptions) -> AsyncIterator[Session]:
+    opener = _open_inproc if options.transport == "inproc" else _open_swarm
+    async with opener(options) as session:
+        yield session
+
+
+@asynccontextmanager
+async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
+    from swarmctl.asker import InprocTrunk, u_split
+    from swarmctl.models import resolve_model
+
+    model = resolve_model(options.model)
+    head_layers = DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers
+    t0 = time.perf_counter()
+    asker = Asker(model, head_layers, n_threads=options.threads, max_context=options.ctx,
+                  max_in_flight=options.max_in_flight)
+    trunk = None
+    try:
+        split = u_split(asker.spec.n_layer, head_layers, options.stages)
+        if split.trunk:
+            trunk = InprocTrunk(asker.gguf, split.trunk, n_threads=options.threads, max_context=asker.max_context)
+        log.info("loaded %s: %s | %s | %s in %.2fs", model.name, split.head.describe(),
+                 ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
+                 time.perf_counter() - t0)
+        yield Session(asker, trunk, model)
+    finally:
+        if trunk is not None:
+            trunk.close()
+        asker.close()
+
+
+@asynccontextmanager
+async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
+    from swarmctl.home import SwarmHome
+    from swarmctl.local_swarm import LocalSwarm
+    from swarmctl.models import resolve_model
+    from swarmctl.swarm_client import SwarmLink
+
+    home = SwarmHome()
+    local = link = asker = None
+    threads = options.threads
+    try:
+        if home.exists:
+            model = resolve_model(options.model or home.load_config().model)
+            swarm_home = home
+        else:
+            model = resolve_model(options.model)
+            log.info("no swarm joined: starting a local one (host + %d trunks)", options.trunk_nodes)
+            # The local trunks and this process share this machine's cores: split them, or OpenMP
+            # teams oversubscribe the cores whenever several processes compute at once.
+            threads = threads or max(1, (os.cpu_count() or 1) // (options.trunk_nodes + 1))
+            local = LocalSwarm(model=str(model.resolve()), n_trunks=options.trunk_nodes,
+                               head_layers=DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers,
+                               threads=threads)
+            swarm_home = local.asker_home
+        link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None,
+                                    min_stages=min(local.n_trunks, 22) if local else 1)
+        if options.head_layers is not None and options.head_layers != link.head_layers:
+            raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
+                              f"--head-layers {options.head_layers} does not match")
+        asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
+                      max_in_flight=options.max_in_flight)
+        link.check_model(asker.gguf)
+        yield Session(asker, link, model)
+    finally:
+        if link is not None:
+            await link.close()
+        if asker is not None:
+            asker.close()
+        if local is not None:
+            local.close()
