@@ -1,0 +1,10 @@
+"""An OpenAI-compatible HTTP API in front of the asker (``swarmctl serve``).
+
+    http.py    HTTP/1.1 on asyncio streams: requests, whole and chunked responses, keep-alive
+    sse.py     server-sent events the way OpenAI streams them
+    params.py  request bodies → typed, validated parameters
+    shapes.py  OpenAI's response and chunk objects
+    errors.py  OpenAI's error shape, and which failure gets which status
+    stops.py   stop strings in streamed text
+    server.py  the routes: auth, models, chat and text completions
+"""

@@ -1,0 +1,53 @@
+"""One request's text: the asker's tokens, decoded as they come and cut at stop strings."""
+
+from __future__ import annotations
+
+import secrets
+from typing import AsyncIterator, Sequence
+
+from kernels.sampling import SamplingParams
+from swarmctl.api.shapes import FINISH_REASONS, Usage
+from swarmctl.api.stops import StopScanner
+from swarmctl.asker import Asker, Generation, Trunk
+
+
+class TextGeneration:
+    def __init__(self, asker: Asker, trunk: Trunk | None, prompt: Sequence[int], *, max_tokens: int,
+                 sampling: SamplingParams, stops: Sequence[str], timeout: float | None) -> None:
+        self.generation = Generation(secrets.token_bytes(16), len(prompt))
+        self.finish_reason: str | None = None  # OpenAI's: "stop" or "length", once the text has ended
+        self._tokens = asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
+                                      generation=self.generation)
+        self._decoder = asker.tokenizer.stream_decoder()
+        self._stops = StopScanner(stops)
+        self._first: int | None = None
+
+    async def start(self) -> None:
+        """Run up to the first token. Admission and the prompt's prefill happen here, so a busy or
+        unreachable swarm fails before a response has begun and can still get its own status."""
+        self._first = await anext(self._tokens, None)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text as it becomes final (never empty), until end of generation, max tokens or a stop."""
+        token = self._first
+        while token is not None:
+            text, stopped = self._stops.push(self._decoder.push(token))
+            if text:
+                yield text
+            if stopped:
+                self.finish_reason = "stop"
+                return
+            token = await anext(self._tokens, None)
+        text, stopped = self._stops.push(self._decoder.flush())
+        text += "" if stopped else self._stops.flush()
+        if text:
+            yield text
+        self.finish_reason = "stop" if stopped else FINISH_REASONS[self.generation.finish_reason or "length"]
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.generation.prompt_tokens, len(self.generation.tokens))
+
+    async def aclose(self) -> None:
+        """Stop generating (a stop string, an error, a client gone): the asker frees the request."""
+        await self._tokens.aclose()

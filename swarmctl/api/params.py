@@ -1,0 +1,176 @@
+"""Request bodies → typed, validated parameters. Anything wrong is a 400 naming the parameter.
+
+Sampling parameters a request leaves out take ``swarmctl ask``'s defaults (temperature 0.2,
+top-p 0.9, top-k 40, as the SmolLM2 model card recommends), not OpenAI's (1.0, 1.0): small models
+ramble at temperature 1. ``top_k`` is accepted as an extension, as llama.cpp's server does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kernels.sampling import SamplingParams
+from swarmctl.api.errors import bad_request
+
+DEFAULT_SAMPLING = SamplingParams(temperature=0.2, top_k=40, top_p=0.9)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
+MAX_STOPS = 4  # as OpenAI
+SEED_MASK = 2**64 - 1  # numpy's generators take seeds of 0 or more; negative ones wrap
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Parameters whose meaning we cannot honour: refused rather than silently ignored.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    model: str
+    max_tokens: int | None  # None: until the context is full
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+    def as_template_input(self) -> dict[str, str]:
+        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[Message, ...]
+    params: GenerationParams
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]  # text, or token ids as OpenAI also accepts
+    params: GenerationParams
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object")
+    return value
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), _generation(body, max_tokens))
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        prompt = tuple(prompt)
+    elif not isinstance(prompt, str):
+        raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+    if _is_int(body.get("best_of")) and body["best_of"] != 1:
+        raise bad_request("only best_of = 1 is supported", "best_of")
+    max_tokens = _positive_int(body, "max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
+    return CompletionRequest(prompt, _generation(body, max_tokens))
+
+
+def _generation(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("you must provide a model parameter", "model")
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise bad_request("only n = 1 is supported", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise bad_request("'stream' must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return GenerationParams(model=model, max_tokens=max_tokens, sampling=_sampling(body), stop=_stops(body),
+                            stream=bool(stream), include_usage=bool(options.get("include_usage")))
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    temperature = _number(body, "temperature", DEFAULT_SAMPLING.temperature)
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request("'temperature' must be between 0 and 2", "temperature")
+    top_p = _number(body, "top_p", DEFAULT_SAMPLING.top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request("'top_p' must be in (0, 1]", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        raise bad_request("'top_k' must be a whole number, 0 or more", "top_k")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad_request("'seed' must be an integer", "seed")
+    return SamplingParams(temperature=temperature, top_k=DEFAULT_SAMPLING.top_k if top_k is None else top_k,
+                          top_p=top_p, seed=None if seed is None else seed & SEED_MASK)
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"'stop' takes at most {MAX_STOPS} sequences", "stop")
+    return tuple(stops)
+
+
+def _message(value: Any, index: int) -> Message:
+    param = f"messages.[{index}]"
+    if not isinstance(value, dict) or value.get("role") not in ROLES:
+        raise bad_request(f"{param} must be an object with a role ({', '.join(sorted(ROLES))})", param)
+    content = value.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # content parts: only text parts can reach this model
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad_request(f"{param}.content: only text content parts are supported", f"{param}.content")
+        content = "".join(p["text"] for p in content)
+    elif not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    return Message(value["role"], content)
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise bad_request(f"'{name}' must be a positive whole number", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a number", name)
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``POST /v1/completions``, streamed or whole.
+
+Every request is its own task and its own asker request, so concurrent requests share the
+pipeline's batches. Errors come back in OpenAI's shape with one log line here; a stream that
+fails after it has begun ends with an error event, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import socket
+from contextlib import aclosing
+from typing import Awaitable, Callable
+
+from kernels.errors import ModelFileError
+from swarmctl.api import sse
+from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
+from swarmctl.api.generation import TextGeneration
+from swarmctl.api.http import Request, Responder, start_server
+from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
+from swarmctl.api.shapes import Envelope, model_list, model_object
+from swarmctl.asker import Asker, Trunk
+
+log = logging.getLogger("swarmctl.serve")
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # the whole request, the wait for a free slot included
+
+
+class ApiServer:
+    def __init__(self, asker: Asker, trunk: Trunk | None, *, model_id: str, api_key: str | None = None,
+                 created: int = 0, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        self.asker = asker
+        self.trunk = trunk
+        self.model_id = model_id
+        self.api_key = api_key or None
+        self.created = created  # the model's timestamp in /v1/models
+        self.request_timeout = request_timeout
+        self.routes: dict[str, tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]] = {
+            "/v1/models": ("GET", self._models),
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/completions": ("POST", self._completions),
+        }
+
+    async def start(self, host: str | None = None, port: int | None = None, *,
+                    sock: socket.socket | None = None) -> asyncio.Server:
+        """Listen on host:port, or on a socket already bound."""
+        return await start_server(self.handle, error_body=http_error_body, host=host, port=port, sock=sock)
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """The HTTP handler: route, answer, and turn any failure into OpenAI's error shape."""
+        request_id = "req_" + secrets.token_hex(12)
+        try:
+            self._authorize(request)
+            path = _v1(request.path)
+            method, route = self.routes.get(path) or self._model_route(path)
+            if request.method != method:
+                raise ApiError(405, f"{request.method} is not allowed on {path}; use {method}")
+            await route(request, responder, request_id)
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error response, never a traceback
+            if isinstance(e, ConnectionError) and responder.started:
+                raise  # the client went away mid-response; the connection closes
+            error = from_exception(e)
+            detail = f" ({type(e).__name__})" if error.status >= 500 and not isinstance(e, ApiError) else ""
+            log.warning("%s %s %s -> %d %s%s", request_id, request.method, request.path, error.status,
+                        error.message, detail)
+            if responder.started:
+                return  # the response is incomplete, so the connection closes
+            await responder.send(error.status, error.encode(), headers={"x-request-id": request_id})
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        # Constant-time comparison: response timing says nothing about how much of a guess matched.
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return
+        message = "Incorrect API key provided." if header else \
+            "You didn't provide an API key. Send it in an Authorization header: Bearer YOUR_KEY."
+        raise ApiError(401, message, code="invalid_api_key")
+
+    def _model_route(self, path: str) -> tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]:
+        if path.startswith("/v1/models/"):
+            return "GET", self._model
+        raise ApiError(404, f"Invalid URL ({path})", code="unknown_url")
+
+    def _check_model(self, model: str) -> None:
+        if model not in (self.model_id, self.model_id + ".gguf"):
+            raise ApiError(404, f"The model '{model}' does not exist; this server runs '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    # --- routes ---
+
+    async def _models(self, request: Request, responder: Responder, request_id: str) -> None:
+        await _send_json(responder, model_list(self.model_id, self.created), request_id)
+
+    async def _model(self, request: Request, responder: Responder, request_id: str) -> None:
+        self._check_model(_v1(request.path).removeprefix("/v1/models/"))
+        await _send_json(responder, model_object(self.model_id, self.created), request_id)
+
+    async def _chat(self, request: Request, responder: Responder, request_id: str) -> None:
+        chat = parse_chat(parse_json(request.body))
+        self._check_model(chat.params.model)
+        from jinja2 import TemplateError
+
+        try:
+            prompt = self.asker.tokenizer.encode_chat([m.as_template_input() for m in chat.messages])
+        except (TemplateError, ModelFileError) as e:
+            raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
+        await self._generate(Envelope(chat=True, model=self.model_id), prompt, chat.params, responder, request_id)
+
+    async def _completions(self, request: Request, responder: Responder, request_id: str) -> None:
+        completion = parse_completion(parse_json(request.body))
+        self._check_model(completion.params.model)
+        if isinstance(completion.prompt, str):
+            prompt = self.asker.tokenizer.encode_prompt(completion.prompt)
+        else:
+            prompt = list(completion.prompt)
+            if max(prompt) >= self.asker.tokenizer.n_vocab:
+                raise bad_request(f"token ids must be below the vocabulary size {self.asker.tokenizer.n_vocab}",
+                                  "prompt")
+        await self._generate(Envelope(chat=False, model=self.model_id), prompt, completion.params, responder,
+                             request_id)
+
+    # --- generation ---
+
+    async def _generate(self, envelope: Envelope, prompt: list[int], params: GenerationParams,
+                        responder: Responder, request_id: str) -> None:
+        context = self.asker.max_context
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        if len(prompt) >= context:
+            raise context_exceeded(f"This model's maximum context length is {context} tokens; the prompt has "
+                                   f"{len(prompt)}, which leaves no room for the completion.")
+        # Like llama.cpp's server (and `swarmctl ask`), a completion that reaches the end of the
+        # context stops there with finish_reason "length" rather than being refused up front.
+        generation = TextGeneration(self.asker, self.trunk, prompt, max_tokens=params.max_tokens or context,
+                                    sampling=params.sampling, stops=params.stop, timeout=self.request_timeout)
+        try:
+            await generation.start()
+            if params.stream:
+                await self._stream(envelope, generation, params, responder, request_id)
+            else:
+                async with aclosing(generation.pieces()) as pieces:
+                    text = "".join([piece async for piece in pieces])
+                await _send_json(responder, envelope.response(text, generation.finish_reason, generation.usage),
+                                 request_id)
+        finally:
+            await generation.aclose()
+
+    async def _stream(self, envelope: Envelope, generation: TextGeneration, params: GenerationParams,
+                      responder: Responder, request_id: str) -> None:
+        events = sse.EventStream(await responder.stream(200, sse.CONTENT_TYPE,
+                                                        {**sse.HEADERS, "x-request-id": request_id}))
+        if envelope.chat:
+            await events.send(envelope.chunk("", first=True))
+        async with aclosing(generation.pieces()) as pieces:
+            while True:
+                try:
+                    text = await anext(pieces)
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # noqa: BLE001 - the status is out: the error goes in the stream
+                    error = from_exception(e)
+                    log.warning("%s %s stream -> %s", request_id, envelope.id, error.message)
+                    await events.send(error.body())
+                    await events.close(done=False)
+                    return
+                await events.send(envelope.chunk(text))  # a ConnectionError here: the client is gone
+        await events.send(envelope.chunk(None if envelope.chat else "", generation.finish_reason))
+        if params.include_usage:
+            await events.send(envelope.usage_chunk(generation.usage))
+        await events.close()
+
+
+def _v1(path: str) -> str:
+    """Clients whose base URL lacks /v1 still find the routes."""
+    path = path.rstrip("/") or "/"
+    return path if path == "/v1" or path.startswith("/v1/") else "/v1" + path
+
+
+async def _send_json(responder: Responder, payload: dict, request_id: str) -> None:
+    await responder.send(200, json.dumps(payload, ensure_ascii=False).encode("utf-8"),
+                         headers={"x-request-id": request_id})

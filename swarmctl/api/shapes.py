@@ -1,0 +1,71 @@
+"""OpenAI's response objects: models, completions, chat completions and their stream chunks."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+# The asker's finish reasons → OpenAI's. "context": the context filled up, which OpenAI also
+# reports as "length".
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every object of one response shares: its id, creation time and model."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12))
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+        """A stream chunk carrying ``text`` (chat: a delta; the first also names the role)."""
+        if self.chat:
+            delta: dict = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The last chunk when the client asked for usage (stream_options.include_usage)."""
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage.as_dict()}
+
+
+def model_object(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "swarmctl"}
+
+
+def model_list(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [model_object(model_id, created)]}

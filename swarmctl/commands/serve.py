@@ -1,0 +1,142 @@
+"""Serve the model over an OpenAI-compatible HTTP API.
+
+This machine is the asker: the embedding, the first and last layers and the LM head run here,
+the trunk on the swarm. With no swarm joined, a local one runs for as long as the server does
+(as with `swarmctl ask`); --transport inproc runs every slice in this process. Requests that
+arrive together go through the pipeline together, in shared batches.
+
+routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions ("stream": true or not).
+The model's id is its file name without .gguf (e.g. SmolLM2-135M-Instruct.Q4_1).
+
+It listens on loopback unless told otherwise. Anywhere else, give it an API key (--api-key, or
+$SWARMCTL_API_KEY, which keeps the key out of the process list); clients send it as
+"Authorization: Bearer KEY".
+
+examples:
+  swarmctl serve
+  swarmctl serve --port 8080 --api-key "$(openssl rand -hex 16)"
+  SWARMCTL_API_KEY=... swarmctl serve --host 0.0.0.0
+
+  python -c 'from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+  print(client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1",
+        messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+import sys
+
+from swarmctl.errors import UsageError
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
+                                                            "machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $SWARMCTL_API_KEY; none: no check)")
+    parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
+                        help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
+    parser.add_argument("--trunk-nodes", type=_positive_int, default=2, metavar="N",
+                        help="trunk processes of the local swarm started when no swarm is joined (default 2)")
+    parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the swarm's, or the bundled "
+                                                        "SmolLM2-135M-Instruct)")
+    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
+                        help="layers kept on this machine at each end of the model (default 4; a joined "
+                             "swarm's plan decides)")
+    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages with --transport inproc "
+                                                                           "(default 2)")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="compute threads")
+    parser.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
+                        help="context length in tokens (default: the model's, at most 4096)")
+    parser.add_argument("--max-in-flight", type=_positive_int, default=16, metavar="N",
+                        help="requests generating at once (default 16); more wait for a free slot")
+    parser.add_argument("--timeout", type=_positive_int, default=600, metavar="S",
+                        help="seconds a request may take, waiting for a slot included (default 600)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise UsageError("--port must be between 0 and 65535")
+    api_key = args.api_key or os.environ.get("SWARMCTL_API_KEY") or None
+    if not is_loopback(args.host) and api_key is None:
+        print(open_server_warning(args.host), file=sys.stderr, flush=True)
+    # Bind before starting the swarm: a port in use fails at once, and clients that connect while
+    # the model loads wait in the listen backlog instead of being refused.
+    try:
+        listener = socket.create_server((args.host, args.port),
+                                        family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    except OSError as e:
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    try:
+        return asyncio.run(_serve(args, listener, api_key))
+    finally:
+        listener.close()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def open_server_warning(host: str) -> str:
+    bar = "!" * 78
+    return (f"{bar}\n"
+            f"swarmctl: WARNING: serving on {host} WITHOUT AN API KEY. Anyone who can reach this address\n"
+            f"can use this model and your friends' machines. Pass --api-key KEY (or set SWARMCTL_API_KEY).\n"
+            f"{bar}")
+
+
+async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str | None) -> int:
+    from swarmctl.api.server import ApiServer
+    from swarmctl.session import SessionOptions, open_session
+
+    options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
+                             head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
+                             max_in_flight=args.max_in_flight)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down
+        loop.add_signal_handler(sig, stop.set)
+    async with open_session(options) as session:
+        model_id = session.model.name.removesuffix(".gguf")
+        server = ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
+                           created=int(session.model.stat().st_mtime), request_timeout=args.timeout)
+        http_server = await server.start(sock=listener)
+        host, port = listener.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        print(f"serving {model_id} at http://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
+              flush=True)
+        try:
+            await stop.wait()
+        finally:
+            http_server.close()
+            await _end_connections()
+    return 0
+
+
+async def _end_connections() -> None:
+    """Cancel the connections still open (their requests release themselves) before the session,
+    and with it the local swarm, closes under them."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
