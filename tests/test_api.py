@@ -1,0 +1,450 @@
+"""`swarmctl serve`: the OpenAI-compatible API, driven by the official ``openai`` client.
+
+The main server is the real command, run as a process on a loopback port with no swarm joined,
+so it starts a local swarm (host + 2 trunk processes over QUIC). Its greedy answers must equal
+`swarmctl ask --temperature 0`'s. Failures the swarm would rarely produce on cue (a link that
+drops before or during a stream) come from a second server in this process whose trunk fails
+when told to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from swarmctl.api.errors import from_exception
+from swarmctl.api.stops import StopScanner
+from swarmctl.asker import Asker, BusyError, TrunkResult
+from swarmctl.commands.serve import is_loopback
+from swarmctl.swarm_client import SwarmError
+
+API_KEY = "test-key-0123456789"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+CHAT_PROMPT = "Name the three primary colours."
+RAW_PROMPT = "The three primary colours are"
+MAX_TOKENS = 24
+STARTUP_TIMEOUT = 120
+
+
+def swarmctl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarmctl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@dataclass
+class AskResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def ask_greedy(prompt: str, *extra: str) -> AskResult:
+    """`swarmctl ask --temperature 0` in one process; -v logs the token counts."""
+    r = swarmctl("ask", "-v", "--transport", "inproc", "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
+                 *extra, prompt)
+    assert r.returncode == 0, r.stderr
+    counts = re.search(r"(\d+) prompt tokens, (\d+) generated", r.stderr)
+    assert counts, r.stderr
+    assert r.stdout.endswith("\n")
+    return AskResult(r.stdout[:-1], int(counts[1]), int(counts[2]))
+
+
+@pytest.fixture(scope="module")
+def asked() -> dict[str, AskResult]:
+    return {"chat": ask_greedy(CHAT_PROMPT), "raw": ask_greedy(RAW_PROMPT, "--raw")}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`swarmctl serve --port 0 --api-key ...` with no swarm joined: a local swarm behind it."""
+    root = tmp_path_factory.mktemp("serve")
+    env = {**os.environ, "SWARMCTL_HOME": str(root / "no-swarm-here")}
+    out, err = root / "stdout", root / "stderr"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "swarmctl", "serve", "--port", "0", "--api-key", API_KEY],
+                                   env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not (match := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", out.read_text())):
+            assert process.poll() is None, f"serve exited: {err.read_text()}"
+            assert time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        yield Served(match[1], process, err)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        assert process.returncode == 0, err.read_text()  # SIGTERM stops it cleanly, local swarm and all
+
+
+@dataclass
+class Served:
+    base_url: str
+    process: subprocess.Popen
+    stderr: Path
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=kwargs.pop("api_key", API_KEY), max_retries=0,
+                             timeout=120, **kwargs)
+
+
+def raw_request(base_url: str, path: str, body: bytes | None, headers: dict[str, str] | None = None,
+                method: str = "POST") -> tuple[int, dict]:
+    request = urllib.request.Request(base_url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_error_shape(body: dict, code: str | None = None) -> None:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code
+
+
+# --- against the real command and a local swarm ---
+
+
+def test_models_lists_the_model_file_stem(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert served.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_greedy_equals_ask_streaming_or_not(served, asked):
+    client = served.client()
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    want = asked["chat"]
+    assert whole.choices[0].message.content == want.text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == want.prompt_tokens
+    assert whole.usage.completion_tokens == want.completion_tokens == MAX_TOKENS
+    assert whole.usage.total_tokens == want.prompt_tokens + MAX_TOKENS
+    assert whole.choices[0].finish_reason == "length"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                 max_tokens=MAX_TOKENS, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert chunks[-1].usage.prompt_tokens == want.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_greedy_equals_ask_raw_streaming_or_not(served, asked):
+    client = served.client()
+    want = asked["raw"]
+    whole = client.completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0, max_tokens=MAX_TOKENS)
+    assert whole.choices[0].text == want.text
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (want.prompt_tokens, MAX_TOKENS)
+    assert whole.choices[0].finish_reason == "length"
+
+    chunks = list(client.completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0, max_tokens=MAX_TOKENS,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_cuts_the_text_where_it_first_appears(served, asked):
+    client = served.client()
+    full = asked["raw"].text
+    stop = full[12:17]
+    want = full[:full.index(stop)]
+    whole = client.completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0, max_tokens=MAX_TOKENS,
+                                      stop=[stop, "never appears"])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (want, "stop")
+    assert whole.usage.completion_tokens < MAX_TOKENS
+    chunks = list(client.completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0, max_tokens=MAX_TOKENS,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(served):
+    client = served.client()
+
+    def sample() -> str:
+        return client.completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0.9, top_p=0.95, seed=7,
+                                         max_tokens=12).choices[0].text
+
+    assert sample() == sample()
+
+
+def test_16_concurrent_streaming_clients_all_complete_with_their_solo_text(served, asked):
+    """Half chat, half completion, all at once: each gets exactly its greedy solo answer (batches
+    of quantized weights are bit-exact), and all are generating at the same time."""
+    client = served.client()
+    spans: list[tuple[float, float]] = []
+
+    def one(i: int) -> str:
+        if i % 2:
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPT}],
+                                                    temperature=0, max_tokens=MAX_TOKENS, stream=True)
+            texts = (c.choices[0].delta.content or "" for c in stream)
+        else:
+            stream = client.completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0,
+                                               max_tokens=MAX_TOKENS, stream=True)
+            texts = (c.choices[0].text for c in stream)
+        text, first = "", None
+        for piece in texts:
+            first = first or (time.monotonic() if piece else None)
+            text += piece
+        spans.append((first, time.monotonic()))
+        return text
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(one, range(16)))
+    assert texts == [asked["chat" if i % 2 else "raw"].text for i in range(16)]
+    # Batched, not one after another: every stream had started before the first one finished.
+    assert max(start for start, _ in spans) < min(end for _, end in spans)
+
+
+def test_error_cases_get_their_status_and_openai_shape(served):
+    client = served.client()
+    status, body = raw_request(served.base_url, "/chat/completions", b'{"model": ',
+                               {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 400
+    assert_error_shape(body)
+    status, body = raw_request(served.base_url, "/completions", b'["a list"]', {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 400
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 5000, max_tokens=4)
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=RAW_PROMPT, n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=5)
+    assert e.value.param == "temperature"
+
+    with pytest.raises(openai.AuthenticationError) as e:
+        served.client(api_key="wrong-key").models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    status, body = raw_request(served.base_url, "/models", None, method="GET")
+    assert status == 401
+    assert_error_shape(body, "invalid_api_key")
+
+    status, body = raw_request(served.base_url, "/embeddings", b"{}", {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 404
+    assert_error_shape(body)
+
+
+def test_server_logs_one_line_per_error_and_no_traceback(served):
+    log = served.stderr.read_text()
+    assert "Traceback" not in log
+    assert "WITHOUT AN API KEY" not in log  # loopback, and a key: no warning
+    assert re.search(r"POST /v1/chat/completions -> 404 The model 'gpt-4o' does not exist", log)
+
+
+# --- in this process: a trunk that fails on cue ---
+
+
+class CueTrunk:
+    """The trunk of a model whose head and tail are all of it (head_layers = L/2): passes the
+    activations through, or fails like a dropped swarm link after ``fail_after`` calls."""
+
+    def __init__(self) -> None:
+        self.fail_after: int | None = None
+        self.calls = 0
+
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise SwarmError("lost the connection to trunk-1")
+        return TrunkResult(hidden, (), 0.0)
+
+    async def release(self, request_id: bytes) -> None:
+        pass
+
+
+class InprocServer:
+    """An ApiServer on an event loop in a thread, so tests can also look at the asker."""
+
+    def __init__(self, model: Path) -> None:
+        from swarmctl.api.server import ApiServer
+
+        self.trunk = CueTrunk()
+        self.asker = Asker(model, 15, n_threads=1)
+        self.api = ApiServer(self.asker, self.trunk, model_id=MODEL)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(self.api.start("127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def close(self) -> None:
+        self.call(_cancel_other_tasks())
+        self.server.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.asker.close()
+
+
+async def _cancel_other_tasks() -> None:
+    """Kept-alive client connections end with the server."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture(scope="module")
+def inproc(bundled_model):
+    server = InprocServer(bundled_model)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def trunk(inproc):
+    inproc.trunk.fail_after, inproc.trunk.calls = None, 0
+    yield inproc.trunk
+    inproc.trunk.fail_after = None
+
+
+def test_swarm_unavailable_is_503_streaming_or_not(inproc, trunk):
+    trunk.fail_after = 0
+    client = inproc.client()
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt=RAW_PROMPT, max_tokens=4)
+    assert e.value.status_code == 503 and e.value.code == "swarm_unavailable"
+    assert "lost the connection to trunk-1" in e.value.message
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert e.value.status_code == 503
+    assert not inproc.asker.in_flight
+
+
+def test_link_lost_mid_stream_ends_it_with_an_error_event(inproc, trunk):
+    trunk.fail_after = 4
+    stream = inproc.client().completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0, max_tokens=20,
+                                                stream=True)
+    pieces = []
+    with pytest.raises(openai.APIError, match="lost the connection to trunk-1"):
+        for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+    assert len(pieces) == 4
+    assert not inproc.asker.in_flight
+
+
+def test_client_leaving_mid_stream_frees_its_request(inproc, trunk):
+    stream = inproc.client().completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=500,
+                                                stream=True)
+    for _, chunk in zip(range(3), stream):
+        pass
+    assert len(inproc.asker.in_flight) == 1
+    generation = next(iter(inproc.asker.in_flight.values()))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while inproc.asker.in_flight:
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.05)
+    assert len(generation.tokens) < 100 and generation.finish_reason is None
+
+
+def test_keep_alive_serves_requests_one_after_another_on_one_connection(inproc):
+    conn = http.client.HTTPConnection("127.0.0.1", inproc.port, timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": RAW_PROMPT, "temperature": 0, "max_tokens": 3})
+    for _ in range(2):
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("Connection") == "keep-alive"
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 3
+    sock = conn.sock
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().read() and conn.sock is sock
+    conn.close()
+
+
+def test_malformed_http_gets_a_400_in_openai_shape(inproc):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", inproc.port), timeout=10) as s:
+        s.sendall(b"NONSENSE\r\n\r\n")
+        reply = b""
+        while data := s.recv(65536):  # the server closes the connection after answering
+            reply += data
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 400 ")
+    assert_error_shape(json.loads(reply.split("\r\n\r\n", 1)[1]))
+
+
+# --- small parts ---
+
+
+def test_busy_maps_to_503():
+    error = from_exception(BusyError("the swarm is busy (16 requests in flight); gave up after waiting 600s"))
+    assert error.status == 503 and error.body()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("pieces, stops, want", [
+    (["Hello", " wor", "ld", "!"], ["world"], ("Hello ", True)),
+    (["a\n", "\nb"], ["\n\n"], ("a", True)),
+    (["EN", "x", "D"], ["END"], ("ENxD", False)),
+    (["abc"], [], ("abc", False)),
+    (["xy", "z"], ["yz", "xyz!"], ("x", True)),
+])
+def test_stop_scanner_never_releases_a_stop_string(pieces, stops, want):
+    scanner, text, stopped = StopScanner(stops), "", False
+    for piece in pieces:
+        released, stopped = scanner.push(piece)
+        text += released
+        assert not any(s in text for s in stops)
+        if stopped:
+            break
+    if not stopped:
+        text += scanner.flush()
+    assert (text, stopped) == want
+
+
+def test_open_address_without_a_key_warns_loudly(tmp_path):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+    # The warning comes before anything else; a missing model then stops the command.
+    r = swarmctl("serve", "--host", "0.0.0.0", "--port", "0", "--transport", "inproc",
+                 "--model", str(tmp_path / "none.gguf"))
+    assert r.returncode == 1
+    assert "WARNING: serving on 0.0.0.0 WITHOUT AN API KEY" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("swarmctl: error: model file not found")
