@@ -55,6 +55,7 @@ class SwarmProtocol(QuicConnectionProtocol):
         self._waiters: dict[int, asyncio.Future[Frame]] = {}
         self._progress: asyncio.Future[None] | None = None
         self.owned_transport: asyncio.DatagramTransport | None = None  # set when we opened the socket
+        self.last_heard = self._loop.time()  # when the peer last sent anything (liveness checks)
         if not quic.configuration.is_client and client_check is not None:
             require_client_certificates(quic, client_check, anonymous_alpns)
 
@@ -106,6 +107,7 @@ class SwarmProtocol(QuicConnectionProtocol):
             self.handler.stream_ended(self, stream_id)
 
     def datagram_received(self, data, addr) -> None:
+        self.last_heard = self._loop.time()
         super().datagram_received(data, addr)
         self._wake_senders()  # acknowledgements may have freed send buffer space
 

@@ -8,7 +8,7 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
     type 3     := raw data (a chunk of a file being transferred; its meaning comes from the stream)
     type 2     := activation packet:
 
-      version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s
+      version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s     (flags bit 0 on ERROR: RETRY)
       plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
       reply_to_len:u8  reply_to:utf-8[reply_to_len]
       n_hops:u8  n_hops × (name_len:u8 name:utf-8 queued_us:u32 compute_us:u32 batch:u16)
@@ -36,6 +36,7 @@ FRAME_HEADER = struct.Struct(">IB")
 PACKET_VERSION = 1
 _PACKET_FIXED = struct.Struct("<BBBB16sIIIIIB")
 _HOP = struct.Struct("<IIH")
+FLAG_RETRY = 1
 MAX_HOPS = 64
 
 
@@ -88,6 +89,7 @@ class ActivationPacket:
     reply_to: str = ""  # member name of the asker, who receives the RESULT
     message: str = ""  # ERROR only
     hops: tuple[Hop, ...] = ()
+    retry: bool = False  # ERROR only: the route failed, not the request; resend it under a new plan
 
     @property
     def n_tokens(self) -> int:
@@ -157,7 +159,8 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
     reply = p.reply_to.encode("utf-8")
     if len(reply) > 255 or len(p.request_id) != 16 or len(p.hops) > MAX_HOPS:
         raise WireError("reply_to longer than 255 bytes, request_id not 16 bytes, or too many hops")
-    header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, 0, p.request_id, p.plan_version, p.layer_index,
+    flags = FLAG_RETRY if (p.kind == PacketKind.ERROR and p.retry) else 0
+    header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, flags, p.request_id, p.plan_version, p.layer_index,
                                 p.start_pos, n_tokens, n_embd, len(reply))
     hops = [bytes([len(p.hops)])]
     for hop in p.hops:
@@ -170,7 +173,7 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
 def decode_packet(body: bytes) -> ActivationPacket:
     if len(body) < _PACKET_FIXED.size:
         raise WireError(f"activation packet of {len(body)} bytes is shorter than its header")
-    (version, kind, dtype, _flags, request_id, plan_version, layer_index, start_pos, n_tokens, n_embd,
+    (version, kind, dtype, flags, request_id, plan_version, layer_index, start_pos, n_tokens, n_embd,
      reply_len) = _PACKET_FIXED.unpack_from(body)
     if version != PACKET_VERSION:
         raise WireError(f"unsupported packet version {version}")
@@ -185,7 +188,8 @@ def decode_packet(body: bytes) -> ActivationPacket:
     payload = body[offset:]
     if kind == PacketKind.ERROR:
         return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, np.empty((0, 0), np.float32),
-                                dtype, reply_to, payload.decode("utf-8", errors="replace")[:500], hops)
+                                dtype, reply_to, payload.decode("utf-8", errors="replace")[:500], hops,
+                                bool(flags & FLAG_RETRY))
     expected = n_tokens * n_embd * dtype.numpy.itemsize
     if len(payload) != expected:
         raise WireError(f"activation data has {len(payload)} bytes; shape [{n_tokens}, {n_embd}] "

@@ -44,6 +44,7 @@ class Constraints:
     max_concurrent: int = 4  # requests whose KV a stage must hold at once
     objective: str = "latency"  # or "throughput", or "even"
     reserve_bytes: int = 300_000_000  # per node, for the runtime and compute buffers
+    max_stages: int = 0  # 0 = no limit; members beyond it stay out as standbys
 
 
 @dataclass
@@ -116,13 +117,15 @@ class _Problem:
         if len(names) > EXACT_NODES:  # keep the fastest that can hold the model, plus spares
             names = sorted(names, key=lambda n: self.by_name[n].ms_per_layer_token)[:EXACT_NODES]
         if self.c.objective == "even":  # everyone who can hold a layer, in the order they came
-            names = names[:self.n]
+            names = names[:min(self.n, self.c.max_stages or self.n)]
             hops = [(ASKER, names[0]), *zip(names, names[1:]), (names[-1], ASKER)] if names else []
             paths = {1: (sum(self._link_ms(a, b) for a, b in hops), names)} if names else {}
         else:
             paths = _best_paths(names, self._link_ms)
         ranked = []
         for mask, (path_ms, order) in paths.items():
+            if self.c.max_stages and len(order) > self.c.max_stages:
+                continue
             counts = self._counts(order)
             if counts is None:
                 continue
@@ -267,6 +270,9 @@ class _Problem:
                     f"one layer needs ({self.mean_need / GB:.2f} GB)")
                 continue
             with_it = [s for key, s in self.scores.items() if nd.name in key]
+            if not with_it and self.c.max_stages:
+                result.warnings.append(f"{nd.name} stands by: the plan uses at most {self.c.max_stages} stages")
+                continue
             if not with_it:
                 result.warnings.append(f"left out {nd.name}: no plan that includes it fits")
                 continue

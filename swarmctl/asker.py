@@ -262,6 +262,8 @@ class Asker:
         return logits, TokenTiming(head_timing, trunk_result, tail_timing, time.perf_counter() - t0)
 
     async def _release(self, rid: bytes, trunk: Trunk | None) -> None:
+        if self.head is None or self.tail is None:
+            return  # closed already: the engines freed everything
         await self.head_runner.call(self.head.release, rid)
         await self.tail_runner.call(self.tail.release, rid)
         if trunk is not None:

@@ -39,6 +39,10 @@ def compute_thread() -> concurrent.futures.ThreadPoolExecutor:
     return _COMPUTE_THREAD
 
 
+class EngineClosedError(EngineError):
+    """The engine stopped (a stage reloading other layers) while the step waited."""
+
+
 @dataclass
 class StepTiming:
     """Where one step's time at this engine went."""
@@ -83,7 +87,7 @@ class BatchRunner:
     async def run(self, step: Step) -> tuple[np.ndarray, StepTiming]:
         """Submit one step; returns its output and how long it queued and computed."""
         if self._closed:
-            raise EngineError("this engine is closed")
+            raise EngineClosedError("this engine is closed")
         loop = asyncio.get_running_loop()
         n = len(step.tokens) if step.tokens is not None else int(np.asarray(step.hidden).shape[0])
         pending = _Pending(step, n, loop.create_future())
@@ -102,6 +106,8 @@ class BatchRunner:
         try:
             while self._pending:
                 batch, budget, seen = [], self.max_batch_tokens, set()
+                for pending in [p for p in self._pending if p.future.done()]:
+                    self._pending.remove(pending)  # cancelled while queued (a client gone): never run it
                 for pending in list(self._pending):
                     key = pending.step.key
                     if key in seen or (batch and pending.n_tokens > budget):
@@ -109,6 +115,8 @@ class BatchRunner:
                     batch.append(pending)
                     seen.add(key)
                     budget -= pending.n_tokens
+                if not batch:
+                    continue
                 for pending in batch:
                     self._pending.remove(pending)
                 # A canonical order: the same requests make the same graph shape whatever order they
@@ -159,7 +167,7 @@ class BatchRunner:
         self._closed = True
         for pending in self._pending:
             if not pending.future.done():
-                pending.future.set_exception(EngineError(reason))
+                pending.future.set_exception(EngineClosedError(reason))
         self._pending.clear()
         await self.call(lambda: None)  # the compute thread has finished anything of ours it had
 

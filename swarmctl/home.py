@@ -64,6 +64,7 @@ class NodeConfig:
     objective: str = "latency"  # host only: what the planner optimises (latency or throughput)
     plan_context: int = 4096  # host only: KV room per request each stage must hold ...
     plan_concurrent: int = 4  # ... for this many requests at once
+    plan_max_stages: int = 0  # host only: 0 = any number; more trunks than this stand by
 
 
 @dataclass

@@ -7,6 +7,7 @@ Control messages (JSON frames, one request per stream unless noted):
                  device, rtt_ms}                       the host sends every new plan on it
     links       {links: {peer: {rtt_ms, bandwidth_mb_s}}}  trunk's measured links → ok
     speed       {ms_per_layer_token}                   a trunk measured once its fetched layers arrived
+    recovered   {recovery_s, replayed_bytes}           an asker rerouted a request after a failure → ok
     watch_plan  {}                                     asker → plan now, and every new plan after
     fetch_slice {start, stop, have}                    a trunk without the model → manifest, data
     nodes       {}                                     anyone → the planner's view of the members
@@ -49,6 +50,7 @@ log = logging.getLogger("swarmctl.host")
 
 
 DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
+SILENCE_LIMIT = 4.0  # seconds without a datagram (trunks ping every second) before a trunk is marked down
 
 
 @dataclass
@@ -82,9 +84,13 @@ class HostService:
                          model_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
                          objective=self.config.objective)
         self.constraints = Constraints(self.config.head_layers, self.config.plan_context,
-                                       self.config.plan_concurrent, self.config.objective)
+                                       self.config.plan_concurrent, self.config.objective,
+                                       max_stages=self.config.plan_max_stages)
         self.trunks: dict[str, TrunkInfo] = {}
         self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
+        self.plan.version = self._load_plan_version()  # a restarted host continues the numbering
+        self.recovery = {"recoveries": 0, "replayed_bytes": 0, "last_recovery_s": None, "last_marked_down": None}
+        self._monitor: asyncio.Task | None = None
         self.online: dict[str, SwarmProtocol] = {}
         self.server = None
         self.address: Address | None = None
@@ -95,16 +101,46 @@ class HostService:
                                          accept_joins=True)
         port = self.server._transport.get_extra_info("sockname")[1]
         self.address = Address(listen.host, port)
+        self._monitor = asyncio.ensure_future(self._watch_liveness())
         log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
                  self.plan.model_name, self.plan.n_layer)
         return self.address
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
         for conn in list(self.online.values()):
             conn.close_with("host shutting down")
         if self.server is not None:
             self.server.close()
         self.gguf.close()
+
+    async def _watch_liveness(self) -> None:
+        """A trunk that falls silent (killed, asleep, off the network) is marked down within
+        seconds, and the plan moves to the survivors."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(1.0)
+            for name, trunk in list(self.trunks.items()):
+                silent = loop.time() - trunk.conn.last_heard
+                if silent > SILENCE_LIMIT:
+                    log.warning("trunk %s silent for %.1fs: marked down", name, silent)
+                    self.recovery["last_marked_down"] = name
+                    trunk.conn.close_with("silent too long")
+                    if self.trunks.get(name) is trunk:
+                        del self.trunks[name]
+                        self._replan()
+
+    def _load_plan_version(self) -> int:
+        try:
+            return int(self.home.file("plan_version").read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def _save_plan_version(self) -> None:
+        from net.identity import write_public
+
+        write_public(self.home.file("plan_version"), str(self.plan.version).encode())
 
     def _check_member(self, cert: x509.Certificate) -> None:
         verify_member(cert, self.creds.ca_cert, self.home.revoked_serials())
@@ -147,7 +183,7 @@ class HostService:
             "register": self._register, "ready": self._ready, "refuse": self._refuse,
             "get_plan": self._get_plan, "status": self._status, "revoked": self._revoked,
             "links": self._links, "watch_plan": self._watch_plan, "fetch_slice": self._fetch_slice,
-            "nodes": self._nodes, "speed": self._speed,
+            "nodes": self._nodes, "speed": self._speed, "recovered": self._recovered,
         }.get(message["type"])
         if handler is None:
             self._reply(conn, stream_id, {"type": "error", "message": f"unknown request {message['type']!r}"})
@@ -193,6 +229,13 @@ class HostService:
         if trunk is not None:
             trunk.links = {str(peer): Link(float(v["rtt_ms"]), float(v.get("bandwidth_mb_s") or Link().bandwidth_mb_s))
                            for peer, v in dict(message["links"]).items()}
+        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+
+    def _recovered(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        """An asker rerouted a request after a failure: how long it took, how much it replayed."""
+        self.recovery["recoveries"] += 1
+        self.recovery["replayed_bytes"] += int(message["replayed_bytes"])
+        self.recovery["last_recovery_s"] = float(message["recovery_s"])
         self._reply(conn, stream_id, {"type": "ok"}, end=True)
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
@@ -302,6 +345,7 @@ class HostService:
         else:
             changed = self.plan.apply(proposal, {n.name: n.address for n in nodes})
         if changed:
+            self._save_plan_version()
             log.info("plan v%d: %s%s", self.plan.version,
                      ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages) or "no trunks",
                      "".join(f"; {w}" for w in self.plan.warnings))
@@ -348,7 +392,7 @@ class HostService:
                 "complete": self.plan.complete, "missing_layers": self.plan.missing_layers(), "members": members,
                 "objective": self.plan.objective, "expected_ms_per_token": self.plan.expected_ms_per_token,
                 "expected_tokens_per_s": self.plan.expected_tokens_per_s, "bottleneck": self.plan.bottleneck,
-                "warnings": self.plan.warnings}
+                "warnings": self.plan.warnings, "recovery": self.recovery}
 
     def _reply(self, conn: SwarmProtocol, stream_id: int, message: dict, end: bool = False) -> None:
         if conn.is_open:

@@ -4,6 +4,13 @@
 activations, get back the last trunk stage's output and the per-hop timings. Each request gets its
 own stream to the first stage; results come back on one results stream this asker opened at the
 last stage. Many requests can be in flight at once; the stages batch them.
+
+Failures: the link keeps every step it sent for each request (its start position and the head's
+activations). When a route fails (a stage dies, the plan changes, a link drops), it waits for the
+host's next complete plan and replays those same steps, back to back, through the new route, so
+the new stages rebuild the request's KV cache bit for bit (same steps, same kernels), then
+resends the step that failed. A request that cannot be rerouted before its deadline fails with the
+reason (for a swarm too small to hold the model: the missing layers).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -28,33 +36,54 @@ from swarmctl.home import NodeConfig, SwarmHome
 log = logging.getLogger("swarmctl.client")
 
 SEND_BACKLOG = 8 * 1024 * 1024
+PING_INTERVAL = 1.0
+SILENCE_LIMIT = 4.0  # seconds without a datagram from a stage with work outstanding: reroute
+NO_PLAN_GRACE = 20.0  # how long to wait for the swarm to become whole again before giving up
 
 
 class SwarmError(EngineError):
     """The swarm could not run a request (unreachable, incomplete, or a stage refused)."""
 
 
-class _Pending:
-    def __init__(self, stream_id: int) -> None:
-        self.stream_id = stream_id
-        self.result: asyncio.Future[ActivationPacket] | None = None
+class _RouteFailed(Exception):
+    """The route broke, not the request: reroute and replay."""
+
+
+@dataclass
+class _Request:
+    history: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (start_pos, activations) sent
+    stream_id: int | None = None  # on first_conn, under plan_version
+    plan_version: int = -1
+    expect_pos: int = -1  # the start position whose RESULT the waiting step needs
+    result: asyncio.Future | None = None
+
+
+@dataclass
+class RecoveryStats:
+    recoveries: int = 0
+    replayed_bytes: int = 0
+    last_recovery_s: float | None = None
 
 
 class SwarmLink:
-    def __init__(self, config: NodeConfig, creds: Credentials, *, request_timeout: float = 120.0,
+    def __init__(self, config: NodeConfig, creds: Credentials, *, request_timeout: float = 300.0,
                  dtype: DType = DType.F32) -> None:
         self.config = config
         self.creds = creds
         self.request_timeout = request_timeout
         self.dtype = dtype
-        self.plan: Plan | None = None
-        self.latest_plan: Plan | None = None  # the host pushes every new plan; new requests follow it
+        self.plan: Plan | None = None  # the plan the stage connections follow
+        self.latest_plan: Plan | None = None  # the host pushes every new plan
         self.watch_stream: int | None = None
-        self._plan_changed = asyncio.Event()
         self.host_conn: SwarmProtocol | None = None
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
-        self._pending: dict[bytes, _Pending] = {}
+        self.stats = RecoveryStats()
+        self._requests: dict[bytes, _Request] = {}
+        self._plan_changed = asyncio.Event()
+        self._reconnecting: asyncio.Lock | None = None
+        self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
+        self._tasks: list[asyncio.Task] = []
 
     @classmethod
     async def open(cls, home: SwarmHome, *, ready_timeout: float = 60.0,
@@ -63,7 +92,10 @@ class SwarmLink:
         a local swarm knows how many trunks it started), connect to the first and last stage."""
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
-            await link._connect(ready_timeout, alive_check, min_stages)
+            await link._connect_host()
+            link.plan = await link._wait_for_plan(ready_timeout, alive_check, min_stages)
+            await link._connect_stages()
+            link._tasks = [asyncio.ensure_future(link._keep_alive())]
         except BaseException:
             await link.close()
             raise
@@ -86,49 +118,123 @@ class SwarmLink:
     # --- the Trunk interface ---
 
     async def forward(self, rid: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
-        if self.plan is None or self.first_conn is None or not self.first_conn.is_open:
-            raise SwarmError("not connected to the swarm")
-        pending = self._pending.get(rid)
-        if pending is None and self.latest_plan is not None and self.latest_plan.version != self.plan.version:
-            await self._follow_plan()  # a new request starts on the newest plan
-        if pending is None:
-            pending = self._pending[rid] = _Pending(self.first_conn.open_stream())
-        pending.result = asyncio.get_running_loop().create_future()
-        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
-        packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
-                                  self.dtype, self.creds.name)
-        t0 = time.perf_counter()
-        self.first_conn.send(pending.stream_id, encode_packet(packet))
-        await self.first_conn.drain(pending.stream_id, SEND_BACKLOG)
-        try:
-            result = await asyncio.wait_for(pending.result, self.request_timeout)
-        except asyncio.TimeoutError:
-            raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s") from None
-        if result.kind == PacketKind.ERROR:
-            raise SwarmError(f"the swarm refused the request: {result.message}")
-        return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, time.perf_counter() - t0)
+        request = self._requests.setdefault(rid, _Request())
+        request.history = [(p, h) for p, h in request.history if p < start_pos]  # a restart or rewind
+        deadline = time.monotonic() + self.request_timeout
+        failed_at: float | None = None
+        replayed = 0
+        while True:
+            try:
+                if request.stream_id is None or request.plan_version != self.plan.version:
+                    replayed += await self._open_route(rid, request)
+                t0 = time.perf_counter()
+                result = await self._step(rid, request, hidden, start_pos, deadline)
+                request.history.append((start_pos, np.array(hidden, dtype=np.float32, copy=True)))
+                if failed_at is not None:
+                    self._recovered(time.monotonic() - failed_at, replayed)
+                return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, time.perf_counter() - t0)
+            except _RouteFailed as e:
+                failed_at = failed_at or time.monotonic()
+                log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
+                request.stream_id = None
+                await self._await_reroute(deadline)
 
     async def release(self, rid: bytes) -> None:
-        pending = self._pending.pop(rid, None)
-        if pending is not None and self.first_conn is not None and self.first_conn.is_open:
+        request = self._requests.pop(rid, None)
+        if request is not None and request.stream_id is not None and self.first_conn is not None \
+                and self.first_conn.is_open and request.plan_version == self.plan.version:
             end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
                                    np.empty((0, 0), np.float32))
-            self.first_conn.send(pending.stream_id, encode_packet(end), end=True)
+            self.first_conn.send(request.stream_id, encode_packet(end), end=True)
 
     async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
             await close(conn)
 
-    # --- setup ---
+    # --- one step, and the route it travels ---
 
-    async def _connect(self, ready_timeout: float, alive_check: Callable[[], None] | None,
-                       min_stages: int) -> None:
-        self.host_conn = await self._connect_host()
+    async def _step(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int,
+                    deadline: float) -> ActivationPacket:
+        request.expect_pos = start_pos
+        request.result = asyncio.get_running_loop().create_future()
+        self._send(rid, request, hidden, start_pos)
+        await self.first_conn.drain(request.stream_id, SEND_BACKLOG)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(request.result), max(0.1, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s") from None
+        if result.kind == PacketKind.ERROR:
+            if result.retry:
+                raise _RouteFailed(result.message)
+            raise SwarmError(f"the swarm refused the request: {result.message}")
+        return result
+
+    def _send(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int) -> None:
+        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
+        packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
+                                  self.dtype, self.creds.name)
+        if not self.first_conn.is_open:
+            raise _RouteFailed("the connection to the first stage is closed")
+        self.first_conn.send(request.stream_id, encode_packet(packet))
+
+    async def _open_route(self, rid: bytes, request: _Request) -> int:
+        """A new stream on the current route, and every step of the request's history replayed
+        on it back to back (the stages run them in order; their results are not waited for)."""
+        if self.latest_plan is not None and self.latest_plan.version != self.plan.version:
+            await self._follow_plan()
+        request.stream_id = self.first_conn.open_stream()
+        request.plan_version = self.plan.version
+        request.expect_pos = -1
+        replayed = 0
+        for pos, h in request.history:
+            self._send(rid, request, h, pos)
+            replayed += h.nbytes
+            await self.first_conn.drain(request.stream_id, SEND_BACKLOG)
+        return replayed
+
+    async def _await_reroute(self, deadline: float) -> None:
+        """After a route failure: the host's next complete plan, or, if the plan stays the same
+        (a link that dropped and came back), the same route again after a pause. Within the deadline
+        and a grace for a swarm that has lost capacity."""
+        failed_version = self.plan.version
+        retry_same_at = time.monotonic() + 2 * SILENCE_LIMIT
+        give_up = min(deadline, time.monotonic() + NO_PLAN_GRACE)
+        while True:
+            plan = self.latest_plan
+            now = time.monotonic()
+            if plan is not None and plan.complete and (plan.version != failed_version or now > retry_same_at):
+                await self._follow_plan(force=plan.version == failed_version)
+                return
+            if now > give_up:
+                gaps = ", ".join(f"[{a}, {b})" for a, b in plan.missing_layers()) if plan else "all"
+                notes = f" ({'; '.join(plan.warnings)})" if plan and plan.warnings else ""
+                raise SwarmError(f"the swarm cannot serve the model: no ready trunk holds layers {gaps}{notes}")
+            self._plan_changed.clear()
+            try:
+                await asyncio.wait_for(self._plan_changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    def _stages_alive(self) -> bool:
+        return all(c is not None and c.is_open for c in (self.first_conn, self.last_conn))
+
+    # --- plans and connections ---
+
+    async def _connect_host(self) -> None:
+        errors = []
+        for text in self.config.host_addresses:
+            try:
+                self.host_conn = await connect_member(Address.parse(text), self.creds, self.config.host_name, self)
+                break
+            except (ConnectionError, OSError) as e:
+                errors.append(str(e))
+        else:
+            raise SwarmError(f"cannot reach the swarm host: {'; '.join(errors) or 'no address'}")
         self.watch_stream = self.host_conn.open_stream()
         first = await self.host_conn.request(encode_control({"type": "watch_plan"}), stream_id=self.watch_stream)
         self._plan_message(decode_control(first.body))
-        self.plan = await self._wait_for_plan(ready_timeout, alive_check, min_stages)
-        await self._connect_stages()
 
     async def _wait_for_plan(self, timeout: float, alive_check: Callable[[], None] | None, min_stages: int = 1) -> Plan:
         """The newest plan, once it is complete (every trunk layer served by a ready stage)."""
@@ -147,34 +253,53 @@ class SwarmLink:
             try:
                 await asyncio.wait_for(self._plan_changed.wait(), 0.5)
             except asyncio.TimeoutError:
-                self.latest_plan = await self.fetch_plan()  # in case a push was missed
+                if self.host_conn is not None and self.host_conn.is_open:
+                    self.latest_plan = await self.fetch_plan()  # in case a push was missed
 
-    async def _connect_stages(self) -> None:
+    async def _connect_stages(self, fresh: bool = True) -> None:
+        """Connections to the plan's first and last stage; live ones to the same members are kept
+        unless ``fresh`` (after a failure on the same plan they may be dead without knowing it)."""
         first, last = self.plan.stages[0], self.plan.stages[-1]
-        self.first_conn = await connect_member(Address.parse(first.address), self.creds, first.member, self)
+
+        async def conn_to(member: str, address: str, current: SwarmProtocol | None) -> SwarmProtocol:
+            if not fresh and current is not None and current.is_open and current.peer_name == member:
+                return current
+            return await connect_member(Address.parse(address), self.creds, member, self)
+
+        self.first_conn = await conn_to(first.member, first.address, self.first_conn)
         self.last_conn = self.first_conn if last.member == first.member else \
-            await connect_member(Address.parse(last.address), self.creds, last.member, self)
+            await conn_to(last.member, last.address, self.last_conn)
         reply = decode_control((await self.last_conn.request(encode_control({"type": "subscribe"}))).body)
         if reply.get("type") != "ok":
             raise SwarmError(f"the last stage refused the results stream: {reply}")
         log.info("swarm plan v%d: %s", self.plan.version,
                  ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages))
 
-    async def _follow_plan(self) -> None:
-        """Move to the newest plan: new stage connections once it is complete. Requests already
-        running keep their streams (the stages answer them, or tell them the plan changed)."""
-        self.plan = await self._wait_for_plan(self.request_timeout, None)
-        old = {c for c in (self.first_conn, self.last_conn) if c is not None}
-        await self._connect_stages()
-        busy = {self.first_conn, self.last_conn}
-        for conn in old - busy:
-            if not any(p.result is not None and not p.result.done() for p in self._pending.values()):
-                await close(conn)
-
-    def _plan_message(self, message: dict) -> None:
-        if message.get("type") == "plan":
-            self.latest_plan = Plan.from_dict(message["plan"])
-            self._plan_changed.set()
+    async def _follow_plan(self, force: bool = False) -> None:
+        """Move to the newest complete plan: new connections to its first and last stage (also on
+        the same plan when ``force``: the old connections may be dead without knowing it yet)."""
+        if self._reconnecting is None:
+            self._reconnecting = asyncio.Lock()
+        moved_at = self._moved_at
+        async with self._reconnecting:
+            if self._moved_at != moved_at:
+                return  # another request moved while this one waited for the lock
+            if not force and self.latest_plan is not None and self.latest_plan.version == self.plan.version \
+                    and self._stages_alive():
+                return
+            self.plan = await self._wait_for_plan(self.request_timeout, None)
+            old = {c for c in (self.first_conn, self.last_conn) if c is not None}
+            for attempt in range(3):
+                try:
+                    await self._connect_stages(fresh=force or attempt > 0)
+                    break
+                except (ConnectionError, OSError, SwarmError, asyncio.TimeoutError) as e:
+                    if attempt == 2:
+                        raise _RouteFailed(f"cannot connect to the new route: {e}") from None
+                    await asyncio.sleep(0.5)
+            for conn in old - {self.first_conn, self.last_conn}:
+                asyncio.ensure_future(close(conn))
+            self._moved_at = time.monotonic()
 
     async def fetch_plan(self) -> Plan:
         reply = decode_control((await self.host_conn.request(encode_control({"type": "get_plan"}))).body)
@@ -182,14 +307,51 @@ class SwarmLink:
             raise SwarmError(f"host: {reply.get('message', 'unexpected reply')}")
         return Plan.from_dict(reply["plan"])
 
-    async def _connect_host(self) -> SwarmProtocol:
-        errors = []
-        for text in self.config.host_addresses:
-            try:
-                return await connect_member(Address.parse(text), self.creds, self.config.host_name, self)
-            except (ConnectionError, OSError) as e:
-                errors.append(str(e))
-        raise SwarmError(f"cannot reach the swarm host: {'; '.join(errors) or 'no address'}")
+    def _plan_message(self, message: dict) -> None:
+        if message.get("type") != "plan":
+            return
+        plan = Plan.from_dict(message["plan"])
+        changed = self.plan is not None and plan.version != self.plan.version
+        self.latest_plan = plan
+        self._plan_changed.set()
+        if changed:  # the route the waiting steps travel is gone: reroute them now, not at a timeout
+            self._fail_waiting(f"the plan changed to v{plan.version}")
+
+    def _fail_waiting(self, reason: str) -> None:
+        for request in self._requests.values():
+            if request.result is not None and not request.result.done():
+                request.result.set_exception(_RouteFailed(reason))
+
+    async def _keep_alive(self) -> None:
+        """Ping the stages and the host every second; a stage gone silent while steps wait on it
+        fails them over at once (the host marks it down on its own within seconds too); a lost
+        host connection is re-established (a restarted host)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(PING_INTERVAL)
+            for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
+                if conn.is_open:
+                    asyncio.ensure_future(_quiet_ping(conn))
+            waiting = any(r.result is not None and not r.result.done() for r in self._requests.values())
+            silent = [c for c in (self.first_conn, self.last_conn) if c is not None and
+                      loop.time() - c.last_heard > SILENCE_LIMIT]
+            if waiting and silent:
+                self._fail_waiting(f"stage {silent[0].peer_name} went silent")
+            if self.host_conn is None or not self.host_conn.is_open:
+                try:
+                    await self._connect_host()
+                    log.info("reconnected to the host")
+                except (SwarmError, ConnectionError, OSError, asyncio.TimeoutError):
+                    pass
+
+    def _recovered(self, seconds: float, replayed: int) -> None:
+        self.stats.recoveries += 1
+        self.stats.replayed_bytes += replayed
+        self.stats.last_recovery_s = seconds
+        log.info("rerouted a request in %.2fs, replaying %.1f KB", seconds, replayed / 1e3)
+        if self.host_conn is not None and self.host_conn.is_open:
+            asyncio.ensure_future(_quiet_request(self.host_conn, {"type": "recovered", "recovery_s": seconds,
+                                                                  "replayed_bytes": replayed}))
 
     # --- ConnectionHandler ---
 
@@ -198,9 +360,7 @@ class SwarmLink:
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
         if conn in (self.first_conn, self.last_conn):
-            for pending in self._pending.values():
-                if pending.result is not None and not pending.result.done():
-                    pending.result.set_exception(SwarmError(f"lost the connection to {conn.peer_name}"))
+            self._fail_waiting(f"lost the connection to {conn.peer_name}")
 
     def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
         pass
@@ -216,6 +376,25 @@ class SwarmLink:
         except WireError as e:
             conn.reject_stream(stream_id, str(e))
             return
-        pending = self._pending.get(packet.request_id)
-        if pending is not None and pending.result is not None and not pending.result.done():
-            pending.result.set_result(packet)
+        request = self._requests.get(packet.request_id)
+        if request is None or request.result is None or request.result.done():
+            return
+        if packet.kind == PacketKind.ERROR:
+            if conn is self.first_conn and stream_id == request.stream_id:  # not an abandoned route's
+                request.result.set_result(packet)
+        elif packet.start_pos == request.expect_pos:
+            request.result.set_result(packet)  # results of replayed steps are not what we wait for
+
+
+async def _quiet_ping(conn: SwarmProtocol) -> None:
+    try:
+        await asyncio.wait_for(conn.ping(), 5)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
+
+
+async def _quiet_request(conn: SwarmProtocol, message: dict) -> None:
+    try:
+        await conn.request(encode_control(message), timeout=5)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from kernels.errors import EngineError
+from kernels.errors import EngineError, RequestStateError
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
@@ -29,14 +29,14 @@ from net.protocol import SwarmProtocol
 from net.wire import (ActivationPacket, DType, Frame, FrameType, Hop, PacketKind, WireError, decode_control,
                       decode_packet, encode_control, encode_packet)
 from plans.plan import Plan, StageAssignment
-from swarmctl.batching import BatchRunner, compute_thread
+from swarmctl.batching import BatchRunner, EngineClosedError, compute_thread
 from swarmctl.home import SwarmHome
 from swarmctl.models import resolve_model
 
 log = logging.getLogger("swarmctl.trunk")
 
 SEND_BACKLOG = 8 * 1024 * 1024  # bytes unacknowledged per stream before a sender waits
-PING_INTERVAL = 10.0
+PING_INTERVAL = 1.0  # the host marks a trunk down after a few silent seconds
 RECONNECT_INTERVAL = 2.0
 
 
@@ -116,6 +116,7 @@ class TrunkService:
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
         self.on_fatal: Callable[[], None] = lambda: None
         self._locks: dict[bytes, asyncio.Lock] = {}  # one request's packets run in order
+        self._failed_streams: set[tuple[int, int, bytes]] = set()  # a request refused (retry) on a stream
         self._tasks: set[asyncio.Task] = set()
         self._executor = compute_thread()  # loading and unloading happen on the compute thread too
         self._loading: asyncio.Task | None = None
@@ -348,10 +349,11 @@ class TrunkService:
     def connection_lost(self, conn: SwarmProtocol) -> None:
         for rid, route in list(self.routes.items()):
             if route.in_conn is conn:
-                self._spawn(self._release(rid))
+                self._spawn(self._release(rid, route=route))
             elif conn is self.next_conn and route.out_stream is not None:
-                self._send_error(route.in_conn, route.in_stream, rid, f"next stage {self.next_member} went away")
-                self._spawn(self._release(rid))
+                self._send_error(route.in_conn, route.in_stream, rid, f"next stage {self.next_member} went away",
+                                 retry=True)
+                self._spawn(self._release(rid, route=route))
         if conn is self.next_conn:
             self.next_conn = self.next_member = None
         for name, (sub_conn, _) in list(self.subscribers.items()):
@@ -375,7 +377,7 @@ class TrunkService:
             conn.reject_stream(stream_id, str(e))
             return
         if conn is self.next_conn:  # something coming back from the next stage
-            self._from_next_stage(packet)
+            self._from_next_stage(stream_id, packet)
             return
         self._spawn(self._handle(conn, stream_id, packet, time.perf_counter()))
 
@@ -407,9 +409,11 @@ class TrunkService:
         else:
             conn.send(stream_id, encode_control({"type": "error", "message": "unknown request"}), end=True)
 
-    def _from_next_stage(self, packet: ActivationPacket) -> None:
+    def _from_next_stage(self, stream_id: int, packet: ActivationPacket) -> None:
         route = self.routes.get(packet.request_id)
-        if route is not None and packet.kind == PacketKind.ERROR:
+        # Only errors about the request's current route go back; one from a route it abandoned
+        # (the request started over on a new stream) answers a packet nobody waits for.
+        if route is not None and packet.kind == PacketKind.ERROR and route.out_stream == stream_id:
             self._send(route.in_conn, route.in_stream, packet)
 
     def stats(self) -> dict:
@@ -433,30 +437,35 @@ class TrunkService:
         rid = packet.request_id
         lock = self._locks.setdefault(rid, asyncio.Lock())
         async with lock:
+            if (id(conn), stream_id, rid) in self._failed_streams:
+                return  # the sender is already rerouting: later packets on this stream answer nothing
             if packet.kind == PacketKind.END:
                 await self._release(rid, forward=True)
                 return
             if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
                 self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
                 return
-            problem = self._check_packet(packet)
+            problem, retry = self._check_packet(packet)
             if problem:
-                self._refuse(conn, stream_id, rid, problem)
+                self._refuse(conn, stream_id, rid, problem, retry=retry)
                 return
             route = self.routes.get(rid)
+            is_first = self.stage.start == self.plan.head_layers
+            if route is not None and (route.in_conn is not conn or route.in_stream != stream_id):
+                if packet.start_pos != 0:
+                    self._refuse(conn, stream_id, rid, "request id is in use on another stream", retry=True)
+                    return
+                route = None  # a request starting over (replayed after a failure) on a new stream
             if route is None:
-                is_first = self.stage.start == self.plan.head_layers
                 route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
-            elif route.in_conn is not conn or route.in_stream != stream_id:
-                self._refuse(conn, stream_id, rid, "request id is in use on another stream")
-                return
             route.last_active = time.monotonic()
             submitted = time.perf_counter()
             try:
                 out, timing = await self.runner.run(Step(rid, packet.start_pos,
                                                          hidden=np.asarray(packet.data, dtype=np.float32)))
             except EngineError as e:
-                self._refuse(conn, stream_id, rid, str(e))
+                # A request this stage lost (it restarted, or is reloading) can be replayed from the start.
+                self._refuse(conn, stream_id, rid, str(e), retry=isinstance(e, (RequestStateError, EngineClosedError)))
                 return
             self.routes[rid] = route
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)
@@ -466,19 +475,21 @@ class TrunkService:
         if rid not in self.routes:
             self._locks.pop(rid, None)
 
-    def _check_packet(self, packet: ActivationPacket) -> str:
+    def _check_packet(self, packet: ActivationPacket) -> tuple[str, bool]:
+        """What is wrong with a packet, if anything, and whether a resend under a newer plan may work."""
         if self._loading is not None and not self._loading.done():
-            return f"the plan changed (now v{self.plan.version}): this stage is loading other layers"
+            return f"the plan changed (now v{self.plan.version}): this stage is loading other layers", True
         if self.stage is None or self.runner is None or self.plan is None:
-            return "this trunk is not serving any layers right now"
+            return "this trunk is not serving any layers right now", True
         if packet.plan_version != self.plan.version:
-            return f"stale plan: packet has version {packet.plan_version}, the swarm is at {self.plan.version}"
+            return f"stale plan: packet has version {packet.plan_version}, the swarm is at {self.plan.version}", True
         if packet.layer_index != self.stage.start:
-            return f"this stage runs layers [{self.stage.start}, {self.stage.stop}), not layer {packet.layer_index}"
+            return (f"this stage runs layers [{self.stage.start}, {self.stage.stop}), not layer {packet.layer_index}",
+                    False)
         if packet.data.ndim != 2 or packet.data.shape[1] != self.engine.spec.n_embd:
             return (f"activations of shape {list(packet.data.shape)} do not fit: expected "
-                    f"[n_tokens, {self.engine.spec.n_embd}]")
-        return ""
+                    f"[n_tokens, {self.engine.spec.n_embd}]"), False
+        return "", False
 
     async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray, hop: Hop) -> None:
         rid = packet.request_id
@@ -488,16 +499,16 @@ class TrunkService:
                                   hops=(*packet.hops, hop))
         if is_last:
             sub = self.subscribers.get(route.reply_to)
-            if sub is None:
+            if sub is None or not sub[0].is_open:
                 self._refuse(route.in_conn, route.in_stream, rid, f"asker {route.reply_to!r} has no results stream "
-                                                                  "open at the last stage")
+                                                                  "open at the last stage", retry=True)
                 return
             await self._send_and_drain(sub[0], sub[1], onward)
             return
         try:
             conn = await self._next_stage_conn()
         except (ConnectionError, OSError) as e:
-            self._refuse(route.in_conn, route.in_stream, rid, f"cannot reach the next stage: {e}")
+            self._refuse(route.in_conn, route.in_stream, rid, f"cannot reach the next stage: {e}", retry=True)
             return
         if route.out_stream is None:
             route.out_stream = conn.open_stream()
@@ -515,7 +526,18 @@ class TrunkService:
         self.next_member = nxt.member
         return self.next_conn
 
-    async def _release(self, rid: bytes, forward: bool = False) -> None:
+    async def _release(self, rid: bytes, forward: bool = False, route: Route | None = None) -> None:
+        """Free a request. With ``route``, only if that is still the request's route: the request
+        may have started over on a new stream since (a reroute), and then it must live on."""
+        if route is not None:
+            async with self._locks.setdefault(rid, asyncio.Lock()):
+                if self.routes.get(rid) is not route:
+                    return
+                self.routes.pop(rid, None)
+                if self.runner is not None:
+                    await self.runner.call(self.engine.release, rid)
+            self._locks.pop(rid, None)
+            return
         route = self.routes.pop(rid, None)
         self._locks.pop(rid, None)
         if self.runner is not None:
@@ -533,22 +555,26 @@ class TrunkService:
             for rid, route in list(self.routes.items()):
                 if now - route.last_active > self.idle_timeout:
                     log.info("request %s idle for %.0fs: freeing its cache", rid.hex()[:8], now - route.last_active)
-                    self._spawn(self._release(rid))
+                    self._spawn(self._release(rid, route=route))
 
     def _drop_all_routes(self, reason: str) -> None:
         for rid, route in list(self.routes.items()):
-            self._send_error(route.in_conn, route.in_stream, rid, reason)
+            self._send_error(route.in_conn, route.in_stream, rid, reason, retry=True)
         self.routes.clear()
 
     # --- sending ---
 
-    def _refuse(self, conn: SwarmProtocol, stream_id: int, rid: bytes, reason: str) -> None:
+    def _refuse(self, conn: SwarmProtocol, stream_id: int, rid: bytes, reason: str, retry: bool = False) -> None:
         log.warning("request %s from %s refused: %s", rid.hex()[:8], conn.peer_name, reason)
-        self._send_error(conn, stream_id, rid, reason)
+        self._send_error(conn, stream_id, rid, reason, retry)
+        if retry:
+            self._failed_streams.add((id(conn), stream_id, rid))
+            if len(self._failed_streams) > 10_000:  # a bound, not a policy: old entries are long dead
+                self._failed_streams.clear()
 
-    def _send_error(self, conn: SwarmProtocol, stream_id: int, rid: bytes, message: str) -> None:
+    def _send_error(self, conn: SwarmProtocol, stream_id: int, rid: bytes, message: str, retry: bool = False) -> None:
         error = ActivationPacket(PacketKind.ERROR, rid, self.plan.version if self.plan else 0, 0, 0,
-                                 np.empty((0, 0), np.float32), DType.F32, "", message)
+                                 np.empty((0, 0), np.float32), DType.F32, "", message, retry=retry)
         self._send(conn, stream_id, error)
 
     def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:

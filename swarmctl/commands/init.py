@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV room per request each stage must hold (default 4096)")
     parser.add_argument("--concurrent", type=int, default=4, metavar="N",
                         help="requests whose KV each stage must hold at once (default 4)")
+    parser.add_argument("--max-stages", type=int, default=0, metavar="N",
+                        help="use at most N trunks at once; the others stand by to take over (default: no limit)")
 
 
 def _default_advertise(listen: Address) -> list[str]:
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     config = create_swarm(home, swarm_name=args.swarm, host_name=args.name, listen=str(listen),
                           advertise=advertise, model=model, head_layers=args.head_layers)
     config.objective, config.plan_context, config.plan_concurrent = args.objective, args.context, args.concurrent
+    config.plan_max_stages = args.max_stages
     home.save_config(config)
     print(f"created swarm '{config.swarm_name}' in {home.path}")
     print(f"host: {config.name}, reachable at {', '.join(config.host_addresses)} (UDP)")
