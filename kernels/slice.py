@@ -242,6 +242,12 @@ class SliceEngine:
             request.kv.close()
         return True
 
+    def position_of(self, request_id: bytes | str) -> int:
+        """Positions a request has filled (0 for an unknown one)."""
+        key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
+        request = self._requests.get(key)
+        return request.n_filled if request is not None else 0
+
     def has_request(self, request_id: bytes | str) -> bool:
         key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
         return key in self._requests

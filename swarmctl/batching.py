@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,16 @@ class _Pending:
     submitted: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(frozen=True)
+class BatchRecord:
+    """One batch, for occupancy views: when it ran (wall clock) and which requests were in it."""
+
+    started: float  # time.time()
+    seconds: float
+    request_ids: tuple[bytes, ...]
+    tokens: int
+
+
 @dataclass
 class RunnerStats:
     batches: int = 0
@@ -68,6 +79,7 @@ class RunnerStats:
     tokens: int = 0
     busy_s: float = 0.0
     largest_batch: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=1024))  # BatchRecord, newest last
 
 
 class BatchRunner:
@@ -122,7 +134,7 @@ class BatchRunner:
                 # A canonical order: the same requests make the same graph shape whatever order they
                 # arrived in, so the engine reuses the built graph instead of building another.
                 batch.sort(key=lambda p: p.step.key)
-                started = time.perf_counter()
+                started, wall = time.perf_counter(), time.time()
                 results = await loop.run_in_executor(self._executor, self._run_batch, [p.step for p in batch])
                 compute = time.perf_counter() - started
                 ok = [r for r in results if not isinstance(r, Exception)]
@@ -132,6 +144,8 @@ class BatchRunner:
                 self.stats.tokens += timing_tokens
                 self.stats.busy_s += compute
                 self.stats.largest_batch = max(self.stats.largest_batch, len(ok))
+                self.stats.recent.append(BatchRecord(wall, compute, tuple(
+                    p.step.key for p, r in zip(batch, results) if not isinstance(r, Exception)), timing_tokens))
                 for pending, result in zip(batch, results):
                     if pending.future.done():
                         continue

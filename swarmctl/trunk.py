@@ -416,10 +416,18 @@ class TrunkService:
         if route is not None and packet.kind == PacketKind.ERROR and route.out_stream == stream_id:
             self._send(route.in_conn, route.in_stream, packet)
 
-    def stats(self) -> dict:
-        """A snapshot for status views and tests (read on the event loop; counters only)."""
+    def stats(self, window_s: float = 10.0) -> dict:
+        """A snapshot for status views, `swarmctl top` and tests (read on the event loop).
+        ``recent_batches``: [started (unix time), seconds, tokens, [request id prefixes]] of the
+        batches in the last ``window_s`` seconds; ``requests``: what this stage holds now."""
         runner, engine = self.runner, self.engine
+        since = time.time() - window_s
+        recent = [[b.started, b.seconds, b.tokens, [rid.hex()[:8] for rid in b.request_ids]]
+                  for b in (runner.stats.recent if runner else ()) if b.started >= since]
+        requests = [{"id": rid.hex()[:8], "position": engine.position_of(rid) if engine else 0,
+                     "idle_s": time.monotonic() - route.last_active} for rid, route in self.routes.items()]
         return {
+            "recent_batches": recent, "requests_detail": requests, "time": time.time(),
             "name": self.name, "layers": [self.stage.start, self.stage.stop] if self.stage else None,
             "requests": engine.n_requests if engine else 0, "routes": len(self.routes),
             "kv_bytes": engine.kv_bytes if engine else 0, "queue_depth": runner.queue_depth if runner else 0,
