@@ -176,6 +176,7 @@ soft_max = _bind(base, "ggml_soft_max", _P, _P, _P)
 sum_rows = _bind(base, "ggml_sum_rows", _P, _P, _P)
 div = _bind(base, "ggml_div", _P, _P, _P, _P)
 sigmoid = _bind(base, "ggml_sigmoid", _P, _P, _P)
+clamp = _bind(base, "ggml_clamp", _P, _P, _P, c_float, c_float)
 
 # --- backends and allocation (ggml-backend.h, ggml-alloc.h, ggml-cpu.h) ---
 backend_free = _bind(base, "ggml_backend_free", None, _P)

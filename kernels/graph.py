@@ -191,6 +191,54 @@ class GraphBuilder:
         act = self.name(ggml.swiglu_split(self.ctx, gate, up), "ffn_swiglu", il)
         return self.name(ggml.mul_mat(self.ctx, w.ffn_down, act), "ffn_out", il)
 
+    def moe_ffn(self, w: LayerWeights, x: int, il: int) -> int:
+        """Mixture of experts (llama.cpp's build_moe_ffn with softmax gating and normalised
+        weights, as llama-MoE and qwen3moe use it): the router picks the top-k experts per token,
+        each runs its SwiGLU FFN (ggml_mul_mat_id), and the outputs are summed with the weights."""
+        s, ctx = self.spec, self.ctx
+        n = ggml.tensor_shape(x)[1]  # rows: fewer than the batch's tokens after the last layer's row selection
+        k = s.n_expert_used
+        logits = self.name(ggml.mul_mat(ctx, w.ffn_gate_inp, x), "ffn_moe_logits", il)  # [n_expert, n]
+        probs = self.name(ggml.soft_max(ctx, logits), "ffn_moe_probs", il)
+        selected = self.name(ggml.argsort_top_k(ctx, probs, k), "ffn_moe_topk", il)  # I32 [k, n]
+        weights = ggml.get_rows(ctx, ggml.reshape_3d(ctx, probs, 1, s.n_expert, n), selected)  # [1, k, n]
+        weights = ggml.reshape_2d(ctx, weights, k, n)
+        total = ggml.clamp(ctx, ggml.sum_rows(ctx, weights), 6.103515625e-5, float("inf"))
+        weights = ggml.reshape_3d(ctx, ggml.div(ctx, weights, total), 1, k, n)
+        if s.expert_weights_scale not in (0.0, 1.0):
+            weights = ggml.scale(ctx, weights, s.expert_weights_scale)
+        self.name(weights, "ffn_moe_weights_norm", il)
+        ggml.build_forward_expand(self.graph, weights)
+        experts = self.experts(w, ggml.reshape_3d(ctx, x, s.n_embd, 1, n), selected, il)  # [n_embd, k, n]
+        return self.combine_experts(experts, weights, n, il)
+
+    def experts(self, w: LayerWeights, x: int, selected: int, il: int) -> int:
+        """Each token through its selected experts: [n_embd, 1|k, n] rows → [n_embd, k, n]."""
+        up = self.name(ggml.mul_mat_id(self.ctx, w.ffn_up_exps, x, selected), "ffn_moe_up", il)
+        gate = self.name(ggml.mul_mat_id(self.ctx, w.ffn_gate_exps, x, selected), "ffn_moe_gate", il)
+        act = self.name(ggml.swiglu_split(self.ctx, gate, up), "ffn_moe_swiglu", il)
+        return self.name(ggml.mul_mat_id(self.ctx, w.ffn_down_exps, act, selected), "ffn_moe_down", il)
+
+    def combine_experts(self, experts: int, weights: int, n: int, il: int) -> int:
+        """Weight each expert's output and add them in slot order (the order fixes the bits)."""
+        ctx, k = self.ctx, self.spec.n_expert_used
+        experts = self.name(ggml.mul(ctx, experts, weights), "ffn_moe_weighted", il)
+        ggml.build_forward_expand(self.graph, experts)
+        nb = ggml.tensor_strides(experts)
+        views = [ggml.view_2d(ctx, experts, self.spec.n_embd, n, nb[2], i * nb[1]) for i in range(k)]
+        for view in views:
+            ggml.build_forward_expand(self.graph, view)
+        out = views[0]
+        for view in views[1:]:
+            out = ggml.add(ctx, out, view)
+            ggml.build_forward_expand(self.graph, out)
+        if k == 1:
+            out = ggml.cont(ctx, out)
+        return self.name(out, "ffn_moe_out", il)
+
+    def ffn(self, w: LayerWeights, x: int, il: int) -> int:
+        return self.moe_ffn(w, x, il) if w.is_moe else self.swiglu_ffn(w, x, il)
+
     def keep_output_rows(self, x: int, il: int) -> int:
         """On the model's last layer keep only the rows whose output is wanted (llama.cpp's inp_out_ids)."""
         if il != self.spec.n_layer - 1 or self.inputs.out_ids is None:
@@ -218,12 +266,13 @@ def llama_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
     cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
     ffn_inp = b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
-    cur = b.swiglu_ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
+    cur = b.ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
     return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
 
 
 def qwen3_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
-    """qwen3: llama's block plus a per-head RMSNorm on Q and K before RoPE."""
+    """qwen3 (and qwen3moe, whose FFNs are experts): llama's block plus a per-head RMSNorm on Q and
+    K before RoPE."""
     inp_sa = x
     cur = b.norm(x, w.attn_norm, "attn_norm", il)
     q, k, v = b.qkv(w, cur, il)
@@ -232,24 +281,27 @@ def qwen3_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
     cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
     ffn_inp = b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
-    cur = b.swiglu_ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
+    cur = b.ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
     return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
 
 
 LayerBuilder = Callable[[GraphBuilder, LayerWeights, int, int], int]
-LAYER_BUILDERS: dict[str, LayerBuilder] = {"llama": llama_layer, "qwen2": llama_layer, "qwen3": qwen3_layer}
+LAYER_BUILDERS: dict[str, LayerBuilder] = {"llama": llama_layer, "qwen2": llama_layer, "qwen3": qwen3_layer,
+                                           "qwen3moe": qwen3_layer}
 
 
-def graph_size_for(n_layers: int, n_requests: int) -> int:
-    """Graph nodes to reserve: a dense block makes about 25 shared tensors and 20 per request."""
-    return (32 + 24 * n_requests) * max(n_layers, 1) + 64 + 4 * n_requests
+def graph_size_for(n_layers: int, n_requests: int, n_expert_used: int = 0) -> int:
+    """Graph nodes to reserve: a dense block makes about 25 shared tensors and 20 per request;
+    a mixture-of-experts FFN some 20 more, plus two per selected expert."""
+    moe = 24 + 3 * n_expert_used if n_expert_used else 0
+    return (32 + moe + 24 * n_requests) * max(n_layers, 1) + 64 + 4 * n_requests
 
 
 def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights,
                       caches: list[KVCache | None], shape: GraphShape) -> SliceGraph:
     """The whole slice as one graph: [embedding] → layers [start, stop) → [output norm → LM head]."""
     n_layers = slice_spec.stop - slice_spec.start
-    size = graph_size_for(n_layers, len(shape.requests))
+    size = graph_size_for(n_layers, len(shape.requests), spec.n_expert_used)
     ctx = ggml.new_context(size + 16, graph_nodes=size)
     graph = ggml.new_graph_custom(ctx, size, False)
     inputs = _new_inputs(ctx, spec, slice_spec, shape)

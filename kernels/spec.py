@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES: dict[str, int] = {
     "llama": ggml.ROPE_TYPE_NORM,  # SmolLM2, Llama 2/3, Mistral
     "qwen2": ggml.ROPE_TYPE_NEOX,  # Q/K/V biases
     "qwen3": ggml.ROPE_TYPE_NEOX,  # per-head Q/K RMSNorm
+    "qwen3moe": ggml.ROPE_TYPE_NEOX,  # qwen3 with mixture-of-experts FFNs
 }
 
 KV_CELL_PAD = 256  # llama.cpp pads the attended KV length to this; we mirror it for identical bits
@@ -52,8 +53,10 @@ class ModelSpec:
     embedding_bytes: int
     lm_head_bytes: int  # output norm + output matrix (the embedding again, when tied)
     tied_embeddings: bool
-    n_expert: int = 0
-    n_expert_used: int = 0
+    n_expert: int = 0  # experts per MoE layer (0: a dense model)
+    n_expert_used: int = 0  # experts each token goes to (top-k)
+    n_ff_exp: int = 0  # an expert's FFN width
+    expert_weights_scale: float = 0.0  # 0 or 1: the router weights are used as they are
 
     @property
     def n_embd_q(self) -> int:
@@ -132,6 +135,8 @@ class ModelSpec:
             tied_embeddings=tied,
             n_expert=n_expert,
             n_expert_used=int(key("expert_used_count", 0) or 0),
+            n_ff_exp=int(key("expert_feed_forward_length", 0) or 0),
+            expert_weights_scale=float(key("expert_weights_scale", 0.0) or 0.0),
         )
 
 

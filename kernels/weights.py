@@ -173,6 +173,17 @@ def _check_layer_shapes(gguf: GGUFFile, spec: ModelSpec, il: int, names: dict[st
             raise UnsupportedModelError(
                 f"tensor {name} has shape {list(gguf.tensors[name].shape)}, expected {list(shape)}"
             )
+    if "ffn_gate_inp" in names:
+        n_ff = gguf.tensors[names["ffn_up_exps"]].shape[1]
+        x = spec.n_expert
+        moe = {"ffn_gate_inp": (e, x), "ffn_gate_exps": (e, n_ff, x), "ffn_up_exps": (e, n_ff, x),
+               "ffn_down_exps": (n_ff, e, x)}
+        for field_name, shape in moe.items():
+            if gguf.tensors[names[field_name]].shape != shape:
+                raise UnsupportedModelError(f"tensor {names[field_name]} has shape "
+                                            f"{list(gguf.tensors[names[field_name]].shape)}, expected {list(shape)}")
+        if not 0 < spec.n_expert_used <= spec.n_expert:
+            raise UnsupportedModelError(f"{spec.n_expert_used} experts used per token of {spec.n_expert}")
     if "ffn_gate" in names:
         n_ff = gguf.tensors[names["ffn_up"]].shape[1]
         for field_name, shape in (("ffn_gate", (e, n_ff)), ("ffn_up", (e, n_ff)), ("ffn_down", (n_ff, e))):

@@ -58,6 +58,8 @@ TINY_CONFIGS = {
     "qwen2-q4_1": TinyConfig(arch="qwen2", qtype="Q4_1", tied_output=False, seed=3),
     "qwen3-q8_0": TinyConfig(arch="qwen3", qtype="Q8_0", seed=4),
     "qwen3-f32": TinyConfig(arch="qwen3", qtype="F32", n_head=2, n_head_kv=1, seed=5),
+    "llama-moe-q8_0": TinyConfig(arch="llama", qtype="Q8_0", n_expert=8, n_expert_used=2, seed=6),
+    "qwen3moe-q8_0": TinyConfig(arch="qwen3moe", qtype="Q8_0", n_expert=8, n_expert_used=2, seed=7),
 }
 
 

@@ -58,7 +58,8 @@ def batched(engine: SliceEngine) -> dict[bytes, list[np.ndarray]]:
     return outs
 
 
-@pytest.mark.parametrize("model", ["bundled", "llama-f32", "qwen2-q4_1", "qwen3-q8_0"])
+@pytest.mark.parametrize("model", ["bundled", "llama-f32", "qwen2-q4_1", "qwen3-q8_0", "llama-moe-q8_0",
+                                   "qwen3moe-q8_0"])
 def test_batched_logits_equal_solo_logits(bundled_model, tiny_model, model):
     path = bundled_model if model == "bundled" else tiny_model(model)
     with GGUFFile(path) as gguf:

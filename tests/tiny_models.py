@@ -28,6 +28,8 @@ class TinyConfig:
     qtype: str = "F32"  # or Q8_0, Q4_0, Q4_1, Q5_0: used for every matrix
     tied_output: bool = True
     seed: int = 0
+    n_expert: int = 0  # > 0: mixture-of-experts FFNs (llama-MoE, or arch "qwen3moe")
+    n_expert_used: int = 2
 
     @property
     def head_dim(self) -> int:
@@ -71,14 +73,20 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(n_vocab)
-    if cfg.arch == "qwen3":
+    if cfg.arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if cfg.n_expert:
+        writer.add_expert_count(cfg.n_expert)
+        writer.add_expert_used_count(cfg.n_expert_used)
+        if cfg.arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.n_ff)
     qtype = gguf.GGMLQuantizationType[cfg.qtype]
 
-    def matrix(name: str, rows: int, cols: int, scale: float | None = None) -> None:
-        """A [cols, rows] ggml matrix (numpy shape (rows, cols)), quantized if asked."""
-        data = rng.standard_normal((rows, cols)).astype(np.float32) * (scale or cols ** -0.5)
+    def matrix(name: str, rows: int, cols: int, scale: float | None = None, experts: int = 0) -> None:
+        """A [cols, rows(, experts)] ggml tensor (numpy shape ([experts,] rows, cols)), quantized if asked."""
+        shape = (experts, rows, cols) if experts else (rows, cols)
+        data = rng.standard_normal(shape).astype(np.float32) * (scale or cols ** -0.5)
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, data)
         else:
@@ -105,13 +113,20 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
             vector(p + "attn_q.bias", q, 0.0, 0.2)
             vector(p + "attn_k.bias", kv, 0.0, 0.2)
             vector(p + "attn_v.bias", kv, 0.0, 0.2)
-        if cfg.arch == "qwen3":
+        if cfg.arch in ("qwen3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", cfg.head_dim, 1.0, 0.1)
             vector(p + "attn_k_norm.weight", cfg.head_dim, 1.0, 0.1)
         vector(p + "ffn_norm.weight", e, 1.0, 0.1)
-        matrix(p + "ffn_gate.weight", ff, e)
-        matrix(p + "ffn_up.weight", ff, e)
-        matrix(p + "ffn_down.weight", e, ff)
+        if cfg.n_expert:
+            writer.add_tensor(p + "ffn_gate_inp.weight",  # the router stays F32, as converters leave it
+                              (rng.standard_normal((cfg.n_expert, e)) * e ** -0.5).astype(np.float32))
+            matrix(p + "ffn_gate_exps.weight", ff, e, experts=cfg.n_expert)
+            matrix(p + "ffn_up_exps.weight", ff, e, experts=cfg.n_expert)
+            matrix(p + "ffn_down_exps.weight", e, ff, experts=cfg.n_expert)
+        else:
+            matrix(p + "ffn_gate.weight", ff, e)
+            matrix(p + "ffn_up.weight", ff, e)
+            matrix(p + "ffn_down.weight", e, ff)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
