@@ -3,12 +3,14 @@
 This machine's kernel has no ``tc netem``, so WAN conditions are emulated here: put a relay in front
 of a node's UDP port and advertise the relay's address instead. Every datagram, in both
 directions, is held for ``delay ± jitter`` (each one independently, so jitter reorders), dropped
-with probability ``loss``, or dropped outright while the link is cut. The tests and the
-benchmarks share it.
+with probability ``loss``, or dropped outright while the link is cut. With ``record=True`` it
+also keeps every datagram it is handed, both directions, before any impairment: what an
+eavesdropper on that link sees. The tests and the benchmarks share it.
 
     relay = ImpairedLink(Address("127.0.0.1", 7471), delay_s=0.02, jitter_s=0.005, loss=0.005)
     address = await relay.start()   # where peers should send instead
     relay.cut = True                # the link goes dark (both directions) until set back
+    tap = ImpairedLink(Address("127.0.0.1", 7471), record=True)   # unimpaired; tap.recorded: every datagram
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class ImpairedLink:
     seed: int | None = None
     cut: bool = False
     stats: LinkStats = field(default_factory=LinkStats)
+    record: bool = False
+    recorded: list[bytes] = field(default_factory=list)  # with record=True: every datagram, in arrival order
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -95,6 +99,8 @@ class ImpairedLink:
             self._schedule(data, protocol.transport.sendto)
 
     def _schedule(self, data: bytes, send) -> None:
+        if self.record:
+            self.recorded.append(bytes(data))
         if self.cut:
             self.stats.dropped_cut += 1
             return

@@ -35,6 +35,7 @@ COMMANDS: dict[str, CommandInfo] = {
     "run": CommandInfo("swarmctl.commands.run", "run this node: --role host or --role trunk"),
     "status": CommandInfo("swarmctl.commands.status", "show members, layer ranges and health"),
     "revoke": CommandInfo("swarmctl.commands.revoke", "end a member's access"),
+    "audit": CommandInfo("swarmctl.commands.audit", "measure what swarm members can read from your traffic"),
     "plan": CommandInfo("swarmctl.commands.plan", "plan which members serve which layers (runs nothing)"),
 }
 
