@@ -1,0 +1,218 @@
+"""From raw polls to snapshots: the arithmetic of occupancy, rates and request marks.
+
+Pure: a ``RawPoll`` is the host's answers and each trunk's ``stats`` exactly as they came over
+the wire; ``SnapshotBuilder.add`` turns a sequence of them into ``SwarmSnapshot``s. The only
+state it keeps between polls is what needs history: the swarm-wide rate (a counter's growth from
+one poll to the next) and the letter each request keeps in the chart while it is visible.
+Recorded polls replayed through it give the same snapshots, which is what the view tests use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections import deque
+from dataclasses import dataclass, field
+
+from swarmctl.monitor.snapshot import Batch, Lane, NodeView, PlanView, RequestView, SwarmSnapshot, waiting_snapshot
+
+LETTERS = string.ascii_lowercase + string.ascii_uppercase
+OVERFLOW_LETTER = "*"  # more requests visible at once than letters
+HISTORY = 240  # polls of swarm-wide tok/s kept for the sparkline (2 minutes at the default interval)
+MIN_RATE_SPAN_S = 1.0  # a request seen for less than this is rated over this, not over a few ms
+
+
+@dataclass(frozen=True)
+class RawPoll:
+    """One round of questions to the swarm, answers as received (JSON-shaped, for recording)."""
+
+    taken_at: float  # unix time when the poll started
+    poll_s: float  # how long the whole poll took
+    status: dict | None  # the host's "status" reply; None when the host could not be asked
+    nodes: list[dict] | None = None  # the host's "nodes" reply: device and measured links per trunk
+    stats: dict[str, dict] = field(default_factory=dict)  # trunk name → its "stats" reply
+    pings_ms: dict[str, float] = field(default_factory=dict)  # trunk name → QUIC ping from here
+    stats_errors: dict[str, str] = field(default_factory=dict)  # trunk name → why no stats
+    host_error: str = ""
+    retry_in_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RawPoll":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True)
+class _StageBatches:
+    """A trunk's ``recent_batches`` as typed values: (started unix time, seconds, steps' request ids)."""
+
+    clock: float
+    spans: tuple[tuple[float, float, tuple[str, ...]], ...]
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> "_StageBatches":
+        spans = tuple((float(b[0]), float(b[1]), tuple(str(r) for r in b[3])) for b in stats.get("recent_batches", ()))
+        return cls(float(stats["time"]), spans)
+
+    def busy_fraction(self, window_s: float) -> float:
+        """The share of the last ``window_s`` seconds during which the engine ran a batch."""
+        since = self.clock - window_s
+        busy = sum(max(0.0, min(start + seconds, self.clock) - max(start, since)) for start, seconds, _ in self.spans)
+        return min(1.0, busy / window_s)
+
+    def steps_per_s(self, window_s: float) -> float:
+        since = self.clock - window_s
+        return sum(len(ids) for start, _, ids in self.spans if start >= since) / window_s
+
+    def request_rate(self, request_id: str, window_s: float) -> float:
+        """Steps of one request per second, over the part of the window it has been seen in."""
+        since = self.clock - window_s
+        starts = [start for start, _, ids in self.spans if start >= since and request_id in ids]
+        if not starts:
+            return 0.0
+        return len(starts) / min(window_s, max(MIN_RATE_SPAN_S, self.clock - starts[0]))
+
+
+class SnapshotBuilder:
+    def __init__(self, window_s: float = 5.0, history: int = HISTORY) -> None:
+        self.window_s = window_s
+        self._seq = 0
+        self._letters: dict[str, str] = {}  # request id prefix → its mark while it stays visible
+        self._history: deque[float] = deque(maxlen=history)
+        self._history_times: deque[float] = deque(maxlen=history)
+        self._last_count: tuple[str, float, int] | None = None  # (reference stage, its clock, its steps counter)
+        self._last_good: SwarmSnapshot | None = None
+
+    def add(self, poll: RawPoll) -> SwarmSnapshot:
+        self._seq += 1
+        if poll.status is None:
+            return self._unreachable(poll)
+        status = poll.status
+        members = list(status.get("members", []))
+        stages = sorted((m for m in members if m.get("layers")), key=lambda m: m["layers"][0])
+        batches = {name: _StageBatches.from_stats(s) for name, s in poll.stats.items()}
+        self._assign_letters(stages, batches, poll.stats)
+        reference = next((m["name"] for m in stages if m["name"] in batches), None)
+        snapshot = SwarmSnapshot(
+            seq=self._seq, taken_at=poll.taken_at, poll_ms=poll.poll_s * 1e3, window_s=self.window_s,
+            swarm=str(status.get("swarm", "")), model=str(status.get("model", "")),
+            plan_version=int(status.get("plan_version", 0)), complete=bool(status.get("complete")),
+            missing_layers=tuple((int(a), int(b)) for a, b in status.get("missing_layers", ())),
+            nodes=self._nodes(members, stages, poll, batches),
+            lanes=tuple(self._lane(m, batches.get(m["name"])) for m in stages),
+            requests=self._requests(stages, poll.stats, batches.get(reference) if reference else None),
+            tok_s_history=self._rate(reference, poll.stats.get(reference or ""), batches.get(reference or ""),
+                                     poll.taken_at),
+            history_s=self._history_times[-1] - self._history_times[0], plan=_plan_view(status))
+        self._last_good = snapshot
+        return snapshot
+
+    # --- parts of a snapshot ---
+
+    def _unreachable(self, poll: RawPoll) -> SwarmSnapshot:
+        retry = f"retrying in {poll.retry_in_s:.0f} s" if poll.retry_in_s >= 1 else "retrying"
+        banner = f"swarm unreachable: {poll.host_error or 'no answer'}, {retry}"
+        if self._last_good is None:
+            return dataclasses.replace(waiting_snapshot(banner), seq=self._seq, taken_at=poll.taken_at)
+        return dataclasses.replace(self._last_good, seq=self._seq, banner=banner, stale=True)
+
+    def _nodes(self, members: list[dict], stages: list[dict], poll: RawPoll,
+               batches: dict[str, _StageBatches]) -> tuple[NodeView, ...]:
+        described = {str(n["name"]): n for n in poll.nodes or ()}
+        next_hop = {m["name"]: (stages[i + 1]["name"] if i + 1 < len(stages) else "asker")
+                    for i, m in enumerate(stages)}
+        staged = [m["name"] for m in stages]
+        order = staged + sorted((m["name"] for m in members if m["name"] not in staged),
+                                key=lambda n: (0 if _member(members, n)["role"] == "host" else 1, n))
+        views = []
+        for name in order:
+            m = _member(members, name)
+            stats, work = poll.stats.get(name), batches.get(name)
+            hop = next_hop.get(name, "")
+            link = (described.get(name, {}).get("links") or {}).get(hop) if hop else None
+            views.append(NodeView(
+                name=name, role=str(m.get("role", "member")), address=str(m.get("address") or ""),
+                layers=tuple(m["layers"]) if m.get("layers") else None,
+                device=str(described.get(name, {}).get("device") or ("cpu" if m.get("role") == "trunk" else "")),
+                health=str(m.get("health", "")),
+                memory_used=int(stats["rss"]) if stats and stats.get("rss") else None,
+                memory_budget=int(m["memory"]) if m.get("memory") else None,
+                queue_depth=int(stats["queue_depth"]) if stats else None,
+                occupancy=work.busy_fraction(self.window_s) if work else None,
+                tok_s=work.steps_per_s(self.window_s) if work else None,
+                next_hop=hop, next_hop_ms=float(link["rtt_ms"]) if link and link.get("rtt_ms") is not None else None,
+                ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, "")))
+        return tuple(views)
+
+    def _lane(self, member: dict, work: _StageBatches | None) -> Lane:
+        layers = (int(member["layers"][0]), int(member["layers"][1]))
+        if work is None:
+            return Lane(member["name"], layers, (), reachable=False)
+        return Lane(member["name"], layers, tuple(
+            Batch(work.clock - start, seconds, tuple(self._letters.get(r, OVERFLOW_LETTER) for r in ids))
+            for start, seconds, ids in work.spans), reachable=True)
+
+    def _requests(self, stages: list[dict], stats: dict[str, dict],
+                  reference: _StageBatches | None) -> tuple[RequestView, ...]:
+        held: dict[str, list[tuple[str, int, float]]] = {}  # id → (stage, position, idle seconds)
+        for m in stages:
+            for r in (stats.get(m["name"]) or {}).get("requests_detail", ()):
+                held.setdefault(str(r["id"]), []).append((m["name"], int(r["position"]), float(r["idle_s"])))
+        views = []
+        for rid, places in sorted(held.items()):
+            latest = min(places, key=lambda p: p[2])
+            views.append(RequestView(rid, self._letters.get(rid, OVERFLOW_LETTER), max(p[1] for p in places),
+                                     reference.request_rate(rid, self.window_s) if reference else 0.0,
+                                     latest[0], latest[2]))
+        return tuple(views)
+
+    def _rate(self, reference: str | None, stats: dict | None, work: _StageBatches | None,
+              taken_at: float) -> tuple[float, ...]:
+        """Swarm-wide tok/s: every generated token is one step at every stage, so the first
+        stage's step counter grows at the swarm's rate (a prompt counts once, as one step)."""
+        self._history_times.append(taken_at)
+        if reference is None or stats is None or work is None:
+            self._history.append(0.0)
+            self._last_count = None
+            return tuple(self._history)
+        count = (reference, work.clock, int(stats.get("steps", 0)))
+        last = self._last_count
+        if last is not None and last[0] == reference and count[1] > last[1] and count[2] >= last[2]:
+            rate = (count[2] - last[2]) / (count[1] - last[1])
+        else:  # the first poll, another stage, or a restarted one: the recent window's rate
+            rate = work.steps_per_s(min(self.window_s, 1.0))
+        self._last_count = count
+        self._history.append(rate)
+        return tuple(self._history)
+
+    def _assign_letters(self, stages: list[dict], batches: dict[str, _StageBatches], stats: dict[str, dict]) -> None:
+        """Each visible request keeps one letter; letters of requests gone from view are reused."""
+        seen: list[str] = []
+        for m in stages:
+            work = batches.get(m["name"])
+            spans = sorted(work.spans) if work else ()
+            seen += [r for _, _, ids in spans for r in ids]
+            seen += [str(r["id"]) for r in (stats.get(m["name"]) or {}).get("requests_detail", ())]
+        visible = dict.fromkeys(seen)
+        self._letters = {r: letter for r, letter in self._letters.items() if r in visible}
+        free = [letter for letter in LETTERS if letter not in set(self._letters.values())]
+        for r in visible:
+            if r not in self._letters:
+                self._letters[r] = free.pop(0) if free else OVERFLOW_LETTER
+
+
+def _plan_view(status: dict) -> PlanView:
+    recovery = status.get("recovery") or {}
+    return PlanView(objective=str(status.get("objective", "")),
+                    expected_ms_per_token=float(status.get("expected_ms_per_token") or 0.0),
+                    expected_tok_s=float(status.get("expected_tokens_per_s") or 0.0),
+                    bottleneck=str(status.get("bottleneck") or ""),
+                    warnings=tuple(str(w) for w in status.get("warnings") or ()),
+                    recoveries=int(recovery.get("recoveries") or 0), last_recovery_s=recovery.get("last_recovery_s"),
+                    last_marked_down=recovery.get("last_marked_down"))
+
+
+def _member(members: list[dict], name: str) -> dict:
+    return next(m for m in members if m["name"] == name)

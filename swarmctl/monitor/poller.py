@@ -1,0 +1,222 @@
+"""Polling a live swarm: the host's status, and every trunk's stats and round trip, over QUIC.
+
+The monitor is a member like any other (mutual TLS with the home's identity). It keeps one
+connection to the host and one to each trunk the host lists, and asks each once per interval:
+``status`` and ``nodes`` from the host, ``stats`` and a QUIC PING from each trunk, all at once.
+A trunk that cannot be reached is retried in the background, so one dead trunk never holds up
+the others' figures; an unreachable host is retried with a growing pause. Every poll becomes a
+``SwarmSnapshot`` that views read through ``latest()``; nothing here waits on a view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from net.endpoint import Address, connect_member
+from net.protocol import RequestOnlyHandler, SwarmProtocol
+from net.wire import WireError, decode_control, encode_control
+from swarmctl.home import SwarmHome
+from swarmctl.monitor.build import RawPoll, SnapshotBuilder
+from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
+
+log = logging.getLogger("swarmctl.monitor")
+
+_FAILURES = (ConnectionError, OSError, asyncio.TimeoutError, WireError, KeyError, TypeError, ValueError)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    interval_s: float = 0.5  # between polls
+    window_s: float = 5.0  # occupancy and rates over this much of each trunk's recent past (≤ 10)
+    timeout_s: float = 2.0  # for one answer from a connected node
+    max_backoff_s: float = 8.0  # the longest pause between attempts to reach the host
+
+
+class _Peer:
+    """A connection kept to one node, (re)opened by a background task so a poll never waits on it."""
+
+    def __init__(self, name: str, address: str) -> None:
+        self.name = name
+        self.address = address
+        self.conn: SwarmProtocol | None = None
+        self.connecting: asyncio.Task | None = None
+        self.error = "connecting"
+        self.next_attempt = 0.0  # loop time
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and self.conn.is_open
+
+    def drop(self, error: str, retry_at: float = 0.0) -> None:
+        """Forget the connection; the next attempt waits until ``retry_at`` (loop time), so a node
+        that keeps failing is not handed a fresh handshake every poll."""
+        self.error = error
+        self.next_attempt = retry_at
+        if self.conn is not None:
+            _close_now(self.conn)
+            self.conn = None
+
+
+class Monitor:
+    def __init__(self, home: SwarmHome, config: MonitorConfig = MonitorConfig(), *,
+                 on_poll: Callable[[RawPoll], None] | None = None) -> None:
+        """``on_poll`` (optional) sees every raw poll, e.g. to record it."""
+        self.config = config
+        self.node_config = home.load_config()
+        self.creds = home.credentials()
+        self.on_poll = on_poll
+        self.builder = SnapshotBuilder(config.window_s)
+        addresses = list(self.node_config.host_addresses)
+        if self.node_config.role == "host":  # the host's own CLI reaches it on its listen address first
+            addresses.insert(0, self.node_config.listen.replace("0.0.0.0", "127.0.0.1"))
+        self.host_addresses = list(dict.fromkeys(addresses))
+        self._host: SwarmProtocol | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._failures = 0
+        self._latest = waiting_snapshot(f"connecting to the swarm host at {', '.join(self.host_addresses)}")
+
+    def latest(self) -> SwarmSnapshot:
+        return self._latest
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                started = loop.time()
+                poll = await self.poll_once()
+                try:
+                    self._latest = self.builder.add(poll)
+                except (KeyError, TypeError, ValueError, IndexError) as e:  # a node of another version?
+                    self._latest = dataclasses.replace(self._latest, banner=f"cannot read the swarm's answers: "
+                                                                            f"{type(e).__name__}: {e}; retrying")
+                if self.on_poll is not None:
+                    self.on_poll(poll)
+                if poll.status is None:
+                    await asyncio.sleep(poll.retry_in_s)
+                    self._latest = dataclasses.replace(
+                        self._latest, banner=f"swarm unreachable: {poll.host_error}, retrying now")
+                else:
+                    await asyncio.sleep(max(0.0, self.config.interval_s - (loop.time() - started)))
+        finally:
+            self.close()
+
+    async def poll_once(self) -> RawPoll:
+        taken_at, t0 = time.time(), time.perf_counter()
+        try:
+            host = await self._host_conn()
+            status, nodes = await asyncio.gather(self._ask(host, "status"), self._ask(host, "nodes"))
+        except _FAILURES as e:
+            self._failures += 1
+            if self._host is not None:
+                _close_now(self._host)
+                self._host = None
+            backoff = min(self.config.max_backoff_s, self.config.interval_s * 2 ** self._failures)
+            return RawPoll(taken_at, time.perf_counter() - t0, None, host_error=_reason(e), retry_in_s=backoff)
+        self._failures = 0
+        self._follow_members(status)
+        peers = list(self._peers.values())
+        answers = await asyncio.gather(*(self._ask_trunk(p) for p in peers))
+        stats = {p.name: a[0] for p, a in zip(peers, answers) if a[0] is not None}
+        pings = {p.name: a[1] for p, a in zip(peers, answers) if a[1] is not None}
+        errors = {p.name: p.error for p in peers if p.name not in stats}
+        status.pop("type", None)
+        return RawPoll(taken_at, time.perf_counter() - t0, status, nodes.get("nodes") if nodes else None,
+                       stats, pings, errors)
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            if peer.connecting is not None:
+                peer.connecting.cancel()
+            peer.drop("closed")
+        if self._host is not None:
+            _close_now(self._host)
+            self._host = None
+
+    # --- the host ---
+
+    async def _host_conn(self) -> SwarmProtocol:
+        if self._host is not None and self._host.is_open:
+            return self._host
+        errors = []
+        for text in self.host_addresses:
+            try:
+                self._host = await connect_member(Address.parse(text), self.creds, self.node_config.host_name,
+                                                  RequestOnlyHandler())
+                return self._host
+            except (ConnectionError, OSError) as e:
+                errors.append(str(e))
+        raise ConnectionError("; ".join(errors) or "no host address")
+
+    async def _ask(self, conn: SwarmProtocol, kind: str) -> dict:
+        reply = decode_control((await conn.request(encode_control({"type": kind}), timeout=self.config.timeout_s)).body)
+        if reply.get("type") == "error":
+            if kind == "nodes":
+                return {}  # optional extras (device, measured links): the view shows less without them
+            raise ConnectionError(f"{conn.peer_name or 'the node'} refused {kind!r}: {reply.get('message')}")
+        return reply
+
+    def _follow_members(self, status: dict) -> None:
+        """Keep a peer for every trunk the host lists, at the address it lists."""
+        trunks = {str(m["name"]): str(m["address"]) for m in status.get("members", ())
+                  if m.get("role") == "trunk" and m.get("address")}
+        for name in list(self._peers):
+            if self._peers[name].address != trunks.get(name):
+                peer = self._peers.pop(name)
+                if peer.connecting is not None:
+                    peer.connecting.cancel()
+                peer.drop("gone")
+        for name, address in trunks.items():
+            self._peers.setdefault(name, _Peer(name, address))
+
+    # --- trunks ---
+
+    async def _ask_trunk(self, peer: _Peer) -> tuple[dict | None, float | None]:
+        if not peer.connected:
+            self._start_connecting(peer)
+            return None, None
+        try:
+            t0 = time.perf_counter()
+            await asyncio.wait_for(peer.conn.ping(), self.config.timeout_s)
+            ping_ms = (time.perf_counter() - t0) * 1e3
+            return await self._ask(peer.conn, "stats"), ping_ms
+        except _FAILURES as e:
+            peer.drop(_reason(e), asyncio.get_running_loop().time() + self.config.max_backoff_s / 2)
+            return None, None
+
+    def _start_connecting(self, peer: _Peer) -> None:
+        loop = asyncio.get_running_loop()
+        if (peer.connecting is not None and not peer.connecting.done()) or loop.time() < peer.next_attempt:
+            return
+
+        async def connect() -> None:
+            try:
+                peer.conn = await connect_member(Address.parse(peer.address), self.creds, peer.name,
+                                                 RequestOnlyHandler())
+                peer.error = ""
+            except (ConnectionError, OSError) as e:
+                peer.error = _reason(e)
+                peer.next_attempt = loop.time() + self.config.max_backoff_s / 2
+
+        peer.connecting = asyncio.ensure_future(connect())
+
+
+def _close_now(conn: SwarmProtocol) -> None:
+    """Close without waiting for the peer: the CONNECTION_CLOSE goes out before the socket shuts."""
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - an already broken connection has nothing left to close
+        pass
+    if conn.owned_transport is not None:
+        conn.owned_transport.close()
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, asyncio.TimeoutError):
+        return "no answer in time"
+    return " ".join(str(error).split()) or type(error).__name__
