@@ -34,6 +34,7 @@ COMMANDS: dict[str, CommandInfo] = {
     "join": CommandInfo("swarmctl.commands.join", "join a swarm with an invite code"),
     "run": CommandInfo("swarmctl.commands.run", "run this node: --role host or --role trunk"),
     "status": CommandInfo("swarmctl.commands.status", "show members, layer ranges and health"),
+    "top": CommandInfo("swarmctl.commands.top", "watch the swarm live: load per node, pipeline occupancy"),
     "revoke": CommandInfo("swarmctl.commands.revoke", "end a member's access"),
     "audit": CommandInfo("swarmctl.commands.audit", "measure what swarm members can read from your traffic"),
     "plan": CommandInfo("swarmctl.commands.plan", "plan which members serve which layers (runs nothing)"),
