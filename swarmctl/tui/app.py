@@ -7,7 +7,6 @@ only reads ``feed.latest()`` on a timer, at most four times a second, and assign
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 from textual.app import App, ComposeResult
@@ -19,6 +18,7 @@ from textual.worker import Worker, WorkerState
 
 from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
 from swarmctl.tui.help import HelpScreen
+from swarmctl.tui import styles
 from swarmctl.tui.widgets import (SORTS, SPANS, Banner, NodeTable, OccupancyChart, Panels, PlanPanel, RatePanel,
                                   RequestTable, Summary)
 
@@ -32,7 +32,7 @@ class Feed(Protocol):
 
 
 class TopApp(App[None]):
-    CSS_PATH = Path(__file__).with_name("top.tcss")
+    CSS = styles.CSS
     TITLE = "swarmctl top"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [

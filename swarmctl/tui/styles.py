@@ -1,5 +1,12 @@
-/* swarmctl top: summary and banner lines, nodes, the occupancy chart, then requests beside the rate. */
+"""The look of ``swarmctl top`` (Textual CSS).
 
+Kept in a Python module rather than a .tcss file beside the app: the package's build
+configuration ships Python files only, so a stylesheet file would be missing from a
+``pip install .`` and the app would not start.
+"""
+
+# Summary and banner lines, the nodes table, the occupancy chart, then requests beside the rate.
+CSS = """
 #summary {
     height: 1;
     padding: 0 1;
@@ -86,3 +93,4 @@ HelpScreen {
     background: $surface;
     padding: 0 1;
 }
+"""
