@@ -75,12 +75,14 @@ class GraphInputs:
 class SliceGraph:
     """A built graph with its ggml context. Free with ``close()``."""
 
-    def __init__(self, ctx: int, graph: int, inputs: GraphInputs, output: int, shape: GraphShape) -> None:
+    def __init__(self, ctx: int, graph: int, inputs: GraphInputs, output: int, shape: GraphShape,
+                 extra_outputs: dict[str, int] | None = None) -> None:
         self.ctx = ctx
         self.graph = graph
         self.inputs = inputs
         self.output = output  # F32 [n_embd or n_vocab, rows]
         self.shape = shape
+        self.extra_outputs = extra_outputs or {}  # a router segment: ffn_in, selected, weights
 
     def close(self) -> None:
         if self.ctx:
@@ -195,8 +197,15 @@ class GraphBuilder:
         """Mixture of experts (llama.cpp's build_moe_ffn with softmax gating and normalised
         weights, as llama-MoE and qwen3moe use it): the router picks the top-k experts per token,
         each runs its SwiGLU FFN (ggml_mul_mat_id), and the outputs are summed with the weights."""
-        s, ctx = self.spec, self.ctx
         n = ggml.tensor_shape(x)[1]  # rows: fewer than the batch's tokens after the last layer's row selection
+        selected, weights = self.route(w, x, il)
+        experts = self.experts(w, ggml.reshape_3d(self.ctx, x, self.spec.n_embd, 1, n), selected, il)  # [n_embd, k, n]
+        return self.combine_experts(experts, weights, n, il)
+
+    def route(self, w: LayerWeights, x: int, il: int) -> tuple[int, int]:
+        """The router: top-k experts per token (I32 [k, n]) and their normalised weights (F32 [1, k, n])."""
+        s, ctx = self.spec, self.ctx
+        n = ggml.tensor_shape(x)[1]
         k = s.n_expert_used
         logits = self.name(ggml.mul_mat(ctx, w.ffn_gate_inp, x), "ffn_moe_logits", il)  # [n_expert, n]
         probs = self.name(ggml.soft_max(ctx, logits), "ffn_moe_probs", il)
@@ -209,8 +218,7 @@ class GraphBuilder:
             weights = ggml.scale(ctx, weights, s.expert_weights_scale)
         self.name(weights, "ffn_moe_weights_norm", il)
         ggml.build_forward_expand(self.graph, weights)
-        experts = self.experts(w, ggml.reshape_3d(ctx, x, s.n_embd, 1, n), selected, il)  # [n_embd, k, n]
-        return self.combine_experts(experts, weights, n, il)
+        return selected, weights
 
     def experts(self, w: LayerWeights, x: int, selected: int, il: int) -> int:
         """Each token through its selected experts: [n_embd, 1|k, n] rows → [n_embd, k, n]."""
@@ -255,24 +263,23 @@ def _concat_rows(ctx: int, parts: list[int]) -> int:
 
 
 # --- one builder per architecture family: a transformer block, top to bottom ---
+# Each family writes its attention half; the FFN half (dense SwiGLU or mixture of experts, with
+# the residual) is shared, and a stage whose experts live on other nodes stops before it.
 
-def llama_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
-    """llama (SmolLM2, Llama 2/3, Mistral). qwen2 is the same block with Q/K/V biases and NEOX RoPE,
-    both of which come from the model's data (bias tensors, rope mode), so it shares this builder."""
+def llama_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
+    """llama (SmolLM2, Llama 2/3, Mistral, Mixtral). qwen2 is the same block with Q/K/V biases and
+    NEOX RoPE, both of which come from the model's data (bias tensors, rope mode)."""
     inp_sa = x
     cur = b.norm(x, w.attn_norm, "attn_norm", il)
     q, k, v = b.qkv(w, cur, il)
     q, k = b.rope(q, "Qcur", il), b.rope(k, "Kcur", il)
     cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
     cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
-    ffn_inp = b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
-    cur = b.ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
-    return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
+    return b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
 
 
-def qwen3_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
-    """qwen3 (and qwen3moe, whose FFNs are experts): llama's block plus a per-head RMSNorm on Q and
-    K before RoPE."""
+def qwen3_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
+    """qwen3 (and qwen3moe): llama's attention plus a per-head RMSNorm on Q and K before RoPE."""
     inp_sa = x
     cur = b.norm(x, w.attn_norm, "attn_norm", il)
     q, k, v = b.qkv(w, cur, il)
@@ -280,14 +287,21 @@ def qwen3_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     k = b.rope(b.norm(k, w.k_norm, "Kcur_normed", il), "Kcur", il)
     cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
     cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
-    ffn_inp = b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
+    return b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
+
+
+def ffn_block(b: GraphBuilder, w: LayerWeights, ffn_inp: int, il: int) -> int:
     cur = b.ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
     return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
 
 
-LayerBuilder = Callable[[GraphBuilder, LayerWeights, int, int], int]
-LAYER_BUILDERS: dict[str, LayerBuilder] = {"llama": llama_layer, "qwen2": llama_layer, "qwen3": qwen3_layer,
-                                           "qwen3moe": qwen3_layer}
+AttentionBuilder = Callable[[GraphBuilder, LayerWeights, int, int], int]
+ATTENTION_BUILDERS: dict[str, AttentionBuilder] = {"llama": llama_attention, "qwen2": llama_attention,
+                                                   "qwen3": qwen3_attention, "qwen3moe": qwen3_attention}
+
+
+def transformer_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
+    return ffn_block(b, w, ATTENTION_BUILDERS[b.spec.architecture](b, w, x, il), il)
 
 
 def graph_size_for(n_layers: int, n_requests: int, n_expert_used: int = 0) -> int:
@@ -311,9 +325,8 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
         cur = b.name(ggml.get_rows(ctx, weights.tok_embd, inputs.tokens), "inp_embd")
     else:
         cur = inputs.embd
-    layer = LAYER_BUILDERS[spec.architecture]
     for il in slice_spec.layers:
-        cur = layer(b, weights.layers[il], cur, il)
+        cur = transformer_layer(b, weights.layers[il], cur, il)
     if slice_spec.has_lm_head:
         if n_layers == 0 and inputs.out_ids is not None:  # a head-only slice selects rows itself
             cur = ggml.get_rows(ctx, cur, inputs.out_ids)
@@ -322,6 +335,29 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
     ggml.set_output(cur)
     ggml.build_forward_expand(graph, cur)
     return SliceGraph(ctx, graph, inputs, cur, shape)
+
+
+def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, caches: list[KVCache | None],
+                         shape: GraphShape, il: int) -> SliceGraph:
+    """One mixture-of-experts layer up to its router, for a stage whose experts live on other
+    nodes. Input: the layer's input activations. Outputs: ``output`` = the residual (ffn_inp),
+    and ``ffn_in`` (normed, what the experts take), ``selected`` (I32 [k, N] expert per slot) and
+    ``weights`` (F32 [1, k, N]), computed exactly as the whole-layer graph computes them."""
+    size = graph_size_for(1, len(shape.requests), spec.n_expert_used)
+    ctx = ggml.new_context(size + 16, graph_nodes=size)
+    graph = ggml.new_graph_custom(ctx, size, False)
+    inputs = _new_inputs(ctx, spec, SliceSpec(il, il + 1), shape)
+    b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
+    w = weights.layers[il]
+    ffn_inp = ATTENTION_BUILDERS[spec.architecture](b, w, inputs.embd, il)
+    ffn_in = b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il)
+    selected, routing = b.route(w, ffn_in, il)
+    # argsort_top_k is a strided view of the full ranking: copy it contiguous to read it out
+    outputs = {"ffn_in": ffn_in, "selected": ggml.cont(ctx, selected), "weights": routing}
+    for t in (ffn_inp, *outputs.values()):
+        ggml.set_output(t)
+        ggml.build_forward_expand(graph, t)
+    return SliceGraph(ctx, graph, inputs, ffn_inp, shape, outputs)
 
 
 def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> GraphInputs:

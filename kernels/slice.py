@@ -19,20 +19,22 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
 from . import ggml
 from .backend import Backend
-from .errors import ContextOverflowError, InputShapeError, RequestStateError
-from .graph import GraphShape, RequestShape, SliceGraph, build_slice_graph
+from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
+from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, pad_cells
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
 
 Outputs = Literal["last", "all"]
+# (layer, rows [N, n_embd] for the experts, selected [N, k] expert ids) → outputs [N, k, n_embd]
+RemoteExperts = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 DEFAULT_MAX_CONTEXT = 4096
 GRAPH_CACHE_SIZE = 16  # decode graphs kept per engine (a batch's composition changes as requests come and go)
 CACHED_GRAPH_MAX_TOKENS = 64  # graphs with more tokens than this (prompt chunks) are not kept
@@ -132,17 +134,26 @@ class _InputHost:
 
 class SliceEngine:
     def __init__(self, gguf: GGUFFile, slice_spec: SliceSpec, *, n_threads: int | None = None,
-                 max_context: int | None = None, owns_file: bool = False) -> None:
+                 max_context: int | None = None, owns_file: bool = False,
+                 remote_experts: RemoteExperts | None = None) -> None:
+        """``remote_experts``: the slice's MoE experts live on other nodes (expert parallelism);
+        the engine runs each layer up to its router, calls this for the experts' outputs, and
+        combines them itself. Called on the compute thread; it may block on the network."""
         self.gguf = gguf
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
         self.slice = slice_spec
+        self.remote_experts = remote_experts if self.spec.n_expert else None
+        if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head):
+            raise SliceRangeError("only a trunk slice (no embedding, no LM head) can use remote experts")
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
         self.backend = Backend(n_threads)
-        self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend)
+        self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
+                                    with_experts=self.remote_experts is None)
         self.stats = ForwardStats()
         self._owns_file = owns_file
         self._transient: tuple[SliceGraph, int] | None = None  # a prompt graph, freed after its one run
+        self._segments: OrderedDict[tuple, tuple[SliceGraph, _InputHost, int]] = OrderedDict()  # remote experts
         self._requests: dict[bytes, _Request] = {}
         # Each kept graph owns its allocator, placed once: ggml's gallocr never re-places a tensor that
         # already has data, so one allocator shared by graphs that take turns would leave the earlier
@@ -192,15 +203,20 @@ class SliceEngine:
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
         shape = self._shape_for(steps, requests, inputs)
-        graph, host, _ = self._graph_for(shape, requests)
-        try:
-            self._set_inputs(graph, host, inputs, [s.start_pos for s in steps])
+        if self.remote_experts is not None:
             t1 = time.perf_counter()
-            self.backend.compute(graph.graph)
+            outputs = self._forward_segmented(shape, requests, inputs, [s.start_pos for s in steps])
             t2 = time.perf_counter()
-            outputs = self._read_outputs(graph, host)
-        finally:
-            self._free_transient()
+        else:
+            graph, host, _ = self._graph_for(shape, requests)
+            try:
+                self._set_inputs(graph, host, inputs, [s.start_pos for s in steps])
+                t1 = time.perf_counter()
+                self.backend.compute(graph.graph)
+                t2 = time.perf_counter()
+                outputs = self._read_outputs(graph, host)
+            finally:
+                self._free_transient()
         for step, request, x in zip(steps, requests, inputs):
             request.n_filled = step.start_pos + len(x)
             if request.kv is not None:
@@ -238,6 +254,10 @@ class SliceEngine:
             return False
         for shape in [s for s in self._graphs if key in s.request_ids]:
             self._drop_graph(shape)
+        for seg in [k for k in self._segments if key in k[0].request_ids]:
+            graph, _, galloc = self._segments.pop(seg)
+            ggml.gallocr_free(galloc)
+            graph.close()
         if request.kv is not None:
             request.kv.close()
         return True
@@ -316,6 +336,62 @@ class SliceEngine:
             self._transient = (graph, galloc)
         return graph, host, keep
 
+    def _forward_segmented(self, shape: GraphShape, requests: list[_Request], inputs: list[np.ndarray],
+                           starts: list[int]) -> list[np.ndarray]:
+        """Layer by layer, for remote experts: each MoE layer runs to its router here, the experts
+        run elsewhere, and their outputs are weighted and added here in slot order with float32
+        arithmetic, the same operations the whole-layer graph performs, so the bits match."""
+        x = inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
+        k = self.spec.n_expert_used
+        for il in self.slice.layers:
+            moe = self.weights.layers[il].is_moe
+            graph, host = self._segment_for(shape, requests, il, moe)
+            ggml.backend_tensor_set(graph.inputs.embd, x.ctypes.data, 0, x.nbytes)
+            host.fill(starts)
+            host.upload()
+            self.backend.compute(graph.graph)
+            residual = _read(graph.output, (shape.n_tokens, self.spec.n_embd), np.float32)
+            if not moe:
+                x = residual
+                continue
+            ffn_in = _read(graph.extra_outputs["ffn_in"], (shape.n_tokens, self.spec.n_embd), np.float32)
+            selected = _read(graph.extra_outputs["selected"], (shape.n_tokens, k), np.int32)
+            weights = _read(graph.extra_outputs["weights"], (shape.n_tokens, k), np.float32)
+            experts = np.asarray(self.remote_experts(il, ffn_in, selected), dtype=np.float32)
+            if experts.shape != (shape.n_tokens, k, self.spec.n_embd):
+                raise InputShapeError(f"expert outputs of shape {list(experts.shape)} do not fit")
+            weighted = experts * weights[:, :, None]  # ggml_mul(experts, weights)
+            out = weighted[:, 0]
+            for slot in range(1, k):
+                out = out + weighted[:, slot]  # the views added in slot order
+            x = np.ascontiguousarray(out + residual, dtype=np.float32)  # l_out = moe_out + ffn_inp
+        bounds = np.cumsum([0] + [r.n_tokens for r in shape.requests])
+        return [x[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def _segment_for(self, shape: GraphShape, requests: list[_Request], il: int,
+                     moe: bool) -> tuple[SliceGraph, _InputHost]:
+        key = (shape, il)
+        entry = self._segments.get(key)
+        if entry is None:
+            caches = [r.kv for r in requests]
+            if moe:
+                graph = build_router_segment(self.spec, self.slice, self.weights, caches, shape, il)
+            else:
+                graph = build_slice_graph(self.spec, SliceSpec(il, il + 1), self.weights, caches, shape)
+            host = _InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches], self._output_rows(shape))
+            galloc = ggml.gallocr_new(self.backend.buffer_type())
+            if not ggml.gallocr_alloc_graph(galloc, graph.graph):
+                raise MemoryError("cannot allocate the compute graph")
+            entry = self._segments[key] = (graph, host, galloc)
+            self.stats.graph_builds += 1
+            while len(self._segments) > GRAPH_CACHE_SIZE * max(1, len(self.slice.layers)):
+                old_graph, _, old_galloc = self._segments.pop(next(iter(self._segments)))
+                ggml.gallocr_free(old_galloc)
+                old_graph.close()
+        else:
+            self._segments.move_to_end(key)
+        return entry[0], entry[1]
+
     @staticmethod
     def _output_rows(shape: GraphShape) -> np.ndarray:
         """Stacked row index of every output row (the last row of a request keeping one)."""
@@ -357,6 +433,10 @@ class SliceEngine:
             self.release(key)
         for shape in list(self._graphs):
             self._drop_graph(shape)
+        for graph, _, galloc in self._segments.values():
+            ggml.gallocr_free(galloc)
+            graph.close()
+        self._segments.clear()
         self._free_transient()
         self.weights.close()
         self.backend.close()
@@ -368,3 +448,9 @@ class SliceEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    out = np.empty(shape, dtype=dtype)
+    ggml.backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+    return out

@@ -38,6 +38,7 @@ _LAYER_TENSOR_NAMES = {
     "ffn_down_exps": "ffn_down_exps.weight",
 }
 _REQUIRED_DENSE = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_EXPERT_FIELDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _REQUIRED_MOE = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps",
                  "ffn_up_exps", "ffn_down_exps")
 
@@ -74,8 +75,12 @@ class LayerWeights:
 class SliceWeights:
     """The ggml tensors of one slice. Context manager: frees the ggml context and buffer."""
 
-    def __init__(self, gguf: GGUFFile, spec: ModelSpec, slice_spec: SliceSpec, backend: Backend) -> None:
+    def __init__(self, gguf: GGUFFile, spec: ModelSpec, slice_spec: SliceSpec, backend: Backend, *,
+                 with_experts: bool = True) -> None:
+        """``with_experts=False``: a stage whose experts live on other nodes maps the router but not
+        the experts' weights (usually most of a MoE layer's bytes)."""
         slice_spec.check(spec)
+        self.with_experts = with_experts
         self.slice = slice_spec
         self.layers: dict[int, LayerWeights] = {}
         self.tok_embd: int | None = None  # [n_embd, n_vocab]
@@ -108,12 +113,16 @@ class SliceWeights:
                 if name in gguf.tensors:
                     names[(field_name, il)] = name
             required = _REQUIRED_MOE if (("ffn_gate_inp", il) in names) else _REQUIRED_DENSE
+            _check_layer_shapes(gguf, spec, il, {f: n for (f, l), n in names.items() if l == il})
+            if not self.with_experts:
+                for field_name in _EXPERT_FIELDS:
+                    names.pop((field_name, il), None)
+                required = tuple(f for f in required if f not in _EXPERT_FIELDS)
             for field_name in required:
                 if (field_name, il) not in names:
                     raise UnsupportedModelError(
                         f"tensor blk.{il}.{_LAYER_TENSOR_NAMES[field_name]} is missing from the model"
                     )
-            _check_layer_shapes(gguf, spec, il, {f: n for (f, l), n in names.items() if l == il})
         if s.stop > s.start and "rope_freqs.weight" in gguf.tensors:
             names[("rope_freqs", -1)] = "rope_freqs.weight"
         if s.has_embedding:

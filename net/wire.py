@@ -234,3 +234,59 @@ def decode_control(body: bytes) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise WireError("control message is not a JSON object with a string 'type'")
     return message
+
+
+# --- expert calls (expert parallelism): a stage sends rows to the node holding their experts ---
+
+_EXPERT_HEADER = struct.Struct(">BIII")  # kind, layer, rows, width
+
+
+class ExpertCallKind(enum.IntEnum):
+    REQUEST = 1  # ids int32[rows], then data f32[rows, width]
+    REPLY = 2  # data f32[rows, width]
+    ERROR = 3  # a UTF-8 message
+
+
+@dataclass
+class ExpertCall:
+    kind: ExpertCallKind
+    layer: int
+    data: np.ndarray  # [rows, width] float32 (empty for ERROR)
+    expert_ids: np.ndarray | None = None  # int32 [rows], REQUEST only
+    message: str = ""
+
+
+def encode_expert_call(call: ExpertCall, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    if call.kind == ExpertCallKind.ERROR:
+        body = _EXPERT_HEADER.pack(call.kind, call.layer, 0, 0) + call.message.encode("utf-8")
+        return encode_frame(FrameType.DATA, body, max_frame)
+    data = np.ascontiguousarray(call.data, dtype="<f4")
+    rows, width = data.shape
+    parts = [_EXPERT_HEADER.pack(call.kind, call.layer, rows, width)]
+    if call.kind == ExpertCallKind.REQUEST:
+        ids = np.ascontiguousarray(call.expert_ids, dtype="<i4").reshape(-1)
+        if ids.size != rows:
+            raise WireError("an expert call needs one expert id per row")
+        parts.append(ids.tobytes())
+    parts.append(data.tobytes())
+    return encode_frame(FrameType.DATA, b"".join(parts), max_frame)
+
+
+def decode_expert_call(body: bytes) -> ExpertCall:
+    if len(body) < _EXPERT_HEADER.size:
+        raise WireError("expert call shorter than its header")
+    kind, layer, rows, width = _EXPERT_HEADER.unpack_from(body)
+    if kind not in ExpertCallKind._value2member_map_:
+        raise WireError(f"unknown expert call kind {kind}")
+    kind = ExpertCallKind(kind)
+    rest = body[_EXPERT_HEADER.size:]
+    if kind == ExpertCallKind.ERROR:
+        return ExpertCall(kind, layer, np.empty((0, 0), np.float32), None, rest.decode("utf-8", errors="replace")[:500])
+    ids = None
+    if kind == ExpertCallKind.REQUEST:
+        if len(rest) < 4 * rows:
+            raise WireError("expert call ends inside its expert ids")
+        ids, rest = np.frombuffer(rest[:4 * rows], dtype="<i4"), rest[4 * rows:]
+    if len(rest) != 4 * rows * width or rows == 0:
+        raise WireError(f"expert call data has {len(rest)} bytes; [{rows}, {width}] f32 needs {4 * rows * width}")
+    return ExpertCall(kind, layer, np.frombuffer(rest, dtype="<f4").reshape(rows, width), ids)

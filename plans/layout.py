@@ -23,6 +23,9 @@ class ModelLayout:
     embedding_bytes: int
     lm_head_bytes: int  # output norm + output matrix (the embedding again when tied)
     n_vocab: int = 0
+    expert_bytes: tuple[int, ...] = ()  # MoE models: bytes of each layer's experts (part of layer_bytes)
+    n_expert: int = 0
+    n_expert_used: int = 0
 
     @property
     def activation_bytes_per_token(self) -> int:
@@ -43,18 +46,23 @@ class ModelLayout:
 
         with GGUFFile(path) as gguf:
             spec = ModelSpec.from_gguf(gguf)
-            flops = [0] * spec.n_layer
+            flops, experts = [0] * spec.n_layer, [0] * spec.n_layer
             for info in gguf.tensors.values():
                 il = layer_of(info.name)
                 if il is not None and il < spec.n_layer and len(info.shape) >= 2:
                     n = 1
                     for d in info.shape:
                         n *= d
+                    if "_exps." in info.name:  # a token runs through only the experts its router picks
+                        experts[il] += info.n_bytes
+                        n = n * spec.n_expert_used // max(1, spec.n_expert)
                     flops[il] += 2 * n
             return cls(name=gguf.path.name, n_layer=spec.n_layer, n_embd=spec.n_embd,
                        layer_bytes=spec.layer_bytes, layer_flops=tuple(flops),
                        kv_bytes_per_token_per_layer=spec.kv_bytes_per_token_per_layer,
-                       embedding_bytes=spec.embedding_bytes, lm_head_bytes=spec.lm_head_bytes, n_vocab=spec.n_vocab)
+                       embedding_bytes=spec.embedding_bytes, lm_head_bytes=spec.lm_head_bytes, n_vocab=spec.n_vocab,
+                       expert_bytes=tuple(experts) if spec.n_expert else (), n_expert=spec.n_expert,
+                       n_expert_used=spec.n_expert_used)
 
     @classmethod
     def from_dimensions(cls, name: str, *, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,

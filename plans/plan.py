@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from kernels.errors import EngineError
+
 
 @dataclass
 class StageAssignment:
@@ -16,6 +18,21 @@ class StageAssignment:
     compute_ms: float = 0.0  # expected per token
     memory_used: int = 0  # bytes: weights + KV for the planned context × concurrency
     memory_free: int = 0
+
+
+@dataclass
+class ExpertAssignment:
+    """Expert parallelism: ``member`` holds experts [start, stop) of every MoE trunk layer."""
+
+    member: str
+    address: str
+    start: int
+    stop: int
+    ready: bool = False
+
+
+class PlanError(EngineError):
+    """A plan that cannot run as written: the swarm cannot hold the model, or experts nobody holds."""
 
 
 @dataclass
@@ -33,6 +50,8 @@ class Plan:
     expected_tokens_per_s: float = 0.0  # pipelined bound
     bottleneck: str = ""
     warnings: list[str] = field(default_factory=list)
+    experts: list[ExpertAssignment] = field(default_factory=list)  # empty: stages run their own experts
+    n_expert: int = 0
 
     @property
     def trunk_range(self) -> tuple[int, int]:
@@ -40,14 +59,35 @@ class Plan:
 
     @property
     def complete(self) -> bool:
-        """Every trunk layer is assigned, contiguously, to a stage that is ready."""
+        """Every trunk layer is assigned, contiguously, to a stage that is ready (and, with expert
+        parallelism, every expert to a ready expert node)."""
         start, stop = self.trunk_range
         cursor = start
         for stage in self.stages:
             if stage.start != cursor or not stage.ready:
                 return False
             cursor = stage.stop
-        return cursor == stop
+        return cursor == stop and all(e.ready for e in self.experts)
+
+    def check_experts(self) -> None:
+        """Refuse a placement that leaves an expert unplaced or places one twice, before anything runs."""
+        if not self.experts:
+            return
+        held = [0] * self.n_expert
+        for e in self.experts:
+            if not 0 <= e.start < e.stop <= self.n_expert:
+                raise PlanError(f"{e.member} is given experts [{e.start}, {e.stop}) of a model with {self.n_expert}")
+            for i in range(e.start, e.stop):
+                held[i] += 1
+        missing = [i for i, n in enumerate(held) if n == 0]
+        twice = [i for i, n in enumerate(held) if n > 1]
+        if missing:
+            raise PlanError(f"the plan leaves experts {_ranges(missing)} unplaced")
+        if twice:
+            raise PlanError(f"the plan places experts {_ranges(twice)} on more than one node")
+
+    def expert_for(self, member: str) -> ExpertAssignment | None:
+        return next((e for e in self.experts if e.member == member), None)
 
     def stage_for(self, member: str) -> StageAssignment | None:
         return next((s for s in self.stages if s.member == member), None)
@@ -97,7 +137,18 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         stages = [StageAssignment(**s) for s in d.get("stages", [])]
-        return cls(**{**d, "stages": stages})
+        experts = [ExpertAssignment(**e) for e in d.get("experts", [])]
+        return cls(**{**d, "stages": stages, "experts": experts})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _ranges(indices: list[int]) -> str:
+    spans, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"[{start}, {prev + 1})")
+            start = cur
+    return ", ".join(spans)
+

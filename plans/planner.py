@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
-
-from kernels.errors import EngineError
+from dataclasses import dataclass, field, replace
 
 from .layout import ModelLayout
+from .plan import ExpertAssignment, PlanError
 from .nodes import ASKER, NodeDescriptor, link_between
 
 EXACT_NODES = 10
 GB = 1e9
-
-
-class PlanError(EngineError):
-    """The swarm cannot run the model as asked; the message says what is missing."""
 
 
 @dataclass(frozen=True)
@@ -317,3 +312,49 @@ def _best_paths(names: list[str], link_ms) -> dict[int, tuple[float, list[str]]]
             j, m = dp[(m, j)][1], m & ~(1 << j)
         paths[mask] = (cost, order[::-1])
     return paths
+
+
+@dataclass
+class ExpertPlacement:
+    """Expert parallelism: which nodes hold which experts, and what is left for the stages."""
+
+    stage_nodes: list[NodeDescriptor]
+    experts: list[ExpertAssignment]  # (member, address, [start, stop)) of every trunk MoE layer
+    stage_layout: ModelLayout  # the model as the stages see it: their layers without the experts
+    warnings: list[str] = field(default_factory=list)
+
+
+def place_experts(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constraints,
+                  n_expert_nodes: int) -> ExpertPlacement:
+    """Pick ``n_expert_nodes`` nodes to hold the experts of every trunk MoE layer, in contiguous
+    ranges in proportion to their memory; the others run attention and the routers as stages.
+
+    Expert nodes are the ones with the most memory (the experts are most of an MoE model's bytes),
+    ties broken by name so the choice does not depend on who registered first. With too few nodes,
+    or a dense model, nothing is placed and the stages hold their own experts."""
+    if not n_expert_nodes or not layout.n_expert:
+        return ExpertPlacement(nodes, [], layout)
+    if len(nodes) <= n_expert_nodes:
+        return ExpertPlacement(nodes, [], layout, [f"expert parallelism waits for {n_expert_nodes + 1} trunks "
+                                                   f"({len(nodes)} so far): the stages hold their own experts"])
+    k = min(n_expert_nodes, layout.n_expert)
+    chosen = sorted(sorted(nodes, key=lambda n: (-n.memory_bytes, n.name))[:k], key=lambda n: n.name)
+    start, stop = constraints.head_layers, layout.n_layer - constraints.head_layers
+    experts_bytes = sum(layout.expert_bytes[start:stop])
+    weights = [max(1, n.memory_bytes) for n in chosen]
+    bounds, acc = [0], 0
+    for i, w in enumerate(weights[:-1]):  # cumulative memory share, at least one expert each
+        acc += w
+        cut = round(layout.n_expert * acc / sum(weights))
+        bounds.append(min(max(cut, bounds[-1] + 1), layout.n_expert - (k - 1 - i)))
+    bounds.append(layout.n_expert)
+    experts = []
+    for node, lo, hi in zip(chosen, bounds, bounds[1:]):
+        need = experts_bytes * (hi - lo) // layout.n_expert
+        if need > node.memory_bytes - constraints.reserve_bytes:
+            raise PlanError(f"{node.name} cannot hold experts [{lo}, {hi}): {need / GB:.2f} GB of weights, "
+                            f"{max(0, node.memory_bytes - constraints.reserve_bytes) / GB:.2f} GB offered")
+        experts.append(ExpertAssignment(node.name, node.address, lo, hi))
+    stage_layout = replace(layout, layer_bytes=tuple(b - e for b, e in zip(layout.layer_bytes, layout.expert_bytes)))
+    chosen_names = {n.name for n in chosen}
+    return ExpertPlacement([n for n in nodes if n.name not in chosen_names], experts, stage_layout)

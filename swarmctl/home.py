@@ -65,6 +65,7 @@ class NodeConfig:
     plan_context: int = 4096  # host only: KV room per request each stage must hold ...
     plan_concurrent: int = 4  # ... for this many requests at once
     plan_max_stages: int = 0  # host only: 0 = any number; more trunks than this stand by
+    expert_nodes: int = 0  # host only, MoE models: trunks that hold experts instead of layers
 
 
 @dataclass

@@ -39,8 +39,8 @@ from net.tls import ALPN_JOIN
 from net.wire import Frame, FrameType, WireError, decode_control, encode_control
 from plans.layout import ModelLayout
 from plans.nodes import ASKER, Link, NodeDescriptor
-from plans.plan import Plan
-from plans.planner import Constraints, PlanError, plan_layers
+from plans.plan import ExpertAssignment, Plan
+from plans.planner import Constraints, PlanError, place_experts, plan_layers
 from swarmctl.distribution import build_manifest, serve_slice
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, admit
@@ -82,7 +82,7 @@ class HostService:
                          head_layers=self.config.head_layers, layer_hashes=hashes,
                          revoked_serials=sorted(home.revoked_serials()),
                          model_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
-                         objective=self.config.objective)
+                         objective=self.config.objective, n_expert=spec.n_expert)
         self.constraints = Constraints(self.config.head_layers, self.config.plan_context,
                                        self.config.plan_concurrent, self.config.objective,
                                        max_stages=self.config.plan_max_stages)
@@ -279,10 +279,11 @@ class HostService:
         self._reply(conn, stream_id, {"type": "nodes", "nodes": nodes}, end=True)
 
     def _ready(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
-        stage = self.plan.stage_for(conn.peer_name)
+        stage = self.plan.stage_for(conn.peer_name) or self.plan.expert_for(conn.peer_name)
         if stage is not None and int(message["plan_version"]) == self.plan.version and not stage.ready:
             stage.ready = True
-            log.info("trunk %s ready with layers [%d, %d)", conn.peer_name, stage.start, stage.stop)
+            what = "experts" if self.plan.expert_for(conn.peer_name) else "layers"
+            log.info("trunk %s ready with %s [%d, %d)", conn.peer_name, what, stage.start, stage.stop)
             self._push_plan()
         self._reply(conn, stream_id, {"type": "ok"}, end=True)
 
@@ -331,8 +332,11 @@ class HostService:
 
     def _replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
         nodes = self._descriptors()
+        experts: list[ExpertAssignment] = []
         try:
-            proposal = plan_layers(self.layout, nodes, self.constraints) if nodes else None
+            placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
+            nodes, experts = placement.stage_nodes, placement.experts
+            proposal = plan_layers(placement.stage_layout, nodes, self.constraints) if nodes else None
         except PlanError as e:
             proposal = None
             log.warning("cannot plan: %s", e)
@@ -344,10 +348,20 @@ class HostService:
                 self.plan.stages = []
         else:
             changed = self.plan.apply(proposal, {n.name: n.address for n in nodes})
+            self.plan.warnings += placement.warnings
+        if [(e.member, e.start, e.stop) for e in experts] != [(e.member, e.start, e.stop) for e in self.plan.experts]:
+            if not changed:
+                self.plan.version += 1
+                for s in self.plan.stages:
+                    s.ready = False
+            self.plan.experts = experts
+            self.plan.check_experts()
+            changed = True
         if changed:
             self._save_plan_version()
-            log.info("plan v%d: %s%s", self.plan.version,
+            log.info("plan v%d: %s%s%s", self.plan.version,
                      ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages) or "no trunks",
+                     "".join(f"; experts {e.member}[{e.start},{e.stop})" for e in self.plan.experts),
                      "".join(f"; {w}" for w in self.plan.warnings))
             self._push_plan()
         elif force_push:
@@ -369,6 +383,7 @@ class HostService:
         members = []
         for name, record in sorted(self.home.members().items()):
             stage = self.plan.stage_for(name)
+            expert = self.plan.expert_for(name)
             trunk = self.trunks.get(name)
             if record.revoked:
                 health = "revoked"
@@ -378,12 +393,15 @@ class HostService:
                 health = f"refused: {trunk.refused}"
             elif stage is not None:
                 health = "ready" if stage.ready else "loading"
+            elif expert is not None:
+                health = "ready" if expert.ready else "loading"
             else:
                 health = "up" if name in self.online else "down"
             members.append({"name": name, "role": "host" if name == self.config.name else
                             ("trunk" if trunk is not None else "member"),
                             "address": str(self.address) if name == self.config.name else (trunk.listen if trunk else ""),
                             "layers": [stage.start, stage.stop] if stage else None,
+                            "experts": [expert.start, expert.stop] if expert else None,
                             "memory": trunk.memory if trunk else None, "health": health,
                             "ms_per_layer_token": trunk.ms_per_layer_token if trunk else None,
                             "slice_bytes_sent": trunk.served_bytes if trunk else 0})

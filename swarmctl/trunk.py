@@ -20,15 +20,17 @@ from typing import Callable
 import numpy as np
 
 from kernels.errors import EngineError, RequestStateError
+from kernels.experts import ExpertEngine, rows_for
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import verify_member
 from net.protocol import SwarmProtocol
-from net.wire import (ActivationPacket, DType, Frame, FrameType, Hop, PacketKind, WireError, decode_control,
-                      decode_packet, encode_control, encode_packet)
-from plans.plan import Plan, StageAssignment
+from net.wire import (ActivationPacket, DType, ExpertCall, ExpertCallKind, Frame, FrameType, Hop, PacketKind,
+                      WireError, decode_control, decode_expert_call, decode_packet, encode_control,
+                      encode_expert_call, encode_packet)
+from plans.plan import Plan, PlanError, StageAssignment
 from swarmctl.batching import BatchRunner, EngineClosedError, compute_thread
 from swarmctl.home import SwarmHome
 from swarmctl.models import resolve_model
@@ -38,6 +40,10 @@ log = logging.getLogger("swarmctl.trunk")
 SEND_BACKLOG = 8 * 1024 * 1024  # bytes unacknowledged per stream before a sender waits
 PING_INTERVAL = 1.0  # the host marks a trunk down after a few silent seconds
 RECONNECT_INTERVAL = 2.0
+
+
+class RemoteExpertError(EngineError):
+    """An expert node failed a call; the request can be replayed once the plan moves on."""
 
 
 @dataclass
@@ -95,6 +101,7 @@ class TrunkService:
         self.rtt_ms: float | None = None
         self.fetched_bytes = 0
         self._fetch_frames: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.memory = memory or available_memory()
         self.n_threads = n_threads
         self.idle_timeout = idle_timeout
@@ -105,6 +112,11 @@ class TrunkService:
         self.stage: StageAssignment | None = None
         self.engine: SliceEngine | None = None
         self.runner: BatchRunner | None = None  # batches the engine's steps (continuous batching)
+        self.experts: ExpertEngine | None = None  # when the plan makes this trunk an expert node
+        self.expert_conns: dict[str, SwarmProtocol] = {}  # a stage's links to the expert nodes
+        self.expert_rows_served = 0
+        self.expert_call_bytes = 0  # expert calls sent and answered (a stage) or served (an expert node)
+        self.activation_bytes_sent = 0
         self.gguf: GGUFFile | None = None
         self.routes: dict[bytes, Route] = {}
         self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # asker name → results stream
@@ -127,6 +139,7 @@ class TrunkService:
     # --- lifecycle ---
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
         if self.model_path.exists():
             loop = asyncio.get_running_loop()
             self.ms_per_layer_token = await loop.run_in_executor(self._executor, self._measure_speed)
@@ -208,24 +221,129 @@ class TrunkService:
             log.error("host: %s", message.get("message"))
 
     def _apply_plan(self, plan: Plan) -> None:
+        try:
+            plan.check_experts()  # a placement that leaves experts unplaced is refused before anything runs
+        except PlanError as e:
+            log.error("refusing plan v%d: %s", plan.version, e)
+            return
         self.plan = plan
         revoked = set(plan.revoked_serials)
         for conn in {r.in_conn for r in self.routes.values()} | {c for c, _ in self.subscribers.values()}:
             if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
                 conn.close_with("membership revoked")
         stage = plan.stage_for(self.name)
+        expert = plan.expert_for(self.name)
+        if self._loading is not None and not self._loading.done():
+            return  # the load in progress re-reads the plan when it finishes
+        if expert is not None:
+            self._loading = asyncio.ensure_future(self._load_experts(expert))
+            return
         if stage is None:
             if self.stage is not None:
                 log.info("plan v%d gives this trunk no layers", plan.version)
             self.stage = None
             return
-        if self._loading is not None and not self._loading.done():
-            return  # the load in progress re-reads the plan when it finishes
         self._loading = asyncio.ensure_future(self._load(stage))
+
+    async def _load_experts(self, expert) -> None:
+        """Expert parallelism: hold experts [start, stop) of every MoE trunk layer, serve calls."""
+        loop = asyncio.get_running_loop()
+        start, stop = self.plan.trunk_range
+        held = self.experts is not None and (self.experts.first, self.experts.last, self.experts.layers) == \
+            (expert.start, expert.stop, range(start, stop))
+        if not held:
+            self._drop_all_routes("the plan changed")
+            if self.runner is not None:
+                await self.runner.aclose("this trunk now serves experts")
+            await loop.run_in_executor(self._executor, self._unload)
+            self.stage = None
+            try:
+                model = self.model_path
+                if not model.exists():
+                    raise EngineError("an expert node needs the model file (expert slices are not fetched yet)")
+                await loop.run_in_executor(self._executor, self._load_expert_engine, model, range(start, stop),
+                                           expert.start, expert.stop)
+            except EngineError as e:
+                log.error("%s", e)
+                await self._tell_host({"type": "refuse", "reason": str(e)})
+                return
+        latest = self.plan.expert_for(self.name)
+        if latest is None or (latest.start, latest.stop) != (expert.start, expert.stop):
+            self._apply_plan(self.plan)
+            return
+        if self._ready_sent != (self.plan.version, -expert.start - 1, expert.stop):
+            self._ready_sent = (self.plan.version, -expert.start - 1, expert.stop)
+            await self._tell_host({"type": "ready", "plan_version": self.plan.version})
+            log.info("serving experts [%d, %d) of layers [%d, %d) under plan v%d", expert.start, expert.stop,
+                     start, stop, self.plan.version)
+
+    def _load_expert_engine(self, model: Path, layers: range, first: int, last: int) -> None:
+        gguf = GGUFFile(model)
+        try:
+            mismatched = [i for i in layers if gguf.layer_hash(i) != self.plan.layer_hashes[i]]
+            if mismatched:
+                raise EngineError(f"this trunk's copy of the model ({model.name}) differs from the host's in layers "
+                                  f"{mismatched[0]}..{mismatched[-1]}; refusing to serve them")
+            self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads)
+            self.gguf = gguf
+        except BaseException:
+            gguf.close()
+            raise
+
+    def _remote_experts(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
+        """On the compute thread, for a stage whose experts live elsewhere: send each expert node
+        the rows routed to its experts (concurrently, over the event loop) and gather the outputs."""
+        future = asyncio.run_coroutine_threadsafe(self._call_experts(layer, x, selected), self._loop)
+        try:
+            return future.result(timeout=60)
+        except (ConnectionError, OSError, asyncio.TimeoutError, TimeoutError) as e:
+            raise RemoteExpertError(f"an expert node did not answer: {e}") from None
+
+    async def _call_experts(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], selected.shape[1], x.shape[1]), dtype=np.float32)
+
+        async def ask(assignment) -> None:
+            rows, slots = rows_for(selected, assignment.start, assignment.stop)
+            if rows.size == 0:
+                return
+            conn = self.expert_conns.get(assignment.member)
+            if conn is None or not conn.is_open:
+                conn = await connect_member(Address.parse(assignment.address), self.creds, assignment.member, self)
+                self.expert_conns[assignment.member] = conn
+            request = encode_expert_call(ExpertCall(ExpertCallKind.REQUEST, layer, x[rows], selected[rows, slots]))
+            reply_frame = await conn.request(request, timeout=30)
+            reply = decode_expert_call(reply_frame.body)
+            if reply.kind != ExpertCallKind.REPLY or reply.data.shape != (rows.size, x.shape[1]):
+                raise RemoteExpertError(f"expert node {assignment.member}: {reply.message or 'a malformed reply'}")
+            out[rows, slots] = reply.data
+            self.expert_call_bytes += len(request) + len(reply_frame.body)
+
+        await asyncio.gather(*(ask(a) for a in self.plan.experts))
+        return out
+
+    async def _serve_expert_call(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        try:
+            call = decode_expert_call(frame.body)
+            if call.kind != ExpertCallKind.REQUEST or self.experts is None:
+                raise EngineError("this trunk is not serving experts" if self.experts is None else "not a request")
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, self.experts.forward, call.layer, call.data,
+                                                call.expert_ids)
+            reply = encode_expert_call(ExpertCall(ExpertCallKind.REPLY, call.layer, result))
+            self.expert_rows_served += result.shape[0]
+            self.expert_call_bytes += len(frame.body) + len(reply)
+        except (EngineError, WireError) as e:
+            log.warning("expert call from %s refused: %s", conn.peer_name, e)
+            reply = encode_expert_call(ExpertCall(ExpertCallKind.ERROR, 0, np.empty((0, 0), np.float32), None, str(e)))
+        if conn.is_open:
+            conn.send(stream_id, reply, end=True)
 
     async def _load(self, stage: StageAssignment) -> None:
         loop = asyncio.get_running_loop()
-        same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == (stage.start, stage.stop)
+        self._loop = loop
+        mode = bool(self.plan.experts)  # experts elsewhere?
+        same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
+            (stage.start, stage.stop) and (self.engine.remote_experts is not None) == mode
         if not same:
             self._drop_all_routes("the plan changed")
             if self.runner is not None:
@@ -291,7 +409,8 @@ class TrunkService:
                 raise EngineError(f"this trunk's copy of the model ({model.name}) differs from the "
                                   f"host's ({self.plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
                                   "refusing to serve them")
-            self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads)
+            self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                                      remote_experts=self._remote_experts if self.plan.experts else None)
             self.runner = BatchRunner(self.engine)
             self.gguf = gguf
         except BaseException:
@@ -324,6 +443,9 @@ class TrunkService:
             return measure_ms_per_layer(gguf, n_threads=self.n_threads, layer=stage.start)
 
     def _unload(self) -> None:
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -370,6 +492,9 @@ class TrunkService:
         self._capture("recv", frame)
         if frame.type == FrameType.CONTROL:
             self._control(conn, stream_id, frame)
+            return
+        if frame.type == FrameType.DATA:  # an expert call (expert parallelism)
+            self._spawn(self._serve_expert_call(conn, stream_id, frame))
             return
         try:
             packet = decode_packet(frame.body)
@@ -436,6 +561,10 @@ class TrunkService:
             "largest_batch": runner.stats.largest_batch if runner else 0,
             "tensor_bytes": engine.weights.n_bytes if engine else 0, "peak_kv_bytes": self.peak_kv_bytes,
             "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"), "fetched_bytes": self.fetched_bytes,
+            "role": "experts" if self.experts else ("stage" if self.stage else "idle"),
+            "expert_range": [self.experts.first, self.experts.last] if self.experts else None,
+            "expert_rows_served": self.expert_rows_served, "expert_call_bytes": self.expert_call_bytes,
+            "activation_bytes_sent": self.activation_bytes_sent,
             "ms_per_layer_token": self.ms_per_layer_token,
         }
 
@@ -473,7 +602,8 @@ class TrunkService:
                                                          hidden=np.asarray(packet.data, dtype=np.float32)))
             except EngineError as e:
                 # A request this stage lost (it restarted, or is reloading) can be replayed from the start.
-                self._refuse(conn, stream_id, rid, str(e), retry=isinstance(e, (RequestStateError, EngineClosedError)))
+                self._refuse(conn, stream_id, rid, str(e),
+                             retry=isinstance(e, (RequestStateError, EngineClosedError, RemoteExpertError)))
                 return
             self.routes[rid] = route
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)
@@ -588,6 +718,7 @@ class TrunkService:
     def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
         if conn.is_open:
             data = encode_packet(packet)
+            self.activation_bytes_sent += len(data)
             self._capture("send", Frame(FrameType.ACTIVATION, data[5:]))
             conn.send(stream_id, data)
 

@@ -3,6 +3,7 @@ set up only through the CLI (init / invite / join / run), talking QUIC with mTLS
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,6 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from net.endpoint import Address, close, connect_member
+from net.protocol import RequestOnlyHandler
+from net.wire import decode_control, encode_control
+from swarmctl.home import SwarmHome
 from swarmctl.local_swarm import free_udp_port
 
 
@@ -73,9 +78,10 @@ class Swarm:
     def invite(self, *args: str) -> str:
         return swarmctl(self.host_home, "invite", *args, check=True).stdout.strip()
 
-    def join(self, name: str) -> Path:
+    def join(self, name: str, *extra: str) -> Path:
         home = self.root / name
-        swarmctl(home, "join", self.invite(), "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", check=True)
+        swarmctl(home, "join", self.invite(), "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", *extra,
+                 check=True)
         self.homes[name] = home
         return home
 
@@ -97,6 +103,20 @@ class Swarm:
     def status(self) -> dict:
         r = swarmctl(self.host_home, "status", "--json")
         return json.loads(r.stdout) if r.returncode == 0 else {}
+
+    def stats_of(self, name: str, via: str = "asker") -> dict:
+        """A trunk's own figures (its "stats" control reply), asked over mTLS as member ``via``."""
+        creds = SwarmHome(self.homes[via]).credentials()
+        member = next(m for m in self.status()["members"] if m["name"] == name)
+
+        async def fetch() -> dict:
+            conn = await connect_member(Address.parse(member["address"]), creds, name, RequestOnlyHandler())
+            try:
+                return decode_control((await conn.request(encode_control({"type": "stats"}))).body)
+            finally:
+                await close(conn)
+
+        return asyncio.run(fetch())
 
     def wait_host(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

@@ -4,7 +4,6 @@ third trunk joining re-plans without leaving any request hanging."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -12,13 +11,9 @@ import time
 
 import pytest
 
-from net.endpoint import Address, close, connect_member
-from net.protocol import RequestOnlyHandler
-from net.wire import decode_control, encode_control
 from plans.layout import ModelLayout
 from kernels.gguf_file import GGUFFile
 from swarmctl.distribution import CHUNK
-from swarmctl.home import SwarmHome
 from swarmctl.local_swarm import free_udp_port
 from swarmctl.models import default_model_path
 from tests.swarm_harness import Swarm, swarmctl
@@ -29,17 +24,7 @@ CRASH_AFTER = 6 * 1024 * 1024
 
 
 def stats_of(swarm: Swarm, name: str) -> dict:
-    creds = SwarmHome(swarm.homes["asker"]).credentials()
-    member = next(m for m in swarm.status()["members"] if m["name"] == name)
-
-    async def fetch():
-        conn = await connect_member(Address.parse(member["address"]), creds, name, RequestOnlyHandler())
-        try:
-            return decode_control((await conn.request(encode_control({"type": "stats"}))).body)
-        finally:
-            await close(conn)
-
-    return asyncio.run(fetch())
+    return swarm.stats_of(name)
 
 
 def join_without_model(swarm: Swarm, name: str):

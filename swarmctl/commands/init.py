@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV room per request each stage must hold (default 4096)")
     parser.add_argument("--concurrent", type=int, default=4, metavar="N",
                         help="requests whose KV each stage must hold at once (default 4)")
+    parser.add_argument("--expert-nodes", type=int, default=0, metavar="N",
+                        help="mixture-of-experts models: N trunks hold the experts (split between them) and the "
+                             "others run attention and the routers (expert parallelism; default 0: none)")
     parser.add_argument("--max-stages", type=int, default=0, metavar="N",
                         help="use at most N trunks at once; the others stand by to take over (default: no limit)")
 
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                           advertise=advertise, model=model, head_layers=args.head_layers)
     config.objective, config.plan_context, config.plan_concurrent = args.objective, args.context, args.concurrent
     config.plan_max_stages = args.max_stages
+    config.expert_nodes = args.expert_nodes
     home.save_config(config)
     print(f"created swarm '{config.swarm_name}' in {home.path}")
     print(f"host: {config.name}, reachable at {', '.join(config.host_addresses)} (UDP)")

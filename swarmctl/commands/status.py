@@ -46,15 +46,22 @@ def format_table(status: dict) -> str:
     rows = [("NAME", "ROLE", "ADDRESS", "LAYERS", "MEMORY", "HEALTH")]
     for m in status["members"]:
         layers = f"[{m['layers'][0]}, {m['layers'][1]})" if m["layers"] else "-"
+        if m.get("experts"):  # expert parallelism: this member holds experts of every trunk layer
+            layers = f"experts [{m['experts'][0]}, {m['experts'][1]})"
         memory = f"{m['memory'] / 1e9:.1f} GB" if m.get("memory") else "-"
         rows.append((m["name"], m["role"], m["address"] or "-", layers, memory, m["health"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"swarm {status['swarm']}: model {status['model']} ({status['n_layer']} layers, asker keeps "
              f"{status['head_layers']} at each end), plan v{status['plan_version']}, "
-             + ("complete" if status["complete"] else
-                "INCOMPLETE: no ready trunk for layers " + ", ".join(f"[{a}, {b})" for a, b in status["missing_layers"]))]
+             + ("complete" if status["complete"] else _incomplete(status))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _incomplete(status: dict) -> str:
+    if status["missing_layers"]:
+        return "INCOMPLETE: no ready trunk for layers " + ", ".join(f"[{a}, {b})" for a, b in status["missing_layers"])
+    return "INCOMPLETE: waiting for expert nodes"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,138 @@
+"""An expert server's engine: some of the experts of some MoE layers, and nothing else.
+
+Expert parallelism places a MoE layer's experts on several nodes. A node holding experts
+[first, last) of layers L maps exactly those experts' slices of the gate/up/down tensors
+(zero-copy: in a GGUF an expert's weights are one contiguous slab of its layer's tensor) and runs
+rows through them on request. It keeps no per-request state.
+
+The op sequence matches the whole-layer graph (kernels.graph, GraphBuilder.experts): the same
+mul_mat_id kernels and SwiGLU on the same rows, so each row's result has the same bits as when the
+stage runs the experts itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml
+from .backend import Backend
+from .errors import InputShapeError, UnsupportedModelError
+from .gguf_file import GGUFFile
+from .spec import ModelSpec
+
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def rows_for(selected: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, slot) pairs of a router's choices ``selected`` [n, k] that fall in experts [first, last)."""
+    return np.nonzero((selected >= first) & (selected < last))
+
+
+class ExpertEngine:
+    def __init__(self, gguf: GGUFFile, layers: range, first: int, last: int, *, n_threads: int | None = None) -> None:
+        self.spec = ModelSpec.from_gguf(gguf)
+        if not self.spec.n_expert:
+            raise UnsupportedModelError("the model has no experts to serve")
+        if not 0 <= first < last <= self.spec.n_expert:
+            raise UnsupportedModelError(f"experts [{first}, {last}) are outside the model's {self.spec.n_expert}")
+        self.layers, self.first, self.last = layers, first, last
+        self.backend = Backend(n_threads)
+        self.tensors: dict[tuple[int, str], int] = {}
+        self.n_bytes = 0
+        self.rows_served = 0
+        infos = []
+        for il in layers:
+            for stem in _EXPERT_TENSORS:
+                info = gguf.tensors.get(f"blk.{il}.{stem}.weight")
+                if info is None:
+                    raise UnsupportedModelError(f"layer {il} has no {stem} tensor")
+                infos.append((il, stem, info))
+        self._ctx = ggml.new_context(len(infos) + 1)
+        spans = []
+        for il, stem, info in infos:
+            slab = info.n_bytes // self.spec.n_expert
+            spans.append((il, stem, info, info.offset + first * slab, (last - first) * slab))
+        lo = min(offset for *_, offset, _ in spans)
+        hi = max(offset + size for *_, offset, size in spans)
+        self._buffer = self.backend.weights_buffer(gguf.address + lo, hi - lo)
+        for il, stem, info, offset, size in spans:
+            ne0, ne1, _ = info.shape
+            t = ggml.new_tensor_3d(self._ctx, info.ggml_type, ne0, ne1, last - first)
+            ggml.set_name(t, f"blk.{il}.{stem}[{first}:{last}]".encode())
+            if ggml.backend_tensor_alloc(self._buffer, t, gguf.address + offset) != ggml.STATUS_SUCCESS:
+                raise RuntimeError(f"cannot place experts of {info.name}")
+            self.tensors[(il, stem)] = t
+            self.n_bytes += size
+        self._gguf = gguf
+
+    def forward(self, layer: int, x: np.ndarray, expert_ids: np.ndarray) -> np.ndarray:
+        """Rows ``x`` [m, n_embd] through experts ``expert_ids`` [m] (model-wide ids): [m, n_embd]."""
+        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if layer not in self.layers:
+            raise InputShapeError(f"this node holds no experts of layer {layer}")
+        if x.ndim != 2 or x.shape[1] != self.spec.n_embd or x.shape[0] != ids.size or ids.size == 0:
+            raise InputShapeError(f"expert rows of shape {list(x.shape)} with {ids.size} ids do not fit")
+        if ids.min() < self.first or ids.max() >= self.last:
+            raise InputShapeError(f"expert ids outside [{self.first}, {self.last}) held here")
+        m = ids.size
+        size = 32
+        ctx = ggml.new_context(size + 8, graph_nodes=size)
+        galloc = ggml.gallocr_new(self.backend.buffer_type())
+        try:
+            graph = ggml.new_graph_custom(ctx, size, False)
+            x_t = ggml.new_tensor_3d(ctx, ggml.TYPE_F32, self.spec.n_embd, 1, m)
+            ids_t = ggml.new_tensor_2d(ctx, ggml.TYPE_I32, 1, m)
+            for t in (x_t, ids_t):
+                ggml.set_input(t)
+            up = ggml.mul_mat_id(ctx, self.tensors[(layer, "ffn_up_exps")], x_t, ids_t)
+            gate = ggml.mul_mat_id(ctx, self.tensors[(layer, "ffn_gate_exps")], x_t, ids_t)
+            act = ggml.swiglu_split(ctx, gate, up)
+            out = ggml.mul_mat_id(ctx, self.tensors[(layer, "ffn_down_exps")], act, ids_t)  # [n_embd, 1, m]
+            ggml.set_output(out)
+            ggml.build_forward_expand(graph, out)
+            if not ggml.gallocr_alloc_graph(galloc, graph):
+                raise MemoryError("cannot allocate the experts' graph")
+            local = (ids - self.first).astype(np.int32)
+            ggml.backend_tensor_set(x_t, x.ctypes.data, 0, x.nbytes)
+            ggml.backend_tensor_set(ids_t, local.ctypes.data, 0, local.nbytes)
+            self.backend.compute(graph)
+            result = np.empty((m, self.spec.n_embd), dtype=np.float32)
+            ggml.backend_tensor_get(out, result.ctypes.data, 0, result.nbytes)
+        finally:
+            ggml.gallocr_free(galloc)
+            ggml.free(ctx)
+        self.rows_served += m
+        return result
+
+    def close(self) -> None:
+        if self._buffer:
+            ggml.backend_buffer_free(self._buffer)
+            self._buffer = 0
+        if self._ctx:
+            ggml.free(self._ctx)
+            self._ctx = 0
+        self.backend.close()
+
+    def __enter__(self) -> "ExpertEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalExperts:
+    """Expert parallelism within one process: a ``remote_experts`` callable for SliceEngine that
+    hands each ExpertEngine the rows routed to its experts. The swarm does the same over QUIC
+    (swarmctl.trunk); tests and benchmarks use this to compare the two placements directly."""
+
+    def __init__(self, engines: list[ExpertEngine]) -> None:
+        self.engines = engines
+
+    def __call__(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
+        out = np.zeros((x.shape[0], selected.shape[1], x.shape[1]), dtype=np.float32)
+        for engine in self.engines:
+            rows, slots = rows_for(selected, engine.first, engine.last)
+            if rows.size:
+                out[rows, slots] = engine.forward(layer, x[rows], selected[rows, slots])
+        return out

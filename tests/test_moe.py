@@ -1,0 +1,159 @@
+"""Expert parallelism: a stage runs attention and the routers, expert nodes run the experts.
+
+In one process first (bit-identical to the stage running its own experts, for both MoE
+architectures, prefill, decode and batches), then the plan's refusal of a placement that leaves
+experts unplaced, then one real swarm: host, two stage trunks, two expert nodes and an asker, all
+separate processes on loopback, answering exactly as the in-process pipeline does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels.errors import InputShapeError
+from kernels.experts import ExpertEngine, LocalExperts
+from kernels.gguf_file import GGUFFile
+from kernels.slice import SliceEngine, Step
+from kernels.spec import SliceSpec
+from net.wire import ExpertCall, ExpertCallKind, WireError, decode_expert_call, encode_expert_call
+from plans.layout import ModelLayout
+from plans.nodes import NodeDescriptor
+from plans.plan import ExpertAssignment, Plan, PlanError
+from plans.planner import Constraints, place_experts
+from tests.conftest import N_THREADS
+from tests.swarm_harness import Swarm, swarmctl
+
+TRUNK = SliceSpec(1, 3)  # the tiny models have 4 layers: the asker keeps 0 and 3
+PROMPT = "Once upon a time"
+
+
+@pytest.mark.parametrize("name", ["llama-moe-q8_0", "qwen3moe-q8_0"])
+def test_remote_experts_give_the_same_bits_as_local_ones(tiny_model, name):
+    with GGUFFile(tiny_model(name)) as gguf:
+        n_expert = int(gguf.metadata[f"{gguf.metadata['general.architecture']}.expert_count"])
+        holders = [ExpertEngine(gguf, TRUNK.layers, a, b, n_threads=N_THREADS) for a, b in ((0, 3), (3, n_expert))]
+        local = SliceEngine(gguf, TRUNK, n_threads=N_THREADS)
+        split = SliceEngine(gguf, TRUNK, n_threads=N_THREADS, remote_experts=LocalExperts(holders))
+        try:
+            # The stage maps no expert weights; the expert nodes map exactly the experts' bytes.
+            expert_bytes = sum(gguf.tensors[f"blk.{il}.{stem}.weight"].n_bytes for il in TRUNK.layers
+                               for stem in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+            assert split.weights.n_bytes == local.weights.n_bytes - expert_bytes
+            assert sum(h.n_bytes for h in holders) == expert_bytes
+
+            rng = np.random.default_rng(1)
+            prompts = {b"a" * 16: 7, b"b" * 16: 3, b"c" * 16: 5}
+            hidden = {rid: rng.standard_normal((n, 64)).astype(np.float32) for rid, n in prompts.items()}
+            for rid, x in hidden.items():  # prefill, one request at a time
+                np.testing.assert_array_equal(split.forward(rid, start_pos=0, hidden=x),
+                                              local.forward(rid, start_pos=0, hidden=x))
+            for _ in range(3):  # decode, all three batched together
+                steps = [Step(rid, local.position_of(rid), hidden=rng.standard_normal((1, 64)).astype(np.float32))
+                         for rid in prompts]
+                for a, b in zip(split.forward_batch(steps), local.forward_batch(steps)):
+                    np.testing.assert_array_equal(a, b)
+            assert all(h.rows_served > 0 for h in holders)  # the router sent work to both holders
+        finally:
+            for engine in (local, split, *holders):
+                engine.close()
+
+
+def test_an_expert_node_refuses_rows_it_cannot_serve(tiny_model):
+    with GGUFFile(tiny_model("llama-moe-q8_0")) as gguf, ExpertEngine(gguf, TRUNK.layers, 2, 5) as experts:
+        x = np.ones((2, 64), dtype=np.float32)
+        with pytest.raises(InputShapeError, match="outside"):
+            experts.forward(1, x, np.array([2, 5]))  # expert 5 is held elsewhere
+        with pytest.raises(InputShapeError, match="layer 3"):
+            experts.forward(3, x, np.array([2, 3]))  # layer 3 is the asker's
+        with pytest.raises(InputShapeError, match="do not fit"):
+            experts.forward(1, np.ones((2, 63), dtype=np.float32), np.array([2, 3]))
+        assert experts.forward(1, x, np.array([2, 4])).shape == (2, 64)
+
+
+def test_expert_calls_round_trip_and_reject_malformed_bytes():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    call = decode_expert_call(encode_expert_call(ExpertCall(ExpertCallKind.REQUEST, 7, x, np.array([1, 0, 5])))[5:])
+    assert (call.kind, call.layer) == (ExpertCallKind.REQUEST, 7)
+    np.testing.assert_array_equal(call.data, x)
+    np.testing.assert_array_equal(call.expert_ids, [1, 0, 5])
+    body = encode_expert_call(ExpertCall(ExpertCallKind.REQUEST, 7, x, np.array([1, 0, 5])))[5:]
+    for bad in (body[:10], body[:-1], body + b"\0", b"\x09" + body[1:]):
+        with pytest.raises(WireError):
+            decode_expert_call(bad)
+
+
+def _plan(experts: list[ExpertAssignment]) -> Plan:
+    return Plan(version=1, model_name="m", n_layer=4, head_layers=1, experts=experts, n_expert=8)
+
+
+def test_the_planner_spreads_experts_by_memory_and_the_stages_plan_without_them(tiny_model):
+    layout = ModelLayout.from_gguf(tiny_model("llama-moe-q8_0"))
+    nodes = [NodeDescriptor(name, int(gb * 1e9), 1.0) for name, gb in
+             (("small", 1), ("big", 4), ("mid", 2), ("mid2", 2))]
+    placement = place_experts(layout, nodes, Constraints(head_layers=1), 3)
+    assert [(e.member, e.start, e.stop) for e in placement.experts] == [("big", 0, 4), ("mid", 4, 6), ("mid2", 6, 8)]
+    assert [n.name for n in placement.stage_nodes] == ["small"]
+    assert placement.stage_layout.layer_bytes == tuple(b - e for b, e in zip(layout.layer_bytes, layout.expert_bytes))
+    assert all(e > 0 for e in layout.expert_bytes)
+    _plan(placement.experts).check_experts()
+    # Too few nodes: nothing is placed, and the plan says why.
+    few = place_experts(layout, nodes[:3], Constraints(head_layers=1), 3)
+    assert few.experts == [] and "waits for 4 trunks" in few.warnings[0]
+    with pytest.raises(PlanError, match="cannot hold experts"):
+        place_experts(layout, [NodeDescriptor(n, 300_100_000, 1.0) for n in "abc"], Constraints(head_layers=1), 2)
+
+
+def test_the_plan_refuses_a_placement_that_leaves_experts_unplaced():
+    with pytest.raises(PlanError, match=r"experts \[3, 5\) unplaced"):
+        _plan([ExpertAssignment("e1", "a", 0, 3), ExpertAssignment("e2", "b", 5, 8)]).check_experts()
+    with pytest.raises(PlanError, match=r"experts \[4, 5\) on more than one node"):
+        _plan([ExpertAssignment("e1", "a", 0, 5), ExpertAssignment("e2", "b", 4, 8)]).check_experts()
+    with pytest.raises(PlanError, match="model with 8"):
+        _plan([ExpertAssignment("e1", "a", 0, 9)]).check_experts()
+    assert not _plan([ExpertAssignment("e1", "a", 0, 8, ready=False)]).complete  # waits for its expert node
+
+
+STAGES, EXPERT_NODES = ("stage-a", "stage-b"), ("experts-a", "experts-b")
+
+
+@pytest.fixture(scope="module", params=["llama-moe-q8_0", "qwen3moe-q8_0"])
+def moe_swarm(request, tmp_path_factory, tiny_model):
+    """Host + 2 stage trunks + 2 expert nodes + an asker, each its own process."""
+    model = str(tiny_model(request.param))
+    s = Swarm(tmp_path_factory.mktemp("moe"))
+    try:
+        s.init("--model", model, "--head-layers", "1", "--expert-nodes", "2", "--context", "512")
+        s.start_host()
+        s.wait_host()
+        for name in (*STAGES, *EXPERT_NODES, "asker"):
+            s.join(name, "--model", model)
+        for name in STAGES:
+            s.start_trunk(name, "--threads", "1", "--memory", "1G", capture=False)
+        for name in EXPERT_NODES:  # the planner gives experts to the members with the most memory
+            s.start_trunk(name, "--threads", "1", "--memory", "2G", capture=False)
+        s.wait_complete(2)
+        yield s, model
+    finally:
+        s.close()
+
+
+def test_a_swarm_with_expert_nodes_answers_as_in_process(moe_swarm):
+    swarm, model = moe_swarm
+    members = {m["name"]: m for m in swarm.status()["members"]}
+    assert [members[n]["experts"] for n in EXPERT_NODES] == [[0, 4], [4, 8]]
+    assert all(members[n]["layers"] is None for n in EXPERT_NODES)
+    assert sorted(members[n]["layers"] for n in STAGES) == [[1, 2], [2, 3]]  # in the order they registered
+
+    ask = ("ask", "--raw", "--temperature", "0", "--max-tokens", "16", PROMPT)
+    swarm_answer = swarmctl(swarm.homes["asker"], *ask, check=True).stdout
+    inproc_answer = swarmctl(None, *ask, "--transport", "inproc", "--model", model, "--head-layers", "1",
+                             check=True).stdout
+    assert swarm_answer == inproc_answer and swarm_answer.strip()
+
+    stats = {name: swarm.stats_of(name) for name in (*STAGES, *EXPERT_NODES)}
+    for name in EXPERT_NODES:  # every expert node did real work and holds only its experts
+        assert stats[name]["role"] == "experts" and stats[name]["expert_rows_served"] > 0
+    for name in STAGES:  # the stages sent rows out and hold no expert weights themselves
+        assert stats[name]["role"] == "stage" and stats[name]["expert_call_bytes"] > 0
+    assert "experts [0, 4)" in swarmctl(swarm.host_home, "status", check=True).stdout
