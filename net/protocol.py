@@ -140,11 +140,15 @@ class SwarmProtocol(QuicConnectionProtocol):
 
     async def request(self, data: bytes, timeout: float = 30.0, stream_id: int | None = None) -> Frame:
         """Send one frame on a new stream (or the given fresh one) and wait for the first frame the
-        peer answers on it. Later frames on that stream go to the handler."""
+        peer answers on it. Later frames on that stream go to the handler.
+
+        The request ends our side of the stream: QUIC lets a peer open only so many streams (128
+        in aioquic) and grants more only as streams finish in both directions, so a long-lived
+        connection that made requests without ending them would stall at the 129th."""
         stream_id = self.open_stream() if stream_id is None else stream_id
         waiter: asyncio.Future[Frame] = self._loop.create_future()
         self._waiters[stream_id] = waiter
-        self.send(stream_id, data)
+        self.send(stream_id, data, end=True)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout)
         finally:

@@ -45,9 +45,11 @@ def free_udp_port() -> int:
 class LocalSwarm:
     def __init__(self, *, model: str | None, n_trunks: int, head_layers: int, threads: int | None = None,
                  capture: bool = False, host_port: int | None = None, host_advertise: str | None = None,
-                 trunk_ports: list[int] | None = None, trunk_advertise: list[str] | None = None) -> None:
+                 trunk_ports: list[int] | None = None, trunk_advertise: list[str] | None = None,
+                 expert_nodes: int = 0) -> None:
         """``*_port``/``*_advertise`` place nodes at chosen ports and make others reach them at
-        another address (an impairing relay in front of them, for WAN emulation)."""
+        another address (an impairing relay in front of them, for WAN emulation). ``expert_nodes``:
+        for a mixture-of-experts model, that many of the trunks hold experts (expert parallelism)."""
         if n_trunks < 1:
             raise EngineError("--trunk-nodes must be at least 1")
         self.n_trunks = n_trunks
@@ -63,6 +65,7 @@ class LocalSwarm:
             # layers (the latency planner would rightly put them all on one, as an extra hop buys nothing).
             config = self.host_home.load_config()
             config.objective = "even"
+            config.expert_nodes = expert_nodes
             self.host_home.save_config(config)
             ports = trunk_ports or [0] * n_trunks
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")

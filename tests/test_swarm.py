@@ -151,6 +151,23 @@ def test_unauthenticated_peers_get_nothing(swarm):
     assert {name: len(list(d.iterdir())) for name, d in swarm.captures.items()} == captured  # nothing served
 
 
+def test_one_connection_carries_hundreds_of_requests(swarm):
+    """QUIC grants a peer only so many streams (128 in aioquic) until streams finish both ways: a
+    long-lived connection (an asker, a monitor polling stats) must not stall at request 129."""
+    creds = SwarmHome(swarm.homes["asker"]).credentials()
+
+    async def many() -> int:
+        conn = await connect_member(Address("127.0.0.1", swarm.host_port), creds, "host", RequestOnlyHandler())
+        try:
+            replies = [decode_control((await conn.request(encode_control({"type": "get_plan"}), timeout=5)).body)
+                       for _ in range(300)]
+            return sum(r["type"] == "plan" for r in replies)
+        finally:
+            await close(conn)
+
+    assert asyncio.run(many()) == 300
+
+
 def test_revoked_member_is_cut_off(swarm):
     eve_home = swarm.join("eve")
     assert swarmctl(eve_home, "status").returncode == 0

@@ -1,0 +1,229 @@
+"""Expert parallelism vs pipeline-only placement of the same mixture-of-experts model; prints JSON.
+
+    python benchmarks/bench_moe.py [--decode 32] [--threads 1] [--out FILE]
+
+The model is a random-weight qwen3moe GGUF written for the run (12 layers, n_embd 512, 16 experts,
+top-2, Q8_0; the bundled model's tokenizer), small enough for this machine. Side by side:
+
+a. llama-cpp-python on the whole file (decode tok/s), our in-process engine (asker + one trunk
+   slice) with the experts local, and the same trunk slice with its experts run by two in-process
+   expert engines (the cost of splitting each MoE layer at its router, without a network);
+b. local swarms over QUIC + mTLS on loopback: pipeline-only (2 trunk stages holding their own
+   experts) and expert parallelism (2 stages + 2 expert nodes), single-stream decode, with the bytes
+   each placement moves per token (activations between stages and asker; expert calls, both ways)
+   measured from the trunks' own counters, next to the bytes the layout predicts.
+
+Medians; this machine has 2 cores shared by up to 6 processes here, so the swarm figures say more
+about the extra round trips than about what separate machines would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.experts import ExpertEngine, LocalExperts  # noqa: E402
+from kernels.gguf_file import GGUFFile  # noqa: E402
+from kernels.sampling import SamplingParams  # noqa: E402
+from kernels.slice import SliceEngine  # noqa: E402
+from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
+from net.endpoint import Address, close, connect_member  # noqa: E402
+from net.protocol import RequestOnlyHandler  # noqa: E402
+from net.wire import decode_control, encode_control  # noqa: E402
+from swarmctl.asker import Asker, InprocTrunk, generate_all  # noqa: E402
+from swarmctl.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.swarm_client import SwarmLink  # noqa: E402
+from tests.tiny_models import TinyConfig, write_tiny_model  # noqa: E402  (the GGUF writer the tests use)
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
+HEAD_LAYERS = 2
+MODEL = TinyConfig(arch="qwen3moe", qtype="Q8_0", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=768,
+                   n_expert=16, n_expert_used=2, n_ctx=1024, seed=11)
+
+
+def decode_rate(gen) -> float:
+    steps = gen.timings[1:]
+    return len(steps) / sum(t.total_s for t in steps) if steps else 0.0
+
+
+def llama_cpp_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
+    from llama_cpp import Llama
+
+    from kernels.tokenizer import _quiet_llama_logs
+
+    _quiet_llama_logs()
+    llm = Llama(os.fspath(model), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.eval(prompt)
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    rate = n / (time.perf_counter() - t0)
+    llm.close()
+    return rate
+
+
+async def inproc_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
+    asker = Asker(model, HEAD_LAYERS, n_threads=threads, max_context=1024)
+    start, stop = HEAD_LAYERS, asker.spec.n_layer - HEAD_LAYERS
+    trunk = InprocTrunk(asker.gguf, [SliceSpec(start, stop)], n_threads=threads, max_context=1024)
+    try:
+        runs = [await generate_all(asker, prompt, trunk, ignore_eos=True, max_tokens=n, sampling=GREEDY)
+                for _ in range(3)]
+        return statistics.median(decode_rate(g) for g in runs)
+    finally:
+        trunk.close()
+        asker.close()
+
+
+def trunk_slice_ms(model: Path, n: int, threads: int) -> dict:
+    """One trunk slice, decode steps: experts in the graph vs experts in two ExpertEngines."""
+    with GGUFFile(model) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+        trunk = SliceSpec(HEAD_LAYERS, spec.n_layer - HEAD_LAYERS)
+        half = spec.n_expert // 2
+        holders = [ExpertEngine(gguf, trunk.layers, a, b, n_threads=threads) for a, b in ((0, half), (half, spec.n_expert))]
+        engines = {"experts_local": SliceEngine(gguf, trunk, n_threads=threads),
+                   "experts_split_in_process": SliceEngine(gguf, trunk, n_threads=threads,
+                                                           remote_experts=LocalExperts(holders))}
+        rng = np.random.default_rng(0)
+        prompt = rng.standard_normal((16, spec.n_embd)).astype(np.float32)
+        steps = rng.standard_normal((n, 1, spec.n_embd)).astype(np.float32)
+        out = {}
+        try:
+            for name, engine in engines.items():
+                engine.forward(b"r" * 16, start_pos=0, hidden=prompt)
+                times = []
+                for i, x in enumerate(steps):
+                    t0 = time.perf_counter()
+                    engine.forward(b"r" * 16, start_pos=16 + i, hidden=x)
+                    times.append(time.perf_counter() - t0)
+                out[name] = {"ms_per_token": round(statistics.median(times) * 1e3, 3),
+                             "weights_mapped_bytes": engine.weights.n_bytes}
+            out["expert_engines_bytes"] = [h.n_bytes for h in holders]
+        finally:
+            for engine in [*engines.values(), *holders]:
+                engine.close()
+    return out
+
+
+async def member_stats(home, address: str, name: str) -> dict:
+    conn = await connect_member(Address.parse(address), home.credentials(), name, RequestOnlyHandler())
+    try:
+        return decode_control((await conn.request(encode_control({"type": "stats"}))).body)
+    finally:
+        await close(conn)
+
+
+async def swarm_run(model: Path, prompt: list[int], n: int, threads: int, expert_nodes: int) -> dict:
+    n_trunks = 2 + expert_nodes
+    with LocalSwarm(model=str(model), n_trunks=n_trunks, head_layers=HEAD_LAYERS, threads=threads,
+                    expert_nodes=expert_nodes) as swarm:
+        link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
+        asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=8, max_context=1024)
+        members = [(s.member, s.address) for s in link.plan.stages] + [(e.member, e.address) for e in link.plan.experts]
+
+        async def counters() -> dict[str, dict]:
+            return {m: await member_stats(swarm.asker_home, a, m) for m, a in members}
+
+        try:
+            await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=4, sampling=GREEDY)  # warm-up
+            before = await counters()
+            runs = [await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=n, sampling=GREEDY)
+                    for _ in range(3)]
+            after = await counters()
+            recoveries = link.stats.recoveries
+        finally:
+            await link.close()
+            asker.close()
+    tokens = sum(len(prompt) + len(g.tokens) - 1 for g in runs)  # every position crossed the trunk once
+    stage_names = [s.member for s in link.plan.stages]
+
+    def per_token(key: str, names: list[str]) -> float:
+        return round(sum(after[m][key] - before[m][key] for m in names) / tokens, 1)
+
+    steps = [t for g in runs for t in g.timings[1:]]
+    return {
+        "trunks": n_trunks,
+        "plan": {"stages": [[s.member, s.start, s.stop] for s in link.plan.stages],
+                 "experts": [[e.member, e.start, e.stop] for e in link.plan.experts]},
+        "single_stream_decode_tok_s": round(statistics.median(decode_rate(g) for g in runs), 2),
+        "median_ms_per_token": round(statistics.median(t.total_s for t in steps) * 1e3, 2),
+        "median_trunk_round_trip_ms": round(statistics.median(t.trunk.round_trip_s for t in steps) * 1e3, 2),
+        "stage_activation_bytes_per_token": per_token("activation_bytes_sent", stage_names),
+        "expert_call_bytes_per_token": per_token("expert_call_bytes", stage_names),
+        "recoveries": recoveries,  # requests replayed after a route failed (0 on a healthy run)
+        "expert_rows_served": {m: after[m]["expert_rows_served"] - before[m]["expert_rows_served"]
+                               for m, _ in members if m not in stage_names},
+        "tensor_bytes_per_member": {m: after[m]["tensor_bytes"] for m, _ in members},
+    }
+
+
+def predicted_bytes(spec: ModelSpec) -> dict:
+    """Payload bytes per token from the layout alone (frame and packet headers not counted)."""
+    trunk_layers = spec.n_layer - 2 * HEAD_LAYERS
+    row = 4 * spec.n_embd
+    return {"activation_payload_per_hop": row,
+            "expert_payload_per_token": trunk_layers * spec.n_expert_used * (row + 4 + row)}  # rows+ids out, rows back
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="bench-moe-"))
+    model = write_tiny_model(root / "bench-qwen3moe.gguf", MODEL, default_model_path())
+    with GGUFFile(model) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+    asker = Asker(model, HEAD_LAYERS, n_threads=args.threads)
+    prompt = asker.tokenizer.encode_prompt(PROMPT)
+    asker.close()
+    result = {
+        "model": {"arch": spec.architecture, "n_layer": spec.n_layer, "n_embd": spec.n_embd, "n_expert": spec.n_expert,
+                  "n_expert_used": spec.n_expert_used, "file_bytes": model.stat().st_size},
+        "decode_tokens": args.decode, "threads_per_process": args.threads, "prompt_tokens": len(prompt),
+        "llama_cpp_python_decode_tok_s": round(llama_cpp_decode(model, prompt, args.decode, args.threads), 2),
+        "inproc_decode_tok_s": round(await inproc_decode(model, prompt, args.decode, args.threads), 2),
+        "trunk_slice": trunk_slice_ms(model, args.decode, args.threads),
+        "predicted": predicted_bytes(spec),
+        "pipeline_only": await swarm_run(model, prompt, args.decode, args.threads, expert_nodes=0),
+        "expert_parallel": await swarm_run(model, prompt, args.decode, args.threads, expert_nodes=2),
+    }
+    p, e = result["pipeline_only"], result["expert_parallel"]
+    result["ratios"] = {
+        "ep_vs_pipeline_ms_per_token": round(e["median_ms_per_token"] / p["median_ms_per_token"], 2),
+        "ep_vs_pipeline_bytes_per_token": round(
+            (e["stage_activation_bytes_per_token"] + e["expert_call_bytes_per_token"])
+            / p["stage_activation_bytes_per_token"], 1),
+        "split_in_process_vs_local_trunk_ms": round(result["trunk_slice"]["experts_split_in_process"]["ms_per_token"]
+                                                    / result["trunk_slice"]["experts_local"]["ms_per_token"], 2),
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
