@@ -358,3 +358,27 @@ def place_experts(layout: ModelLayout, nodes: list[NodeDescriptor], constraints:
     stage_layout = replace(layout, layer_bytes=tuple(b - e for b, e in zip(layout.layer_bytes, layout.expert_bytes)))
     chosen_names = {n.name for n in chosen}
     return ExpertPlacement([n for n in nodes if n.name not in chosen_names], experts, stage_layout)
+
+
+def add_expert_calls(proposal: Proposal, placement: ExpertPlacement, nodes: list[NodeDescriptor],
+                     layout: ModelLayout) -> None:
+    """Charge the expert round trips to a proposal planned for the stages alone: each MoE layer a
+    stage runs waits for its slowest expert node (rows out, outputs back), once per token."""
+    if not placement.experts:
+        return
+    by_name = {n.name: n for n in nodes}
+    row = layout.activation_bytes_per_token
+    rows = layout.n_expert_used
+    extra, busiest = 0.0, 0.0
+    for stage in proposal.stages:
+        slowest = max(link_between(by_name[stage.member], by_name[e.member]).cost_ms(rows * (row + 4))
+                      + link_between(by_name[e.member], by_name[stage.member]).cost_ms(rows * row)
+                      for e in placement.experts)
+        waits = (stage.stop - stage.start) * slowest
+        extra += waits
+        busiest = max(busiest, stage.compute_ms + waits)  # a stage waits for its experts before the next token
+    proposal.ms_per_token += extra
+    if busiest > 0:
+        proposal.tokens_per_s = min(proposal.tokens_per_s, 1000 / busiest)
+    proposal.warnings.append(f"expert calls add about {extra:.1f} ms per token (a round trip per MoE layer, "
+                             "to the slowest expert node)")

@@ -40,7 +40,7 @@ from net.wire import Frame, FrameType, WireError, decode_control, encode_control
 from plans.layout import ModelLayout
 from plans.nodes import ASKER, Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan
-from plans.planner import Constraints, PlanError, place_experts, plan_layers
+from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
 from swarmctl.distribution import build_manifest, serve_slice
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, admit
@@ -331,12 +331,14 @@ class HostService:
         return nodes
 
     def _replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
-        nodes = self._descriptors()
+        every_node = nodes = self._descriptors()
         experts: list[ExpertAssignment] = []
         try:
-            placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
+            placement = place_experts(self.layout, every_node, self.constraints, self.config.expert_nodes)
             nodes, experts = placement.stage_nodes, placement.experts
             proposal = plan_layers(placement.stage_layout, nodes, self.constraints) if nodes else None
+            if proposal is not None:
+                add_expert_calls(proposal, placement, every_node, self.layout)
         except PlanError as e:
             proposal = None
             log.warning("cannot plan: %s", e)

@@ -8,6 +8,8 @@ separate processes on loopback, answering exactly as the in-process pipeline doe
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,23 @@ def test_the_planner_spreads_experts_by_memory_and_the_stages_plan_without_them(
     assert few.experts == [] and "waits for 4 trunks" in few.warnings[0]
     with pytest.raises(PlanError, match="cannot hold experts"):
         place_experts(layout, [NodeDescriptor(n, 300_100_000, 1.0) for n in "abc"], Constraints(head_layers=1), 2)
+
+
+def test_swarmctl_plan_places_experts_and_charges_their_round_trips(tiny_model, tmp_path):
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text(json.dumps([{"name": n, "memory_gb": gb, "ms_per_layer_token": 1.0,
+                                  "links": {"asker": {"rtt_ms": 10}}} for n, gb in (("a", 1), ("b", 4), ("c", 2))]))
+    args = ("plan", "--model", str(tiny_model("qwen3moe-q8_0")), "--nodes", str(nodes), "--head-layers", "1", "--json")
+    alone = json.loads(swarmctl(None, *args, check=True).stdout)
+    split = json.loads(swarmctl(None, *args, "--expert-nodes", "2", check=True).stdout)
+    assert alone["experts"] == [] and len(alone["stages"]) >= 1
+    assert [(e["member"], e["start"], e["stop"]) for e in split["experts"]] == [("b", 0, 5), ("c", 5, 8)]
+    assert [s["member"] for s in split["stages"]] == ["a"]
+    # two trunk layers, each a round trip to the slowest expert node over a default 20 ms link
+    assert split["ms_per_token"] > alone["ms_per_token"] + 2 * 20
+    assert any("expert calls add" in w for w in split["warnings"])
+    bad = swarmctl(None, *args, "--expert-nodes", "-1")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--expert-nodes" in bad.stderr
 
 
 def test_the_plan_refuses_a_placement_that_leaves_experts_unplaced():

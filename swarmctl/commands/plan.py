@@ -28,13 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-layers", type=int, default=4, metavar="K")
     parser.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV room per request")
     parser.add_argument("--concurrent", type=int, default=4, metavar="N", help="requests whose KV each stage holds")
+    parser.add_argument("--expert-nodes", type=int, default=0, metavar="N",
+                        help="mixture-of-experts models: N nodes hold the experts, the rest run the stages")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     from plans.layout import ModelLayout, layout_by_name
     from plans.nodes import load_nodes
-    from plans.planner import Constraints, plan_layers
+    from plans.planner import Constraints, add_expert_calls, place_experts, plan_layers
     from swarmctl.models import resolve_model
 
     if args.nodes:
@@ -42,12 +44,20 @@ def run(args: argparse.Namespace) -> int:
         layout = layout_by_name(args.layout) if args.layout else ModelLayout.from_gguf(resolve_model(args.model))
     else:
         layout, nodes = asyncio.run(_from_swarm(args))
-    proposal = plan_layers(layout, nodes, Constraints(args.head_layers, args.context, args.concurrent, args.objective))
+    if args.expert_nodes < 0:
+        raise EngineError("--expert-nodes must be 0 or more")
+    constraints = Constraints(args.head_layers, args.context, args.concurrent, args.objective)
+    placement = place_experts(layout, nodes, constraints, args.expert_nodes)
+    if args.expert_nodes and not layout.n_expert:
+        placement.warnings.append(f"{layout.name} has no experts: --expert-nodes ignored")
+    proposal = plan_layers(placement.stage_layout, placement.stage_nodes, constraints)
+    proposal.warnings += placement.warnings
+    add_expert_calls(proposal, placement, nodes, layout)
     if args.json:
         print(json.dumps({"model": layout.name, "n_layer": layout.n_layer, "head_layers": args.head_layers,
-                          **asdict(proposal)}, indent=2))
+                          **asdict(proposal), "experts": [asdict(e) for e in placement.experts]}, indent=2))
     else:
-        print(format_plan(layout, args.head_layers, proposal))
+        print(format_plan(layout, args.head_layers, proposal, placement.experts))
     return 0
 
 
@@ -73,7 +83,7 @@ async def _from_swarm(args: argparse.Namespace):
     return ModelLayout.from_gguf(resolve_model(args.model or home.load_config().model)), nodes
 
 
-def format_plan(layout, head_layers: int, p) -> str:
+def format_plan(layout, head_layers: int, p, experts=()) -> str:
     gb = 1e9
     lines = [f"plan for {layout.name}: {layout.n_layer} layers, the asker keeps [0, {head_layers}) and "
              f"[{layout.n_layer - head_layers}, {layout.n_layer}); objective {p.objective}"]
@@ -81,6 +91,8 @@ def format_plan(layout, head_layers: int, p) -> str:
     for i, s in enumerate(p.stages, start=1):
         rows.append((str(i), s.member, f"[{s.start}, {s.stop})", f"{s.memory_used / gb:.1f} GB",
                      f"{s.memory_free / gb:.1f} GB", f"{s.compute_ms:.1f}"))
+    for e in experts:
+        rows.append(("experts", e.member, f"experts [{e.start}, {e.stop})", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.append(f"expected: {p.ms_per_token:.1f} ms per token for one stream (trunk compute + links; the asker's "
