@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Iterator
 
 from swarmctl.errors import UsageError
 
 MAX_WINDOW_S = 10.0  # trunks report the last 10 s of batches
+DEFAULT_NICE = 10  # drawing a full screen twice a second costs ~10 % of a core; the swarm comes first
 
 
 def _seconds(low: float, high: float):
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds the occupancy chart shows at first (default 1; +/- zoom)")
     parser.add_argument("--refresh", type=_seconds(0.25, 10), default=0.25, metavar="S",
                         help="seconds between redraws (default and minimum 0.25)")
+    parser.add_argument("--nice", type=int, choices=range(0, 20), default=DEFAULT_NICE, metavar="N",
+                        help=f"lower this process's CPU priority by N (default {DEFAULT_NICE}: on a machine that "
+                             "also runs a node, the node gets the CPU first; 0 keeps it)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--record", type=Path, metavar="FILE", help="also write every poll to FILE (JSON lines)")
     source.add_argument("--replay", type=Path, metavar="FILE", help="show a recording made with --record")
@@ -68,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if args.record is not None:
             recorder = Recorder(args.record)
             feed.on_poll = recorder.write
+    lower_priority(args.nice)
     try:
         with _logs_off_the_screen():
             TopApp(feed, refresh_s=args.refresh, span_s=args.span).run()
@@ -75,6 +81,15 @@ def run(args: argparse.Namespace) -> int:
         if recorder is not None:
             recorder.close()
     return 0
+
+
+def lower_priority(nice: int) -> None:
+    """Let a swarm node on this machine have the CPU before the view does."""
+    if nice > 0 and hasattr(os, "nice"):
+        try:
+            os.nice(nice)
+        except OSError:
+            pass  # not allowed here: the view runs at normal priority
 
 
 @contextlib.contextmanager

@@ -85,11 +85,22 @@ def render_chart(lanes: tuple[Lane, ...], span_s: float, width: int, errors: dic
             reason = errors.get(lane.name) or "no answer"
             out.append(f"no stats from {lane.name} {reason}"[:n_cells], style="yellow")
         else:
-            for cell in lane_cells(lane, span_s, n_cells):
-                out.append(*cell_text(cell))
+            _append_runs(out, [cell_text(cell) for cell in lane_cells(lane, span_s, n_cells)])
         out.append("\n")
     out.append(" " * label_width + axis(span_s, n_cells), style="bright_black")
     return out
+
+
+def _append_runs(out: Text, marks: list[tuple[str, str]]) -> None:
+    """Append marks, one span per run of the same style: drawing cost grows with spans, not cells."""
+    run, style = "", None
+    for mark, mark_style in marks:
+        if mark_style != style and run:
+            out.append(run, style=style)
+            run = ""
+        run, style = run + mark, mark_style
+    if run:
+        out.append(run, style=style)
 
 
 def axis(span_s: float, n_cells: int) -> str:

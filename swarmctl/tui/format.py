@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 
 BAR_WIDTH = 6
-_EIGHTHS = " ▏▎▍▌▋▊▉"
+_EIGHTHS = " ▏▎▍▌▋▊▉"  # left parts of a cell, for bars that grow rightwards
+_LOWER = " ▁▂▃▄▅▆▇"  # lower parts, for bars that grow upwards
 
 HEALTH_STYLES = {"ready": "green", "up": "green", "up (host)": "green", "loading": "yellow"}
 
@@ -60,3 +62,42 @@ def health(text: str, stats_error: str) -> Text:
     if stats_error:  # the host's word for it is in its chart lane
         return Text("no stats", style="yellow")
     return Text(text, style=style)
+
+
+Cell = str | Text
+
+
+def text_table(columns: tuple[str, ...], rows: list[tuple[Cell, ...]], *, max_rows: int | None = None) -> Text:
+    """A header and rows in aligned columns, two spaces apart, as one ``Text``: a tenth of what a
+    DataTable costs to draw, which matters for a view redrawn twice a second beside a swarm.
+    Beyond ``max_rows`` rows, a last line says how many more there are."""
+    if max_rows is not None and len(rows) > max_rows:
+        hidden = len(rows) - max(0, max_rows - 1)
+        rows = rows[:max(0, max_rows - 1)]
+    else:
+        hidden = 0
+    cells = [[c if isinstance(c, Text) else Text(c) for c in row] for row in rows]
+    widths = [max([cell_len(h)] + [row[i].cell_len for row in cells]) for i, h in enumerate(columns)]
+    out = Text("  ".join(h.ljust(w) for h, w in zip(columns, widths)).rstrip(), style="bold")
+    for row in cells:
+        out.append("\n")
+        for i, (cell, width) in enumerate(zip(row, widths)):
+            out.append_text(cell)
+            if i + 1 < len(row):
+                out.append(" " * (width - cell.cell_len + 2))
+    if hidden:
+        out.append(f"\n… {hidden} more", style="italic")
+    return out
+
+
+def spark(values: list[float], width: int, height: int, style: str = "cyan") -> Text:
+    """The last ``width`` values as bars ``height`` lines tall (eighths of a line), scaled to
+    their peak: one column per value, newest on the right."""
+    values = values[-width:] if width > 0 else []
+    peak = max(values, default=0.0) or 1.0
+    levels = [0] * (max(0, width) - len(values)) + [round(v / peak * height * 8) for v in values]
+    lines = []
+    for row in range(height - 1, -1, -1):  # top line first
+        floor = row * 8
+        lines.append("".join("█" if lv >= floor + 8 else _LOWER[max(0, lv - floor)] for lv in levels))
+    return Text("\n".join(lines), style=style)

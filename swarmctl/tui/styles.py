@@ -43,6 +43,7 @@ CSS = """
 #nodes {
     height: auto;
     max-height: 16;
+    padding: 0 1;
 }
 
 #chart {
@@ -57,6 +58,7 @@ CSS = """
 #requests {
     width: 54;
     height: 100%;
+    padding: 0 1;
 }
 
 #side {
@@ -72,14 +74,6 @@ CSS = """
 #plan {
     height: 1fr;
     padding: 0 1;
-}
-
-#rate-figure {
-    height: 1;
-}
-
-#rate-spark {
-    height: 1fr;
 }
 
 HelpScreen {

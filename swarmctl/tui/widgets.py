@@ -4,12 +4,11 @@ with ``data_bind``) and redraws itself when they change; none of them fetches an
 from __future__ import annotations
 
 from rich.text import Text
-from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.geometry import Size
 from textual.reactive import reactive
 from textual.widget import Widget
-from textual.widgets import DataTable, Sparkline, Static
+from textual.widgets import Static
 
 from swarmctl.monitor.snapshot import NodeView, SwarmSnapshot, waiting_snapshot
 from swarmctl.tui import format as fmt
@@ -57,55 +56,52 @@ class Summary(Static):
 class Banner(Static):
     """One line over everything when the host cannot be reached (or before it first answers)."""
 
-    snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
+    snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING, repaint=False)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._shown: str | None = None  # updating a Static lays out the screen again: only on a change
 
     def watch_snapshot(self, snapshot: SwarmSnapshot) -> None:
-        self.set_class(bool(snapshot.banner), "-visible")
-        self.set_class(snapshot.banner.startswith("swarm unreachable"), "-error")
-        self.update(snapshot.banner)
+        if snapshot.banner != self._shown:
+            self._shown = snapshot.banner
+            self.set_class(bool(snapshot.banner), "-visible")
+            self.set_class(snapshot.banner.startswith("swarm unreachable"), "-error")
+            self.update(snapshot.banner)
 
 
 class Panels(Vertical):
     """Everything below the banner; dimmed while it shows the last good poll, not a current one."""
 
-    snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
+    snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING, repaint=False)
 
     def watch_snapshot(self, snapshot: SwarmSnapshot) -> None:
         self.set_class(snapshot.stale and bool(snapshot.nodes), "-stale")
 
 
-class NodeTable(DataTable):
+class NodeTable(Static):
+    """One row per member: where it is, what it serves, how loaded it is."""
+
     snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
     sort_key: reactive[str] = reactive(SORTS[0])
 
     COLUMNS = ("NAME", "ADDRESS", "LAYERS", "DEVICE", "MEMORY", "QUEUE", "BUSY", "TOK/S", "NEXT HOP ms",
                "PING ms", "HEALTH")
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(cursor_type="none", show_cursor=False, zebra_stripes=True, **kwargs)
-        self.can_focus = False
-
-    def on_mount(self) -> None:
-        self._fill()
-
-    def watch_snapshot(self) -> None:
-        self._fill()
+    def watch_snapshot(self, old: SwarmSnapshot, new: SwarmSnapshot) -> None:
+        if len(old.nodes) != len(new.nodes):
+            self.refresh(layout=True)  # a row per node: the height follows the membership
 
     def watch_sort_key(self, key: str) -> None:
         self.border_title = f"nodes · sorted by {key} (s)"
-        self._fill()
 
-    def _fill(self) -> None:
-        if not self.is_mounted:
-            return
-        self.clear(columns=True)  # columns sized to today's figures, not the widest ever seen
-        self.add_columns(*self.COLUMNS)
-        for n in sort_nodes(self.snapshot.nodes, self.sort_key):
-            self.add_row(Text(n.name, style="bold"), n.address or "-", fmt.layers(n.layers), n.device or "-",
-                         fmt.memory(n.memory_used, n.memory_budget),
-                         "-" if n.queue_depth is None else str(n.queue_depth), fmt.busy_bar(n.occupancy),
-                         fmt.rate(n.tok_s), fmt.next_hop(n.next_hop, n.next_hop_ms), fmt.ms(n.ping_ms),
-                         fmt.health(n.health, n.stats_error), key=n.name)
+    def render(self) -> Text:
+        return fmt.text_table(self.COLUMNS, [
+            (Text(n.name, style="bold"), n.address or "-", fmt.layers(n.layers), n.device or "-",
+             fmt.memory(n.memory_used, n.memory_budget), "-" if n.queue_depth is None else str(n.queue_depth),
+             fmt.busy_bar(n.occupancy), fmt.rate(n.tok_s), fmt.next_hop(n.next_hop, n.next_hop_ms),
+             fmt.ms(n.ping_ms), fmt.health(n.health, n.stats_error))
+            for n in sort_nodes(self.snapshot.nodes, self.sort_key)])
 
 
 class OccupancyChart(Widget):
@@ -137,54 +133,40 @@ class OccupancyChart(Widget):
         return max(1, len(self.snapshot.lanes)) + 1
 
 
-class RequestTable(DataTable):
-    snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(cursor_type="none", show_cursor=False, **kwargs)
-        self.can_focus = False
-
-    COLUMNS = ("", "REQUEST", "TOKENS", "TOK/S", "LAST AT", "IDLE s")
-
-    def on_mount(self) -> None:
-        self._fill()
-
-    def watch_snapshot(self) -> None:
-        self._fill()
-
-    def _fill(self) -> None:
-        if not self.is_mounted:
-            return
-        self.clear(columns=True)
-        self.add_columns(*self.COLUMNS)
-        self.border_title = f"requests in flight · {len(self.snapshot.requests)}"
-        for r in self.snapshot.requests:
-            self.add_row(Text(r.letter, style=f"bold {letter_style(r.letter)}"), r.request_id, str(r.tokens),
-                         fmt.rate(r.tok_s), r.stage, f"{r.idle_s:.1f}", key=r.request_id)
-
-
-class RatePanel(Vertical):
-    """Swarm-wide tokens per second: the figure now, and its history as a sparkline."""
+class RequestTable(Static):
+    """Requests the trunks hold, with the letter that marks each in the chart."""
 
     snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
 
-    def compose(self) -> ComposeResult:
-        yield Static(id="rate-figure")
-        yield Sparkline([], id="rate-spark")
+    COLUMNS = (" ", "REQUEST", "TOKENS", "TOK/S", "LAST AT", "IDLE s")
 
     def watch_snapshot(self, snapshot: SwarmSnapshot) -> None:
-        if not self.is_mounted:
-            return
-        history = snapshot.tok_s_history
-        peak = max(history, default=0.0)
-        self.query_one("#rate-figure", Static).update(Text.assemble(
-            (f"{snapshot.tok_s:.1f}", "bold"), " tok/s now", f" · peak {peak:.1f}",
-            f" · last {snapshot.history_s:.0f} s"))
-        self.query_one("#rate-spark", Sparkline).data = list(history) or [0.0]
+        self.border_title = f"requests in flight · {len(snapshot.requests)}"
 
-    def on_mount(self) -> None:
-        self.border_title = "swarm tok/s"
-        self.watch_snapshot(self.snapshot)
+    def render(self) -> Text:
+        return fmt.text_table(self.COLUMNS, [
+            (Text(r.letter, style=f"bold {letter_style(r.letter)}"), r.request_id, str(r.tokens), fmt.rate(r.tok_s),
+             r.stage, f"{r.idle_s:.1f}") for r in self.snapshot.requests],
+            max_rows=max(1, self.content_size.height - 1))
+
+
+class RatePanel(Static):
+    """Swarm-wide tokens per second: the figure now in the title, one bar per poll below."""
+
+    snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
+
+    def watch_snapshot(self, snapshot: SwarmSnapshot) -> None:
+        history = snapshot.tok_s_history
+        shown = min(len(history), max(1, self.content_size.width))
+        covered = snapshot.history_s * (shown - 1) / (len(history) - 1) if len(history) > 1 else 0.0
+        self.border_title = (f"swarm tok/s: {snapshot.tok_s:.1f} now · peak {max(history[-shown:], default=0.0):.1f}"
+                             f" · last {covered:.0f} s")
+
+    def on_resize(self) -> None:
+        self.watch_snapshot(self.snapshot)  # the title says how much history fits
+
+    def render(self) -> Text:
+        return fmt.spark(list(self.snapshot.tok_s_history), self.content_size.width, self.content_size.height)
 
 
 class PlanPanel(Static):
