@@ -1,0 +1,341 @@
+"""`swarmctl top`: the arithmetic of snapshots, the screen drawn from a recorded feed (compared
+with committed golden files, so a layout change is a visible diff), the app on a live local swarm
+under load (rows, occupancy, keys), and an unreachable swarm (a banner, retries, no crash).
+
+Regenerate the golden files after an intended change of the picture:
+    SWARMCTL_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_top.py -k golden
+The recorded feed (tests/snapshots/top/feed.jsonl) is what `swarmctl top --record` wrote in the
+tmux session of `python docs/make_top_screenshot.py`, which also draws docs/top-screenshot.svg
+from it: that SVG is the colour golden file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kernels.sampling import SamplingParams
+from swarmctl.asker import Asker, generate_all
+from swarmctl.cli import main as cli_main
+from swarmctl.home import SwarmHome
+from swarmctl.local_swarm import LocalSwarm, free_udp_port
+from swarmctl.membership import create_swarm
+from swarmctl.monitor.build import RawPoll, SnapshotBuilder
+from swarmctl.monitor.poller import Monitor, MonitorConfig
+from swarmctl.monitor.recording import Recorder, ReplayFeed, read_recording
+from swarmctl.swarm_client import SwarmLink
+from swarmctl.tui.app import TopApp
+from swarmctl.tui.chart import IDLE, lane_cells
+from swarmctl.tui.help import HelpScreen
+
+SNAPSHOTS = Path(__file__).parent / "snapshots" / "top"
+FEED = SNAPSHOTS / "feed.jsonl"
+README_SVG = Path(__file__).parents[1] / "docs" / "top-screenshot.svg"  # the README's picture is a golden file too
+SIZE = (120, 40)
+UPDATE = bool(os.environ.get("SWARMCTL_UPDATE_SNAPSHOTS"))
+
+
+# --- the arithmetic, on small hand-made polls ---
+
+def _status(*trunks: tuple[str, int, int]) -> dict:
+    members = [{"name": "host", "role": "host", "address": "127.0.0.1:7470", "layers": None, "memory": None,
+                "health": "up (host)"}]
+    members += [{"name": n, "role": "trunk", "address": f"127.0.0.1:{7471 + i}", "layers": [a, b],
+                 "memory": 4_000_000_000, "health": "ready"} for i, (n, a, b) in enumerate(trunks)]
+    return {"swarm": "s", "model": "m.gguf", "plan_version": 3, "complete": True, "missing_layers": [],
+            "members": members}
+
+
+def _stats(clock: float, batches: list, steps: int, requests: tuple = ()) -> dict:
+    return {"time": clock, "recent_batches": batches, "requests_detail": list(requests), "queue_depth": 2,
+            "rss": 90_000_000, "steps": steps}
+
+
+def test_occupancy_rates_and_letters_from_polls():
+    clock = 1000.0
+    # trunk-a: busy 1 s of the last 5 (two batches), request r1 in both, r2 in one
+    a = _stats(clock, [[clock - 4.0, 0.5, 1, ["r1"]], [clock - 1.0, 0.5, 2, ["r1", "r2"]]], steps=3,
+               requests=({"id": "r1", "position": 30, "idle_s": 0.5}, {"id": "r2", "position": 12, "idle_s": 0.9}))
+    b = _stats(clock, [[clock - 0.5, 0.25, 1, ["r2"]]], steps=1,
+               requests=({"id": "r1", "position": 29, "idle_s": 2.0}, {"id": "r2", "position": 12, "idle_s": 0.2}))
+    builder = SnapshotBuilder(window_s=5.0)
+    snap = builder.add(RawPoll(1.0, 0.01, _status(("a", 4, 10), ("b", 10, 26)), stats={"a": a, "b": b},
+                               pings_ms={"a": 0.5}))
+    nodes = {n.name: n for n in snap.nodes}
+    assert [n.name for n in snap.nodes] == ["a", "b", "host"]  # stages by layer, then the rest
+    assert nodes["a"].occupancy == pytest.approx(1.0 / 5)
+    assert nodes["b"].occupancy == pytest.approx(0.25 / 5)
+    assert nodes["a"].tok_s == pytest.approx(3 / 5)  # steps: r1, r1, r2
+    assert nodes["a"].next_hop == "b" and nodes["b"].next_hop == "asker"
+    assert nodes["a"].ping_ms == 0.5 and nodes["b"].ping_ms is None
+    assert nodes["host"].occupancy is None
+    requests = {r.request_id: r for r in snap.requests}
+    assert requests["r1"].tokens == 30 and requests["r1"].stage == "a" and requests["r1"].idle_s == 0.5
+    assert requests["r2"].stage == "b"
+    assert requests["r1"].letter == "a" and requests["r2"].letter == "b"  # by first appearance
+    assert [b.letters for b in snap.lanes[0].batches] == [("a",), ("a", "b")]
+
+    # next poll: 1 s later, 40 more steps at the first stage; r1 gone, r3 new takes r1's letter
+    later = _stats(clock + 1, [[clock + 0.5, 0.1, 1, ["r3"]]], steps=43)
+    snap2 = builder.add(RawPoll(2.0, 0.01, _status(("a", 4, 10), ("b", 10, 26)), stats={"a": later}))
+    assert snap2.tok_s == pytest.approx(40.0)
+    assert snap2.lanes[0].batches[0].letters == ("a",)  # r3 has the free letter
+    assert not snap2.lanes[1].reachable and {n.name: n.stats_error for n in snap2.nodes}["b"] == ""
+
+
+def test_an_unreachable_host_keeps_the_last_picture_with_a_banner():
+    builder = SnapshotBuilder()
+    first = builder.add(RawPoll(1.0, 0.5, None, host_error="cannot connect to 127.0.0.1:7470: no answer",
+                                retry_in_s=1.0))
+    assert first.banner == "swarm unreachable: cannot connect to 127.0.0.1:7470: no answer, retrying in 1 s"
+    assert first.nodes == () and first.stale
+    good = builder.add(RawPoll(2.0, 0.01, _status(("a", 4, 26)), stats={"a": _stats(5.0, [], 0)}))
+    assert not good.banner and not good.stale
+    lost = builder.add(RawPoll(3.0, 2.0, None, host_error="no answer in time", retry_in_s=4.0))
+    assert lost.stale and lost.nodes is good.nodes and "retrying in 4 s" in lost.banner
+    assert lost.seq > good.seq
+
+
+def test_chart_cells_show_requests_batches_and_idle():
+    from swarmctl.monitor.snapshot import Batch, Lane
+
+    lane = Lane("a", (4, 10), (Batch(0.95, 0.1, ("a",)), Batch(0.45, 0.1, ("a", "b"))), reachable=True)
+    cells = lane_cells(lane, span_s=1.0, n_cells=10)  # 0.1 s per cell
+    marks = ["".join(sorted(c.letters)) or IDLE for c in cells]
+    assert marks == ["a", "a", IDLE, IDLE, IDLE, "ab", "ab", IDLE, IDLE, IDLE]
+    assert sum(c.busy_s for c in cells) == pytest.approx(0.2)
+
+
+def test_recording_round_trip(tmp_path):
+    polls = read_recording(FEED)
+    path = tmp_path / "again.jsonl"
+    recorder = Recorder(path)
+    for poll in polls:
+        recorder.write(poll)
+    recorder.close()
+    again = read_recording(path)
+    assert len(again) == len(polls) > 10
+    assert again[-1].stats == polls[-1].stats and again[-1].status == polls[-1].status
+    assert path.stat().st_size <= FEED.stat().st_size * 1.01  # only new batches are written
+
+
+# --- the screen from the recorded feed, against golden files ---
+
+def screen_text(app: TopApp) -> str:
+    """The screen as plain text (what a terminal shows, without colours), as Textual's own
+    export_screenshot renders it."""
+    console = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), force_terminal=True,
+                      color_system="truecolor", record=True, legacy_windows=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
+
+
+def node_rows(text: str) -> list[str]:
+    """The names in the nodes panel, top to bottom."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "NAME" in line and "ADDRESS" in line) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
+    return [line.strip("│ ").split()[0] for line in lines[start:end] if line.strip("│ ")]
+
+
+def check_golden(name: str | Path, actual: str) -> None:
+    path = SNAPSHOTS / name
+    if UPDATE or not path.exists():
+        path.write_text(actual)
+        if not UPDATE:
+            pytest.fail(f"{path} did not exist: written now, check it and commit it")
+        return
+    expected = path.read_text()
+    assert actual == expected, (f"the screen differs from {path} (an intended change? regenerate with "
+                                "SWARMCTL_UPDATE_SNAPSHOTS=1 and commit the diff)")
+
+
+async def _render(feed, keys: list[str]) -> tuple[str, TopApp]:
+    app = TopApp(feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        for key in keys:
+            await pilot.press(key)
+        await pilot.pause(0.3)  # past a refresh tick
+        return screen_text(app), app
+
+
+SCENES = {
+    "main": [],
+    "sorted-by-busy-paused": ["s", "s", "p"],
+    "zoomed-out-5s": ["minus", "minus"],
+    "help": ["question_mark"],
+}
+
+
+@pytest.mark.parametrize("scene", SCENES)
+def test_golden_screen_from_recorded_feed(scene):
+    text, app = asyncio.run(_render(ReplayFeed(read_recording(FEED), realtime=False), SCENES[scene]))
+    check_golden(f"{scene}.txt", text)
+    if scene == "main":
+        assert "trunk-1" in text and "trunk-2" in text and "pipeline occupancy" in text
+
+
+def test_golden_svg_from_recorded_feed():
+    """In colour: the README's SVG, drawn from the same feed."""
+    async def svg() -> str:
+        app = TopApp(ReplayFeed(read_recording(FEED), realtime=False))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.3)
+            return app.export_screenshot(title="swarmctl top", simplify=True)
+
+    check_golden(README_SVG, asyncio.run(svg()))
+
+
+def test_golden_screen_when_the_host_stops_answering():
+    polls = read_recording(FEED)
+    polls.append(RawPoll(polls[-1].taken_at + 2, 2.0, None, host_error="no answer in time", retry_in_s=2.0))
+    text, _ = asyncio.run(_render(ReplayFeed(polls, realtime=False), []))
+    assert "swarm unreachable: no answer in time, retrying in 2 s" in text
+    check_golden("unreachable.txt", text)
+
+
+# --- a live local swarm under load ---
+
+@pytest.fixture(scope="module")
+def live_swarm(bundled_model):
+    with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1) as swarm:
+        yield swarm
+
+
+async def _keep_busy(asker: Asker, link: SwarmLink, stop: asyncio.Event, concurrency: int = 3) -> None:
+    async def worker(i: int) -> None:
+        k = 0
+        while not stop.is_set():
+            prompt = [300 + (i * 97 + k * 13 + j * 7) % 20000 for j in range(16)]
+            await generate_all(asker, prompt, link, max_tokens=24, sampling=SamplingParams(temperature=0),
+                               ignore_eos=True)
+            k += 1
+
+    await asyncio.gather(*[worker(i) for i in range(concurrency)])
+
+
+async def _until(pilot, condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; screen:\n{screen_text(pilot.app)}")
+        await pilot.pause(0.2)
+
+
+def test_live_swarm_under_load_rows_occupancy_and_keys(live_swarm, bundled_model):
+    async def scenario() -> None:
+        link = await SwarmLink.open(live_swarm.asker_home, alive_check=live_swarm.check_alive, min_stages=2)
+        asker = Asker(bundled_model, link.head_layers, n_threads=1)
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(_keep_busy(asker, link, stop))
+        app = TopApp(Monitor(live_swarm.asker_home, MonitorConfig(interval_s=0.25)))
+        try:
+            async with app.run_test(size=SIZE) as pilot:
+                def busy_trunks() -> set[str]:
+                    return {n.name for n in app.snapshot.nodes if n.role == "trunk" and (n.occupancy or 0) > 0}
+
+                await _until(pilot, lambda: busy_trunks() == {"trunk-1", "trunk-2"}, 60, "both trunks busy")
+                await pilot.pause(0.3)
+                text = screen_text(app)
+                assert sorted(node_rows(text)) == ["asker", "host", "trunk-1", "trunk-2"]
+                assert "trunk-1 [4," in text and "% " in text  # a lane and a busy figure on screen
+                await _until(pilot, lambda: app.snapshot.requests and app.snapshot.tok_s > 0, 10, "requests")
+
+                await pilot.press("p")  # pause: the picture stops changing, polling does not
+                frozen = app.snapshot
+                await pilot.pause(1.0)
+                assert app.paused and app.snapshot is frozen and "PAUSED" in screen_text(app)
+                assert app.feed.latest() is not frozen
+                await pilot.press("p")
+                await pilot.pause(0.5)
+                assert not app.paused and app.snapshot is not frozen
+
+                await pilot.press("s")  # sort by name
+                await pilot.pause(0.3)
+                assert app.sort_key == "name"
+                assert node_rows(screen_text(app)) == ["asker", "host", "trunk-1", "trunk-2"]
+                assert "sorted by name" in screen_text(app)
+
+                await pilot.press("question_mark")
+                await pilot.pause(0.2)
+                assert isinstance(app.screen, HelpScreen) and "NEXT HOP" in screen_text(app)
+                await pilot.press("question_mark")
+                await pilot.pause(0.2)
+                assert not isinstance(app.screen, HelpScreen)
+
+                await pilot.press("q")
+                await pilot.pause(0.2)
+            assert app.return_code == 0
+        finally:
+            stop.set()
+            await asyncio.wait_for(load, 60)
+            await link.close()
+            asker.close()
+
+    asyncio.run(scenario())
+
+
+def test_monitor_keeps_its_connections_past_128_requests(live_swarm):
+    """QUIC grants a peer only so many streams at once (128 in aioquic): every poll opens new
+    request streams on the same long-lived connections, and none may stall."""
+    async def scenario() -> tuple[int, bool]:
+        monitor = Monitor(live_swarm.asker_home, MonitorConfig(timeout_s=5))
+        try:
+            for _ in range(100):  # until the trunk connections (opened in the background) are up
+                if len((await monitor.poll_once()).stats) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            connections = [monitor._host, *(peer.conn for peer in monitor._peers.values())]
+            polls = [await monitor.poll_once() for _ in range(140)]  # 280 requests to the host, 140 to each trunk
+            answered = sum(p.status is not None and len(p.stats) == 2 for p in polls)
+            return answered, connections == [monitor._host, *(peer.conn for peer in monitor._peers.values())]
+        finally:
+            monitor.close()
+
+    answered, same_connections = asyncio.run(scenario())
+    assert answered == 140 and same_connections
+
+
+def test_unreachable_swarm_shows_a_banner_and_keeps_retrying(tmp_path):
+    """A host that never answers (nothing listens at its address): connecting, then
+    "unreachable ... retrying", and the app stays up until q."""
+    home = SwarmHome(tmp_path / "lonely-host")
+    address = f"127.0.0.1:{free_udp_port()}"
+    create_swarm(home, swarm_name="gone", host_name="host", listen=address, advertise=[address], model=None,
+                 head_layers=4)
+
+    async def scenario() -> None:
+        app = TopApp(Monitor(home, MonitorConfig(interval_s=0.25, max_backoff_s=1.0)))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.3)
+            assert f"connecting to the swarm host at {address}" in screen_text(app)
+            await _until(pilot, lambda: app.snapshot.banner.startswith("swarm unreachable"), 20, "the banner")
+            banner = app.snapshot.banner
+            assert banner.startswith(f"swarm unreachable: cannot connect to {address}: ") and "retrying" in banner
+            assert banner in screen_text(app)
+            await _until(pilot, lambda: app.snapshot.banner.endswith("retrying now"), 5, "a retry")
+            await pilot.press("q")
+            await pilot.pause(0.2)
+        assert app.return_code == 0
+
+    asyncio.run(scenario())
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert cli_main(["top", "--window", "30"]) == 2
+    assert cli_main(["top", "--replay", str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert cli_main(["top", "--replay", str(tmp_path / "bad.jsonl")]) == 1
+    assert cli_main(["top"]) == 1  # no swarm joined in this test's SWARMCTL_HOME
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and "Traceback" not in "".join(lines)
+    assert "must be between 0.5 and 10" in lines[0] and "no recording" in lines[1]
+    assert "not a swarmctl top recording" in lines[2] or "cannot read recording" in lines[2]
+    assert "no swarm state" in lines[3]
