@@ -15,12 +15,14 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from kernels.errors import EngineError
+
 from .capture import ObservedStream, read_capture, received_streams, result_streams
 from .downlink import DownlinkDecoder
 from .invert import DEFAULT_MAX_CANDIDATES, Inversion, UplinkInverter
 
 
-class NoTrafficError(Exception):
+class NoTrafficError(EngineError):
     """The captures hold no activations to attack."""
 
 
@@ -31,7 +33,6 @@ class AttackResult:
     downlink_stage: str | None
     inversions: dict[bytes, Inversion] = field(default_factory=dict)  # by request id
     downlink: dict[bytes, list[int]] = field(default_factory=dict)  # top-1 token after each result packet
-    skipped: int = 0  # uplink streams not seen from position 0 (nothing to build a prefix on)
     table_build_s: float = 0.0
     attack_s: float = 0.0
 
@@ -57,8 +58,7 @@ def attack(model: str | Path, captures: Mapping[str, Iterable[Path]], *, cache_d
         result.table_build_s = inverter.table.build_s
         for stream in received[uplink_stage]:
             if stream.layer_index != layer or not stream.complete:
-                result.skipped += stream.layer_index == layer
-                continue
+                continue  # another boundary, or not seen from position 0: no prefix to build on
             result.inversions[stream.request_id] = inverter.invert(stream)
     if downlink_stage is not None:
         streams = results[downlink_stage]

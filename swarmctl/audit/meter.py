@@ -39,6 +39,9 @@ class AuditSettings:
     attack_threads: int = 1
     swarm_threads: int | None = None  # per node of the local swarm and the asker
     cache_dir: Path | None = None  # where the inversion table is kept between runs
+    # With noise on, the attacker weighs distances by the mitigation's per-dimension scale (public
+    # code, calibrated on a public text); False measures a naive attacker instead.
+    attacker_knows_noise: bool = True
 
 
 def load_prompts(path: Path | None = None) -> list[str]:
@@ -77,7 +80,7 @@ def attack_and_score(model: Path, runs: list[PromptRun], captures: dict[str, lis
     from kernels.tokenizer import Tokenizer
 
     weights = None
-    if settings.uplink_noise:
+    if settings.uplink_noise and settings.attacker_knows_noise:
         # The mitigation is public code calibrated on a public text: the attacker recomputes its
         # per-dimension scale and weighs distances by it (the likeliest token under that noise).
         std = calibrate(model, settings.head_layers, n_threads=settings.attack_threads)

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="compute threads")
     parser.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
                         help="context length in tokens (default: the model's, at most 4096)")
+    parser.add_argument("--uplink-noise", type=float, default=0.0, metavar="S",
+                        help="add calibrated Gaussian noise (sigma scale S) to the activations sent to the trunk; "
+                             "off by default. Measured in docs/threat-model.md: it does not stop inversion")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--top-p must be in (0, 1]")
     if args.temperature < 0:
         raise UsageError("--temperature must be 0 or more")
+    if not args.uplink_noise >= 0:
+        raise UsageError("--uplink-noise must be 0 or more")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return asyncio.run(_ask(args, sampling))
 
@@ -72,6 +77,11 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx)
     async with open_session(options) as session:
+        if args.uplink_noise:
+            from swarmctl.audit.noise import UplinkNoise
+
+            session.asker.uplink_transform = UplinkNoise.calibrated(session.model, session.asker.head.slice.stop,
+                                                                    args.uplink_noise, n_threads=args.threads)
         return await _stream(session.asker, session.trunk, _prompt_tokens(session.asker, args), args.max_tokens,
                              sampling)
 
