@@ -175,7 +175,9 @@ class SliceEngine:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(r.kv.n_bytes for r in self._requests.values() if r.kv is not None)
+        # list() copies in one step under the GIL: the event loop asks while the compute thread
+        # may be adding a request, and iterating the live dict would then raise.
+        return sum(r.kv.n_bytes for r in list(self._requests.values()) if r.kv is not None)
 
     def forward(self, request_id: bytes | str, *, start_pos: int, tokens: Sequence[int] | np.ndarray | None = None,
                 hidden: np.ndarray | None = None, outputs: Outputs = "last") -> np.ndarray:

@@ -39,6 +39,10 @@ class ConnectionHandler(Protocol):
     def connection_lost(self, conn: "SwarmProtocol") -> None: ...
 
 
+class StreamClosedError(ConnectionResetError):
+    """Sending on a stream that is already finished or was reset (by us or the peer)."""
+
+
 class SwarmProtocol(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, stream_handler=None, *, handler: ConnectionHandler,
                  max_frame: int = DEFAULT_MAX_FRAME, client_check: CertificateCheck | None = None,
@@ -114,13 +118,30 @@ class SwarmProtocol(QuicConnectionProtocol):
     # --- sending ---
 
     def open_stream(self) -> int:
+        """The id of the next new stream: aioquic creates it when data is first sent on it, so
+        send before anything else may open one."""
         return self._quic.get_next_available_stream_id()
 
     def send(self, stream_id: int, data: bytes, end: bool = False) -> None:
         if not self.is_open:
             raise ConnectionError(f"connection to {self.peer_name or 'peer'} is closed")
-        self._quic.send_stream_data(stream_id, data, end_stream=end)
+        try:
+            self._quic.send_stream_data(stream_id, data, end_stream=end)
+        except (ValueError, RuntimeError, AssertionError) as e:  # aioquic: the stream was finished or reset
+            raise StreamClosedError(f"stream {stream_id} to {self.peer_name or 'peer'} is closed: {e}") from None
         self.transmit()
+
+    def finish(self, stream_id: int) -> None:
+        """End our side of a stream the peer has ended (or abandoned), if it is still open, so that
+        QUIC can forget it: a peer may hold only so many streams at once (128 in aioquic)."""
+        stream = self._quic._streams.get(stream_id)
+        if not self.is_open or stream is None or stream.sender._buffer_fin is not None \
+                or stream.sender._reset_error_code is not None:
+            return
+        try:
+            self.send(stream_id, b"", end=True)
+        except ConnectionError:
+            pass
 
     async def drain(self, stream_id: int, limit: int) -> None:
         """Backpressure: wait until at most ``limit`` bytes of this stream are unacknowledged.

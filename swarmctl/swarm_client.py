@@ -52,7 +52,8 @@ class _RouteFailed(Exception):
 @dataclass
 class _Request:
     history: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (start_pos, activations) sent
-    stream_id: int | None = None  # on first_conn, under plan_version
+    stream_id: int | None = None  # on conn (the first stage's connection when the route opened), under plan_version
+    conn: SwarmProtocol | None = None
     plan_version: int = -1
     expect_pos: int = -1  # the start position whose RESULT the waiting step needs
     result: asyncio.Future | None = None
@@ -136,16 +137,24 @@ class SwarmLink:
             except _RouteFailed as e:
                 failed_at = failed_at or time.monotonic()
                 log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
+                if request.conn is not None and request.stream_id is not None:
+                    request.conn.finish(request.stream_id)  # abandoned: let QUIC forget it
                 request.stream_id = None
                 await self._await_reroute(deadline)
 
     async def release(self, rid: bytes) -> None:
         request = self._requests.pop(rid, None)
-        if request is not None and request.stream_id is not None and self.first_conn is not None \
-                and self.first_conn.is_open and request.plan_version == self.plan.version:
-            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
-                                   np.empty((0, 0), np.float32))
-            self.first_conn.send(request.stream_id, encode_packet(end), end=True)
+        if request is None or request.stream_id is None or request.conn is None or not request.conn.is_open:
+            return
+        if request.plan_version != self.plan.version:
+            request.conn.finish(request.stream_id)  # a stream of an old route: just end it
+            return
+        end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
+                               np.empty((0, 0), np.float32))
+        try:
+            request.conn.send(request.stream_id, encode_packet(end), end=True)
+        except ConnectionError:
+            pass  # the stage already reset the stream: it holds nothing for this request
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -160,7 +169,7 @@ class SwarmLink:
         request.expect_pos = start_pos
         request.result = asyncio.get_running_loop().create_future()
         self._send(rid, request, hidden, start_pos)
-        await self.first_conn.drain(request.stream_id, SEND_BACKLOG)
+        await request.conn.drain(request.stream_id, SEND_BACKLOG)
         try:
             result = await asyncio.wait_for(asyncio.shield(request.result), max(0.1, deadline - time.monotonic()))
         except asyncio.TimeoutError:
@@ -175,9 +184,13 @@ class SwarmLink:
         kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
                                   self.dtype, self.creds.name)
-        if not self.first_conn.is_open:
+        conn = request.conn
+        if conn is None or not conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
-        self.first_conn.send(request.stream_id, encode_packet(packet))
+        try:
+            conn.send(request.stream_id, encode_packet(packet))
+        except ConnectionError as e:  # the stage reset the stream, or the connection just closed
+            raise _RouteFailed(str(e)) from None
 
     async def _open_route(self, rid: bytes, request: _Request) -> int:
         """A new stream on the current route, and every step of the request's history replayed
@@ -185,13 +198,14 @@ class SwarmLink:
         if self.latest_plan is not None and self.latest_plan.version != self.plan.version:
             await self._follow_plan()
         request.stream_id = self.first_conn.open_stream()
+        request.conn = self.first_conn
         request.plan_version = self.plan.version
         request.expect_pos = -1
         replayed = 0
         for pos, h in request.history:
             self._send(rid, request, h, pos)
             replayed += h.nbytes
-            await self.first_conn.drain(request.stream_id, SEND_BACKLOG)
+            await request.conn.drain(request.stream_id, SEND_BACKLOG)
         return replayed
 
     async def _await_reroute(self, deadline: float) -> None:
@@ -380,7 +394,7 @@ class SwarmLink:
         if request is None or request.result is None or request.result.done():
             return
         if packet.kind == PacketKind.ERROR:
-            if conn is self.first_conn and stream_id == request.stream_id:  # not an abandoned route's
+            if conn is request.conn and stream_id == request.stream_id:  # not an abandoned route's
                 request.result.set_result(packet)
         elif packet.start_pos == request.expect_pos:
             request.result.set_result(packet)  # results of replayed steps are not what we wait for

@@ -26,7 +26,7 @@ from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import verify_member
-from net.protocol import SwarmProtocol
+from net.protocol import StreamClosedError, SwarmProtocol
 from net.wire import (ActivationPacket, DType, ExpertCall, ExpertCallKind, Frame, FrameType, Hop, PacketKind,
                       WireError, decode_control, decode_expert_call, decode_packet, encode_control,
                       encode_expert_call, encode_packet)
@@ -55,6 +55,13 @@ class Route:
     reply_to: str
     out_stream: int | None = None
     last_active: float = field(default_factory=time.monotonic)
+
+
+async def _quiet_ping(conn: SwarmProtocol) -> None:
+    try:
+        await asyncio.wait_for(conn.ping(), 5)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
 
 
 async def _round_trip_ms(conn: SwarmProtocol, pings: int = 3) -> float:
@@ -192,6 +199,11 @@ class TrunkService:
                 await asyncio.wait_for(self.host_conn.ping(), PING_INTERVAL)
             except (ConnectionError, asyncio.TimeoutError):
                 continue
+            # Links this trunk opened to its peers stay warm too: an idle QUIC connection closes after
+            # IDLE_TIMEOUT, and the next request would meet it closing and have to reroute.
+            for conn in (self.next_conn, *self.expert_conns.values()):
+                if conn is not None and conn.is_open:
+                    self._spawn(_quiet_ping(conn))
             await asyncio.sleep(PING_INTERVAL)
 
     async def _register(self) -> None:
@@ -540,6 +552,9 @@ class TrunkService:
         # (the request started over on a new stream) answers a packet nobody waits for.
         if route is not None and packet.kind == PacketKind.ERROR and route.out_stream == stream_id:
             self._send(route.in_conn, route.in_stream, packet)
+            if self.next_conn is not None:
+                self.next_conn.finish(stream_id)  # the next stage ended it with the error
+            route.out_stream = None
 
     def stats(self, window_s: float = 10.0) -> dict:
         """A snapshot for status views, `swarmctl top` and tests (read on the event loop).
@@ -579,6 +594,7 @@ class TrunkService:
                 return  # the sender is already rerouting: later packets on this stream answer nothing
             if packet.kind == PacketKind.END:
                 await self._release(rid, forward=True)
+                conn.finish(stream_id)  # both sides ended: QUIC can forget the stream
                 return
             if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
                 self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
@@ -712,16 +728,21 @@ class TrunkService:
                 self._failed_streams.clear()
 
     def _send_error(self, conn: SwarmProtocol, stream_id: int, rid: bytes, message: str, retry: bool = False) -> None:
+        """An error ends this side of the request's stream: the sender gives up on it (or starts
+        over on a new one), and a finished stream frees its slot in QUIC's stream limit."""
         error = ActivationPacket(PacketKind.ERROR, rid, self.plan.version if self.plan else 0, 0, 0,
                                  np.empty((0, 0), np.float32), DType.F32, "", message, retry=retry)
-        self._send(conn, stream_id, error)
+        self._send(conn, stream_id, error, end=True)
 
-    def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+    def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket, end: bool = False) -> None:
         if conn.is_open:
             data = encode_packet(packet)
             self.activation_bytes_sent += len(data)
             self._capture("send", Frame(FrameType.ACTIVATION, data[5:]))
-            conn.send(stream_id, data)
+            try:
+                conn.send(stream_id, data, end=end)
+            except StreamClosedError as e:  # the peer reset it (it gave up on the request): nobody to tell
+                log.info("%s", e)
 
     async def _send_and_drain(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
         self._send(conn, stream_id, packet)

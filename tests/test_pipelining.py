@@ -129,3 +129,21 @@ def test_admission_waits_then_times_out_with_a_clear_error(local_swarm, bundled_
             asker.close()
 
     assert asyncio.run(scenario()) == [40, 40, 4]  # the waiting request ran once a slot freed
+
+
+def test_one_link_serves_more_requests_than_quic_has_streams(local_swarm, bundled_model):
+    """Each request has its own stream on every hop; QUIC (aioquic) grants a peer 128 at a time
+    and more only as streams finish both ways. So both ends must finish a request's stream when
+    it is released, or the 129th request through one link waits forever."""
+    async def many():
+        link = await SwarmLink.open(local_swarm.asker_home, min_stages=2)
+        link.request_timeout = 20
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
+        try:
+            return [len((await generate_all(asker, [1000 + i], link, max_tokens=1, sampling=GREEDY)).tokens)
+                    for i in range(140)]
+        finally:
+            await link.close()
+            asker.close()
+
+    assert asyncio.run(many()) == [1] * 140
