@@ -117,6 +117,16 @@ class SwarmProtocol(QuicConnectionProtocol):
 
     # --- sending ---
 
+    async def ping(self) -> None:
+        """aioquic's ping, except that a ping whose wait timed out does not log "Future exception
+        was never retrieved" when the connection closes later (aioquic fails its waiter then)."""
+        waiter = self._loop.create_future()
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._ping_waiters[id(waiter)] = waiter
+        self._quic.send_ping(id(waiter))
+        self.transmit()
+        await asyncio.shield(waiter)
+
     def open_stream(self) -> int:
         """The id of the next new stream: aioquic creates it when data is first sent on it, so
         send before anything else may open one."""

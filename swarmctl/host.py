@@ -33,6 +33,7 @@ from cryptography import x509
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
+from net.liveness import SilenceClock
 from net.identity import cert_pem, verify_member
 from net.protocol import SwarmProtocol
 from net.tls import ALPN_JOIN
@@ -118,11 +119,12 @@ class HostService:
     async def _watch_liveness(self) -> None:
         """A trunk that falls silent (killed, asleep, off the network) is marked down within
         seconds, and the plan moves to the survivors."""
-        loop = asyncio.get_running_loop()
+        clock = SilenceClock(1.0)
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(clock.interval)
+            clock.tick()
             for name, trunk in list(self.trunks.items()):
-                silent = loop.time() - trunk.conn.last_heard
+                silent = clock.silence(trunk.conn)
                 if silent > SILENCE_LIMIT:
                     log.warning("trunk %s silent for %.1fs: marked down", name, silent)
                     self.recovery["last_marked_down"] = name

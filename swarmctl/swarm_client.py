@@ -26,6 +26,7 @@ import numpy as np
 from kernels.errors import EngineError
 from net.endpoint import Address, close, connect_member
 from net.identity import Credentials
+from net.liveness import SilenceClock
 from net.protocol import SwarmProtocol
 from net.wire import (ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_control, decode_packet,
                       encode_control, encode_packet)
@@ -340,15 +341,16 @@ class SwarmLink:
         """Ping the stages and the host every second; a stage gone silent while steps wait on it
         fails them over at once (the host marks it down on its own within seconds too); a lost
         host connection is re-established (a restarted host)."""
-        loop = asyncio.get_running_loop()
+        clock = SilenceClock(PING_INTERVAL)
         while True:
             await asyncio.sleep(PING_INTERVAL)
+            clock.tick()
             for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
                 if conn.is_open:
                     asyncio.ensure_future(_quiet_ping(conn))
             waiting = any(r.result is not None and not r.result.done() for r in self._requests.values())
             silent = [c for c in (self.first_conn, self.last_conn) if c is not None and
-                      loop.time() - c.last_heard > SILENCE_LIMIT]
+                      clock.silence(c) > SILENCE_LIMIT]
             if waiting and silent:
                 self._fail_waiting(f"stage {silent[0].peer_name} went silent")
             if self.host_conn is None or not self.host_conn.is_open:

@@ -614,13 +614,19 @@ class TrunkService:
                 route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
             route.last_active = time.monotonic()
             submitted = time.perf_counter()
+            runner = self.runner
             try:
-                out, timing = await self.runner.run(Step(rid, packet.start_pos,
-                                                         hidden=np.asarray(packet.data, dtype=np.float32)))
+                out, timing = await runner.run(Step(rid, packet.start_pos,
+                                                    hidden=np.asarray(packet.data, dtype=np.float32)))
             except EngineError as e:
                 # A request this stage lost (it restarted, or is reloading) can be replayed from the start.
                 self._refuse(conn, stream_id, rid, str(e),
                              retry=isinstance(e, (RequestStateError, EngineClosedError, RemoteExpertError)))
+                return
+            if self.runner is not runner:
+                # The plan changed while this step computed: its layers are gone from here, and so is
+                # the request's cache. The sender starts it over on the new route.
+                self._refuse(conn, stream_id, rid, f"the plan changed (now v{self.plan.version})", retry=True)
                 return
             self.routes[rid] = route
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -151,6 +152,49 @@ def test_eight_concurrent_requests_survive_a_kill(swarm):
     assert got == want
     assert recoveries >= 1
     restart(swarm, victim)
+    swarm.wait_complete(2)
+
+
+def test_frozen_nodes_under_load_lose_nothing(swarm):
+    """SIGSTOP, as a laptop lid or a starved machine does: first the host for 6 s (longer than its
+    silence limit: on waking it must not blame the trunks for its own absence), then a serving
+    trunk for 6 s (marked down; its requests move to the standby, and it rejoins on waking)."""
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(100, 40000, int(rng.integers(5, 30)))] for _ in range(8)]
+    want = solo(prompts, 32)
+
+    async def freeze(name: str, seconds: float) -> None:
+        process = node_of(swarm, name).process
+        process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+    async def run():
+        from swarmctl.models import default_model_path
+
+        link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
+        asker = Asker(default_model_path(), 4, n_threads=N_THREADS, max_in_flight=8)
+        try:
+            jobs = [asyncio.ensure_future(generate_all(asker, p, link, max_tokens=32, sampling=GREEDY,
+                                                       ignore_eos=True)) for p in prompts]
+            while sum(len(g.tokens) for g in asker.in_flight.values()) < 16:
+                await asyncio.sleep(0.05)
+            version = (await asyncio.to_thread(swarm.status))["plan_version"]
+            await freeze("host", 6.0)
+            await asyncio.sleep(2.0)  # a round of the host's liveness checks after waking
+            host_kept_plan = (await asyncio.to_thread(swarm.status))["plan_version"] == version
+            await freeze((await asyncio.to_thread(active_stages, swarm))[0], 6.0)
+            gens = await asyncio.wait_for(asyncio.gather(*jobs), 150)
+            return [g.tokens for g in gens], host_kept_plan
+        finally:
+            await link.close()
+            asker.close()
+
+    got, host_kept_plan = asyncio.run(run())
+    assert host_kept_plan, "the host marked members down for its own stall"
+    assert got == want
     swarm.wait_complete(2)
 
 

@@ -245,7 +245,8 @@ def test_live_swarm_under_load_rows_occupancy_and_keys(live_swarm, bundled_model
                 await pilot.pause(0.3)
                 text = screen_text(app)
                 assert sorted(node_rows(text)) == ["asker", "host", "trunk-1", "trunk-2"]
-                assert "trunk-1 [4," in text and "% " in text  # a lane and a busy figure on screen
+                # a lane per trunk (the planner orders stages by measured speed, so either may hold layer 4)
+                assert "trunk-1 [" in text and "trunk-2 [" in text and "% " in text
                 await _until(pilot, lambda: app.snapshot.requests and app.snapshot.tok_s > 0, 10, "requests")
 
                 await pilot.press("p")  # pause: the picture stops changing, polling does not
