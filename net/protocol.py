@@ -127,6 +127,12 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.transmit()
         await asyncio.shield(waiter)
 
+    @property
+    def open_streams(self) -> int:
+        """Streams QUIC still tracks on this connection: one not yet ended on both sides counts
+        against the peer's stream limit, so a number that only grows is a leak."""
+        return len(self._quic._streams)
+
     def open_stream(self) -> int:
         """The id of the next new stream: aioquic creates it when data is first sent on it, so
         send before anything else may open one."""

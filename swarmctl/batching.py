@@ -135,7 +135,10 @@ class BatchRunner:
                 # arrived in, so the engine reuses the built graph instead of building another.
                 batch.sort(key=lambda p: p.step.key)
                 started, wall = time.perf_counter(), time.time()
-                results = await loop.run_in_executor(self._executor, self._run_batch, [p.step for p in batch])
+                try:
+                    results = await loop.run_in_executor(self._executor, self._run_batch, [p.step for p in batch])
+                except Exception as e:  # noqa: BLE001 - the executor itself failed: no step may wait forever
+                    results = [EngineError(f"{type(e).__name__}: {e}")] * len(batch)
                 compute = time.perf_counter() - started
                 ok = [r for r in results if not isinstance(r, Exception)]
                 timing_tokens = sum(p.n_tokens for p, r in zip(batch, results) if not isinstance(r, Exception))

@@ -115,6 +115,15 @@ class LocalSwarm:
         lines = (home.path / "node.log").read_text(errors="replace").strip().splitlines()
         return lines[-1] if lines else "no output"
 
+    def log_tails(self, n: int = 30) -> str:
+        """The last lines each node logged, for a test that failed to say what the swarm was doing."""
+        out = []
+        for home in [self.host_home, *self.trunk_homes]:
+            lines = (home.path / "node.log").read_text(errors="replace").splitlines() \
+                if (home.path / "node.log").exists() else []
+            out.append(f"--- {home.path.name}\n" + "\n".join(lines[-n:]))
+        return "\n".join(out)
+
     def close(self) -> None:
         for process in self.processes:
             if process.poll() is None:

@@ -53,6 +53,7 @@ class Route:
     in_conn: SwarmProtocol
     in_stream: int
     reply_to: str
+    out_conn: SwarmProtocol | None = None  # the next stage's connection when out_stream was opened
     out_stream: int | None = None
     last_active: float = field(default_factory=time.monotonic)
 
@@ -126,6 +127,7 @@ class TrunkService:
         self.activation_bytes_sent = 0
         self.gguf: GGUFFile | None = None
         self.routes: dict[bytes, Route] = {}
+        self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
         self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # asker name → results stream
         self.host_conn: SwarmProtocol | None = None
         self.plan_stream: int | None = None
@@ -479,14 +481,17 @@ class TrunkService:
 
     def connection_made(self, conn: SwarmProtocol) -> None:
         log.debug("connection from %s", conn.peer_name)
+        self.connections.add(conn)
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
+        self.connections.discard(conn)
         for rid, route in list(self.routes.items()):
             if route.in_conn is conn:
                 self._spawn(self._release(rid, route=route))
-            elif conn is self.next_conn and route.out_stream is not None:
-                self._send_error(route.in_conn, route.in_stream, rid, f"next stage {self.next_member} went away",
+            elif route.out_conn is conn and route.out_stream is not None:
+                self._send_error(route.in_conn, route.in_stream, rid, f"next stage {conn.peer_name} went away",
                                  retry=True)
+                route.out_stream = None
                 self._spawn(self._release(rid, route=route))
         if conn is self.next_conn:
             self.next_conn = self.next_member = None
@@ -495,7 +500,7 @@ class TrunkService:
                 del self.subscribers[name]
 
     def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
-        pass
+        self._spawn(self._stream_closed(conn, stream_id))
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
         if conn is self.host_conn and stream_id in self._fetch_frames:
@@ -513,10 +518,10 @@ class TrunkService:
         except WireError as e:
             conn.reject_stream(stream_id, str(e))
             return
-        if conn is self.next_conn:  # something coming back from the next stage
-            self._from_next_stage(stream_id, packet)
+        if packet.kind == PacketKind.ERROR:  # coming back from a next stage (nobody else sends errors here)
+            self._from_next_stage(conn, stream_id, packet)
             return
-        self._spawn(self._handle(conn, stream_id, packet, time.perf_counter()))
+        self._spawn(self._handle_safely(conn, stream_id, packet, time.perf_counter()))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -546,15 +551,14 @@ class TrunkService:
         else:
             conn.send(stream_id, encode_control({"type": "error", "message": "unknown request"}), end=True)
 
-    def _from_next_stage(self, stream_id: int, packet: ActivationPacket) -> None:
+    def _from_next_stage(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
         route = self.routes.get(packet.request_id)
         # Only errors about the request's current route go back; one from a route it abandoned
         # (the request started over on a new stream) answers a packet nobody waits for.
-        if route is not None and packet.kind == PacketKind.ERROR and route.out_stream == stream_id:
+        if route is not None and route.out_conn is conn and route.out_stream == stream_id:
             self._send(route.in_conn, route.in_stream, packet)
-            if self.next_conn is not None:
-                self.next_conn.finish(stream_id)  # the next stage ended it with the error
             route.out_stream = None
+        conn.finish(stream_id)  # the next stage ended the stream with its error; now both sides have
 
     def stats(self, window_s: float = 10.0) -> dict:
         """A snapshot for status views, `swarmctl top` and tests (read on the event loop).
@@ -576,6 +580,7 @@ class TrunkService:
             "largest_batch": runner.stats.largest_batch if runner else 0,
             "tensor_bytes": engine.weights.n_bytes if engine else (self.experts.n_bytes if self.experts else 0),
             "peak_kv_bytes": self.peak_kv_bytes,
+            "open_streams": sum(c.open_streams for c in self.connections if c.is_open),
             "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"), "fetched_bytes": self.fetched_bytes,
             "role": "experts" if self.experts else ("stage" if self.stage else "idle"),
             "expert_range": [self.experts.first, self.experts.last] if self.experts else None,
@@ -586,6 +591,17 @@ class TrunkService:
 
     # --- the data path ---
 
+    async def _handle_safely(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket,
+                             arrived: float) -> None:
+        """A bug met while handling a packet answers the sender (who replays the request, within its
+        deadline) instead of leaving it waiting for a packet that never comes."""
+        try:
+            await self._handle(conn, stream_id, packet, arrived)
+        except Exception as e:  # noqa: BLE001 - logged in full; the node and its other requests carry on
+            log.exception("request %s: unexpected error", packet.request_id.hex()[:8])
+            self._refuse(conn, stream_id, packet.request_id, f"internal error at {self.name}: {type(e).__name__}",
+                         retry=True)
+
     async def _handle(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket, arrived: float) -> None:
         rid = packet.request_id
         lock = self._locks.setdefault(rid, asyncio.Lock())
@@ -593,7 +609,9 @@ class TrunkService:
             if (id(conn), stream_id, rid) in self._failed_streams:
                 return  # the sender is already rerouting: later packets on this stream answer nothing
             if packet.kind == PacketKind.END:
-                await self._release(rid, forward=True)
+                route = self.routes.get(rid)
+                if route is not None and route.in_conn is conn and route.in_stream == stream_id:
+                    await self._release(rid, forward=True)  # (an END on an abandoned stream ends nothing)
                 conn.finish(stream_id)  # both sides ended: QUIC can forget the stream
                 return
             if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
@@ -609,7 +627,8 @@ class TrunkService:
                 if packet.start_pos != 0:
                     self._refuse(conn, stream_id, rid, "request id is in use on another stream", retry=True)
                     return
-                route = None  # a request starting over (replayed after a failure) on a new stream
+                self._close_out_stream(rid, route)  # a request starting over (replayed after a failure) on a new stream
+                route = None
             if route is None:
                 route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
             route.last_active = time.monotonic()
@@ -671,8 +690,9 @@ class TrunkService:
         except (ConnectionError, OSError) as e:
             self._refuse(route.in_conn, route.in_stream, rid, f"cannot reach the next stage: {e}", retry=True)
             return
-        if route.out_stream is None:
-            route.out_stream = conn.open_stream()
+        if route.out_stream is None or route.out_conn is not conn:
+            self._close_out_stream(rid, route)
+            route.out_conn, route.out_stream = conn, conn.open_stream()
         await self._send_and_drain(conn, route.out_stream, onward)
 
     async def _next_stage_conn(self) -> SwarmProtocol:
@@ -688,8 +708,10 @@ class TrunkService:
         return self.next_conn
 
     async def _release(self, rid: bytes, forward: bool = False, route: Route | None = None) -> None:
-        """Free a request. With ``route``, only if that is still the request's route: the request
-        may have started over on a new stream since (a reroute), and then it must live on."""
+        """Free a request, and end its stream onward: with an END when ``forward`` (the request is
+        over), else just closed (the next stage frees what that stream held). With ``route``, only
+        if that is still the request's route: the request may have started over on a new stream
+        since (a reroute), and then it must live on."""
         if route is not None:
             async with self._locks.setdefault(rid, asyncio.Lock()):
                 if self.routes.get(rid) is not route:
@@ -698,16 +720,41 @@ class TrunkService:
                 if self.runner is not None:
                     await self.runner.call(self.engine.release, rid)
             self._locks.pop(rid, None)
+        else:
+            route = self.routes.pop(rid, None)
+            self._locks.pop(rid, None)
+            if self.runner is not None:
+                await self.runner.call(self.engine.release, rid)
+        if route is not None:
+            self._close_out_stream(rid, route, end_request=forward)
+
+    def _close_out_stream(self, rid: bytes, route: Route, end_request: bool = False) -> None:
+        """End our side of a request's stream to the next stage, with an END packet first when the
+        request is over. Every stream must end on both sides, or QUIC's stream limit (128 per peer
+        in aioquic) runs out and the link stalls."""
+        conn, stream_id = route.out_conn, route.out_stream
+        route.out_stream = None
+        if conn is None or stream_id is None or not conn.is_open:
             return
-        route = self.routes.pop(rid, None)
-        self._locks.pop(rid, None)
-        if self.runner is not None:
-            await self.runner.call(self.engine.release, rid)
-        if forward and route is not None and route.out_stream is not None and self.next_conn is not None \
-                and self.next_conn.is_open:
-            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.stage.stop, 0,
-                                   np.empty((0, 0), np.float32))
-            self.next_conn.send(route.out_stream, encode_packet(end), end=True)
+        if end_request:
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version if self.plan else 0,
+                                   self.stage.stop if self.stage else 0, 0, np.empty((0, 0), np.float32))
+            try:
+                conn.send(stream_id, encode_packet(end), end=True)
+                return
+            except StreamClosedError:
+                pass
+        conn.finish(stream_id)
+
+    async def _stream_closed(self, conn: SwarmProtocol, stream_id: int) -> None:
+        """The sender ended a stream. If it was a request's (after its END, or abandoned on a reroute
+        or a plan change), whatever this stage still holds for it goes, the end is passed on, and
+        our side of the stream ends too. Other streams (a results subscription, a control or
+        expert call being answered) end our side when they answer."""
+        for rid, route in list(self.routes.items()):
+            if route.in_conn is conn and route.in_stream == stream_id:
+                await self._release(rid, route=route)
+                conn.finish(stream_id)
 
     async def _reap_idle(self) -> None:
         while True:
@@ -716,11 +763,15 @@ class TrunkService:
             for rid, route in list(self.routes.items()):
                 if now - route.last_active > self.idle_timeout:
                     log.info("request %s idle for %.0fs: freeing its cache", rid.hex()[:8], now - route.last_active)
+                    # Tell the sender (should it ever come back, it starts over) and end the stream.
+                    self._send_error(route.in_conn, route.in_stream, rid, "idle too long: this stage freed its cache",
+                                     retry=True)
                     self._spawn(self._release(rid, route=route))
 
     def _drop_all_routes(self, reason: str) -> None:
         for rid, route in list(self.routes.items()):
             self._send_error(route.in_conn, route.in_stream, rid, reason, retry=True)
+            self._close_out_stream(rid, route)
         self.routes.clear()
 
     # --- sending ---

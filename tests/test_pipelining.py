@@ -60,6 +60,17 @@ async def trunk_stats(swarm: LocalSwarm, link: SwarmLink) -> list[dict]:
     return out
 
 
+async def settled_stream_counts(swarm: LocalSwarm, link: SwarmLink, within_s: float = 10.0) -> list[int]:
+    """Each trunk's open QUIC streams, once they stop falling (a stream is forgotten only after
+    both sides' ends are acknowledged)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        counts = [s["open_streams"] for s in await trunk_stats(swarm, link)]
+        if all(n <= 3 for n in counts) or asyncio.get_running_loop().time() > deadline:
+            return counts
+        await asyncio.sleep(0.5)
+
+
 def test_64_concurrent_requests_match_their_solo_runs(local_swarm, bundled_model):
     requests = mixed_requests(64)
     want = solo_outputs(bundled_model, requests)
@@ -68,16 +79,22 @@ def test_64_concurrent_requests_match_their_solo_runs(local_swarm, bundled_model
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)
         asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, max_in_flight=64)
         try:
-            gens = await asyncio.wait_for(asyncio.gather(*[
-                generate_all(asker, p, link, max_tokens=m, sampling=GREEDY) for p, m in requests]), 300)
+            try:
+                gens = await asyncio.wait_for(asyncio.gather(*[
+                    generate_all(asker, p, link, max_tokens=m, sampling=GREEDY) for p, m in requests]), 300)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"64 requests did not finish in 300 s; the nodes' logs:\n"
+                                     f"{local_swarm.log_tails()}") from None
             stats = await trunk_stats(local_swarm, link)
             idle = (asker.head.n_requests, asker.tail.n_requests, asker.head.kv_bytes + asker.tail.kv_bytes)
-            return gens, stats, idle
+            await link.close()
+            streams = await settled_stream_counts(local_swarm, link)
+            return gens, stats, idle, streams
         finally:
             await link.close()
             asker.close()
 
-    gens, stats, idle = asyncio.run(concurrent())
+    gens, stats, idle, streams = asyncio.run(concurrent())
     for i, (gen, expected) in enumerate(zip(gens, want)):
         assert gen.tokens == expected, f"request {i} differs from its solo run"
     assert max(s["largest_batch"] for s in stats) > 1  # the stages really batched
@@ -86,6 +103,9 @@ def test_64_concurrent_requests_match_their_solo_runs(local_swarm, bundled_model
     for s in stats:
         assert s["requests"] == 0 and s["kv_bytes"] == 0 and s["routes"] == 0, s  # back to idle
     assert idle == (0, 0, 0)
+    # Every request's streams ended on both sides (else QUIC's stream limit runs out and the link
+    # between the stages stalls): what is left is the plan stream from the host and the stats query.
+    assert all(n <= 3 for n in streams), streams
 
 
 def test_interleaved_requests_never_mix_caches(local_swarm, bundled_model):
