@@ -38,9 +38,7 @@ from kernels.gguf_file import GGUFFile  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from kernels.slice import SliceEngine  # noqa: E402
 from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
-from net.endpoint import Address, close, connect_member  # noqa: E402
-from net.protocol import RequestOnlyHandler  # noqa: E402
-from net.wire import decode_control, encode_control  # noqa: E402
+from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker import Asker, InprocTrunk, generate_all  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
@@ -122,11 +120,7 @@ def trunk_slice_ms(model: Path, n: int, threads: int) -> dict:
 
 
 async def member_stats(home, address: str, name: str) -> dict:
-    conn = await connect_member(Address.parse(address), home.credentials(), name, RequestOnlyHandler())
-    try:
-        return decode_control((await conn.request(encode_control({"type": "stats"}))).body)
-    finally:
-        await close(conn)
+    return await ask_member(Address.parse(address), home.credentials(), name, {"type": "stats"})
 
 
 async def swarm_run(model: Path, prompt: list[int], n: int, threads: int, expert_nodes: int) -> dict:

@@ -31,9 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.sampling import SamplingParams  # noqa: E402
-from net.endpoint import Address, close, connect_member  # noqa: E402
-from net.protocol import RequestOnlyHandler  # noqa: E402
-from net.wire import decode_control, encode_control  # noqa: E402
+from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker import Asker, Generation, InprocTrunk, generate_all, u_split  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm, free_udp_port  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
@@ -100,14 +98,8 @@ def breakdown(gens: list[Generation]) -> dict:
 
 async def stage_stats(swarm: LocalSwarm, link: SwarmLink) -> list[dict]:
     creds = swarm.asker_home.credentials()
-    out = []
-    for stage in link.plan.stages:
-        conn = await connect_member(Address.parse(stage.address), creds, stage.member, RequestOnlyHandler())
-        try:
-            out.append(decode_control((await conn.request(encode_control({"type": "stats"}))).body))
-        finally:
-            await close(conn)
-    return out
+    return [await ask_member(Address.parse(stage.address), creds, stage.member, {"type": "stats"})
+            for stage in link.plan.stages]
 
 
 async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int, *, concurrency_levels=()) -> dict:

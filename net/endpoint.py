@@ -13,10 +13,10 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from .identity import Credentials, IdentityError
-from .protocol import ConnectionHandler, SwarmProtocol
+from .protocol import ConnectionHandler, RequestOnlyHandler, SwarmProtocol
 from .tls import (ALPN_JOIN, ALPN_SWARM, CertificateCheck, check_pinned_host, client_configuration,
                   datagram_size_for, join_configuration, server_configuration)
-from .wire import DEFAULT_MAX_FRAME
+from .wire import DEFAULT_MAX_FRAME, decode_control, encode_control
 
 CONNECT_TIMEOUT = 10.0
 
@@ -119,3 +119,12 @@ async def close(conn: SwarmProtocol, reason: str = "") -> None:
         pass
     if conn.owned_transport is not None:
         conn.owned_transport.close()
+
+
+async def ask_member(address: Address, creds: Credentials, member: str, message: dict) -> dict:
+    """One control request to a member over a connection of its own (a status view, a test)."""
+    conn = await connect_member(address, creds, member, RequestOnlyHandler())
+    try:
+        return decode_control((await conn.request(encode_control(message))).body)
+    finally:
+        await close(conn)

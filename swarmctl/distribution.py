@@ -30,7 +30,7 @@ from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec, layer_of
 from net.protocol import SwarmProtocol
-from net.wire import Frame, FrameType, decode_control, encode_control, encode_frame
+from net.wire import FrameType, decode_control, encode_control, encode_frame
 
 log = logging.getLogger("swarmctl.distribution")
 

@@ -128,6 +128,7 @@ class TrunkService:
         self.gguf: GGUFFile | None = None
         self.routes: dict[bytes, Route] = {}
         self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
+        self._request_streams: dict[SwarmProtocol, set[int]] = {}  # streams that carried request packets
         self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # asker name → results stream
         self.host_conn: SwarmProtocol | None = None
         self.plan_stream: int | None = None
@@ -485,6 +486,7 @@ class TrunkService:
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
         self.connections.discard(conn)
+        self._request_streams.pop(conn, None)
         for rid, route in list(self.routes.items()):
             if route.in_conn is conn:
                 self._spawn(self._release(rid, route=route))
@@ -521,6 +523,7 @@ class TrunkService:
         if packet.kind == PacketKind.ERROR:  # coming back from a next stage (nobody else sends errors here)
             self._from_next_stage(conn, stream_id, packet)
             return
+        self._request_streams.setdefault(conn, set()).add(stream_id)
         self._spawn(self._handle_safely(conn, stream_id, packet, time.perf_counter()))
 
     def _spawn(self, coro) -> None:
@@ -751,10 +754,13 @@ class TrunkService:
         or a plan change), whatever this stage still holds for it goes, the end is passed on, and
         our side of the stream ends too. Other streams (a results subscription, a control or
         expert call being answered) end our side when they answer."""
+        if stream_id not in self._request_streams.get(conn, ()):
+            return
         for rid, route in list(self.routes.items()):
             if route.in_conn is conn and route.in_stream == stream_id:
                 await self._release(rid, route=route)
-                conn.finish(stream_id)
+        self._request_streams[conn].discard(stream_id)
+        conn.finish(stream_id)
 
     async def _reap_idle(self) -> None:
         while True:
@@ -785,11 +791,13 @@ class TrunkService:
                 self._failed_streams.clear()
 
     def _send_error(self, conn: SwarmProtocol, stream_id: int, rid: bytes, message: str, retry: bool = False) -> None:
-        """An error ends this side of the request's stream: the sender gives up on it (or starts
-        over on a new one), and a finished stream frees its slot in QUIC's stream limit."""
+        """An error leaves the stream open on our side: the sender may already have sent its next
+        step on it, and that step must be answered too (a stream we had ended could not carry the
+        answer, and the sender would wait until its deadline). The sender ends the stream when it
+        gives up on it, and then so do we (``_stream_closed``)."""
         error = ActivationPacket(PacketKind.ERROR, rid, self.plan.version if self.plan else 0, 0, 0,
                                  np.empty((0, 0), np.float32), DType.F32, "", message, retry=retry)
-        self._send(conn, stream_id, error, end=True)
+        self._send(conn, stream_id, error)
 
     def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket, end: bool = False) -> None:
         if conn.is_open:

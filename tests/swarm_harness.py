@@ -12,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from net.endpoint import Address, close, connect_member
-from net.protocol import RequestOnlyHandler
-from net.wire import decode_control, encode_control
+from net.endpoint import Address, ask_member
 from swarmctl.home import SwarmHome
 from swarmctl.local_swarm import free_udp_port
 
@@ -109,14 +107,7 @@ class Swarm:
         creds = SwarmHome(self.homes[via]).credentials()
         member = next(m for m in self.status()["members"] if m["name"] == name)
 
-        async def fetch() -> dict:
-            conn = await connect_member(Address.parse(member["address"]), creds, name, RequestOnlyHandler())
-            try:
-                return decode_control((await conn.request(encode_control({"type": "stats"}))).body)
-            finally:
-                await close(conn)
-
-        return asyncio.run(fetch())
+        return asyncio.run(ask_member(Address.parse(member["address"]), creds, name, {"type": "stats"}))
 
     def wait_host(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

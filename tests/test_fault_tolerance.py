@@ -124,30 +124,43 @@ def test_a_killed_trunk_rejoins_with_its_identity(swarm):
     assert dead in {m["name"] for m in status["members"] if m["role"] == "trunk"}
 
 
-def test_eight_concurrent_requests_survive_a_kill(swarm):
-    rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(100, 40000, int(rng.integers(5, 30)))] for _ in range(8)]
-    want = solo(prompts, 24)
-    victim = active_stages(swarm)[-1]
+def random_prompts(seed: int, n: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(100, 40000, int(rng.integers(5, 30)))] for _ in range(n)]
 
+
+def generate_through(swarm: Swarm, prompts: list[list[int]], max_tokens: int, disturb):
+    """All prompts at once through the swarm; once 16 tokens are out, ``await disturb()``.
+    Returns the tokens of each, what ``disturb`` returned, and the link's recoveries."""
     async def run():
         from swarmctl.models import default_model_path
 
         link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
-        asker = Asker(default_model_path(), 4, n_threads=N_THREADS, max_in_flight=8)
+        asker = Asker(default_model_path(), 4, n_threads=N_THREADS, max_in_flight=len(prompts))
         try:
-            jobs = [asyncio.ensure_future(generate_all(asker, p, link, max_tokens=24, sampling=GREEDY,
+            jobs = [asyncio.ensure_future(generate_all(asker, p, link, max_tokens=max_tokens, sampling=GREEDY,
                                                        ignore_eos=True)) for p in prompts]
             while sum(len(g.tokens) for g in asker.in_flight.values()) < 16:
                 await asyncio.sleep(0.05)
-            kill_9(swarm, victim)
+            outcome = await disturb()
             gens = await asyncio.wait_for(asyncio.gather(*jobs), 150)
-            return [g.tokens for g in gens], link.stats.recoveries
+            return [g.tokens for g in gens], outcome, link.stats.recoveries
         finally:
             await link.close()
             asker.close()
 
-    got, recoveries = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_eight_concurrent_requests_survive_a_kill(swarm):
+    prompts = random_prompts(3)
+    want = solo(prompts, 24)
+    victim = active_stages(swarm)[-1]
+
+    async def kill() -> None:
+        kill_9(swarm, victim)
+
+    got, _, recoveries = generate_through(swarm, prompts, 24, kill)
     assert got == want
     assert recoveries >= 1
     restart(swarm, victim)
@@ -158,8 +171,7 @@ def test_frozen_nodes_under_load_lose_nothing(swarm):
     """SIGSTOP, as a laptop lid or a starved machine does: first the host for 6 s (longer than its
     silence limit: on waking it must not blame the trunks for its own absence), then a serving
     trunk for 6 s (marked down; its requests move to the standby, and it rejoins on waking)."""
-    rng = np.random.default_rng(11)
-    prompts = [[int(t) for t in rng.integers(100, 40000, int(rng.integers(5, 30)))] for _ in range(8)]
+    prompts = random_prompts(11)
     want = solo(prompts, 32)
 
     async def freeze(name: str, seconds: float) -> None:
@@ -170,28 +182,15 @@ def test_frozen_nodes_under_load_lose_nothing(swarm):
         finally:
             process.send_signal(signal.SIGCONT)
 
-    async def run():
-        from swarmctl.models import default_model_path
+    async def freeze_host_then_a_trunk() -> bool:
+        version = (await asyncio.to_thread(swarm.status))["plan_version"]
+        await freeze("host", 6.0)
+        await asyncio.sleep(2.0)  # a round of the host's liveness checks after waking
+        host_kept_plan = (await asyncio.to_thread(swarm.status))["plan_version"] == version
+        await freeze((await asyncio.to_thread(active_stages, swarm))[0], 6.0)
+        return host_kept_plan
 
-        link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
-        asker = Asker(default_model_path(), 4, n_threads=N_THREADS, max_in_flight=8)
-        try:
-            jobs = [asyncio.ensure_future(generate_all(asker, p, link, max_tokens=32, sampling=GREEDY,
-                                                       ignore_eos=True)) for p in prompts]
-            while sum(len(g.tokens) for g in asker.in_flight.values()) < 16:
-                await asyncio.sleep(0.05)
-            version = (await asyncio.to_thread(swarm.status))["plan_version"]
-            await freeze("host", 6.0)
-            await asyncio.sleep(2.0)  # a round of the host's liveness checks after waking
-            host_kept_plan = (await asyncio.to_thread(swarm.status))["plan_version"] == version
-            await freeze((await asyncio.to_thread(active_stages, swarm))[0], 6.0)
-            gens = await asyncio.wait_for(asyncio.gather(*jobs), 150)
-            return [g.tokens for g in gens], host_kept_plan
-        finally:
-            await link.close()
-            asker.close()
-
-    got, host_kept_plan = asyncio.run(run())
+    got, host_kept_plan, _ = generate_through(swarm, prompts, 32, freeze_host_then_a_trunk)
     assert host_kept_plan, "the host marked members down for its own stall"
     assert got == want
     swarm.wait_complete(2)

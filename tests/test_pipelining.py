@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from kernels.sampling import SamplingParams
-from net.endpoint import Address, close, connect_member
-from net.protocol import RequestOnlyHandler
-from net.wire import decode_control, encode_control
+from net.endpoint import Address, ask_member
 from swarmctl.asker import Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.local_swarm import LocalSwarm
 from swarmctl.swarm_client import SwarmLink
@@ -50,14 +48,8 @@ def solo_outputs(bundled_model, requests) -> list[list[int]]:
 
 async def trunk_stats(swarm: LocalSwarm, link: SwarmLink) -> list[dict]:
     creds = swarm.asker_home.credentials()
-    out = []
-    for stage in link.plan.stages:
-        conn = await connect_member(Address.parse(stage.address), creds, stage.member, RequestOnlyHandler())
-        try:
-            out.append(decode_control((await conn.request(encode_control({"type": "stats"}))).body))
-        finally:
-            await close(conn)
-    return out
+    return [await ask_member(Address.parse(stage.address), creds, stage.member, {"type": "stats"})
+            for stage in link.plan.stages]
 
 
 async def settled_stream_counts(swarm: LocalSwarm, link: SwarmLink, within_s: float = 10.0) -> list[int]:
