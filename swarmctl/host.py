@@ -33,8 +33,8 @@ from cryptography import x509
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
-from net.liveness import SilenceClock
 from net.identity import cert_pem, verify_member
+from net.liveness import SilenceClock
 from net.protocol import SwarmProtocol
 from net.tls import ALPN_JOIN
 from net.wire import Frame, FrameType, WireError, decode_control, encode_control

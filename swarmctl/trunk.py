@@ -561,7 +561,7 @@ class TrunkService:
         if route is not None and route.out_conn is conn and route.out_stream == stream_id:
             self._send(route.in_conn, route.in_stream, packet)
             route.out_stream = None
-        conn.finish(stream_id)  # the next stage ended the stream with its error; now both sides have
+        conn.finish(stream_id)  # this stream is given up: we end our side, and the next stage then ends its own
 
     def stats(self, window_s: float = 10.0) -> dict:
         """A snapshot for status views, `swarmctl top` and tests (read on the event loop).
@@ -759,7 +759,7 @@ class TrunkService:
         for rid, route in list(self.routes.items()):
             if route.in_conn is conn and route.in_stream == stream_id:
                 await self._release(rid, route=route)
-        self._request_streams[conn].discard(stream_id)
+        self._request_streams.get(conn, set()).discard(stream_id)
         conn.finish(stream_id)
 
     async def _reap_idle(self) -> None:
@@ -769,7 +769,7 @@ class TrunkService:
             for rid, route in list(self.routes.items()):
                 if now - route.last_active > self.idle_timeout:
                     log.info("request %s idle for %.0fs: freeing its cache", rid.hex()[:8], now - route.last_active)
-                    # Tell the sender (should it ever come back, it starts over) and end the stream.
+                    # Tell the sender: should it ever come back, it starts over.
                     self._send_error(route.in_conn, route.in_stream, rid, "idle too long: this stage freed its cache",
                                      retry=True)
                     self._spawn(self._release(rid, route=route))
