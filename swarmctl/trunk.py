@@ -248,8 +248,8 @@ class TrunkService:
                 conn.close_with("membership revoked")
         stage = plan.stage_for(self.name)
         expert = plan.expert_for(self.name)
-        if self._loading is not None and not self._loading.done():
-            return  # the load in progress re-reads the plan when it finishes
+        if self._loading is not None and not self._loading.done() and self._loading is not asyncio.current_task():
+            return  # the load in progress re-reads the plan when it finishes (and calls this again)
         if expert is not None:
             self._loading = asyncio.ensure_future(self._load_experts(expert))
             return
@@ -379,7 +379,7 @@ class TrunkService:
         self.stage = stage
         latest = self.plan.stage_for(self.name) if self.plan else None
         if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):
-            self._loading = asyncio.ensure_future(self._load(latest)) if latest else None
+            self._apply_plan(self.plan)  # the plan moved on while we loaded (maybe to experts, or to nothing)
             return
         if self._ready_sent != (self.plan.version, stage.start, stage.stop):
             self._ready_sent = (self.plan.version, stage.start, stage.stop)
