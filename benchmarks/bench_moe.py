@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_swarm import decode_rate, llama_cpp_decode  # noqa: E402
 from kernels.experts import ExpertEngine, LocalExperts  # noqa: E402
 from kernels.gguf_file import GGUFFile  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
@@ -50,29 +50,6 @@ PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a ke
 HEAD_LAYERS = 2
 MODEL = TinyConfig(arch="qwen3moe", qtype="Q8_0", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=768,
                    n_expert=16, n_expert_used=2, n_ctx=1024, seed=11)
-
-
-def decode_rate(gen) -> float:
-    steps = gen.timings[1:]
-    return len(steps) / sum(t.total_s for t in steps) if steps else 0.0
-
-
-def llama_cpp_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
-    from llama_cpp import Llama
-
-    from kernels.tokenizer import _quiet_llama_logs
-
-    _quiet_llama_logs()
-    llm = Llama(os.fspath(model), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
-    llm.eval(prompt)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    rate = n / (time.perf_counter() - t0)
-    llm.close()
-    return rate
 
 
 async def inproc_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
