@@ -35,6 +35,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import process_cpu_s  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker import Asker, generate_all  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
@@ -68,15 +69,6 @@ async def one_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int, se
     assert usage is not None, "the stream ended without its usage chunk"
     return StreamResult(usage.completion_tokens, first if first is not None else float("nan"),
                         time.perf_counter() - t0)
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 async def round_of(client: openai.AsyncOpenAI, model: str, clients: int, max_tokens: int, seed: int,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_swarm import decode_rate, llama_cpp_decode  # noqa: E402
+from benchmarks.common import emit_json  # noqa: E402
 from kernels.experts import ExpertEngine, LocalExperts  # noqa: E402
 from kernels.gguf_file import GGUFFile  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
@@ -190,10 +190,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

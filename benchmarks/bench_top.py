@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import process_cpu_s  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker import Asker, generate_all  # noqa: E402
 from swarmctl.commands.top import DEFAULT_NICE  # noqa: E402
@@ -107,15 +108,6 @@ def stop_watcher(process: subprocess.Popen) -> float:
         process.kill()
         process.wait()
     return cpu
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def attached_top(home: Path, nice: int) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.audit.meter import AuditSettings, attack_and_score, capture_traffic, load_prompts  # noqa: E402
 from swarmctl.audit.noise import UplinkNoise, calibrate  # noqa: E402
 from swarmctl.audit.quality import greedy_agreement, perplexity  # noqa: E402
@@ -107,10 +108,7 @@ def main() -> None:
         "max_candidates": args.max_candidates, "noise_seed": args.seed, "perplexity_draws": PERPLEXITY_DRAWS,
         "elapsed_s": round(time.perf_counter() - t0, 1), "levels": rows,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":
