@@ -19,6 +19,7 @@ from .tls import (ALPN_JOIN, ALPN_SWARM, CertificateCheck, check_pinned_host, cl
 from .wire import DEFAULT_MAX_FRAME, decode_control, encode_control
 
 CONNECT_TIMEOUT = 10.0
+QUIC_IDLE_TIMEOUT = "Idle timeout"  # aioquic's reason when a connection heard nothing for idle_timeout
 
 
 class AddressError(ValueError):
@@ -98,11 +99,19 @@ async def _connect(address: Address, config: QuicConfiguration, handler: Connect
     try:
         await asyncio.wait_for(protocol.wait_connected(), CONNECT_TIMEOUT)
     except (ConnectionError, asyncio.TimeoutError) as e:
-        reason = _close_reason(connection) or ("no answer" if isinstance(e, asyncio.TimeoutError) else "refused")
+        reason = _close_reason(connection)
         transport.close()
-        raise ConnectionError(f"cannot connect to {address}: {reason}") from None
+        if isinstance(e, asyncio.TimeoutError) or reason == QUIC_IDLE_TIMEOUT:
+            raise ConnectionError(no_answer(address)) from None
+        raise ConnectionError(f"cannot connect to {address}: {reason or 'refused'}") from None
     protocol.owned_transport = transport  # closed by close()
     return protocol
+
+
+def no_answer(address: Address) -> str:
+    """What a handshake that got no reply means, in the user's words rather than QUIC's ("Idle
+    timeout"): nothing listens there, or a firewall drops UDP on the way."""
+    return f"no answer from {address} (is it running, and is UDP port {address.port} reachable?)"
 
 
 def _close_reason(connection: QuicConnection) -> str:

@@ -27,12 +27,18 @@ CA_VALIDITY = dt.timedelta(days=3650)
 CLOCK_SKEW = dt.timedelta(minutes=5)
 
 
+# What a certificate lets its holder be. The host signs the role the invite named; a node's
+# claims never widen it. A trunk may also ask (a friend who serves and asks); an asker only asks.
+ROLES = ("host", "trunk", "asker")
+LEGACY_ROLE = "trunk"  # certificates issued before roles existed could do what a trunk does
+
+
 class IdentityError(Exception):
     """A certificate, key or CSR that does not pass. One line, safe to show and log."""
 
 
 def check_name(name: str) -> str:
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):  # (match's $ would accept a trailing newline)
         raise IdentityError(f"invalid member name {name!r}: use 1-32 of a-z, 0-9 and '-', starting alphanumeric")
     return name
 
@@ -91,12 +97,16 @@ def public_key_from_csr(csr_pem: bytes) -> Ed25519PublicKey:
 
 
 def sign_member(ca_key: Ed25519PrivateKey, ca_cert: x509.Certificate, public_key: Ed25519PublicKey,
-                name: str, validity: dt.timedelta = MEMBER_VALIDITY) -> x509.Certificate:
-    """A member certificate: CN and DNS name = member name, usable as TLS client and server."""
+                name: str, validity: dt.timedelta = MEMBER_VALIDITY, role: str = "trunk") -> x509.Certificate:
+    """A member certificate: CN and DNS name = member name, OU = its role, usable as TLS client
+    and server."""
+    if role not in ROLES:
+        raise IdentityError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
     now = _now()
     return (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, check_name(name))]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, check_name(name)),
+                                 x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
         .issuer_name(ca_cert.subject)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
@@ -111,6 +121,21 @@ def sign_member(ca_key: Ed25519PrivateKey, ca_cert: x509.Certificate, public_key
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
         .sign(ca_key, None)
     )
+
+
+REVOKED_REASON = "membership revoked"  # why a revoked member's connections close, and its handshakes fail
+
+
+def is_revocation(reason: str) -> bool:
+    """Whether a connection's close reason says this member was revoked (it should stop retrying)."""
+    return REVOKED_REASON in reason
+
+
+def member_role(cert: x509.Certificate) -> str:
+    """The role the CA signed into a certificate (see ROLES)."""
+    roles = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    role = str(roles[0].value) if roles else LEGACY_ROLE
+    return role if role in ROLES else "asker"  # an unknown role gets the least
 
 
 def member_name(cert: x509.Certificate) -> str:
@@ -134,7 +159,7 @@ def verify_member(cert: x509.Certificate, ca_cert: x509.Certificate, revoked_ser
     if now < cert.not_valid_before_utc or now > cert.not_valid_after_utc:
         raise IdentityError("certificate is outside its validity period")
     if cert.serial_number in revoked_serials:
-        raise IdentityError(f"member {member_name(cert)!r} has been revoked")
+        raise IdentityError(f"{REVOKED_REASON}: member {member_name(cert)!r} was revoked by the host")
     try:
         if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
             raise IdentityError("a CA certificate cannot act as a member")

@@ -34,11 +34,12 @@ class Invite:
     token_id: str  # hex, names the invite in the host's store
     secret: bytes  # SECRET_BYTES random bytes; only its hash is stored by the host
     expires_at: int  # unix seconds
+    role: str = "trunk"  # what the joiner will be; shown to it (the host signs from its own record)
 
     @classmethod
-    def new(cls, addresses: tuple[str, ...], ca_fingerprint: str, ttl_seconds: int) -> "Invite":
+    def new(cls, addresses: tuple[str, ...], ca_fingerprint: str, ttl_seconds: int, role: str = "trunk") -> "Invite":
         return cls(addresses, ca_fingerprint, secrets.token_hex(8), secrets.token_bytes(SECRET_BYTES),
-                   int(time.time()) + ttl_seconds)
+                   int(time.time()) + ttl_seconds, role)
 
     @property
     def expired(self) -> bool:
@@ -46,7 +47,8 @@ class Invite:
 
     def encode(self) -> str:
         payload = json.dumps({"v": 1, "a": list(self.addresses), "f": self.ca_fingerprint, "t": self.token_id,
-                              "s": _b64(self.secret), "e": self.expires_at}, separators=(",", ":")).encode()
+                              "s": _b64(self.secret), "e": self.expires_at, "r": self.role},
+                             separators=(",", ":")).encode()
         return f"{PREFIX}.{_b64(payload)}.{_checksum(payload)}"
 
     @classmethod
@@ -63,7 +65,7 @@ class Invite:
         try:
             fields = json.loads(payload)
             invite = cls(tuple(str(a) for a in fields["a"]), str(fields["f"]), str(fields["t"]),
-                         _unb64(fields["s"]), int(fields["e"]))
+                         _unb64(fields["s"]), int(fields["e"]), str(fields.get("r", "trunk")))
         except (ValueError, KeyError, TypeError, binascii.Error):
             raise InviteError("invite code payload is malformed") from None
         if fields.get("v") != 1 or len(invite.secret) != SECRET_BYTES or not invite.addresses:

@@ -18,13 +18,19 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
-from .identity import member_name
+from .identity import member_name, member_role
 from .tls import CertificateCheck, peer_certificate, require_client_certificates
 from .wire import DEFAULT_MAX_FRAME, Frame, FrameDecoder, WireError
 
 log = logging.getLogger("swarmctl.net")
 
 STREAM_ERROR_BAD_FRAME = 0x101  # application error code for a reset stream
+# What a peer may make us hold in frames it has not finished sending. aioquic keeps raising its
+# flow-control windows as we read, so these are the only bound. A joiner (no certificate yet)
+# sends one small CSR; a member's budget leaves room for many large prefills in flight at once.
+ANONYMOUS_MAX_FRAME = 64 * 1024
+ANONYMOUS_BUFFER_BUDGET = 256 * 1024
+MEMBER_BUFFER_BUDGET = 256 * 1024 * 1024
 
 
 class ConnectionHandler(Protocol):
@@ -52,8 +58,10 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.max_frame = max_frame
         self.peer_cert: x509.Certificate | None = None
         self.peer_name = ""  # the authenticated member at the other end ("" for an anonymous joiner)
+        self.peer_role = ""  # what its certificate lets it be: "host", "trunk" or "asker" ("" if anonymous)
         self.alpn: str | None = None
         self.is_open = False
+        self.close_reason = ""  # what the peer (or we) said when the connection ended
         self._decoders: dict[int, FrameDecoder] = {}
         self._dead_streams: set[int] = set()
         self._waiters: dict[int, asyncio.Future[Frame]] = {}
@@ -75,6 +83,8 @@ class SwarmProtocol(QuicConnectionProtocol):
             self._fail_waiter(event.stream_id, ConnectionResetError("the peer reset the stream"))
         elif isinstance(event, events.ConnectionTerminated):
             self.is_open = False
+            self.close_reason = event.reason_phrase or ""
+            self._decoders.clear()  # what a closed connection buffered goes now, not at the next full GC
             for stream_id in list(self._waiters):
                 self._fail_waiter(stream_id, ConnectionError(f"connection closed: {event.reason_phrase or 'closed'}"))
             self._wake_senders()
@@ -84,6 +94,7 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.alpn = event.alpn_protocol
         self.peer_cert = peer_certificate(self._quic)
         self.peer_name = member_name(self.peer_cert) if self.peer_cert is not None else ""
+        self.peer_role = member_role(self.peer_cert) if self.peer_cert is not None else ""
         self.is_open = True
         self.handler.connection_made(self)
 
@@ -91,13 +102,21 @@ class SwarmProtocol(QuicConnectionProtocol):
         stream_id = event.stream_id
         if stream_id in self._dead_streams:
             return
-        decoder = self._decoders.setdefault(stream_id, FrameDecoder(self.max_frame))
+        anonymous = not self.peer_name
+        decoder = self._decoders.get(stream_id)
+        if decoder is None:
+            decoder = self._decoders[stream_id] = FrameDecoder(min(self.max_frame, ANONYMOUS_MAX_FRAME) if anonymous
+                                                               else self.max_frame)
         try:
             frames = decoder.feed(event.data) if event.data else []
             if event.end_stream:
                 decoder.finish()
         except WireError as e:
             self.reject_stream(stream_id, str(e))
+            return
+        budget = ANONYMOUS_BUFFER_BUDGET if anonymous else MEMBER_BUFFER_BUDGET
+        if decoder.buffered and sum(d.buffered for d in self._decoders.values()) > budget:
+            self.close_with(f"over {budget} bytes of unfinished frames buffered")
             return
         for frame in frames:
             waiter = self._waiters.pop(stream_id, None)
@@ -126,6 +145,20 @@ class SwarmProtocol(QuicConnectionProtocol):
         self._quic.send_ping(id(waiter))
         self.transmit()
         await asyncio.shield(waiter)
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        """The peer's IP and UDP port as this side sees them: the source of its datagrams on the
+        connection's current network path (after any NAT between us; it follows a migration).
+        None before any datagram. An IPv4 peer reaching a dual-stack socket shows as
+        plain IPv4, not ``::ffff:a.b.c.d``."""
+        addr = self._quic.get_peer_address()
+        if addr is None:
+            return None
+        host, port = addr[:2]
+        if host.lower().startswith("::ffff:") and "." in host:
+            host = host[7:]
+        return host, int(port)
 
     @property
     def open_streams(self) -> int:

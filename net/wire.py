@@ -86,7 +86,7 @@ class ActivationPacket:
     start_pos: int  # position of the first token
     data: np.ndarray  # [n_tokens, n_embd] float32 or float16; empty for END / ERROR
     dtype: DType = DType.F32
-    reply_to: str = ""  # member name of the asker, who receives the RESULT
+    reply_to: str = ""  # where the RESULT goes: the asker's session from the asker, "member/session" between stages
     message: str = ""  # ERROR only
     hops: tuple[Hop, ...] = ()
     retry: bool = False  # ERROR only: the route failed, not the request; resend it under a new plan
@@ -226,11 +226,18 @@ def encode_control(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) 
     return encode_frame(FrameType.CONTROL, json.dumps(message, separators=(",", ":")).encode("utf-8"), max_frame)
 
 
+MAX_CONTROL_BYTES = 4 * 1024 * 1024  # the largest control message we send (a slice manifest) is far smaller
+
+
 def decode_control(body: bytes) -> dict[str, Any]:
+    if len(body) > MAX_CONTROL_BYTES:
+        raise WireError(f"control message of {len(body)} bytes is over the {MAX_CONTROL_BYTES} limit")
     try:
         message = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"control message is not UTF-8 JSON ({type(e).__name__})") from None
+    except RecursionError:  # nesting deeper than the interpreter's stack: hostile, never ours
+        raise WireError("control message is nested too deeply") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise WireError("control message is not a JSON object with a string 'type'")
     return message

@@ -36,6 +36,7 @@ COMMANDS: dict[str, CommandInfo] = {
     "status": CommandInfo("swarmctl.commands.status", "show members, layer ranges and health"),
     "top": CommandInfo("swarmctl.commands.top", "watch the swarm live: load per node, pipeline occupancy"),
     "revoke": CommandInfo("swarmctl.commands.revoke", "end a member's access"),
+    "config": CommandInfo("swarmctl.commands.config", "show or change the planner's settings (host only)"),
     "audit": CommandInfo("swarmctl.commands.audit", "measure what swarm members can read from your traffic"),
     "plan": CommandInfo("swarmctl.commands.plan", "plan which members serve which layers (runs nothing)"),
 }

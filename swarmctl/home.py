@@ -75,6 +75,7 @@ class MemberRecord:
     fingerprint: str
     joined_at: float
     revoked: bool = False
+    role: str = "trunk"  # what its certificate lets it be (net.identity.ROLES)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class InviteRecord:
     expires_at: int
     uses_left: int
     created_at: float
+    role: str = "trunk"  # the role the host signs into the joiner's certificate
 
 
 class SwarmHome:

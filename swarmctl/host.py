@@ -6,7 +6,8 @@ Control messages (JSON frames, one request per stream unless noted):
     register    {listen, memory, ms_per_layer_token,   trunk → host; the stream stays open and
                  device, rtt_ms}                       the host sends every new plan on it
     links       {links: {peer: {rtt_ms, bandwidth_mb_s}}}  trunk's measured links → ok
-    speed       {ms_per_layer_token}                   a trunk measured once its fetched layers arrived
+    speed       {ms_per_layer_token}                   a trunk's new figure (measured after a fetch or again,
+                                                       or seen while serving) → ok; re-plans if material
     recovered   {recovery_s, replayed_bytes}           an asker rerouted a request after a failure → ok
     watch_plan  {}                                     asker → plan now, and every new plan after
     fetch_slice {start, stop, have}                    a trunk without the model → manifest, data
@@ -16,6 +17,7 @@ Control messages (JSON frames, one request per stream unless noted):
     get_plan    {}                                     anyone → plan
     status      {}                                     anyone → status
     revoked     {}                                     the host's own CLI after 'swarmctl revoke' → ok
+    reconfigure {}                                     the host's own CLI after 'swarmctl config' → ok
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cryptography import x509
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
-from net.identity import cert_pem, verify_member
+from net.identity import REVOKED_REASON, cert_pem, verify_member
 from net.liveness import SilenceClock
 from net.protocol import SwarmProtocol
 from net.tls import ALPN_JOIN
@@ -41,7 +43,9 @@ from net.wire import Frame, FrameType, WireError, decode_control, encode_control
 from plans.layout import ModelLayout
 from plans.nodes import ASKER, Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan
+from plans.hysteresis import SpeedDecision, decide_on_speed, sticky_speed
 from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
+from swarmctl import claims
 from swarmctl.distribution import build_manifest, serve_slice
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, admit
@@ -52,6 +56,27 @@ log = logging.getLogger("swarmctl.host")
 
 DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
 SILENCE_LIMIT = 4.0  # seconds without a datagram (trunks ping every second) before a trunk is marked down
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def reachable_address(stated: Address, conn: SwarmProtocol) -> Address:
+    """Where the swarm reaches a trunk: the address it stated (its ``--advertise``, or a specific
+    listen address), or, when it listens on every interface (README's default ``0.0.0.0:7471``),
+    its listen port at the IP its connection to this host comes from."""
+    seen = conn.peer_address
+    if stated.host not in WILDCARD_HOSTS or seen is None:
+        return stated
+    return Address(seen[0], stated.port)
+
+
+# Messages only some certificates may send (the rest: any member). A trunk's messages shape the
+# plan; the host's own CLI announces revocations and new settings.
+ROLES_ALLOWED: dict[str, tuple[str, ...]] = {
+    "register": ("trunk",), "ready": ("trunk",), "refuse": ("trunk",), "links": ("trunk",), "speed": ("trunk",),
+    "fetch_slice": ("trunk",), "revoked": ("host",), "reconfigure": ("host",),
+}
 
 
 @dataclass
@@ -88,11 +113,16 @@ class HostService:
                                        self.config.plan_concurrent, self.config.objective,
                                        max_stages=self.config.plan_max_stages)
         self.trunks: dict[str, TrunkInfo] = {}
+        # The speed each member is planned with: a new figure replaces it only when it moved by
+        # SPEED_FACTOR or more (plans/hysteresis.py), so a wobble reshuffles no plan.
+        self.speed_basis: dict[str, float] = {}
         self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
         self.plan.version = self._load_plan_version()  # a restarted host continues the numbering
         self.recovery = {"recoveries": 0, "replayed_bytes": 0, "last_recovery_s": None, "last_marked_down": None}
         self._monitor: asyncio.Task | None = None
-        self.online: dict[str, SwarmProtocol] = {}
+        # Every authenticated connection: a member may hold several at once (its trunk, two asks,
+        # serve, top), so "online" means any of them is open, and revoking closes them all.
+        self.connections: set[SwarmProtocol] = set()
         self.server = None
         self.address: Address | None = None
 
@@ -110,7 +140,7 @@ class HostService:
     def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
-        for conn in list(self.online.values()):
+        for conn in list(self.connections):
             conn.close_with("host shutting down")
         if self.server is not None:
             self.server.close()
@@ -131,7 +161,10 @@ class HostService:
                     trunk.conn.close_with("silent too long")
                     if self.trunks.get(name) is trunk:
                         del self.trunks[name]
-                        self._replan()
+                        try:
+                            self._replan()
+                        except Exception:  # noqa: BLE001 - the watcher must outlive any one bad plan
+                            log.exception("re-planning after %s went silent failed", name)
 
     def _load_plan_version(self) -> int:
         try:
@@ -149,15 +182,20 @@ class HostService:
 
     # --- ConnectionHandler ---
 
+    def online(self) -> set[str]:
+        """Members with at least one open connection."""
+        return {c.peer_name for c in self.connections if c.is_open}
+
     def connection_made(self, conn: SwarmProtocol) -> None:
         if conn.peer_name:
-            self.online[conn.peer_name] = conn
+            self.connections.add(conn)
             log.info("member %s connected", conn.peer_name)
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
-        if conn.peer_name and self.online.get(conn.peer_name) is conn:
-            del self.online[conn.peer_name]
-            log.info("member %s disconnected", conn.peer_name)
+        if conn in self.connections:
+            self.connections.discard(conn)
+            log.info("member %s disconnected%s", conn.peer_name,
+                     "" if conn.peer_name not in self.online() else " (its other connections stay)")
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None and trunk.conn is conn:
             del self.trunks[conn.peer_name]
@@ -184,16 +222,28 @@ class HostService:
         handler = {
             "register": self._register, "ready": self._ready, "refuse": self._refuse,
             "get_plan": self._get_plan, "status": self._status, "revoked": self._revoked,
+            "reconfigure": self._reconfigure,
             "links": self._links, "watch_plan": self._watch_plan, "fetch_slice": self._fetch_slice,
             "nodes": self._nodes, "speed": self._speed, "recovered": self._recovered,
         }.get(message["type"])
         if handler is None:
             self._reply(conn, stream_id, {"type": "error", "message": f"unknown request {message['type']!r}"})
             return
+        allowed = ROLES_ALLOWED.get(message["type"])
+        if allowed is not None and conn.peer_role not in allowed:
+            self._reply(conn, stream_id, {"type": "error", "message": f"{message['type']!r} needs a "
+                                          f"{' or '.join(allowed)} certificate; {conn.peer_name} joined as "
+                                          f"{conn.peer_role}"}, end=True)
+            return
         try:
             handler(conn, stream_id, message)
-        except (KeyError, TypeError, ValueError) as e:
-            self._reply(conn, stream_id, {"type": "error", "message": f"malformed {message['type']}: {e}"})
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            self._reply(conn, stream_id, {"type": "error", "message": f"malformed {message['type']}: {e}"[:300]},
+                        end=True)
+        except Exception as e:  # noqa: BLE001 - the edge: a bug answers the sender, the host carries on
+            log.exception("%s from %s: unexpected error", message["type"], conn.peer_name)
+            self._reply(conn, stream_id, {"type": "error", "message": f"internal error: {type(e).__name__}"},
+                        end=True)
 
     # --- requests ---
 
@@ -215,37 +265,56 @@ class HostService:
             "model_name": self.plan.model_name}, end=True)
 
     def _register(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
-        listen = str(Address.parse(str(message["listen"])))
-        memory = int(message["memory"])
-        speed = message.get("ms_per_layer_token")
-        rtt = message.get("rtt_ms")
-        self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, memory,
-                                                float(speed) if speed is not None else None,
-                                                str(message.get("device", "cpu")), float(rtt) if rtt is not None else None)
+        listen = str(reachable_address(Address.parse(str(message["listen"])), conn))
+        memory = claims.memory(message["memory"])
+        speed = claims.ms_per_layer(message.get("ms_per_layer_token"))
+        rtt = claims.rtt_ms(message.get("rtt_ms"))
+        self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, memory, speed,
+                                                str(message.get("device", "cpu"))[:64], rtt)
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen, memory / 1e9,
-                 f"{float(speed):.2f}" if speed is not None else "unmeasured")
+                 f"{speed:.2f}" if speed is not None else "unmeasured")
         self._replan(also_send_to=conn.peer_name)
 
     def _links(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
-            trunk.links = {str(peer): Link(float(v["rtt_ms"]), float(v.get("bandwidth_mb_s") or Link().bandwidth_mb_s))
-                           for peer, v in dict(message["links"]).items()}
+            trunk.links = {peer: Link(rtt, bandwidth or Link().bandwidth_mb_s)
+                           for peer, (rtt, bandwidth) in claims.links(message["links"]).items()}
         self._reply(conn, stream_id, {"type": "ok"}, end=True)
 
     def _recovered(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
         """An asker rerouted a request after a failure: how long it took, how much it replayed."""
+        replayed = int(claims.number(message["replayed_bytes"], 0, claims.MAX_MEMORY, "replayed_bytes"))
+        seconds = claims.number(message["recovery_s"], 0, 86400, "recovery_s")
         self.recovery["recoveries"] += 1
-        self.recovery["replayed_bytes"] += int(message["replayed_bytes"])
-        self.recovery["last_recovery_s"] = float(message["recovery_s"])
+        self.recovery["replayed_bytes"] += replayed
+        self.recovery["last_recovery_s"] = seconds
         self._reply(conn, stream_id, {"type": "ok"}, end=True)
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
-        """A trunk that fetched its layers has measured itself; the next plan uses the figure."""
+        """A trunk has a new figure: measured once its fetched layers arrived, measured again, or
+        seen while serving. The host plans with it if it moved materially, and re-plans now only
+        if that makes the plan materially better (plans/hysteresis.py)."""
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
-            trunk.ms_per_layer_token = float(message["ms_per_layer_token"])
+            figure = claims.number(message["ms_per_layer_token"], *claims.MS_PER_LAYER, "ms_per_layer_token")
+            decision = self._speed_decision(conn.peer_name, figure)  # against the figures planned with
+            trunk.ms_per_layer_token = figure
+            if decision.adopt or conn.peer_name not in self.speed_basis:
+                self.speed_basis[conn.peer_name] = figure
+            (log.info if decision.adopt else log.debug)("speed of %s: %s", conn.peer_name, decision.reason)
+            if decision.replan:
+                self._replan()
         self._reply(conn, stream_id, {"type": "ok"}, end=True)
+
+    def _speed_decision(self, name: str, figure: float) -> SpeedDecision:
+        nodes = self._descriptors()
+        try:
+            placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
+        except PlanError as e:
+            return SpeedDecision(True, False, f"no plan to compare with: {e}")
+        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        return decide_on_speed(placement.stage_layout, placement.stage_nodes, self.constraints, current, name, figure)
 
     def _watch_plan(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
         self.watchers.append((conn, stream_id))
@@ -309,11 +378,38 @@ class HostService:
             return
         revoked = self.home.revoked_serials()
         self.plan.revoked_serials = sorted(revoked)
-        for name, live in list(self.online.items()):
+        closed = 0
+        for live in list(self.connections):
             if live.peer_cert is not None and live.peer_cert.serial_number in revoked:
-                live.close_with("membership revoked")
-        self._reply(conn, stream_id, {"type": "ok"}, end=True)
+                live.close_with(REVOKED_REASON)
+                closed += 1
+        for name, trunk in list(self.trunks.items()):  # out of the plan now, not when the close completes
+            if trunk.conn.peer_cert is not None and trunk.conn.peer_cert.serial_number in revoked:
+                del self.trunks[name]
+        self._reply(conn, stream_id, {"type": "ok", "closed": closed}, end=True)
         self._replan(force_push=True)
+
+    def _reconfigure(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        """The host's own CLI after 'swarmctl config': the planner's settings again from node.json,
+        and a new plan under them, pushed to everyone."""
+        from dataclasses import replace
+
+        if conn.peer_cert is None or conn.peer_cert.serial_number != self.creds.cert.serial_number:
+            self._reply(conn, stream_id, {"type": "error", "message": "only the host may change its settings"},
+                        end=True)
+            return
+        saved = self.home.load_config()
+        for key in ("objective", "plan_context", "plan_concurrent", "plan_max_stages", "expert_nodes"):
+            setattr(self.config, key, getattr(saved, key))
+        self.constraints = replace(self.constraints, objective=saved.objective, context_tokens=saved.plan_context,
+                                   max_concurrent=saved.plan_concurrent, max_stages=saved.plan_max_stages)
+        self.plan.objective = saved.objective  # also while no trunk is there to plan for
+        log.info("settings changed: objective %s, context %d, concurrent %d, max stages %d, expert nodes %d",
+                 saved.objective, saved.plan_context, saved.plan_concurrent, saved.plan_max_stages,
+                 saved.expert_nodes)
+        self._replan(force_push=True)
+        self._reply(conn, stream_id, {"type": "ok", "plan_version": self.plan.version,
+                                      "objective": self.plan.objective, "warnings": self.plan.warnings}, end=True)
 
     # --- planning ---
 
@@ -322,14 +418,19 @@ class HostService:
         until a trunk can measure), memory, and links (to the host standing in for the asker)."""
         ready = [(name, t) for name, t in sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at)
                  if not t.refused]
-        known = [t.ms_per_layer_token for _, t in ready if t.ms_per_layer_token]
+        for name, t in ready:  # a figure within the band of the one planned with leaves that one in place
+            speed = sticky_speed(self.speed_basis.get(name), t.ms_per_layer_token)
+            if speed is not None:
+                self.speed_basis[name] = speed
+        known = [self.speed_basis[name] for name, t in ready if t.ms_per_layer_token]
         fallback = statistics.median(known) if known else DEFAULT_MS_PER_LAYER
         nodes = []
         for name, t in ready:
             links = dict(t.links)
             if t.rtt_ms is not None:
                 links[ASKER] = Link(t.rtt_ms, links.get(ASKER, Link()).bandwidth_mb_s)
-            nodes.append(NodeDescriptor(name, t.memory, t.ms_per_layer_token or fallback, t.device, t.listen, links))
+            speed = self.speed_basis[name] if t.ms_per_layer_token else fallback
+            nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links))
         return nodes
 
     def _replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
@@ -385,6 +486,7 @@ class HostService:
 
     def status(self) -> dict:
         members = []
+        online = self.online()
         for name, record in sorted(self.home.members().items()):
             stage = self.plan.stage_for(name)
             expert = self.plan.expert_for(name)
@@ -400,10 +502,11 @@ class HostService:
             elif expert is not None:
                 health = "ready" if expert.ready else "loading"
             else:
-                health = "up" if name in self.online else "down"
+                health = "up" if name in online else "down"
             members.append({"name": name, "role": "host" if name == self.config.name else
                             ("trunk" if trunk is not None else "member"),
-                            "address": str(self.address) if name == self.config.name else (trunk.listen if trunk else ""),
+                            "may": record.role,  # what its certificate lets it be: host, trunk or asker
+                            "address": self._advertised() if name == self.config.name else (trunk.listen if trunk else ""),
                             "layers": [stage.start, stage.stop] if stage else None,
                             "experts": [expert.start, expert.stop] if expert else None,
                             "memory": trunk.memory if trunk else None, "health": health,
@@ -415,6 +518,11 @@ class HostService:
                 "objective": self.plan.objective, "expected_ms_per_token": self.plan.expected_ms_per_token,
                 "expected_tokens_per_s": self.plan.expected_tokens_per_s, "bottleneck": self.plan.bottleneck,
                 "warnings": self.plan.warnings, "recovery": self.recovery}
+
+    def _advertised(self) -> str:
+        """The host's address as members reach it (what init advertised), not its listen address
+        (which is 0.0.0.0 by default)."""
+        return self.config.host_addresses[0] if self.config.host_addresses else str(self.address)
 
     def _reply(self, conn: SwarmProtocol, stream_id: int, message: dict, end: bool = False) -> None:
         if conn.is_open:

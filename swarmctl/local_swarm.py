@@ -25,15 +25,21 @@ from swarmctl.membership import create_swarm, issue_direct
 STARTUP_TIMEOUT = 60.0
 
 
-def _die_with_parent() -> None:
-    """In the child: if the asker dies without cleaning up (killed, crashed), its local nodes get
-    SIGTERM from the kernel instead of lingering (Linux; elsewhere close() is the only cleanup)."""
+def _die_with_parent(parent_pid: int | None = None) -> None:
+    """In the child (a ``preexec_fn``): if the asker dies without cleaning up (killed, crashed),
+    its local nodes get SIGTERM from the kernel instead of lingering (Linux; elsewhere close() is
+    the only cleanup). The kernel sends it when the *thread* that forked the child exits, so spawn
+    long-lived children from a thread that lives as long as they should (the main thread).
+    ``parent_pid`` (``os.getpid()`` in the parent, through ``functools.partial``) closes the race
+    of a parent that died before the request was made: the child then ends at once."""
     try:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_udp_port() -> int:
@@ -87,7 +93,7 @@ class LocalSwarm:
 
     def _member_home(self, name: str, model: str | None, listen: str) -> SwarmHome:
         host = self.host_home.load_config()
-        key, cert, ca_cert = issue_direct(self.host_home, name)
+        key, cert, ca_cert = issue_direct(self.host_home, name, role="asker" if name == "asker" else "trunk")
         home = SwarmHome(self.root / name)
         home.path.mkdir(mode=0o700)
         home.save_identity(key, cert, ca_cert)

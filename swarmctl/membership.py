@@ -14,6 +14,9 @@ from net.invite import Invite, hash_secret, secret_matches
 from swarmctl.home import InviteRecord, MemberRecord, NodeConfig, SwarmHome
 
 
+SPENT_INVITE_MEMORY_S = 30 * 86400  # how long past its expiry the host still recognises an invite
+
+
 class JoinRefused(EngineError):
     """An invite or join request the host turns down. The message goes back to the joiner."""
 
@@ -25,7 +28,7 @@ def create_swarm(home: SwarmHome, *, swarm_name: str, host_name: str, listen: st
     check_name(host_name)
     ca_key, ca_cert = make_ca(swarm_name)
     key = new_private_key()
-    cert = sign_member(ca_key, ca_cert, key.public_key(), host_name)
+    cert = sign_member(ca_key, ca_cert, key.public_key(), host_name, role="host")
     home.path.mkdir(parents=True, exist_ok=True, mode=0o700)
     home.save_ca(ca_key)
     home.save_identity(key, cert, ca_cert)
@@ -33,22 +36,27 @@ def create_swarm(home: SwarmHome, *, swarm_name: str, host_name: str, listen: st
                         host_name=host_name, host_addresses=advertise, listen=listen, model=model,
                         head_layers=head_layers)
     with home.locked():
-        home.save_members({host_name: MemberRecord(host_name, cert.serial_number, fingerprint(cert), time.time())})
+        home.save_members({host_name: MemberRecord(host_name, cert.serial_number, fingerprint(cert), time.time(),
+                                                   role="host")})
         home.save_invites({})
     home.save_config(config)
     return config
 
 
-def issue_invite(home: SwarmHome, *, ttl_seconds: int, uses: int) -> Invite:
+def issue_invite(home: SwarmHome, *, ttl_seconds: int, uses: int, role: str = "trunk") -> Invite:
     config = home.load_config()
     home.ca_key()  # only the host can invite
     if ttl_seconds <= 0 or uses <= 0:
         raise JoinRefused("--ttl and --uses must be positive")
-    invite = Invite.new(tuple(config.host_addresses), config.ca_fingerprint, ttl_seconds)
+    if role not in ("trunk", "asker"):
+        raise JoinRefused(f"an invite's role is trunk or asker, not {role!r}")
+    invite = Invite.new(tuple(config.host_addresses), config.ca_fingerprint, ttl_seconds, role)
     with home.locked():
-        invites = {t: r for t, r in home.invites().items() if r.expires_at > time.time() and r.uses_left > 0}
+        # Spent and expired invites are kept a while (their secrets hashed, as always), so a code
+        # used twice is told "already used" rather than "not recognised".
+        invites = {t: r for t, r in home.invites().items() if r.expires_at + SPENT_INVITE_MEMORY_S > time.time()}
         invites[invite.token_id] = InviteRecord(invite.token_id, hash_secret(invite.secret), invite.expires_at,
-                                                uses, time.time())
+                                                uses, time.time(), role)
         home.save_invites(invites)
     return invite
 
@@ -67,18 +75,22 @@ def admit(home: SwarmHome, *, token_id: str, secret: bytes, csr_pem: bytes, name
     with home.locked():
         invites = home.invites()
         record = invites.get(token_id)
+        # Only the holder of the right secret learns more than this: a guesser cannot tell an
+        # unknown token from a known one.
         if record is None or not secret_matches(secret, record.secret_hash):
             raise JoinRefused("invite not recognised (unknown token or wrong secret)")
-        if record.expires_at < time.time():
-            raise JoinRefused("invite has expired")
         if record.uses_left <= 0:
-            raise JoinRefused("invite has already been used")
+            raise JoinRefused("this invite has already been used; ask the host for a new one ('swarmctl invite')")
+        if record.expires_at < time.time():
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.expires_at))
+            raise JoinRefused(f"this invite expired at {when} (host time); ask the host for a new one "
+                              "('swarmctl invite')")
         members = home.members()
         if name in members:
             raise JoinRefused(f"a member named {name!r} already exists; choose another with --name")
-        cert = sign_member(ca_key, ca_cert, public_key, name)
+        cert = sign_member(ca_key, ca_cert, public_key, name, role=record.role)  # the host's record decides
         record.uses_left -= 1
-        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time())
+        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time(), role=record.role)
         home.save_invites(invites)
         home.save_members(members)
     return cert
@@ -98,14 +110,14 @@ def revoke(home: SwarmHome, name: str) -> MemberRecord:
     return members[name]
 
 
-def issue_direct(home: SwarmHome, name: str):
+def issue_direct(home: SwarmHome, name: str, role: str = "trunk"):
     """For a local swarm that one process sets up entirely: a key and certificate for ``name``,
     recorded as a member, without the invite round trip."""
     ca_key, ca_cert = home.ca_key(), home.credentials().ca_cert
     key = new_private_key()
-    cert = sign_member(ca_key, ca_cert, key.public_key(), name)
+    cert = sign_member(ca_key, ca_cert, key.public_key(), name, role=role)
     with home.locked():
         members = home.members()
-        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time())
+        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time(), role=role)
         home.save_members(members)
     return key, cert, ca_cert

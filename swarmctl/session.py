@@ -78,18 +78,20 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
 async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.home import SwarmHome
     from swarmctl.local_swarm import LocalSwarm
-    from swarmctl.models import resolve_model
+    from swarmctl.models import checked_model
     from swarmctl.swarm_client import SwarmLink
 
     home = SwarmHome()
     local = link = asker = None
     threads = options.threads
     try:
+        # The model is checked before any node starts or any connection opens: a missing or
+        # unusable file is one line at once, not a swarm that fails to come up.
         if home.exists:
-            model = resolve_model(options.model or home.load_config().model)
+            model = checked_model(options.model or home.load_config().model)
             swarm_home = home
         else:
-            model = resolve_model(options.model)
+            model = checked_model(options.model)
             log.info("no swarm joined: starting a local one (host + %d trunks)", options.trunk_nodes)
             # The local trunks and this process share this machine's cores: split them, or OpenMP
             # teams oversubscribe the cores whenever several processes compute at once.

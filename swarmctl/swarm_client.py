@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -81,6 +82,9 @@ class SwarmLink:
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
         self.stats = RecoveryStats()
+        # This process's results address at the last stage: other processes of the same member
+        # (another terminal, serve, top) subscribe with their own, so results never cross.
+        self.session = secrets.token_hex(16)
         self._requests: dict[bytes, _Request] = {}
         self._plan_changed = asyncio.Event()
         self._reconnecting: asyncio.Lock | None = None
@@ -184,7 +188,7 @@ class SwarmLink:
     def _send(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int) -> None:
         kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
-                                  self.dtype, self.creds.name)
+                                  self.dtype, self.session)
         conn = request.conn
         if conn is None or not conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
@@ -284,7 +288,7 @@ class SwarmLink:
         self.first_conn = await conn_to(first.member, first.address, self.first_conn)
         self.last_conn = self.first_conn if last.member == first.member else \
             await conn_to(last.member, last.address, self.last_conn)
-        reply = decode_control((await self.last_conn.request(encode_control({"type": "subscribe"}))).body)
+        reply = decode_control((await self.last_conn.request(encode_control({"type": "subscribe", "session": self.session}))).body)
         if reply.get("type") != "ok":
             raise SwarmError(f"the last stage refused the results stream: {reply}")
         log.info("swarm plan v%d: %s", self.plan.version,

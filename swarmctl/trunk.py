@@ -24,8 +24,9 @@ from kernels.experts import ExpertEngine, rows_for
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
+from kernels.speed import SpeedTracker, measure_speed, worth_reporting
 from net.endpoint import Address, close, connect_member, serve_member
-from net.identity import verify_member
+from net.identity import REVOKED_REASON, is_revocation, verify_member
 from net.protocol import StreamClosedError, SwarmProtocol
 from net.wire import (ActivationPacket, DType, ExpertCall, ExpertCallKind, Frame, FrameType, Hop, PacketKind,
                       WireError, decode_control, decode_expert_call, decode_packet, encode_control,
@@ -34,12 +35,26 @@ from plans.plan import Plan, PlanError, StageAssignment
 from swarmctl.batching import BatchRunner, EngineClosedError, compute_thread
 from swarmctl.home import SwarmHome
 from swarmctl.models import resolve_model
+from swarmctl.log_limit import LogLimit
+from swarmctl.request_locks import RequestLocks
 
 log = logging.getLogger("swarmctl.trunk")
 
 SEND_BACKLOG = 8 * 1024 * 1024  # bytes unacknowledged per stream before a sender waits
 PING_INTERVAL = 1.0  # the host marks a trunk down after a few silent seconds
 RECONNECT_INTERVAL = 2.0
+
+
+def results_key(member: str, session: str) -> str:
+    """Where a request's results go: one asker *process* (``session``, a random token it sends
+    with its subscription and as its packets' reply_to) of one authenticated member. Several
+    processes of one member (two terminals, ``serve`` next to ``ask``) each get their own; the
+    member part always comes from the certificate of the connection, never from the packet."""
+    return f"{member}/{session}"
+
+
+def valid_session(session: object) -> bool:
+    return isinstance(session, str) and 0 < len(session) <= 64 and all(c in "0123456789abcdef" for c in session)
 
 
 class RemoteExpertError(EngineError):
@@ -105,7 +120,8 @@ class TrunkService:
         self.name = self.creds.name
         self.model_path = resolve_model(self.config.model)
         self.slices_dir = home.path / "slices"  # layers fetched from the swarm when the model file is missing
-        self.ms_per_layer_token: float | None = None
+        self.ms_per_layer_token: float | None = None  # the figure the host has
+        self.speed = SpeedTracker()  # refreshes it: from served batches, or measured again if contended
         self.rtt_ms: float | None = None
         self.fetched_bytes = 0
         self._fetch_frames: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
@@ -129,7 +145,7 @@ class TrunkService:
         self.routes: dict[bytes, Route] = {}
         self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
         self._request_streams: dict[SwarmProtocol, set[int]] = {}  # streams that carried request packets
-        self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # asker name → results stream
+        self.subscribers: dict[str, tuple[SwarmProtocol, int]] = {}  # results_key → an asker's results stream
         self.host_conn: SwarmProtocol | None = None
         self.plan_stream: int | None = None
         self.next_conn: SwarmProtocol | None = None
@@ -137,7 +153,8 @@ class TrunkService:
         self.address: Address | None = None
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
         self.on_fatal: Callable[[], None] = lambda: None
-        self._locks: dict[bytes, asyncio.Lock] = {}  # one request's packets run in order
+        self._locks = RequestLocks()  # one request's packets run in order
+        self._refusals = LogLimit(log)
         self._failed_streams: set[tuple[int, int, bytes]] = set()  # a request refused (retry) on a stream
         self._tasks: set[asyncio.Task] = set()
         self._executor = compute_thread()  # loading and unloading happen on the compute thread too
@@ -177,11 +194,37 @@ class TrunkService:
             self._server.close()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._unload)
 
-    def _measure_speed(self) -> float:
-        from kernels.speed import measure_ms_per_layer
+    def _measure_speed(self, model: Path | None = None, layer: int | None = None) -> float:
+        """On the compute thread: repeats, after a warm-up, with the repeats that other processes
+        starved left out (kernels/speed.py)."""
+        with GGUFFile(model or self.model_path) as gguf:
+            measurement = measure_speed(gguf, n_threads=self.n_threads, layer=layer)
+        self.speed.measured(measurement)
+        log.info("measured %s", measurement.describe())
+        return measurement.ms_per_layer_token
 
-        with GGUFFile(self.model_path) as gguf:
-            return measure_ms_per_layer(gguf, n_threads=self.n_threads)
+    def _refresh_speed(self) -> None:
+        """Keep the host's figure current (it re-plans only on a material change: plans/hysteresis.py):
+        a stage from the single-token batches it serves; a trunk that serves nothing and whose
+        measurement had to share the CPU, by measuring again while it is idle."""
+        runner, stage = self.runner, self.stage
+        if runner is not None and stage is not None and not (self.plan and self.plan.experts):
+            self.speed.observe(runner.stats.recent, stage.stop - stage.start)
+            self._report_speed(self.speed.serving_report(self.ms_per_layer_token), "while serving")
+        elif stage is None and self.experts is None and self.model_path.exists() and self.speed.take_remeasure():
+            self._spawn(self._remeasure_speed())
+
+    async def _remeasure_speed(self) -> None:
+        figure = await asyncio.get_running_loop().run_in_executor(self._executor, self._measure_speed)
+        if not self.speed.contended or self.ms_per_layer_token is None or figure < self.ms_per_layer_token:
+            self._report_speed(figure, "measured again")  # (a contended figure only bounds the speed from above)
+
+    def _report_speed(self, figure: float | None, how: str) -> None:
+        if worth_reporting(figure, self.ms_per_layer_token):
+            log.info("%s: %.3f ms per layer (the host had %s)", how, figure,
+                     f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
+            self.ms_per_layer_token = figure
+            self._spawn(self._tell_host({"type": "speed", "ms_per_layer_token": figure}))
 
     def _check_member(self, cert) -> None:
         revoked = frozenset(self.plan.revoked_serials) if self.plan else frozenset()
@@ -192,10 +235,17 @@ class TrunkService:
     async def _keep_host_link(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             if self.host_conn is None or not self.host_conn.is_open:
+                if self.host_conn is not None and is_revocation(self.host_conn.close_reason):
+                    self._revoked()
+                    return
                 try:
                     await self._register()
                 except (ConnectionError, asyncio.TimeoutError, OSError) as e:
-                    log.warning("cannot reach the host: %s (retrying)", e)
+                    reason = str(e) or (self.host_conn.close_reason if self.host_conn else "") or type(e).__name__
+                    if is_revocation(reason):
+                        self._revoked()
+                        return
+                    log.warning("cannot reach the host: %s (retrying)", reason)
                     await asyncio.sleep(RECONNECT_INTERVAL)
                     continue
             try:
@@ -207,7 +257,14 @@ class TrunkService:
             for conn in (self.next_conn, *self.expert_conns.values()):
                 if conn is not None and conn.is_open:
                     self._spawn(_quiet_ping(conn))
+            self._refresh_speed()
             await asyncio.sleep(PING_INTERVAL)
+
+    def _revoked(self) -> None:
+        """The host revoked this member: retrying cannot help, so the trunk stops and says why."""
+        self.fatal = "the host revoked this member's certificate; ask the host for a new invite to rejoin"
+        log.error("%s", self.fatal)
+        self.on_fatal()
 
     async def _register(self) -> None:
         self._ready_sent = None  # a (re)connected host needs to hear it again
@@ -227,7 +284,13 @@ class TrunkService:
             "type": "register", "listen": str(self.advertise or self.address), "memory": self.memory,
             "ms_per_layer_token": self.ms_per_layer_token, "device": "cpu", "rtt_ms": self.rtt_ms,
         }), stream_id=self.plan_stream)
-        self._host_message(decode_control(reply.body))
+        message = decode_control(reply.body)
+        if message.get("type") == "error":  # e.g. an asker's certificate: retrying cannot help
+            self.fatal = f"the host refused this trunk: {message.get('message')}"
+            log.error("%s", self.fatal)
+            self.on_fatal()
+            return
+        self._host_message(message)
 
     def _host_message(self, message: dict) -> None:
         if message.get("type") == "plan":
@@ -243,9 +306,9 @@ class TrunkService:
             return
         self.plan = plan
         revoked = set(plan.revoked_serials)
-        for conn in {r.in_conn for r in self.routes.values()} | {c for c, _ in self.subscribers.values()}:
+        for conn in list(self.connections):  # every one: a member may hold several (a trunk and asks)
             if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
-                conn.close_with("membership revoked")
+                conn.close_with(REVOKED_REASON)
         stage = plan.stage_for(self.name)
         expert = plan.expert_for(self.name)
         if self._loading is not None and not self._loading.done() and self._loading is not asyncio.current_task():
@@ -339,6 +402,8 @@ class TrunkService:
     async def _serve_expert_call(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
         try:
             call = decode_expert_call(frame.body)
+            if conn.peer_role != "trunk":
+                raise EngineError(f"expert calls come from stages; {conn.peer_name} joined as {conn.peer_role}")
             if call.kind != ExpertCallKind.REQUEST or self.experts is None:
                 raise EngineError("this trunk is not serving experts" if self.experts is None else "not a request")
             loop = asyncio.get_running_loop()
@@ -452,10 +517,7 @@ class TrunkService:
             await self._tell_host({"type": "links", "links": links})
 
     def _measure_slice(self, model: Path, stage: StageAssignment) -> float:
-        from kernels.speed import measure_ms_per_layer
-
-        with GGUFFile(model) as gguf:
-            return measure_ms_per_layer(gguf, n_threads=self.n_threads, layer=stage.start)
+        return self._measure_speed(model, stage.start)
 
     def _unload(self) -> None:
         if self.experts is not None:
@@ -545,7 +607,12 @@ class TrunkService:
         if conn is self.host_conn and stream_id == self.plan_stream:
             self._host_message(message)
         elif message["type"] == "subscribe":
-            self.subscribers[conn.peer_name] = (conn, stream_id)
+            session = message.get("session")
+            if not valid_session(session):
+                conn.send(stream_id, encode_control({"type": "error", "message": "subscribe needs a session "
+                                                     "(1 to 64 lowercase hex digits)"}), end=True)
+                return
+            self.subscribers[results_key(conn.peer_name, session)] = (conn, stream_id)
             conn.send(stream_id, encode_control({"type": "ok"}))
         elif message["type"] == "probe":  # a peer measuring our link
             conn.send(stream_id, encode_control({"type": "ok"}), end=True)
@@ -584,6 +651,7 @@ class TrunkService:
             "tensor_bytes": engine.weights.n_bytes if engine else (self.experts.n_bytes if self.experts else 0),
             "peak_kv_bytes": self.peak_kv_bytes,
             "open_streams": sum(c.open_streams for c in self.connections if c.is_open),
+            "request_locks": len(self._locks),
             "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"), "fetched_bytes": self.fetched_bytes,
             "role": "experts" if self.experts else ("stage" if self.stage else "idle"),
             "expert_range": [self.experts.first, self.experts.last] if self.experts else None,
@@ -607,8 +675,7 @@ class TrunkService:
 
     async def _handle(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket, arrived: float) -> None:
         rid = packet.request_id
-        lock = self._locks.setdefault(rid, asyncio.Lock())
-        async with lock:
+        async with self._locks.hold(rid):
             if (id(conn), stream_id, rid) in self._failed_streams:
                 return  # the sender is already rerouting: later packets on this stream answer nothing
             if packet.kind == PacketKind.END:
@@ -626,6 +693,11 @@ class TrunkService:
                 return
             route = self.routes.get(rid)
             is_first = self.stage.start == self.plan.head_layers
+            if not is_first and conn.peer_name != self._previous_member():
+                # Only an asker's packets enter at the first stage; later stages take the stage before.
+                self._refuse(conn, stream_id, rid, f"layers [{self.stage.start}, {self.stage.stop}) take activations "
+                                                   "only from the stage before them in the plan")
+                return
             if route is not None and (route.in_conn is not conn or route.in_stream != stream_id):
                 if packet.start_pos != 0:
                     self._refuse(conn, stream_id, rid, "request id is in use on another stream", retry=True)
@@ -633,7 +705,8 @@ class TrunkService:
                 self._close_out_stream(rid, route)  # a request starting over (replayed after a failure) on a new stream
                 route = None
             if route is None:
-                route = Route(conn, stream_id, conn.peer_name if is_first else packet.reply_to)
+                route = Route(conn, stream_id, results_key(conn.peer_name, packet.reply_to) if is_first
+                              else packet.reply_to)
             route.last_active = time.monotonic()
             submitted = time.perf_counter()
             runner = self.runner
@@ -655,8 +728,9 @@ class TrunkService:
             hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
                       timing.batch_requests)
             await self._pass_on(route, packet, out, hop)
-        if rid not in self.routes:
-            self._locks.pop(rid, None)
+
+    def _previous_member(self) -> str | None:
+        return next((s.member for s in self.plan.stages if s.stop == self.stage.start), None)
 
     def _check_packet(self, packet: ActivationPacket) -> tuple[str, bool]:
         """What is wrong with a packet, if anything, and whether a resend under a newer plan may work."""
@@ -683,8 +757,8 @@ class TrunkService:
         if is_last:
             sub = self.subscribers.get(route.reply_to)
             if sub is None or not sub[0].is_open:
-                self._refuse(route.in_conn, route.in_stream, rid, f"asker {route.reply_to!r} has no results stream "
-                                                                  "open at the last stage", retry=True)
+                self._refuse(route.in_conn, route.in_stream, rid, f"asker {route.reply_to.split('/')[0]!r} has no "
+                                                                  "results stream open at the last stage", retry=True)
                 return
             await self._send_and_drain(sub[0], sub[1], onward)
             return
@@ -716,16 +790,14 @@ class TrunkService:
         if that is still the request's route: the request may have started over on a new stream
         since (a reroute), and then it must live on."""
         if route is not None:
-            async with self._locks.setdefault(rid, asyncio.Lock()):
+            async with self._locks.hold(rid):
                 if self.routes.get(rid) is not route:
                     return
                 self.routes.pop(rid, None)
                 if self.runner is not None:
                     await self.runner.call(self.engine.release, rid)
-            self._locks.pop(rid, None)
-        else:
+        else:  # (the caller holds the request's lock)
             route = self.routes.pop(rid, None)
-            self._locks.pop(rid, None)
             if self.runner is not None:
                 await self.runner.call(self.engine.release, rid)
         if route is not None:
@@ -783,7 +855,7 @@ class TrunkService:
     # --- sending ---
 
     def _refuse(self, conn: SwarmProtocol, stream_id: int, rid: bytes, reason: str, retry: bool = False) -> None:
-        log.warning("request %s from %s refused: %s", rid.hex()[:8], conn.peer_name, reason)
+        self._refusals.warning("request %s from %s refused: %s", rid.hex()[:8], conn.peer_name, reason)
         self._send_error(conn, stream_id, rid, reason, retry)
         if retry:
             self._failed_streams.add((id(conn), stream_id, rid))

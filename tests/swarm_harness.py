@@ -4,17 +4,30 @@ set up only through the CLI (init / invite / join / run), talking QUIC with mTLS
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from net.endpoint import Address, ask_member
 from swarmctl.home import SwarmHome
-from swarmctl.local_swarm import free_udp_port
+from swarmctl.local_swarm import _die_with_parent, free_udp_port
+
+
+def die_with_this_process():
+    """A ``preexec_fn`` for children that must not outlive the test run: when pytest dies
+    mid-run (killed, crashed), the kernel sends them SIGTERM instead of leaving them as orphans
+    that hold ports and cores. Linux delivers it when the forking *thread* exits, so only a child
+    spawned from the main thread (which lives as long as pytest) gets it; one started from a
+    worker thread is left to its owner's cleanup rather than killed when that thread ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return functools.partial(_die_with_parent, os.getpid())
 
 
 def swarmctl(home: Path | None, *args: str, timeout: float = 120, check: bool = False,
@@ -22,8 +35,9 @@ def swarmctl(home: Path | None, *args: str, timeout: float = 120, check: bool = 
     env = {**os.environ, **(env_extra or {})}
     if home is not None:
         env["SWARMCTL_HOME"] = str(home)
+    # subprocess.run waits for the child, so the calling thread (even a worker) outlives it
     r = subprocess.run([sys.executable, "-m", "swarmctl", *args], capture_output=True, text=True, timeout=timeout,
-                       env=env)
+                       env=env, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
     if check and r.returncode != 0:
         raise AssertionError(f"swarmctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
     return r
@@ -38,7 +52,7 @@ class Node:
         env = {**os.environ, "SWARMCTL_HOME": str(home), "OMP_WAIT_POLICY": "PASSIVE"}
         self.process = subprocess.Popen([sys.executable, "-m", "swarmctl", "run", "--role", role, *extra], env=env,
                                         stdin=subprocess.DEVNULL, stdout=open(self.log_path, "wb"),
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, preexec_fn=die_with_this_process())
 
     @property
     def alive(self) -> bool:
@@ -76,9 +90,9 @@ class Swarm:
     def invite(self, *args: str) -> str:
         return swarmctl(self.host_home, "invite", *args, check=True).stdout.strip()
 
-    def join(self, name: str, *extra: str) -> Path:
+    def join(self, name: str, *extra: str, role: str = "trunk") -> Path:
         home = self.root / name
-        swarmctl(home, "join", self.invite(), "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", *extra,
+        swarmctl(home, "join", self.invite("--role", role), "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", *extra,
                  check=True)
         self.homes[name] = home
         return home

@@ -193,6 +193,24 @@ def test_golden_svg_from_recorded_feed():
     check_golden(README_SVG, asyncio.run(svg()))
 
 
+def test_one_stage_and_a_node_the_host_calls_down_that_answers_our_ping():
+    """One stage is "1 stage"; a node the host counts down while it answers this screen's ping is
+    not shown as plain "down" (one that does not answer is)."""
+    status = _status(("amy", 4, 26))
+    status["members"] += [{"name": n, "role": "trunk", "address": f"127.0.0.1:{7490 + i}", "layers": None,
+                           "memory": 4_000_000_000, "health": "down"} for i, n in enumerate(("bob", "carol"))]
+    poll = RawPoll(time.time(), 0.01, status, stats={"amy": _stats(5.0, [], 0)}, pings_ms={"amy": 1.0, "bob": 2.5})
+    text, _ = asyncio.run(_render(ReplayFeed([poll], realtime=False), []))
+    assert " · 1 stage · " in text and "1 stages" not in text
+    rows: dict[str, str] = {}  # the nodes panel's rows (it comes before the chart's lanes)
+    for row in (line.strip("│ ") for line in text.splitlines()):
+        if row and row.split()[0] in ("amy", "bob", "carol"):
+            rows.setdefault(row.split()[0], row)
+    assert rows["bob"].rstrip().endswith("2.50     host: down"), rows["bob"]
+    assert rows["carol"].rstrip().endswith("-        down"), rows["carol"]
+    assert rows["amy"].rstrip().endswith("ready"), rows["amy"]
+
+
 def test_golden_screen_when_the_host_stops_answering():
     polls = read_recording(FEED)
     polls.append(RawPoll(polls[-1].taken_at + 2, 2.0, None, host_error="no answer in time", retry_in_s=2.0))
@@ -319,7 +337,7 @@ def test_unreachable_swarm_shows_a_banner_and_keeps_retrying(tmp_path):
             assert f"connecting to the swarm host at {address}" in screen_text(app)
             await _until(pilot, lambda: app.snapshot.banner.startswith("swarm unreachable"), 20, "the banner")
             banner = app.snapshot.banner
-            assert banner.startswith(f"swarm unreachable: cannot connect to {address}: ") and "retrying" in banner
+            assert banner.startswith(f"swarm unreachable: no answer from {address} (") and "retrying" in banner
             assert banner in screen_text(app)
             await _until(pilot, lambda: app.snapshot.banner.endswith("retrying now"), 5, "a retry")
             await pilot.press("q")

@@ -13,7 +13,7 @@ import socket
 from net.endpoint import Address
 from swarmctl.home import DEFAULT_PORT, SwarmHome
 from swarmctl.membership import create_swarm
-from swarmctl.models import resolve_model
+from swarmctl.models import checked_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     listen = Address.parse(args.listen, default_port=DEFAULT_PORT)
     advertise = [str(Address.parse(a, default_port=listen.port)) for a in args.advertise] if args.advertise \
         else _default_advertise(listen)
-    model = str(resolve_model(args.model).resolve()) if args.model else None
+    model = str(checked_model(args.model).resolve()) if args.model else None  # fails now, not at 'run'
     home = SwarmHome()
     config = create_swarm(home, swarm_name=args.swarm, host_name=args.name, listen=str(listen),
                           advertise=advertise, model=model, head_layers=args.head_layers)

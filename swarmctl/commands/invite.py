@@ -28,10 +28,14 @@ def parse_duration(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", default="1h", help="how long the code stays valid (default 1h)")
     parser.add_argument("--uses", type=int, default=1, help="how many members it can admit (default 1)")
+    parser.add_argument("--role", choices=("trunk", "asker"), default="trunk",
+                        help="what the joiner may be: trunk (serves layers, and may ask) or asker (only asks); "
+                             "signed into its certificate (default trunk)")
 
 
 def run(args: argparse.Namespace) -> int:
-    invite = issue_invite(SwarmHome(), ttl_seconds=parse_duration(args.ttl), uses=args.uses)
+    invite = issue_invite(SwarmHome(), ttl_seconds=parse_duration(args.ttl), uses=args.uses, role=args.role)
     print(invite.encode())
-    print(f"valid for {args.ttl}, {args.uses} use(s); the friend runs: swarmctl join CODE", file=sys.stderr)
+    uses = "one use" if args.uses == 1 else f"{args.uses} uses"
+    print(f"valid for {args.ttl}, {uses}, joins as {args.role}; the friend runs: swarmctl join CODE", file=sys.stderr)
     return 0

@@ -38,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     model = str(resolve_model(args.model).resolve()) if args.model else None
     home = SwarmHome()
     config = asyncio.run(join_swarm(home, invite, name=args.name or _default_name(), listen=str(listen), model=model))
-    print(f"joined swarm '{config.swarm_name}' as {config.name} (state in {home.path})")
-    print("next: 'swarmctl run --role trunk' to serve layers, or 'swarmctl ask \"...\"'")
+    from net.identity import member_role
+
+    role = member_role(home.credentials().cert)
+    print(f"joined swarm '{config.swarm_name}' as {config.name}, a {role} (state in {home.path})")
+    print("next: 'swarmctl run --role trunk' to serve layers, or 'swarmctl ask \"...\"'" if role == "trunk" else
+          "next: 'swarmctl ask \"...\"' (this member may ask, not serve)")
     return 0

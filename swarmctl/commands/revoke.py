@@ -11,7 +11,7 @@ import asyncio
 
 from net.endpoint import Address, close, connect_member
 from net.protocol import RequestOnlyHandler
-from net.wire import encode_control
+from net.wire import decode_control, encode_control
 from swarmctl.home import SwarmHome
 from swarmctl.membership import revoke
 
@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="the member to revoke")
 
 
-async def _tell_running_host(home: SwarmHome) -> bool:
+async def _tell_running_host(home: SwarmHome) -> int | None:
+    """How many of the member's connections the running host closed (None: no host answered)."""
     config = home.load_config()
     creds = home.credentials()
     for text in [config.listen.replace("0.0.0.0", "127.0.0.1"), *config.host_addresses]:
@@ -29,19 +30,22 @@ async def _tell_running_host(home: SwarmHome) -> bool:
         except (ConnectionError, OSError):
             continue
         try:
-            await conn.request(encode_control({"type": "revoked"}), timeout=5)
-            return True
+            reply = decode_control((await conn.request(encode_control({"type": "revoked"}), timeout=5)).body)
+            return int(reply.get("closed", 0))
         except (ConnectionError, asyncio.TimeoutError):
-            return False
+            return None
         finally:
             await close(conn)
-    return False
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     home = SwarmHome()
     record = revoke(home, args.name)
-    live = asyncio.run(_tell_running_host(home))
-    print(f"revoked {record.name} (certificate serial {record.serial:x})"
-          + ("; the running host closed its connections" if live else "; the host is not running"))
+    closed = asyncio.run(_tell_running_host(home))
+    if closed is None:
+        done = "; the host is not running (it refuses the certificate when it starts)"
+    else:
+        done = f"; the running host closed its {closed} connection{'' if closed == 1 else 's'} and tells the trunks"
+    print(f"revoked {record.name} (certificate serial {record.serial:x}){done}")
     return 0

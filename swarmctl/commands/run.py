@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import signal
 from pathlib import Path
 
@@ -18,24 +19,43 @@ from kernels.errors import EngineError
 from swarmctl.errors import UsageError
 from swarmctl.home import SwarmHome
 
-_SIZES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+# Sizes read the way the rest of swarmctl prints them (status, plan, top and the planner all
+# count GB as 10^9 bytes): "12G" and "12GB" are 12 GB and 'status' shows 12.0 GB back. The binary
+# units say so explicitly: "12GiB" (or "12Gi") is 12 × 2^30 bytes, shown as 12.9 GB.
+_DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(I?)B?|B)?", re.IGNORECASE)
+MIN_BARE_BYTES = 2**20  # "--memory 12" is 12 bytes: far more likely a missing unit than meant
 
 
 def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in _SIZES else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        raise UsageError(f"invalid size {text!r} (examples: 512M, 12G)") from None
+    """Bytes from a size such as 512M, 12G, 12GB, 1.5T or 16GiB (see above); a bare number is bytes."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise UsageError(f"invalid size {text!r} (examples: 512M, 12G, 16GiB)")
+    number, unit, binary = match.group(1), (match.group(2) or "").upper(), bool(match.group(3))
+    value = float(number) * (_BINARY[unit] if binary else _DECIMAL[unit])
     if value <= 0:
-        raise UsageError(f"invalid size {text!r}")
-    return int(value * _SIZES[unit])
+        raise UsageError(f"invalid size {text!r}: it must be more than 0")
+    if not unit and value < MIN_BARE_BYTES:
+        raise UsageError(f"invalid size {text!r}: that is {int(value)} bytes; give a unit (examples: 512M, 12G)")
+    return int(value)
+
+
+def _size_text(text: str) -> str:
+    """argparse type for --memory: a bad size is a usage error before anything starts."""
+    try:
+        parse_size(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["host", "trunk"], required=True)
-    parser.add_argument("--memory", metavar="SIZE", help="memory this trunk offers (default: what is available)")
+    parser.add_argument("--memory", metavar="SIZE", type=_size_text,
+                        help="memory this trunk offers, e.g. 12G: 12 GB of 10^9 bytes, as 'status' shows it (16GiB "
+                             "for binary units; default: what is available)")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     parser.add_argument("--advertise", metavar="HOST:PORT",
                         help="trunk: the address others should use to reach it (default: where it listens)")

@@ -49,7 +49,7 @@ def format_table(status: dict) -> str:
         if m.get("experts"):  # expert parallelism: this member holds experts of every trunk layer
             layers = f"experts [{m['experts'][0]}, {m['experts'][1]})"
         memory = f"{m['memory'] / 1e9:.1f} GB" if m.get("memory") else "-"
-        rows.append((m["name"], m["role"], m["address"] or "-", layers, memory, m["health"]))
+        rows.append((m["name"], m.get("may", m["role"]), m["address"] or "-", layers, memory, m["health"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"swarm {status['swarm']}: model {status['model']} ({status['n_layer']} layers, asker keeps "
              f"{status['head_layers']} at each end), plan v{status['plan_version']}, "

@@ -23,6 +23,11 @@ def size(n: int | None) -> str:
     return f"{n}B"
 
 
+def count(n: int, noun: str) -> str:
+    """'1 stage', '2 stages', '0 stages'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def memory(used: int | None, budget: int | None) -> str:
     return "-" if used is None and budget is None else f"{size(used)}/{size(budget)}"
 
@@ -57,10 +62,15 @@ def next_hop(name: str, rtt_ms: float | None) -> str:
     return f"{name} {ms(rtt_ms)}" if rtt_ms is not None else f"{name} ?"
 
 
-def health(text: str, stats_error: str) -> Text:
+def health(text: str, stats_error: str, ping_ms: float | None = None) -> Text:
+    """The host's word for a node, qualified by what this screen sees of it: a node the host
+    counts down while it answers our ping is not simply down (the host's view can lag, or be
+    about another connection of the same member)."""
     style = HEALTH_STYLES.get(text, "red")
     if stats_error:  # the host's word for it is in its chart lane
         return Text("no stats", style="yellow")
+    if text == "down" and ping_ms is not None:
+        return Text("host: down", style="yellow")  # fits the column; PING beside it is live
     return Text(text, style=style)
 
 

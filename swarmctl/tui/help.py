@@ -26,8 +26,9 @@ HELP = """\
               trip to the host, which stands in for askers (not a live figure)
   PING        round trip from this screen to the node now (a QUIC PING; it includes
               the node's event-loop delay, so a busy node answers later)
-  HEALTH      the host's view; "no stats" when this screen cannot reach the node
-              (its chart lane then says why, and what the host says)
+  HEALTH      the host's view, or "no stats" when this screen cannot reach the node
+              (its chart lane says why); "host: down" (not plain "down") when the
+              host counts down a node that answers this screen's ping
 
 [b]pipeline occupancy[/b]
   One lane per trunk stage, time left to right. A letter is the request a stage

@@ -45,7 +45,7 @@ class Summary(Static):
             else:
                 missing = ", ".join(f"[{a}, {b})" for a, b in s.missing_layers)
                 text.append(f"INCOMPLETE: no trunk for {missing}", style="bold red")
-            text.append(f" · {len(s.lanes)} stages · poll {s.poll_ms:.0f} ms")
+            text.append(f" · {fmt.count(len(s.lanes), 'stage')} · poll {s.poll_ms:.0f} ms")
         else:
             text.append("swarmctl top", style="bold")
         if self.paused:
@@ -100,7 +100,7 @@ class NodeTable(Static):
             (Text(n.name, style="bold"), n.address or "-", fmt.layers(n.layers), n.device or "-",
              fmt.memory(n.memory_used, n.memory_budget), "-" if n.queue_depth is None else str(n.queue_depth),
              fmt.busy_bar(n.occupancy), fmt.rate(n.tok_s), fmt.next_hop(n.next_hop, n.next_hop_ms),
-             fmt.ms(n.ping_ms), fmt.health(n.health, n.stats_error))
+             fmt.ms(n.ping_ms), fmt.health(n.health, n.stats_error, n.ping_ms))
             for n in sort_nodes(self.snapshot.nodes, self.sort_key)])
 
 

@@ -1,0 +1,113 @@
+"""When a changed speed figure is worth a new plan (hysteresis).
+
+A trunk's ms per layer is a measurement, and measurements wobble: the same node, measured again a
+minute later on a machine where something else woke up, reads tens of percent off, and a figure
+refreshed from the batches it serves carries the serving overhead as well. A re-plan is not free:
+every stage whose range moves drops its requests' KV caches (their askers replay them) and loads,
+or fetches, other layers. So the host re-plans on a new figure only when both hold:
+
+1. The figure moved by at least ``SPEED_FACTOR`` (1.5×) from the one the host plans with.
+   A ±30% wobble is a ratio between 0.7 and 1.3, at most 1/0.7 = 1.43× either way, below 1.5×;
+   the changes worth reacting to (another heavy program on the machine, thermal throttling, a
+   figure taken under load at join and re-measured idle) are 2× and more. A figure inside the
+   band is not adopted at all: the planner keeps the old one, so a re-plan for another reason (a
+   trunk joining or leaving) is not reshuffled by the wobble either.
+2. The plan made with the new figure is materially better than the current assignment under the
+   same new figure: its objective (one stream's time per token for "latency", the slowest stage
+   for "throughput") lower by at least ``MIN_GAIN`` (10%). A node that got slower but would keep
+   its layers anyway (it is alone, or still the best place for them) re-plans nothing.
+
+Objective "even" places layers by memory, not speed: speed never re-plans it.
+
+Why not treat speeds within a factor as equal inside the planner? Two genuinely different nodes
+(1.0 and 1.4 ms per layer) deserve different shares under "throughput", and brute force checks
+the planner's answers exactly. Noise is handled where it arises: a robust measurement at join
+(``kernels/speed.py``: repeats, a low quantile, repeats starved by other processes discarded),
+a figure refreshed from serving, and this band on what the planner is told.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from .layout import ModelLayout
+from .nodes import ASKER, NodeDescriptor
+from .plan import PlanError
+from .planner import Constraints, _Problem, plan_layers
+
+SPEED_FACTOR = 1.5
+MIN_GAIN = 0.10
+
+
+def materially_changed(planned: float | None, figure: float | None, factor: float = SPEED_FACTOR) -> bool:
+    """True when ``figure`` is outside [planned / factor, planned × factor] (or there was none)."""
+    if figure is None or not figure > 0:
+        return False
+    if planned is None or not planned > 0:
+        return True
+    ratio = figure / planned
+    return ratio >= factor or ratio <= 1 / factor
+
+
+def sticky_speed(planned: float | None, figure: float | None, factor: float = SPEED_FACTOR) -> float | None:
+    """The figure to plan with: the old one while the new one is inside the band."""
+    return figure if materially_changed(planned, figure, factor) else planned
+
+
+def assignment_cost(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
+                    stages: Sequence[tuple[str, int, int]]) -> tuple[float, float]:
+    """(one stream's ms per token, the pipeline's bottleneck in ms) of ``stages`` (member, start,
+    stop) under the nodes' figures, by the planner's own cost model (compute plus links)."""
+    start, stop = constraints.head_layers, layout.n_layer - constraints.head_layers
+    problem = _Problem(layout, list(nodes), constraints, start, stop)
+    order = [m for m, _, _ in stages]
+    compute = [(b - a) * problem.by_name[m].ms_per_layer_token for m, a, b in stages]
+    hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
+    link_ms = [problem._link_ms(a, b) for a, b in hops]
+    transfer = max(ms - problem._link_latency(a, b) for ms, (a, b) in zip(link_ms, hops))
+    return sum(compute) + sum(link_ms), max(max(compute), transfer)
+
+
+@dataclass(frozen=True)
+class SpeedDecision:
+    adopt: bool  # plan with the new figure from now on (it moved by SPEED_FACTOR or more)
+    replan: bool  # and re-plan now (the new plan is at least MIN_GAIN better)
+    reason: str
+    current_ms: float | None = None  # the objective of the current assignment under the new figure
+    proposed_ms: float | None = None  # the objective of the plan made with it
+
+
+def decide_on_speed(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
+                    current: Sequence[tuple[str, int, int]], member: str, figure: float, *,
+                    factor: float = SPEED_FACTOR, min_gain: float = MIN_GAIN) -> SpeedDecision:
+    """``member`` reports ``figure`` ms per layer; ``nodes`` carry the figures the host plans with
+    now, ``current`` is the plan's (member, start, stop) stages. Adopt the figure? Re-plan?"""
+    by_name = {n.name: n for n in nodes}
+    node = by_name.get(member)
+    planned = node.ms_per_layer_token if node is not None else None
+    if not figure > 0:
+        return SpeedDecision(False, False, f"{member}: {figure!r} is not a speed")
+    if not materially_changed(planned, figure, factor):
+        return SpeedDecision(False, False, f"{member}: {figure:.3g} ms per layer is within {factor}× of the "
+                                           f"{planned:.3g} planned with: kept")
+    if node is None:
+        return SpeedDecision(True, False, f"{member} is not a stage candidate now")
+    if constraints.objective == "even":
+        return SpeedDecision(True, False, "objective 'even' places layers by memory, not speed")
+    if not current or any(m not in by_name for m, _, _ in current):
+        return SpeedDecision(True, False, "no current assignment to compare with")
+    updated = [replace(n, ms_per_layer_token=figure) if n.name == member else n for n in nodes]
+    try:
+        proposal = plan_layers(layout, updated, constraints)
+    except PlanError as e:
+        return SpeedDecision(True, False, f"no plan with the new figure: {e}")
+    pick = 1 if constraints.objective == "throughput" else 0
+    now = assignment_cost(layout, updated, constraints, current)[pick]
+    new = assignment_cost(layout, updated, constraints, [(s.member, s.start, s.stop) for s in proposal.stages])[pick]
+    what = "the slowest stage" if pick else "a token"
+    if new <= now * (1 - min_gain):
+        return SpeedDecision(True, True, f"{member} now {figure:.3g} ms per layer (planned {planned:.3g}): a new "
+                                         f"plan takes {what} {new:.1f} ms instead of {now:.1f}", now, new)
+    return SpeedDecision(True, False, f"{member} now {figure:.3g} ms per layer (planned {planned:.3g}), but a new "
+                                      f"plan would take {what} {new:.1f} ms against {now:.1f} now: kept", now, new)

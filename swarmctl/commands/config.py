@@ -1,0 +1,160 @@
+"""Show or change the host's planner settings (run on the host). A running host re-plans at once;
+otherwise the next 'swarmctl run --role host' plans with them.
+
+settings:
+  objective     latency (one stream's time per token), throughput (the pipeline's slowest stage)
+                or even (every trunk, layers by memory)
+  context       KV room per request, in tokens, each stage must hold
+  concurrent    requests whose KV each stage must hold at once
+  max-stages    use at most N trunks at once, the others stand by (0: no limit)
+  expert-nodes  mixture-of-experts models: trunks that hold the experts (0: none)
+
+examples:
+  swarmctl config                          # show them
+  swarmctl config objective throughput
+  swarmctl config context 8192 concurrent 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+from kernels.errors import EngineError
+from net.endpoint import Address, close, connect_member
+from net.protocol import RequestOnlyHandler
+from net.wire import decode_control, encode_control
+from swarmctl.errors import UsageError
+from swarmctl.home import NodeConfig, SwarmHome
+
+OBJECTIVES = ("latency", "throughput", "even")
+
+
+@dataclass(frozen=True)
+class Setting:
+    field: str  # NodeConfig's attribute
+    parse: Callable[[str, str], object]
+    describe: Callable[[object], str] = str
+
+
+def _objective(key: str, text: str) -> str:
+    if text not in OBJECTIVES:
+        raise UsageError(f"swarmctl config: {key} must be one of {', '.join(OBJECTIVES)}, not {text!r}")
+    return text
+
+
+def _count(minimum: int) -> Callable[[str, str], int]:
+    def parse(key: str, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise UsageError(f"swarmctl config: {key} must be a whole number of at least {minimum}, not {text!r}")
+        return value
+    return parse
+
+
+SETTINGS: dict[str, Setting] = {
+    "objective": Setting("objective", _objective),
+    "context": Setting("plan_context", _count(1), lambda v: f"{v} tokens"),
+    "concurrent": Setting("plan_concurrent", _count(1), lambda v: f"{v} requests"),
+    "max-stages": Setting("plan_max_stages", _count(0), lambda v: f"{v}" if v else "0 (no limit)"),
+    "expert-nodes": Setting("expert_nodes", _count(0), lambda v: f"{v}" if v else "0 (none)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pairs", nargs="*", metavar="KEY VALUE",
+                        help=f"settings to change ({', '.join(SETTINGS)}); none: show them all")
+
+
+def parse_pairs(pairs: list[str]) -> dict[str, object]:
+    if len(pairs) % 2:
+        key = pairs[-1]
+        if key not in SETTINGS:
+            raise UsageError(f"swarmctl config: unknown setting {key!r} (settings: {', '.join(SETTINGS)})")
+        raise UsageError(f"swarmctl config: {key} needs a value (e.g. swarmctl config {key} "
+                         f"{_example(key)})")
+    changes: dict[str, object] = {}
+    for key, text in zip(pairs[::2], pairs[1::2]):
+        if key not in SETTINGS:
+            raise UsageError(f"swarmctl config: unknown setting {key!r} (settings: {', '.join(SETTINGS)})")
+        changes[key] = SETTINGS[key].parse(key, text)
+    return changes
+
+
+def _example(key: str) -> str:
+    return "throughput" if key == "objective" else "8192" if key == "context" else "2"
+
+
+def show(config: NodeConfig) -> str:
+    return "\n".join(f"{key:<13} {setting.describe(getattr(config, setting.field))}"
+                     for key, setting in SETTINGS.items())
+
+
+def _host_is_listening(listen: Address) -> bool:
+    """Whether something holds the host's UDP port on this machine: a running host does. Binding
+    the port ourselves answers at once, where a connection attempt to a host that is not there
+    would wait for its handshake to time out."""
+    if listen.port == 0:
+        return False
+    family = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((listen.host, listen.port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+async def tell_running_host(config: NodeConfig, home: SwarmHome) -> dict:
+    """Ask the running host to take its settings from node.json again and re-plan; its reply."""
+    listen = Address.parse(config.listen)
+    local = Address("127.0.0.1" if listen.host in ("0.0.0.0", "") else "::1" if listen.host == "::" else listen.host,
+                    listen.port)
+    conn = await connect_member(local, home.credentials(), config.name, RequestOnlyHandler())
+    try:
+        return decode_control((await conn.request(encode_control({"type": "reconfigure"}), timeout=10)).body)
+    finally:
+        await close(conn)
+
+
+def run(args: argparse.Namespace) -> int:
+    changes = parse_pairs(args.pairs)
+    home = SwarmHome()
+    config = home.load_config()
+    if config.role != "host":
+        raise EngineError(f"{home.path} belongs to member {config.name}: the planner's settings live on the host "
+                          "(run 'swarmctl config' there)")
+    if not changes:
+        print(show(config))
+        return 0
+    with home.locked():  # read-modify-write of node.json
+        config = home.load_config()
+        before = {key: getattr(config, SETTINGS[key].field) for key in changes}
+        for key, value in changes.items():
+            setattr(config, SETTINGS[key].field, value)
+        home.save_config(config)
+    for key, value in changes.items():
+        old = before[key]
+        print(f"{key}: {SETTINGS[key].describe(value)}" + (" (unchanged)" if old == value else
+                                                         f", was {SETTINGS[key].describe(old)}"))
+    if not _host_is_listening(Address.parse(config.listen)):
+        print("the host is not running: it plans with these settings when 'swarmctl run --role host' starts")
+        return 0
+    try:
+        reply = asyncio.run(tell_running_host(config, home))
+    except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+        raise EngineError(f"saved, but the running host could not be told ({e}): restart it "
+                          "('swarmctl run --role host') to apply them") from None
+    if reply.get("type") != "ok":
+        raise EngineError(f"saved, but the running host did not apply them ({reply.get('message', 'no reason')}): "
+                          "restart it ('swarmctl run --role host') to apply them")
+    warnings = "".join(f"; {w}" for w in reply.get("warnings") or ())
+    print(f"the running host re-planned under them: plan v{reply.get('plan_version')}{warnings}")
+    return 0

@@ -1,0 +1,146 @@
+"""What a peer can make a node hold, and what hostile bytes get: real QUIC on loopback between a
+server and clients made here (no swarm processes needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from net.endpoint import Address, _connect, close, connect_member, serve_member
+from net.identity import Credentials, IdentityError, check_name, make_ca, new_private_key, sign_member
+from net.protocol import ANONYMOUS_BUFFER_BUDGET, ANONYMOUS_MAX_FRAME, RequestOnlyHandler, SwarmProtocol
+from net.tls import join_configuration
+from net.wire import FRAME_HEADER, Frame, FrameType, WireError, decode_control, encode_control
+
+
+class Recorder(RequestOnlyHandler):
+    """A server handler that answers every control frame with 'ok' and remembers connections."""
+
+    def __init__(self) -> None:
+        self.conns: list[SwarmProtocol] = []
+        self.frames = 0
+
+    def connection_made(self, conn: SwarmProtocol) -> None:
+        self.conns.append(conn)
+
+    def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        self.frames += 1
+        try:
+            decode_control(frame.body)
+            conn.send(stream_id, encode_control({"type": "ok"}), end=True)
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+
+
+def _member(name, ca_key, ca_cert) -> Credentials:
+    key = new_private_key()
+    return Credentials(key, sign_member(ca_key, ca_cert, key.public_key(), name), ca_cert)
+
+
+async def _server(accept_joins: bool = True):
+    ca_key, ca_cert = make_ca("limits")
+    host = _member("host", ca_key, ca_cert)
+    handler = Recorder()
+    server = await serve_member(Address("127.0.0.1", 0), host, handler, client_check=lambda cert: None,
+                                accept_joins=accept_joins)
+    port = server._transport.get_extra_info("sockname")[1]
+    return server, Address("127.0.0.1", port), handler, (ca_key, ca_cert)
+
+
+def test_an_anonymous_peer_cannot_make_the_host_buffer_a_large_frame():
+    async def scenario() -> tuple[str, str, int]:
+        server, address, handler, _ = await _server()
+        conn = await _connect(address, join_configuration(), RequestOnlyHandler(), 1 << 26)
+        try:
+            # A frame announced at 56 MB: refused at its header, nothing buffered.
+            stream = conn.open_stream()
+            conn.send(stream, FRAME_HEADER.pack(56_000_000, FrameType.CONTROL) + b"x" * 4000)
+            try:
+                await conn.request(b"", timeout=3, stream_id=stream)
+                big = "answered"
+            except ConnectionError as e:
+                big = f"reset: {e}"
+            # Many frames just under the anonymous limit, each left unfinished: the budget closes the connection.
+            for _ in range(ANONYMOUS_BUFFER_BUDGET // ANONYMOUS_MAX_FRAME + 2):
+                conn.send(conn.open_stream(), FRAME_HEADER.pack(ANONYMOUS_MAX_FRAME - 1, FrameType.CONTROL)
+                          + b"y" * (ANONYMOUS_MAX_FRAME - 100))
+            try:
+                await asyncio.wait_for(conn.wait_closed(), 5)
+                budget = f"closed: {conn.close_reason}"
+            except asyncio.TimeoutError:
+                budget = "still open"
+            held = sum(d.buffered for c in handler.conns for d in c._decoders.values())
+            return big, budget, held
+        finally:
+            await close(conn)
+            server.close()
+
+    big, budget, held = asyncio.run(scenario())
+    assert big.startswith("reset"), big
+    assert budget.startswith("closed") and "buffered" in budget, budget
+    assert held == 0
+
+
+def test_deeply_nested_json_is_refused_not_raised():
+    with pytest.raises(WireError, match="nested too deeply"):
+        decode_control(b'{"type": "x", "a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+
+    async def scenario() -> str:
+        server, address, handler, _ = await _server()
+        conn = await _connect(address, join_configuration(), RequestOnlyHandler(), 1 << 26)
+        try:
+            body = b"[" * 50_000 + b"]" * 50_000  # under the anonymous frame limit, deep enough to recurse
+            try:
+                await conn.request(FRAME_HEADER.pack(len(body) + 1, FrameType.CONTROL) + body, timeout=5)
+                return "answered"
+            except ConnectionError as e:
+                return f"reset: {e}"
+            except asyncio.TimeoutError:
+                return "left hanging"
+        finally:
+            await close(conn)
+            server.close()
+
+    assert asyncio.run(scenario()).startswith("reset")
+
+
+def test_control_messages_have_a_size_limit():
+    from net.wire import MAX_CONTROL_BYTES
+
+    with pytest.raises(WireError, match="over the"):
+        decode_control(json.dumps({"type": "x", "pad": "a" * MAX_CONTROL_BYTES}).encode())
+
+
+def test_a_member_name_cannot_end_in_a_newline():
+    assert check_name("t0") == "t0"
+    for bad in ("t0\n", "t0\r\n", "T0", "-t0", "a" * 33, ""):
+        with pytest.raises(IdentityError):
+            check_name(bad)
+    ca_key, ca_cert = make_ca("names")
+    with pytest.raises(IdentityError):
+        sign_member(ca_key, ca_cert, new_private_key().public_key(), "t0\n")
+
+
+def test_a_closed_connection_lets_go_of_what_it_buffered():
+    async def scenario() -> tuple[int, int]:
+        server, address, handler, (ca_key, ca_cert) = await _server(accept_joins=False)
+        alice = _member("alice", ca_key, ca_cert)
+        conn = await connect_member(address, alice, "host", RequestOnlyHandler())
+        conn.send(conn.open_stream(), FRAME_HEADER.pack(8_000_000, FrameType.ACTIVATION) + b"z" * 1_000_000)
+        await asyncio.sleep(0.5)
+        served = handler.conns[0]
+        before = sum(d.buffered for d in served._decoders.values())
+        await close(conn)
+        for _ in range(50):
+            if not served.is_open:
+                break
+            await asyncio.sleep(0.1)
+        server.close()
+        return before, sum(d.buffered for d in served._decoders.values())
+
+    before, after = asyncio.run(scenario())
+    assert before > 500_000  # the partial frame was held while the connection lived
+    assert after == 0
+
