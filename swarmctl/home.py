@@ -114,11 +114,19 @@ class SwarmHome:
         except (ValueError, TypeError) as e:
             raise HomeError(f"{self.config_path} is damaged: {e}") from None
 
-    def save_config(self, config: NodeConfig) -> None:
+    def ensure_private(self) -> None:
+        """The home exists and only its owner can enter it: it holds a private key (and on the host
+        the CA key and invite hashes). An existing folder with looser bits is tightened, not trusted."""
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.path.stat().st_mode & 0o077:
+            os.chmod(self.path, 0o700)
+
+    def save_config(self, config: NodeConfig) -> None:
+        self.ensure_private()
         write_public(self.config_path, json.dumps(asdict(config), indent=2).encode())
 
     def save_identity(self, key: Ed25519PrivateKey, cert: x509.Certificate, ca_cert: x509.Certificate) -> None:
+        self.ensure_private()
         save_private_key(self.file("node.key"), key)
         save_cert(self.file("node.pem"), cert)
         save_cert(self.file("ca.pem"), ca_cert)
@@ -143,8 +151,9 @@ class SwarmHome:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Exclusive lock for read-modify-write of the host registries (across processes)."""
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with open(self.file(".lock"), "a+") as f:
+        self.ensure_private()
+        fd = os.open(self.file(".lock"), os.O_RDWR | os.O_CREAT, 0o600)  # 0600 whatever the umask says
+        with os.fdopen(fd, "a+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield

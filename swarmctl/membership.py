@@ -29,7 +29,7 @@ def create_swarm(home: SwarmHome, *, swarm_name: str, host_name: str, listen: st
     ca_key, ca_cert = make_ca(swarm_name)
     key = new_private_key()
     cert = sign_member(ca_key, ca_cert, key.public_key(), host_name, role="host")
-    home.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    home.ensure_private()
     home.save_ca(ca_key)
     home.save_identity(key, cert, ca_cert)
     config = NodeConfig(name=host_name, role="host", swarm_name=swarm_name, ca_fingerprint=fingerprint(ca_cert),

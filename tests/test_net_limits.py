@@ -144,3 +144,24 @@ def test_a_closed_connection_lets_go_of_what_it_buffered():
     assert before > 500_000  # the partial frame was held while the connection lived
     assert after == 0
 
+
+
+def test_a_home_folder_is_made_private_even_if_it_existed_loose(tmp_path):
+    import os
+    import stat
+
+    from swarmctl.home import SwarmHome
+    from swarmctl.membership import create_swarm
+
+    home = tmp_path / "loose"
+    home.mkdir()
+    os.chmod(home, 0o777)
+    old = os.umask(0)
+    try:
+        create_swarm(SwarmHome(home), swarm_name="s", host_name="host", listen="127.0.0.1:0",
+                     advertise=["127.0.0.1:7470"], model=None, head_layers=4)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / ".lock").stat().st_mode) == 0o600
+    assert stat.S_IMODE((home / "ca.key").stat().st_mode) == 0o600
