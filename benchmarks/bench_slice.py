@@ -34,33 +34,41 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "a storm, a gull named Pete, an old radio, and a letter from a sister who lives far away. ") * 2
 
 
-def bench_llama_cpp(model: Path, tokens: list[int], n_decode: int, threads: int) -> dict:
-    from llama_cpp import Llama
+def per_cpu_second(n_prefill: int, prefill_cpu_s: float, n_decode: int, decode_cpu_s: float) -> dict:
+    """Tokens per second of the process's CPU time (all its threads): unlike wall-clock rates,
+    barely moved by other processes competing for the cores, though with several threads it
+    counts their spin-waits too."""
+    return {"prefill_tok_per_cpu_s": n_prefill / prefill_cpu_s, "decode_tok_per_cpu_s": n_decode / decode_cpu_s}
 
-    from kernels.tokenizer import _quiet_llama_logs
 
-    _quiet_llama_logs()
-    llm = Llama(os.fspath(model), n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+def bench_llama_cpp(model: Path, tokens: list[int], n_decode: int, threads: int, *, repack: bool = False) -> dict:
+    """``repack=False``: plain weight buffers, like the engine; ``True``: llama.cpp's default
+    (repacked extra buffer types; can die with SIGILL on AMX CPUs, see bench_repack.py)."""
+    from kernels.oracle_llama import last_logits, load_llama
+
+    llm = load_llama(model, repack=repack, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads)
     llm.eval(tokens[:8])  # warm-up
     llm.reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.eval(tokens)
-    t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t2 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
+    tok = int(np.argmax(last_logits(llm)))
+    t2, c2 = time.perf_counter(), time.process_time()
     for _ in range(n_decode):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t3 = time.perf_counter()
+        tok = int(np.argmax(last_logits(llm)))
+    t3, c3 = time.perf_counter(), time.process_time()
     llm.close()
-    return {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t3 - t2)}
+    return {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t3 - t2),
+            **per_cpu_second(len(tokens), c1 - c0, n_decode, c3 - c2)}
 
 
-def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: int, threads: int) -> dict:
+def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: int, threads: int,
+                 *, repack: bool = False) -> dict:
     spec = ModelSpec.from_gguf(gguf)
     bounds = [0, *cuts, spec.n_layer]
-    engines = [SliceEngine(gguf, SliceSpec(a, b, a == 0, b == spec.n_layer), n_threads=threads, max_context=1024)
+    engines = [SliceEngine(gguf, SliceSpec(a, b, a == 0, b == spec.n_layer), n_threads=threads, max_context=1024,
+                           repack=repack)
                for a, b in zip(bounds, bounds[1:])]
 
     def step(rid: bytes, pos: int, new: list[int]) -> np.ndarray:
@@ -75,21 +83,22 @@ def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: i
         for e in engines:
             e.release(warm)
         rid = secrets.token_bytes(16)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = step(rid, 0, tokens)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         tok = int(np.argmax(logits[-1]))
         for e in engines:  # count only decode steps in the overhead figures
             e.stats.calls = e.stats.tokens = 0
             e.stats.total_s = e.stats.compute_s = 0.0
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         for i in range(n_decode):
             tok = int(np.argmax(step(rid, len(tokens) + i, [tok])[-1]))
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         overhead_us = sum(e.stats.overhead_s for e in engines) / n_decode * 1e6
         compute_us = sum(e.stats.compute_s for e in engines) / n_decode * 1e6
         return {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t3 - t2),
-                "python_overhead_us_per_token": overhead_us, "ggml_compute_us_per_token": compute_us}
+                "python_overhead_us_per_token": overhead_us, "ggml_compute_us_per_token": compute_us,
+                **per_cpu_second(len(tokens), c1 - c0, n_decode, c3 - c2)}
     finally:
         for e in engines:
             e.close()

@@ -49,18 +49,16 @@ def decode_rate(gen: Generation) -> float:
 
 
 def llama_cpp_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
-    from llama_cpp import Llama
+    from kernels.oracle_llama import last_logits, load_llama
 
-    from kernels.tokenizer import _quiet_llama_logs
-
-    _quiet_llama_logs()
-    llm = Llama(os.fspath(model), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    # plain weight buffers, like the engine (benchmarks/bench_repack.py measures the repacked default)
+    llm = load_llama(model, n_ctx=1024, n_threads=threads, n_threads_batch=threads)
     llm.eval(prompt)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(last_logits(llm)))
     t0 = time.perf_counter()
     for _ in range(n):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits(llm)))
     rate = n / (time.perf_counter() - t0)
     llm.close()
     return rate

@@ -7,13 +7,36 @@ device buffer instead of wrapping them, and ``compute`` would run there.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from . import ggml
 
+# The CPU extra buffer type whose weights the engine may repack (kernels.weights, repack=True).
+# Never "AMX": llama.cpp's AMX matmul dies with SIGILL on some AMX CPUs (issue 13).
+REPACK_BUFFER_TYPE = "CPU_REPACK"
+
 
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
+
+
+@functools.cache
+def cpu_extra_buffer_types() -> dict[str, int]:
+    """The CPU backend's extra buffer types by name (e.g. CPU_REPACK, AMX, CPU_KLEIDIAI: what
+    this build and this CPU offer), as llama.cpp finds them: through the CPU registry's
+    ``ggml_backend_dev_get_extra_bufts``."""
+    reg = ggml.backend_cpu_reg()
+    address = ggml.backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not reg or not address:
+        return {}
+    bufts = ggml.DevGetExtraBufts(address)(ggml.backend_reg_dev_get(reg, 0))
+    found: dict[str, int] = {}
+    i = 0
+    while bufts and bufts[i]:
+        found[ggml.backend_buft_name(bufts[i]).decode()] = bufts[i]
+        i += 1
+    return found
 
 
 class Backend:
@@ -36,6 +59,10 @@ class Backend:
 
     def buffer_type(self) -> int:
         return ggml.backend_get_default_buffer_type(self.handle)
+
+    def repack_buffer_type(self) -> int | None:
+        """ggml's CPU_REPACK buffer type, where this build has it; None otherwise."""
+        return cpu_extra_buffer_types().get(REPACK_BUFFER_TYPE)
 
     def alloc_context_tensors(self, ctx: int) -> int:
         """Allocate every tensor of a no_alloc context in one backend buffer (zeroed)."""

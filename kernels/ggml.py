@@ -197,6 +197,15 @@ gallocr_alloc_graph = _bind(base, "ggml_gallocr_alloc_graph", c_bool, _P, _P)
 gallocr_get_buffer_size = _bind(base, "ggml_gallocr_get_buffer_size", c_size_t, _P, c_int)
 backend_cpu_init = _bind(cpu, "ggml_backend_cpu_init", _P)
 backend_cpu_set_n_threads = _bind(cpu, "ggml_backend_cpu_set_n_threads", None, _P, c_int)
+# the CPU backend's "extra" buffer types (weights repacked for faster matmuls; kernels.backend)
+backend_cpu_reg = _bind(cpu, "ggml_backend_cpu_reg", _P)
+backend_reg_dev_get = _bind(base, "ggml_backend_reg_dev_get", _P, _P, c_size_t)
+backend_reg_get_proc_address = _bind(base, "ggml_backend_reg_get_proc_address", c_void_p, _P, c_char_p)
+DevGetExtraBufts = ctypes.CFUNCTYPE(ctypes.POINTER(c_void_p), c_void_p)  # ggml_backend_dev_get_extra_bufts_t
+backend_buft_name = _bind(base, "ggml_backend_buft_name", c_char_p, _P)
+backend_alloc_ctx_tensors_from_buft = _bind(base, "ggml_backend_alloc_ctx_tensors_from_buft", _P, _P, _P)
+backend_buffer_set_usage = _bind(base, "ggml_backend_buffer_set_usage", None, _P, c_int)
+BUFFER_USAGE_WEIGHTS = 1
 
 # ggml writes its log to stderr by default; route it to Python logging (debug level) instead, so
 # stderr stays for our own one-line messages.

@@ -217,6 +217,19 @@ class GGUFFile:
         assert self._mmap is not None
         return memoryview(self._mmap)[info.offset : info.offset + info.n_bytes]
 
+    def release_pages(self, spans: Iterable[tuple[int, int]]) -> None:
+        """Drop this process's pages of the map in the (offset, n_bytes) spans (whole pages only),
+        after their bytes were copied elsewhere. The map is read-only and file-backed, so a later
+        read just faults the pages in again, from the page cache or the file."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        for offset, n_bytes in spans:
+            start = -(-offset // page) * page
+            stop = (offset + n_bytes) // page * page
+            if stop > start:
+                self._mmap.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def hash_tensors(self, names: Iterable[str]) -> str:
         """SHA-256 over (name, type, shape, bytes) of the named tensors, in the order given."""
         digest = hashlib.sha256()

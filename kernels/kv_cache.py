@@ -24,6 +24,14 @@ def pad_cells(n: int) -> int:
     return -(-n // KV_CELL_PAD) * KV_CELL_PAD
 
 
+def grown_capacity(capacity: int, n_tokens: int, max_tokens: int) -> int:
+    """Cells a cache of ``capacity`` cells has once it made room for positions [0, n_tokens):
+    padded steps, doubling, never past the context bound. (Admission control predicts with it.)"""
+    if n_tokens <= capacity:
+        return capacity
+    return min(pad_cells(max_tokens), max(pad_cells(n_tokens), 2 * capacity))
+
+
 class KVCache:
     def __init__(self, backend: Backend, layers: range, n_embd_kv: int, max_tokens: int) -> None:
         self.backend = backend
@@ -50,8 +58,7 @@ class KVCache:
             )
         if n_tokens <= self.capacity:
             return
-        new_capacity = min(pad_cells(self.max_tokens), max(pad_cells(n_tokens), 2 * self.capacity))
-        self._reallocate(new_capacity)
+        self._reallocate(grown_capacity(self.capacity, n_tokens, self.max_tokens))
 
     def _reallocate(self, capacity: int) -> None:
         old = (self._ctx, self._buffer, self.k, self.v, self.capacity)

@@ -28,7 +28,7 @@ from .backend import Backend
 from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
 from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
-from .kv_cache import KVCache, pad_cells
+from .kv_cache import KVCache, grown_capacity, pad_cells
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
 
@@ -135,10 +135,11 @@ class _InputHost:
 class SliceEngine:
     def __init__(self, gguf: GGUFFile, slice_spec: SliceSpec, *, n_threads: int | None = None,
                  max_context: int | None = None, owns_file: bool = False,
-                 remote_experts: RemoteExperts | None = None) -> None:
+                 remote_experts: RemoteExperts | None = None, repack: bool = False) -> None:
         """``remote_experts``: the slice's MoE experts live on other nodes (expert parallelism);
         the engine runs each layer up to its router, calls this for the experts' outputs, and
-        combines them itself. Called on the compute thread; it may block on the network."""
+        combines them itself. Called on the compute thread; it may block on the network.
+        ``repack``: copy the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights)."""
         self.gguf = gguf
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
@@ -149,7 +150,7 @@ class SliceEngine:
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
         self.backend = Backend(n_threads)
         self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
-                                    with_experts=self.remote_experts is None)
+                                    with_experts=self.remote_experts is None, repack=repack)
         self.stats = ForwardStats()
         self._owns_file = owns_file
         self._transient: tuple[SliceGraph, int] | None = None  # a prompt graph, freed after its one run
@@ -273,6 +274,28 @@ class SliceEngine:
     def has_request(self, request_id: bytes | str) -> bool:
         key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
         return key in self._requests
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """KV bytes one cached position costs across this slice's layers."""
+        return self.spec.kv_bytes_per_token_per_layer * len(self.slice.layers)
+
+    def kv_bytes_of(self, request_id: bytes | str) -> int:
+        """KV bytes one request's cache holds now (0 for an unknown one)."""
+        key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
+        request = self._requests.get(key)
+        return request.kv.n_bytes if request is not None and request.kv is not None else 0
+
+    def kv_bytes_after(self, request_id: bytes | str, n_positions: int) -> int:
+        """KV bytes the request's cache will hold once it has room for positions [0, n_positions)
+        (a new request starts empty): what admission control charges before a step runs."""
+        if not len(self.slice.layers):
+            return 0
+        key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
+        request = self._requests.get(key)
+        capacity = request.kv.capacity if request is not None and request.kv is not None else 0
+        cells = grown_capacity(capacity, min(n_positions, self.max_context), self.max_context)
+        return cells * self.kv_bytes_per_position
 
     # --- internals ---
 

@@ -3,6 +3,14 @@
 Only the slice's own tensors become ggml tensors; each one points into the map, so the pages a
 slice touches are exactly the bytes it serves. Quantized tensors stay quantized.
 GGUF names are translated to field names here, once, never inside the math.
+
+``repack=True`` copies the matrices that ggml's CPU_REPACK buffer type has a layout for (Q4_0,
+Q4_K, IQ4_NL, ... on AVX2 / NEON CPUs; see ``Backend.repack_buffer_type``) into that buffer, which
+interleaves their blocks for faster matmuls, as llama.cpp does by default; everything else stays
+mapped. Only tensors that feed nothing but ``ggml_mul_mat`` are candidates: the repacked layout
+is meaningless to any other operator. So a tied LM head stays mapped in a slice that also looks
+up embeddings in it (llama.cpp repacks a duplicate there: in that one case the two agree closely,
+not bit for bit). The repacked copy replaces the mapped pages, which are released.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up_exps": "ffn_up_exps.weight",
     "ffn_down_exps": "ffn_down_exps.weight",
 }
+# Fields whose tensor only ever feeds ggml_mul_mat as its weight (kernels.graph); "output" too,
+# unless the slice also looks rows up in it (tied embeddings with the embedding in the slice).
+_MATMUL_ONLY = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down", "output")
 _REQUIRED_DENSE = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 _EXPERT_FIELDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _REQUIRED_MOE = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps",
@@ -76,9 +87,10 @@ class SliceWeights:
     """The ggml tensors of one slice. Context manager: frees the ggml context and buffer."""
 
     def __init__(self, gguf: GGUFFile, spec: ModelSpec, slice_spec: SliceSpec, backend: Backend, *,
-                 with_experts: bool = True) -> None:
+                 with_experts: bool = True, repack: bool = False) -> None:
         """``with_experts=False``: a stage whose experts live on other nodes maps the router but not
-        the experts' weights (usually most of a MoE layer's bytes)."""
+        the experts' weights (usually most of a MoE layer's bytes). ``repack=True``: see the module
+        notes; ``self.repacked`` names the tensors it repacked (none where the CPU has no layout)."""
         slice_spec.check(spec)
         self.with_experts = with_experts
         self.slice = slice_spec
@@ -90,19 +102,47 @@ class SliceWeights:
         self.rope_freqs: int | None = None  # [head_dim / 2] (llama 3)
         self._ctx = 0
         self._buffer = 0
+        self._repack_ctx = 0
+        self._repack_buffer = 0
 
         wanted = self._tensor_names(gguf, spec, slice_spec)
         infos = [gguf.tensors[name] for name in dict.fromkeys(wanted.values())]
         self.tensor_names: tuple[str, ...] = tuple(info.name for info in infos)
         self.n_bytes = sum(info.n_bytes for info in infos)
-        self._ctx = ggml.new_context(len(infos) + 1)
-        lo = min(info.offset for info in infos)
-        hi = max(info.offset + info.n_bytes for info in infos)
-        self._buffer = backend.weights_buffer(gguf.address + lo, hi - lo)
+        buft = backend.repack_buffer_type() if repack else None
+        to_repack = _repackable(_matmul_only(wanted), gguf, buft) if buft else []
+        self.repacked: tuple[str, ...] = tuple(info.name for info in to_repack)
+        mapped = [info for info in infos if info.name not in self.repacked]
+        self._ctx = ggml.new_context(len(mapped) + 1)
         # Keep the map open as long as ggml points into it.
         self._gguf = gguf
-        by_name = {info.name: self._map_tensor(info, gguf.address + info.offset) for info in infos}
+        by_name: dict[str, int] = {}
+        if mapped:
+            lo = min(info.offset for info in mapped)
+            hi = max(info.offset + info.n_bytes for info in mapped)
+            self._buffer = backend.weights_buffer(gguf.address + lo, hi - lo)
+            by_name.update((info.name, self._map_tensor(info, gguf.address + info.offset)) for info in mapped)
+        if to_repack:
+            by_name.update(self._repack(to_repack, gguf, buft))
         self._assign(wanted, by_name)
+
+    def _repack(self, infos: list[TensorInfo], gguf: GGUFFile, buft: int) -> dict[str, int]:
+        """Copy ``infos`` into one buffer of type ``buft``, which repacks them as they arrive."""
+        self._repack_ctx = ggml.new_context(len(infos) + 1)
+        tensors = {}
+        for info in infos:
+            tensors[info.name] = _new_tensor(self._repack_ctx, info)
+            ggml.set_name(tensors[info.name], info.name.encode())
+        self._repack_buffer = ggml.backend_alloc_ctx_tensors_from_buft(self._repack_ctx, buft)
+        if not self._repack_buffer:
+            raise MemoryError("cannot allocate the buffer for repacked weights")
+        ggml.backend_buffer_set_usage(self._repack_buffer, ggml.BUFFER_USAGE_WEIGHTS)
+        for info in infos:
+            if not ggml.tensor_view(tensors[info.name]).extra:  # no layout: ggml would abort on the copy
+                raise RuntimeError(f"ggml has no repacked layout for {info.name}")
+            ggml.backend_tensor_set(tensors[info.name], gguf.address + info.offset, 0, info.n_bytes)
+            gguf.release_pages([(info.offset, info.n_bytes)])  # the copy replaces the mapped bytes
+        return tensors
 
     def _tensor_names(self, gguf: GGUFFile, spec: ModelSpec, s: SliceSpec) -> dict[tuple[str, int], str]:
         """(field, layer) → GGUF tensor name, for every tensor this slice needs; layer -1 = global."""
@@ -156,12 +196,14 @@ class SliceWeights:
             self.layers[il] = LayerWeights(**{k: v for k, v in tensors.items() if k in known})
 
     def close(self) -> None:
-        if self._buffer:
-            ggml.backend_buffer_free(self._buffer)
-            self._buffer = 0
-        if self._ctx:
-            ggml.free(self._ctx)
-            self._ctx = 0
+        for buffer in ("_buffer", "_repack_buffer"):
+            if getattr(self, buffer):
+                ggml.backend_buffer_free(getattr(self, buffer))
+                setattr(self, buffer, 0)
+        for ctx in ("_ctx", "_repack_ctx"):
+            if getattr(self, ctx):
+                ggml.free(getattr(self, ctx))
+                setattr(self, ctx, 0)
 
     def __enter__(self) -> "SliceWeights":
         return self
@@ -198,6 +240,38 @@ def _check_layer_shapes(gguf: GGUFFile, spec: ModelSpec, il: int, names: dict[st
         for field_name, shape in (("ffn_gate", (e, n_ff)), ("ffn_up", (e, n_ff)), ("ffn_down", (n_ff, e))):
             if gguf.tensors[names[field_name]].shape != shape:
                 raise UnsupportedModelError(f"tensor {names[field_name]} has an unexpected shape")
+
+
+def _matmul_only(wanted: dict[tuple[str, int], str]) -> list[str]:
+    """GGUF names of the slice's tensors that feed nothing but ggml_mul_mat."""
+    other_uses = {name for (field_name, _), name in wanted.items() if field_name not in _MATMUL_ONLY}
+    return list(dict.fromkeys(name for (field_name, _), name in wanted.items()
+                              if field_name in _MATMUL_ONLY and name not in other_uses))
+
+
+def _repackable(names: list[str], gguf: GGUFFile, buft: int) -> list[TensorInfo]:
+    """The 2-D tensors among ``names`` for which ``buft`` has a repacked layout on this CPU.
+
+    Asks ggml itself: a probe tensor of each type and shape is placed in a buffer of that type
+    (address space only; nothing is written), whose ``init_tensor`` records the layout it would
+    use in ``tensor->extra``, or nothing."""
+    infos = [gguf.tensors[name] for name in names if len(gguf.tensors[name].shape) == 2]
+    kinds = list(dict.fromkeys((info.ggml_type, info.shape) for info in infos))
+    if not kinds:
+        return []
+    ctx = ggml.new_context(len(kinds) + 1)
+    buffer = 0
+    try:
+        probes = {kind: ggml.new_tensor_2d(ctx, kind[0], *kind[1]) for kind in kinds}
+        buffer = ggml.backend_alloc_ctx_tensors_from_buft(ctx, buft)
+        if not buffer:
+            return []
+        ok = {kind for kind, probe in probes.items() if ggml.tensor_view(probe).extra}
+    finally:
+        if buffer:
+            ggml.backend_buffer_free(buffer)
+        ggml.free(ctx)
+    return [info for info in infos if (info.ggml_type, info.shape) in ok]
 
 
 def _new_tensor(ctx: int, info: TensorInfo) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 from typing import Sequence
@@ -31,14 +30,12 @@ def bundled_model() -> Path:
 
 
 def make_oracle(path: Path):
-    from llama_cpp import Llama
+    from kernels.oracle_llama import load_llama
 
-    from kernels.tokenizer import _quiet_llama_logs
-
-    _quiet_llama_logs()
     # flash_attn=False is llama-cpp-python's default: F16 KV cache, transposed V. Our graphs mirror it.
-    return Llama(os.fspath(path), n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                 logits_all=True, verbose=False)
+    # Plain weight buffers (no repacking), as the engine computes; repacked AMX matmuls also die
+    # with SIGILL on some CPUs (issue 13).
+    return load_llama(path, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS, logits_all=True)
 
 
 @pytest.fixture(scope="session")
