@@ -33,6 +33,7 @@ class SessionOptions:
     threads: int | None = None
     ctx: int | None = None
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    verify: float = 0.0  # share of trunk steps recomputed here and compared (swarmctl/verify.py); 0: none
 
 
 @dataclass
@@ -54,6 +55,9 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.asker import InprocTrunk, u_split
     from swarmctl.models import resolve_model
 
+    if options.verify:
+        raise EngineError("--verify checks what a swarm's trunks return; with --transport inproc every layer "
+                          "already runs in this process")
     model = resolve_model(options.model)
     head_layers = DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers
     t0 = time.perf_counter()
@@ -82,7 +86,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.swarm_client import SwarmLink
 
     home = SwarmHome()
-    local = link = asker = None
+    local = link = asker = verifier = None
     threads = options.threads
     try:
         # The model is checked before any node starts or any connection opens: a missing or
@@ -108,8 +112,16 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
                       max_in_flight=options.max_in_flight)
         link.check_model(asker.gguf)
-        yield Session(asker, link, model)
+        if options.verify:
+            from swarmctl.verify import VerifyingTrunk
+
+            verifier = VerifyingTrunk(link, asker.gguf, share=options.verify, n_threads=threads,
+                                      max_context=asker.max_context)
+        yield Session(asker, verifier or link, model)
     finally:
+        if verifier is not None:
+            await verifier.flush()  # a mismatch's report reaches the host before the link closes
+            verifier.close()
         if link is not None:
             await link.close()
         if asker is not None:

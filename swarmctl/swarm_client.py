@@ -161,6 +161,23 @@ class SwarmLink:
         except ConnectionError:
             pass  # the stage already reset the stream: it holds nothing for this request
 
+    # --- for spot checks (swarmctl/verify.py) ---
+
+    def sent_steps(self, rid: bytes) -> list[tuple[int, np.ndarray]]:
+        """The request's steps the swarm answered, oldest first: (start position, the activations
+        as the head computed them). The same record a failover replays."""
+        request = self._requests.get(rid)
+        return list(request.history) if request is not None else []
+
+    def route_members(self, rid: bytes) -> list[str]:
+        """The members whose stages run the request's steps now: the current plan's route."""
+        return [s.member for s in self.plan.stages] if self.plan is not None else []
+
+    async def report(self, message: dict) -> None:
+        """Tell the host something (a control message); its answer is not needed."""
+        if self.host_conn is not None and self.host_conn.is_open:
+            await _quiet_request(self.host_conn, message)
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()

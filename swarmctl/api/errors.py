@@ -39,10 +39,10 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="swarm_unavailable")
 
 
-def http_error_body(status: int, message: str) -> bytes:
-    """For failures below the API (a request the HTTP layer cannot read)."""
+def http_error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """For failures below the API (a request the HTTP layer cannot read, too many connections)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return ApiError(status, message, type=kind).encode()
+    return ApiError(status, message, type=kind, code=code).encode()
 
 
 def from_exception(error: BaseException) -> ApiError:

@@ -8,6 +8,7 @@ ramble at temperature 1. ``top_k`` is accepted as an extension, as llama.cpp's s
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions
 class GenerationParams:
     model: str
     max_tokens: int | None  # None: until the context is full
+    max_tokens_param: str | None  # the parameter that set max_tokens; None: a default
     sampling: SamplingParams
     stop: tuple[str, ...]
     stream: bool
@@ -56,13 +58,37 @@ class CompletionRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
+    """A request body → its JSON object. Anything undecodable is a 400: bytes that are not UTF-8,
+    text that is not JSON (NaN and Infinity included), numbers too long to convert, nesting too
+    deep for the parser, and \\u escapes that leave a lone UTF-16 surrogate (no text can hold one)."""
     try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+        if _SURROGATE_ESCAPE.search(text):  # cheap test first; the thorough one re-encodes everything
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: it is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise bad_request("the request body is not valid JSON text: a \\u escape leaves a lone UTF-16 "
+                          "surrogate") from None
+    except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # e.g. an integer longer than Python converts (4300 digits)
+        message = "a number in it has too many digits" if "digits" in str(e) else str(e)
+        raise bad_request(f"the request body is not valid JSON: {message}") from None
     if not isinstance(value, dict):
         raise bad_request("the request body must be a JSON object")
     return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 to \udfff: paired or not, look closer
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
@@ -70,7 +96,8 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
-    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), _generation(body, max_tokens))
+    name = next((n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None), None)
+    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), _generation(body, max_tokens, name))
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -83,11 +110,12 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
     if _is_int(body.get("best_of")) and body["best_of"] != 1:
         raise bad_request("only best_of = 1 is supported", "best_of")
-    max_tokens = _positive_int(body, "max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
-    return CompletionRequest(prompt, _generation(body, max_tokens))
+    max_tokens = _positive_int(body, "max_tokens")
+    name = None if max_tokens is None else "max_tokens"
+    return CompletionRequest(prompt, _generation(body, max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, name))
 
 
-def _generation(body: dict[str, Any], max_tokens: int | None) -> GenerationParams:
+def _generation(body: dict[str, Any], max_tokens: int | None, max_tokens_param: str | None) -> GenerationParams:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("you must provide a model parameter", "model")
@@ -103,7 +131,8 @@ def _generation(body: dict[str, Any], max_tokens: int | None) -> GenerationParam
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    return GenerationParams(model=model, max_tokens=max_tokens, sampling=_sampling(body), stop=_stops(body),
+    return GenerationParams(model=model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
+                            sampling=_sampling(body), stop=_stops(body),
                             stream=bool(stream), include_usage=bool(options.get("include_usage")))
 
 

@@ -15,13 +15,13 @@ import logging
 import secrets
 import socket
 from contextlib import aclosing
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from kernels.errors import ModelFileError
 from swarmctl.api import sse
 from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
 from swarmctl.api.generation import TextGeneration
-from swarmctl.api.http import Request, Responder, start_server
+from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, model_list, model_object
 from swarmctl.asker import Asker, Trunk
@@ -46,10 +46,22 @@ class ApiServer:
             "/v1/completions": ("POST", self._completions),
         }
 
-    async def start(self, host: str | None = None, port: int | None = None, *,
-                    sock: socket.socket | None = None) -> asyncio.Server:
+    async def start(self, host: str | None = None, port: int | None = None, *, sock: socket.socket | None = None,
+                    max_connections: int = DEFAULT_MAX_CONNECTIONS) -> asyncio.Server:
         """Listen on host:port, or on a socket already bound."""
-        return await start_server(self.handle, error_body=http_error_body, host=host, port=port, sock=sock)
+        return await start_server(self.handle, error_body=http_error_body, gate=self.check_head, host=host,
+                                  port=port, sock=sock, max_connections=max_connections)
+
+    def check_head(self, request: Request) -> Refusal | None:
+        """Before the body is read: a request without the key is refused on its head alone, so a
+        stranger cannot make this server buffer bodies."""
+        try:
+            self._authorize(request)
+        except ApiError as error:
+            request_id = "req_" + secrets.token_hex(12)
+            log.warning("%s %s %s -> %d %s", request_id, request.method, request.path, error.status, error.message)
+            return Refusal(error.status, error.encode(), {"x-request-id": request_id})
+        return None
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """The HTTP handler: route, answer, and turn any failure into OpenAI's error shape."""
@@ -64,13 +76,16 @@ class ApiServer:
         except Exception as e:  # noqa: BLE001 - every failure becomes an error response, never a traceback
             if isinstance(e, ConnectionError) and responder.started:
                 raise  # the client went away mid-response; the connection closes
-            error = from_exception(e)
-            detail = f" ({type(e).__name__})" if error.status >= 500 and not isinstance(e, ApiError) else ""
-            log.warning("%s %s %s -> %d %s%s", request_id, request.method, request.path, error.status,
-                        error.message, detail)
-            if responder.started:
-                return  # the response is incomplete, so the connection closes
-            await responder.send(error.status, error.encode(), headers={"x-request-id": request_id})
+            try:
+                error = from_exception(e)
+                detail = f" ({type(e).__name__})" if error.status >= 500 and not isinstance(e, ApiError) else ""
+                log.warning("%s %s %s -> %d %s%s", request_id, request.method, request.path, error.status,
+                            error.message, detail)
+                if responder.started:
+                    return  # the response is incomplete, so the connection closes
+                await responder.send(error.status, error.encode(), headers={"x-request-id": request_id})
+            finally:
+                _drop_tracebacks(e)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -120,8 +135,8 @@ class ApiServer:
         if isinstance(completion.prompt, str):
             prompt = self.asker.tokenizer.encode_prompt(completion.prompt)
         else:
-            prompt = list(completion.prompt)
-            if max(prompt) >= self.asker.tokenizer.n_vocab:
+            prompt = completion.prompt  # a tuple: no copy of what may be millions of ids
+            if len(prompt) < self.asker.max_context and max(prompt) >= self.asker.tokenizer.n_vocab:
                 raise bad_request(f"token ids must be below the vocabulary size {self.asker.tokenizer.n_vocab}",
                                   "prompt")
         await self._generate(Envelope(chat=False, model=self.model_id), prompt, completion.params, responder,
@@ -129,9 +144,14 @@ class ApiServer:
 
     # --- generation ---
 
-    async def _generate(self, envelope: Envelope, prompt: list[int], params: GenerationParams,
+    async def _generate(self, envelope: Envelope, prompt: Sequence[int], params: GenerationParams,
                         responder: Responder, request_id: str) -> None:
         context = self.asker.max_context
+        if params.max_tokens_param is not None and params.max_tokens is not None and params.max_tokens > context:
+            # As OpenAI: a limit no request could reach is refused, naming the most there is.
+            raise ApiError(400, f"{params.max_tokens_param} is too large: {params.max_tokens}. This model's "
+                                f"maximum context length is {context} tokens, prompt and completion together.",
+                           param=params.max_tokens_param, code="invalid_value")
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
         if len(prompt) >= context:
@@ -176,6 +196,21 @@ class ApiServer:
         if params.include_usage:
             await events.send(envelope.usage_chunk(generation.usage))
         await events.close()
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    """A handled error's traceback, and those of the errors it was raised from, hold the frames
+    it passed through, and with them the request's body, its parsed JSON and its prompt, in
+    reference cycles that only the garbage collector breaks, late (+180 MB per 16 MiB body of token
+    ids, seen). Cut them now, so memory goes back as soon as the error has been answered."""
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
 
 
 def _v1(path: str) -> str:

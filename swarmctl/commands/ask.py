@@ -25,6 +25,22 @@ from swarmctl.errors import UsageError
 log = logging.getLogger("swarmctl.ask")
 
 
+def verify_share(text: str) -> float:
+    """--verify P: a share of trunk steps in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+VERIFY_HELP = ("recompute a random share P of the trunk's steps on this machine and compare (0 to 1; default 0: "
+               "off). A wrong result is reported to the host and the request goes on here. Needs the whole "
+               "model file here; costs up to one more trunk pass per step (benchmarks/bench_verify.py)")
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -58,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uplink-noise", type=float, default=0.0, metavar="S",
                         help="add calibrated Gaussian noise (sigma scale S) to the activations sent to the trunk; "
                              "off by default. Measured in docs/threat-model.md: it does not stop inversion")
+    parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +92,8 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
     from swarmctl.session import SessionOptions, open_session
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
-                             head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx)
+                             head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
+                             verify=args.verify)
     async with open_session(options) as session:
         if args.uplink_noise:
             from swarmctl.audit.noise import UplinkNoise

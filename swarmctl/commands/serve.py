@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 
+from swarmctl.commands.ask import VERIFY_HELP, verify_share
 from swarmctl.errors import UsageError
 
 
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generating at once (default 16); more wait for a free slot")
     parser.add_argument("--timeout", type=_positive_int, default=600, metavar="S",
                         help="seconds a request may take, waiting for a slot included (default 600)")
+    parser.add_argument("--max-connections", type=_positive_int, default=64, metavar="N",
+                        help="client connections open at once (default 64); more are answered 503 and closed")
+    parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +115,7 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             max_in_flight=args.max_in_flight)
+                             max_in_flight=args.max_in_flight, verify=args.verify)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down
@@ -120,7 +124,7 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
         model_id = session.model.name.removesuffix(".gguf")
         server = ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
                            created=int(session.model.stat().st_mtime), request_timeout=args.timeout)
-        http_server = await server.start(sock=listener)
+        http_server = await server.start(sock=listener, max_connections=args.max_connections)
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"serving {model_id} at http://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
