@@ -52,6 +52,10 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     experts: list[ExpertAssignment] = field(default_factory=list)  # empty: stages run their own experts
     n_expert: int = 0
+    # What the planner reserved KV for at each stage: requests × tokens. Stages bound what one
+    # member may hold by it (swarmctl/budget.py).
+    context_tokens: int = 4096
+    max_concurrent: int = 4
 
     @property
     def trunk_range(self) -> tuple[int, int]:

@@ -32,10 +32,13 @@ from net.wire import (ActivationPacket, DType, ExpertCall, ExpertCallKind, Frame
                       WireError, decode_control, decode_expert_call, decode_packet, encode_control,
                       encode_expert_call, encode_packet)
 from plans.plan import Plan, PlanError, StageAssignment
+from plans.planner import Constraints
 from swarmctl.batching import BatchRunner, EngineClosedError, compute_thread
+from swarmctl.budget import Limits, MemberBudget
 from swarmctl.home import SwarmHome
 from swarmctl.models import resolve_model
 from swarmctl.log_limit import LogLimit
+from swarmctl.layer_proof import CHALLENGES, ProofError, Prover
 from swarmctl.request_locks import RequestLocks
 
 log = logging.getLogger("swarmctl.trunk")
@@ -111,6 +114,12 @@ def available_memory() -> int:
     return 8 * 1024**3
 
 
+def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
+    """Test-only (SWARMCTL_TEST_CORRUPT): the rows plus Gaussian noise of ``scale`` times their RMS."""
+    rms = np.sqrt(np.mean(np.square(out, dtype=np.float64), axis=1, keepdims=True))
+    return (out + np.random.default_rng().standard_normal(out.shape) * scale * rms).astype(np.float32)
+
+
 class TrunkService:
     def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
                  idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None) -> None:
@@ -154,13 +163,19 @@ class TrunkService:
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
         self.on_fatal: Callable[[], None] = lambda: None
         self._locks = RequestLocks()  # one request's packets run in order
+        self.budget = MemberBudget(Limits(0, 0, 0, "no layers loaded"))  # requests and KV per member
         self._refusals = LogLimit(log)
         self._failed_streams: set[tuple[int, int, bytes]] = set()  # a request refused (retry) on a stream
         self._tasks: set[asyncio.Task] = set()
         self._executor = compute_thread()  # loading and unloading happen on the compute thread too
+        self._prover = Prover(self._proof_sources, n_threads)  # answers the host's layer checks
         self._loading: asyncio.Task | None = None
         self._ready_sent: tuple[int, int, int] | None = None  # (plan version, start, stop) last confirmed
         self._capture_seq = 0
+        # Test-only fault injection, like SWARMCTL_TEST_FETCH_CRASH_AFTER: a dishonest trunk that adds
+        # Gaussian noise of this size (relative to each output row's RMS) to what it sends on, for the
+        # spot-check tests and benchmark (swarmctl/verify.py). Unset or 0 in any real run.
+        self._test_corrupt = float(os.environ.get("SWARMCTL_TEST_CORRUPT") or 0)
         self._server = None
 
     # --- lifecycle ---
@@ -309,6 +324,8 @@ class TrunkService:
         for conn in list(self.connections):  # every one: a member may hold several (a trunk and asks)
             if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
                 conn.close_with(REVOKED_REASON)
+        if self.engine is not None:
+            self.budget.limits = self._budget_limits()  # the planned context and concurrency may have moved
         stage = plan.stage_for(self.name)
         expert = plan.expert_for(self.name)
         if self._loading is not None and not self._loading.done() and self._loading is not asyncio.current_task():
@@ -491,6 +508,7 @@ class TrunkService:
                                   "refusing to serve them")
             self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
                                       remote_experts=self._remote_experts if self.plan.experts else None)
+            self.budget = MemberBudget(self._budget_limits())  # a new engine holds no request yet
             self.runner = BatchRunner(self.engine)
             self.gguf = gguf
         except BaseException:
@@ -529,6 +547,7 @@ class TrunkService:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+            self.budget = MemberBudget(Limits(0, 0, 0, "no layers loaded"))  # its requests went with it
         if self.gguf is not None:
             self.gguf.close()
             self.gguf = None
@@ -606,6 +625,8 @@ class TrunkService:
             return
         if conn is self.host_conn and stream_id == self.plan_stream:
             self._host_message(message)
+        elif message["type"] in CHALLENGES:  # the host checks we hold our layers, and times us
+            self._spawn(self._answer_challenge(conn, stream_id, message))
         elif message["type"] == "subscribe":
             session = message.get("session")
             if not valid_session(session):
@@ -620,6 +641,30 @@ class TrunkService:
             conn.send(stream_id, encode_control({"type": "stats", **self.stats()}), end=True)
         else:
             conn.send(stream_id, encode_control({"type": "error", "message": "unknown request"}), end=True)
+
+    async def _answer_challenge(self, conn: SwarmProtocol, stream_id: int, message: dict) -> None:
+        """Only our host may ask (anyone else could use us to time or read the model); the answer
+        is computed on the compute thread, between batches (swarmctl/layer_proof.py)."""
+        if conn is not self.host_conn:
+            reply = {"type": "error", "message": f"only the host sends {message['type']!r}"}
+        else:
+            try:
+                reply = await asyncio.get_running_loop().run_in_executor(self._executor, self._prover.answer, message)
+            except ProofError as e:
+                reply = {"type": "error", "message": str(e), "missing": e.missing}
+            except Exception as e:  # noqa: BLE001 - the edge: answer the host, carry on serving
+                log.exception("answering the host's %s failed", message["type"])
+                reply = {"type": "error", "message": f"{type(e).__name__}: {e}"[:300]}
+        if conn.is_open:
+            try:
+                conn.send(stream_id, encode_control(reply), end=True)
+            except StreamClosedError:
+                pass
+
+    def _proof_sources(self) -> list[Path]:
+        """Files that may hold the layers the host asks about: the one loaded, then the model file."""
+        loaded = self.gguf.path if self.gguf is not None else None
+        return [p for p in (loaded, self.model_path) if p is not None and p.exists()]
 
     def _from_next_stage(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
         route = self.routes.get(packet.request_id)
@@ -650,6 +695,7 @@ class TrunkService:
             "largest_batch": runner.stats.largest_batch if runner else 0,
             "tensor_bytes": engine.weights.n_bytes if engine else (self.experts.n_bytes if self.experts else 0),
             "peak_kv_bytes": self.peak_kv_bytes,
+            "budget": self.budget.stats(),  # requests and KV held per member, the limits, refusals
             "open_streams": sum(c.open_streams for c in self.connections if c.is_open),
             "request_locks": len(self._locks),
             "rss": _proc_status("VmRSS"), "peak_rss": _proc_status("VmHWM"), "fetched_bytes": self.fetched_bytes,
@@ -708,16 +754,25 @@ class TrunkService:
                 route = Route(conn, stream_id, results_key(conn.peer_name, packet.reply_to) if is_first
                               else packet.reply_to)
             route.last_active = time.monotonic()
+            problem = self._admit(rid, route, packet)
+            if problem:  # (not worth a retry: the same request would be over the same budget elsewhere)
+                self._refuse(conn, stream_id, rid, problem)
+                return
             submitted = time.perf_counter()
-            runner = self.runner
+            runner, engine, budget = self.runner, self.engine, self.budget
             try:
                 out, timing = await runner.run(Step(rid, packet.start_pos,
                                                     hidden=np.asarray(packet.data, dtype=np.float32)))
             except EngineError as e:
+                budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))
+                if self.runner is runner and engine.has_request(rid) and rid not in self.routes \
+                        and not isinstance(e, EngineClosedError):
+                    await self._release(rid)  # a first step that failed after its cache was made: nothing keeps it
                 # A request this stage lost (it restarted, or is reloading) can be replayed from the start.
                 self._refuse(conn, stream_id, rid, str(e),
                              retry=isinstance(e, (RequestStateError, EngineClosedError, RemoteExpertError)))
                 return
+            budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))  # the engine's real figure
             if self.runner is not runner:
                 # The plan changed while this step computed: its layers are gone from here, and so is
                 # the request's cache. The sender starts it over on the new route.
@@ -725,12 +780,34 @@ class TrunkService:
                 return
             self.routes[rid] = route
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)
+            if self._test_corrupt:  # test-only (SWARMCTL_TEST_CORRUPT, in __init__): lie about the result
+                out = _corrupted(out, self._test_corrupt)
             hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
                       timing.batch_requests)
             await self._pass_on(route, packet, out, hop)
 
     def _previous_member(self) -> str | None:
         return next((s.member for s in self.plan.stages if s.stop == self.stage.start), None)
+
+    def _admit(self, rid: bytes, route: Route, packet: ActivationPacket) -> str:
+        """Charge the KV this step leaves the request holding to the member who asked, before it
+        runs; over that member's budget, why not. The first stage takes the member from the
+        connection's certificate, later stages from reply_to ("member/session"), which only the
+        stage before them can send: a member is bounded at every stage, not only the first."""
+        member = route.reply_to.partition("/")[0]
+        needed = self.engine.kv_bytes_after(rid, packet.start_pos + int(packet.data.shape[0]))
+        problem = self.budget.admit(rid, member, needed)
+        return f"over budget at {self.name}: {problem}" if problem else ""
+
+    def _budget_limits(self) -> Limits:
+        """What one member may hold here: derived from what the plan reserves at this stage
+        (plan_concurrent requests × plan_context tokens) and what this node offered (swarmctl/budget.py)."""
+        engine, plan = self.engine, self.plan
+        room = self.memory - engine.weights.n_bytes - Constraints().reserve_bytes
+        return Limits.derive(kv_bytes_per_position=engine.kv_bytes_per_position,
+                             smallest_cache_bytes=engine.kv_bytes_after(b"", 1),
+                             context_tokens=min(plan.context_tokens, engine.max_context),
+                             concurrent=plan.max_concurrent, room_bytes=room)
 
     def _check_packet(self, packet: ActivationPacket) -> tuple[str, bool]:
         """What is wrong with a packet, if anything, and whether a resend under a newer plan may work."""
@@ -796,10 +873,12 @@ class TrunkService:
                 self.routes.pop(rid, None)
                 if self.runner is not None:
                     await self.runner.call(self.engine.release, rid)
+                self.budget.release(rid)
         else:  # (the caller holds the request's lock)
             route = self.routes.pop(rid, None)
             if self.runner is not None:
                 await self.runner.call(self.engine.release, rid)
+            self.budget.release(rid)
         if route is not None:
             self._close_out_stream(rid, route, end_request=forward)
 

@@ -1,0 +1,393 @@
+"""A trunk proves it holds the layers it serves, and the host plans on speeds it timed itself
+(swarmctl/layer_proof.py). First the pieces on their own (a slice file answers exactly as the full
+model; the probe's outputs check out, and echoes or noise do not), then a real swarm into which
+members with trunk certificates register, claim what they like and answer the host's checks
+wrongly, not at all, or correctly from a real model file: none of the liars ever becomes a ready
+stage, and the askers' answers stay exact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.gguf_file import GGUFFile
+from net.endpoint import Address, ask_member, close, connect_member
+from net.protocol import RequestOnlyHandler
+from net.wire import decode_control, encode_control
+from swarmctl import layer_proof as lp
+from swarmctl.distribution import CHUNK, SliceFile, build_manifest
+from swarmctl.home import SwarmHome
+from tests.swarm_harness import Swarm, swarmctl
+
+PROMPT = "The three primary colours are"
+ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "16")
+
+
+def _write_slice(gguf: GGUFFile, folder: Path, start: int, stop: int) -> Path:
+    """A slice file exactly as a trunk that fetched layers [start, stop) from the host has it."""
+    n_layer = max(int(n.split(".")[1]) for n in gguf.tensors if n.startswith("blk.")) + 1
+    manifest = build_manifest(gguf, start, stop, "f" * 64)
+    out = SliceFile(folder / "slice.gguf", manifest)
+    for i, entry in enumerate(manifest.tensors):
+        data = gguf.tensor_bytes(gguf.tensors[entry.name])
+        for offset in range(0, entry.n_bytes, CHUNK):
+            out.write(i, offset, bytes(data[offset:offset + CHUNK]))
+    return out.finish([gguf.layer_hash(i) for i in range(n_layer)])
+
+
+@pytest.fixture(scope="module")
+def model(bundled_model):
+    with GGUFFile(bundled_model) as gguf:
+        yield gguf
+
+
+@pytest.fixture(scope="module")
+def slice_file(model, tmp_path_factory):
+    return _write_slice(model, tmp_path_factory.mktemp("slice"), 10, 13)
+
+
+# --- the layer check ---
+
+def test_a_fetched_slice_answers_exactly_as_the_full_model(model, slice_file):
+    names = model.layer_tensor_names(11)
+    first = model.tensors[names[0]].n_bytes
+    size = lp.layer_size(model, 11)
+    boundary = [[11, first - 100, 256], [11, size - 256, 256], [10, 0, 4096], [12, 12345, 1]]
+    with GGUFFile(slice_file) as part:
+        for _ in range(5):
+            nonce = secrets.token_bytes(16)
+            windows = lp.new_windows(model, [10, 11, 12]) + boundary
+            assert lp.window_digest(part, nonce, windows) == lp.window_digest(model, nonce, windows)
+        # a window across two tensors reads the end of one and the start of the next, in layer_hash's order
+        assert lp.read_window(part, 11, first - 3, 6) == \
+            bytes(model.tensor_bytes(model.tensors[names[0]])[-3:]) + bytes(model.tensor_bytes(model.tensors[names[1]])[:3])
+        assert lp.window_digest(part, b"a" * 16, boundary) != lp.window_digest(part, b"b" * 16, boundary)
+        with pytest.raises(lp.ProofError, match="past the layer"):
+            lp.read_window(part, 11, size - 10, 11)
+
+
+def test_one_changed_byte_fails_the_check(model, slice_file, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(slice_file.read_bytes())
+    with GGUFFile(slice_file) as part:
+        info = part.tensors[part.layer_tensor_names(11)[1]]
+        where = info.offset + 1000
+        layer_offset = part.tensors[part.layer_tensor_names(11)[0]].n_bytes + 1000
+    with open(bad, "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0x01]))
+    windows = [[11, layer_offset - 100, 256]]
+    with GGUFFile(bad) as tampered:
+        assert lp.window_digest(tampered, b"n" * 16, windows) != lp.window_digest(model, b"n" * 16, windows)
+        assert lp.window_digest(tampered, b"n" * 16, [[12, 0, 256]]) == lp.window_digest(model, b"n" * 16, [[12, 0, 256]])
+
+
+def test_the_trunk_answers_only_bounded_challenges_about_layers_it_holds(slice_file):
+    prover = lp.Prover(lambda: [slice_file], n_threads=1)
+    nonce = secrets.token_hex(16)
+    for bad in ({"type": "prove", "nonce": nonce, "windows": [[11, 0, 1 << 20]]},
+                {"type": "prove", "nonce": nonce, "windows": [[11, 0, 16]] * 65},
+                {"type": "prove", "nonce": "zz" * 16, "windows": [[11, 0, 16]]},
+                {"type": "prove", "nonce": nonce, "windows": [[11, -1, 16]]},
+                {"type": "prove", "nonce": nonce, "windows": [[11, 0, 16]], "probe": {"layer": 11, "steps": 10**6}},
+                {"type": "probe_run", "run": 0, "hidden": ""}):
+        with pytest.raises(lp.ProofError) as e:
+            prover.answer(bad)
+        assert not e.value.missing or bad["type"] == "probe_run", bad
+    with pytest.raises(lp.ProofError) as e:  # a layer outside its slice: "missing", not a lie
+        prover.answer({"type": "prove", "nonce": nonce, "windows": [[3, 0, 16]]})
+    assert e.value.missing
+    prover.close(files=True)
+
+
+# --- the speed probe ---
+
+def _probe(prover: lp.Prover, layer: int, steps: int, n_embd: int, rng) -> tuple[np.ndarray, np.ndarray, str]:
+    prover.answer({"type": "prove", "nonce": secrets.token_hex(16), "windows": [[layer, 0, 64]],
+                   "probe": {"layer": layer, "steps": steps}})
+    first = rng.standard_normal((1, n_embd), dtype=np.float32)
+    done = prover.answer({"type": "probe_run", "run": 0, "hidden": lp.encode_array(first)})
+    outputs = lp.decode_array(prover.answer({"type": "probe_reveal", "run": 0})["outputs"], n_embd, steps)
+    return first, outputs, done["digest"]
+
+
+def test_honest_probe_outputs_check_out_and_echoes_or_noise_do_not(model, slice_file):
+    rng = np.random.default_rng(0)
+    prover = lp.Prover(lambda: [slice_file], n_threads=1)
+    first, outputs, digest = _probe(prover, 11, 16, 576, rng)
+    assert lp.outputs_digest(outputs) == digest and outputs.shape == (16, 576)
+    expected = lp.expected_outputs(model, 11, lp.chain_inputs(first, outputs), n_threads=1)
+    assert lp.check_outputs(first, outputs, expected) == ""
+    other_layer = lp.expected_outputs(model, 12, lp.chain_inputs(first, outputs), n_threads=1)
+    liars = {"echo": lp.chain_inputs(first, outputs), "noise": rng.standard_normal(outputs.shape).astype(np.float32),
+             "another layer": other_layer, "nan": np.where(np.arange(16)[:, None] == 3, np.nan, outputs)}
+    for name, lie in liars.items():
+        assert "off by" in lp.check_outputs(first, lie, expected) or "not finite" in lp.check_outputs(
+            first, lie, expected), name
+    prover.close(files=True)
+
+
+def test_the_probe_runs_an_moe_layer_too(tiny_model):
+    path = tiny_model("llama-moe-q8_0")
+    rng = np.random.default_rng(1)
+    with GGUFFile(path) as gguf:
+        n_embd = lp.ModelSpec.from_gguf(gguf).n_embd
+        prover = lp.Prover(lambda: [path], n_threads=1)
+        first, outputs, _ = _probe(prover, 1, 8, n_embd, rng)
+        assert lp.check_outputs(first, outputs, lp.expected_outputs(gguf, 1, lp.chain_inputs(first, outputs),
+                                                                     n_threads=1)) == ""
+        prover.close(files=True)
+
+
+def test_steps_fit_the_claim_within_bounds():
+    assert lp.steps_for(None, 576) == lp.MAX_STEPS
+    assert lp.steps_for(0.001, 576) == lp.MAX_STEPS  # a tiny claim gets the most work
+    assert lp.steps_for(25.0, 8192) == lp.MIN_STEPS  # a 70B layer: a few steps
+    assert lp.steps_for(0.001, 8192) * 8192 * 4 <= lp.MAX_REVEAL_BYTES
+
+
+def test_the_host_plans_with_the_slower_of_claim_and_timing():
+    from swarmctl.host import TrunkInfo
+
+    trunk = TrunkInfo(conn=None, plan_stream=0, listen="127.0.0.1:1", memory=2**30, ms_per_layer_token=0.001)
+    trunk.unchecked = True
+    assert trunk.planning_speed is None  # a bare claim: the others' figure, not 0.001
+    trunk.measured_ms_per_layer = 0.3
+    assert trunk.planning_speed == 0.3
+    trunk.ms_per_layer_token = 0.9  # slower than timed: its own (pessimistic) figure
+    assert trunk.planning_speed == 0.9
+    assert trunk.planning_speed_with(0.0001) == 0.3
+
+
+# --- a real swarm with liars in it ---
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    s = Swarm(tmp_path_factory.mktemp("proof"))
+    os.environ["SWARMCTL_PROOF_TIMEOUT_S"] = "10"  # for the host: a silent trunk is refused after 10 s
+    try:
+        s.init()
+        s.start_host()
+        s.wait_host()
+        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast"):
+            s.join(name)
+        s.start_trunk("trunk-a", capture=False)
+        s.start_trunk("trunk-b", capture=False)
+        s.wait_complete(2)
+        yield s
+    finally:
+        os.environ.pop("SWARMCTL_PROOF_TIMEOUT_S", None)
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def inproc_answer():
+    return swarmctl(None, *ASK, "--transport", "inproc", PROMPT, check=True).stdout
+
+
+class FakeTrunk:
+    """A member with a trunk certificate, driven by the test: it registers with what it claims,
+    says ready when the plan gives it layers (``says_ready``), and answers the host's checks as
+    ``answer`` decides (None: not at all)."""
+
+    def __init__(self, swarm: Swarm, name: str, *, memory: int, claim: float | None, answer, says_ready: bool):
+        self.swarm, self.name = swarm, name
+        self.creds = SwarmHome(swarm.homes[name]).credentials()
+        self.memory, self.claim, self.answer, self.says_ready = memory, claim, answer, says_ready
+        self.conn = None
+        self.plan_stream = None
+        self.challenges: list[str] = []
+        self._tasks: set = set()
+
+    async def start(self) -> dict:
+        self.conn = await connect_member(Address("127.0.0.1", self.swarm.host_port), self.creds, "host", self)
+        self.plan_stream = self.conn.open_stream()
+        reply = await self.conn.request(encode_control({
+            "type": "register", "listen": "127.0.0.1:9", "memory": self.memory, "ms_per_layer_token": self.claim,
+            "device": "cpu", "rtt_ms": 0.5}), stream_id=self.plan_stream)
+        self._spawn(self._keep_alive())
+        return decode_control(reply.body)
+
+    async def _keep_alive(self) -> None:  # the host marks a trunk down after a few silent seconds
+        while self.conn.is_open:
+            try:
+                await asyncio.wait_for(self.conn.ping(), 1)
+            except (ConnectionError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self.conn is not None:
+            await close(self.conn)
+
+    # ConnectionHandler
+    def connection_made(self, conn) -> None:
+        pass
+
+    def stream_ended(self, conn, stream_id) -> None:
+        pass
+
+    def connection_lost(self, conn) -> None:
+        pass
+
+    def frame_received(self, conn, stream_id, frame) -> None:
+        message = decode_control(frame.body)
+        if stream_id == self.plan_stream:
+            stage = next((s for s in message["plan"]["stages"] if s["member"] == self.name), None)
+            if stage is not None and self.says_ready:
+                self._spawn(conn.request(encode_control({"type": "ready", "plan_version": message["plan"]["version"]})))
+            return
+        self.challenges.append(message["type"])
+        self._spawn(self._reply(conn, stream_id, message))
+
+    async def _reply(self, conn, stream_id, message) -> None:
+        reply = await asyncio.to_thread(self.answer, message)
+        if reply is not None and conn.is_open:
+            conn.send(stream_id, encode_control(reply), end=True)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: (self._tasks.discard(t), t.cancelled() or t.exception()))
+
+
+async def _status(swarm: Swarm) -> dict:
+    creds = SwarmHome(swarm.homes["asker"]).credentials()
+    return await ask_member(Address("127.0.0.1", swarm.host_port), creds, "host", {"type": "status"})
+
+
+async def _row(swarm: Swarm, name: str, until, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        row = next((m for m in (await _status(swarm))["members"] if m["name"] == name), {})
+        if until(row):
+            return row
+        assert time.monotonic() < deadline, (row, swarm.nodes[0].log()[-4000:])
+        await asyncio.sleep(0.3)
+
+
+async def _watch(swarm: Swarm, plans: list[dict]) -> None:
+    """Every plan the host publishes, as an asker sees it."""
+    creds = SwarmHome(swarm.homes["asker"]).credentials()
+    frames: asyncio.Queue = asyncio.Queue()
+
+    class Handler(RequestOnlyHandler):
+        def frame_received(self, conn, stream_id, frame) -> None:
+            frames.put_nowait(frame)
+
+    conn = await connect_member(Address("127.0.0.1", swarm.host_port), creds, "host", Handler())
+    try:
+        plans.append(decode_control((await conn.request(encode_control({"type": "watch_plan"}))).body)["plan"])
+        while True:
+            plans.append(decode_control((await frames.get()).body)["plan"])
+    finally:
+        await close(conn)
+
+
+def test_liars_never_become_ready_stages_and_askers_get_exact_answers(swarm, inproc_answer, bundled_model):
+    honest = lp.Prover(lambda: [bundled_model], n_threads=1)  # what a member holding the model can answer
+
+    def wrong(message: dict) -> dict:  # no model: makes up a digest
+        return {"type": "proof", "digest": "00" * 32}
+
+    def echo(message: dict) -> dict:  # holds the model file, but echoes instead of computing
+        if message["type"] == "prove":
+            return honest.answer(message)
+        if message["type"] == "probe_run":  # at once, and what it commits to is what it shows later
+            first = lp.decode_array(message["hidden"], 576, 1)
+            outputs[message["run"]] = np.repeat(lp.unit_rms(first), honest._probe.steps, axis=0)
+            return {"type": "probe_done", "digest": lp.outputs_digest(outputs[message["run"]])}
+        return {"type": "probe_outputs", "outputs": lp.encode_array(outputs[message["run"]])}
+
+    outputs: dict[int, np.ndarray] = {}
+
+    async def scenario() -> tuple[list[dict], dict[str, dict]]:
+        plans: list[dict] = []
+        watcher = asyncio.ensure_future(_watch(swarm, plans))
+        rows = {}
+        fakes = {
+            # claims to be fast and huge, as in the issue; answers the check with a made-up digest
+            "wrong": FakeTrunk(swarm, "wrong", memory=10**12, claim=0.001, answer=wrong, says_ready=True),
+            # holds the model file, but its timed steps echo their input
+            "echo": FakeTrunk(swarm, "echo", memory=10**12, claim=0.001, answer=echo, says_ready=True),
+            # claims no speed (as a trunk that fetches slices does), so it is planned; says ready; never answers
+            "silent": FakeTrunk(swarm, "silent", memory=10**12, claim=None, answer=lambda m: None, says_ready=True),
+        }
+        try:
+            for name, fake in fakes.items():
+                await fake.start()
+                rows[name] = await _row(swarm, name, lambda r: r.get("health", "").startswith("refused"))
+            await fakes["wrong"].stop()  # and once more: refused at once, without a check
+            again = FakeTrunk(swarm, "wrong", memory=10**12, claim=0.001, answer=wrong, says_ready=True)
+            await again.start()
+            rows["again"] = await _row(swarm, "wrong", lambda r: r.get("health", "").startswith("refused"))
+            assert again.challenges == []
+            await again.stop()
+        finally:
+            for fake in fakes.values():
+                await fake.stop()
+            watcher.cancel()
+        return plans, rows
+
+    plans, rows = asyncio.run(scenario())
+    honest.close(files=True)
+    assert "failed the layer check" in rows["wrong"]["health"] and "bytes at random offsets" in rows["wrong"]["health"]
+    assert "failed the speed probe on layer" in rows["echo"]["health"] and "off by" in rows["echo"]["health"]
+    assert "failed the layer check: no answer within 10 s" in rows["silent"]["health"], rows["silent"]
+    assert "failed a layer check" in rows["again"]["health"]
+    assert any(s["member"] == "silent" for p in plans for s in p["stages"])  # it was planned, and said ready...
+    ready = {s["member"] for p in plans for s in p["stages"] if s["ready"]}
+    assert ready <= {"trunk-a", "trunk-b"}, ready  # ...but no liar was ever a ready stage
+    assert not any(s["member"] in ("wrong", "echo") for p in plans for s in p["stages"])  # claims never planned on
+    status = swarm.wait_complete(2)
+    assert {m["name"] for m in status["members"] if m["layers"]} == {"trunk-a", "trunk-b"}
+    r = swarmctl(swarm.homes["asker"], *ASK, PROMPT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == inproc_answer
+
+
+def test_a_fast_claim_is_planned_at_the_speed_the_host_timed(swarm, inproc_answer, bundled_model):
+    """A member that really holds the model and computes its probe honestly, but claims 0.001 ms
+    per layer: the host plans it with the figure it timed (at least what one layer costs here)."""
+    honest = lp.Prover(lambda: [bundled_model], n_threads=1)
+
+    async def scenario() -> tuple[dict, dict, list[str]]:
+        fake = FakeTrunk(swarm, "fast", memory=2**30, claim=0.001, answer=honest.answer, says_ready=False)
+        await fake.start()
+        try:
+            row = await _row(swarm, "fast", lambda r: r.get("measured_ms_per_layer") is not None)
+            nodes = await ask_member(Address("127.0.0.1", swarm.host_port),
+                                     SwarmHome(swarm.homes["asker"]).credentials(), "host", {"type": "nodes"})
+        finally:
+            await fake.stop()
+        return row, next(n for n in nodes["nodes"] if n["name"] == "fast"), fake.challenges
+
+    row, node, challenges = asyncio.run(scenario())
+    honest.close(files=True)
+    assert challenges[:2] == ["prove", "probe_run"] and "probe_reveal" in challenges
+    assert row["ms_per_layer_token"] == 0.001  # what it claims...
+    assert row["planned_ms_per_layer"] == row["measured_ms_per_layer"] > 0.001  # ...is not what it is planned with
+    assert node["ms_per_layer_token"] == pytest.approx(row["planned_ms_per_layer"])
+    swarm.wait_complete(2)
+    r = swarmctl(swarm.homes["asker"], *ASK, PROMPT)
+    assert r.returncode == 0 and r.stdout == inproc_answer, r.stderr
+
+
+def test_honest_trunks_were_checked_and_timed(swarm):
+    log = swarm.nodes[0].log()
+    for name in ("trunk-a", "trunk-b"):
+        assert f"trunk {name} timed by the host" in log and f"trunk {name} ready with layers" in log
+    rows = {m["name"]: m for m in swarm.status()["members"]}
+    for name in ("trunk-a", "trunk-b"):
+        assert rows[name]["measured_ms_per_layer"] > 0
+        assert rows[name]["planned_ms_per_layer"] >= rows[name]["measured_ms_per_layer"]
