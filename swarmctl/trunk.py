@@ -633,7 +633,11 @@ class TrunkService:
                 conn.send(stream_id, encode_control({"type": "error", "message": "subscribe needs a session "
                                                      "(1 to 64 lowercase hex digits)"}), end=True)
                 return
-            self.subscribers[results_key(conn.peer_name, session)] = (conn, stream_id)
+            key = results_key(conn.peer_name, session)
+            old = self.subscribers.get(key)
+            if old is not None and old != (conn, stream_id) and old[0].is_open:
+                old[0].finish(old[1])  # the asker re-subscribed (a new plan): the old stream ends, or it leaks
+            self.subscribers[key] = (conn, stream_id)
             conn.send(stream_id, encode_control({"type": "ok"}))
         elif message["type"] == "probe":  # a peer measuring our link
             conn.send(stream_id, encode_control({"type": "ok"}), end=True)
