@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes; a prefill chunk of 512 tokens × 8192 wide in f32 is 16 MiB
-FRAME_HEADER = struct.Struct(">IB")
+FRAME_HEADER = struct.Struct(">IB")  # length, type; the length counts the type byte and the body
 PACKET_VERSION = 1
 _PACKET_FIXED = struct.Struct("<BBBB16sIIIIIB")
 _HOP = struct.Struct("<IIH")
@@ -126,10 +126,11 @@ class FrameDecoder:
                 raise WireError(f"frame length {length} is outside (0, {self.max_frame}]")
             if ftype not in FrameType._value2member_map_:
                 raise WireError(f"unknown frame type {ftype}")
-            if len(self._buffer) < 4 + length:
+            end = FRAME_HEADER.size - 1 + length  # the length counts the type byte, which the header holds
+            if len(self._buffer) < end:
                 break
-            frames.append(Frame(FrameType(ftype), bytes(self._buffer[FRAME_HEADER.size:4 + length])))
-            del self._buffer[:4 + length]
+            frames.append(Frame(FrameType(ftype), bytes(self._buffer[FRAME_HEADER.size:end])))
+            del self._buffer[:end]
         return frames
 
     def finish(self) -> None:
@@ -236,6 +237,8 @@ def decode_control(body: bytes) -> dict[str, Any]:
         message = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"control message is not UTF-8 JSON ({type(e).__name__})") from None
+    except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits): hostile, never ours
+        raise WireError("control message holds a number too long to read") from None
     except RecursionError:  # nesting deeper than the interpreter's stack: hostile, never ours
         raise WireError("control message is nested too deeply") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
