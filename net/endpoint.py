@@ -7,6 +7,7 @@ import asyncio
 import functools
 import socket
 from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable, TypeVar
 
 from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
@@ -20,6 +21,8 @@ from .wire import DEFAULT_MAX_FRAME, decode_control, encode_control
 
 CONNECT_TIMEOUT = 10.0
 QUIC_IDLE_TIMEOUT = "Idle timeout"  # aioquic's reason when a connection heard nothing for idle_timeout
+
+T = TypeVar("T")
 
 
 class AddressError(ValueError):
@@ -81,6 +84,29 @@ async def connect_pinned_host(address: Address, ca_fingerprint: str, handler: Co
         await close(conn)
         raise
     return conn, ca_cert
+
+
+class NoAddressAnswered(ConnectionError):
+    """None of a node's addresses could be connected to. ``failures``: each address tried, in
+    order, with what went wrong there; the message joins those errors."""
+
+    def __init__(self, failures: list[tuple[str, Exception]]) -> None:
+        super().__init__("; ".join(str(e) for _, e in failures) or "no host address")
+        self.failures = failures
+
+
+async def connect_first(addresses: Iterable[str], connect: Callable[[Address], Awaitable[T]], *,
+                        failures: tuple[type[Exception], ...] = (ConnectionError, OSError)) -> T:
+    """``connect`` to each "HOST:PORT" in turn and return the first connection made (a host
+    advertises several addresses; not every one is reachable from everywhere). The ``failures``
+    move on to the next address; any other error, a malformed address included, is raised."""
+    tried: list[tuple[str, Exception]] = []
+    for text in addresses:
+        try:
+            return await connect(Address.parse(text))
+        except failures as e:
+            tried.append((text, e))
+    raise NoAddressAnswered(tried)
 
 
 async def _connect(address: Address, config: QuicConfiguration, handler: ConnectionHandler,

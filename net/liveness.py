@@ -1,4 +1,5 @@
-"""How long a peer has been silent, by a clock that only runs while we could have heard it.
+"""Liveness: how often nodes ping, how long a silence means a peer is gone, and how long a peer
+has been silent, by a clock that only runs while we could have heard it.
 
 Silence is measured from the last datagram a connection received. If our own event loop did not
 run for a while (the machine suspended, swapped, or starved of CPU), the peer's datagrams wait
@@ -10,9 +11,20 @@ a round that came late restarts the count, so only silence we were awake for cou
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-from .protocol import SwarmProtocol
+if TYPE_CHECKING:  # net.tls reads IDLE_TIMEOUT from here, and net.protocol imports net.tls
+    from .protocol import SwarmProtocol
 
+# Each figure once, for every node. A peer is gone after SILENCE_LIMIT seconds, a few missed
+# PING_INTERVALs; QUIC's own IDLE_TIMEOUT is longer, so the watchers notice a silent peer before
+# QUIC closes its connection.
+PING_INTERVAL = 1.0  # members ping the host, and askers their stages, this often
+PING_TIMEOUT = 5.0  # how long one ping may wait for its answer
+# Seconds without a datagram before a peer counts as gone: the host marks a trunk down, an asker
+# with steps outstanding at a stage reroutes them.
+SILENCE_LIMIT = 4.0
+IDLE_TIMEOUT = 8.0  # seconds of silence before QUIC gives a connection up
 LATE_BY = 1.0  # a round this much later than its interval means our loop stalled
 
 

@@ -28,6 +28,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from .identity import Credentials, IdentityError, cert_pem, fingerprint
+from .liveness import IDLE_TIMEOUT  # read at call time: tests lower it on this module
 
 ALPN_SWARM = "swarmctl/1"
 ALPN_JOIN = "swarmctl-join/1"
@@ -35,7 +36,6 @@ DEFAULT_DATAGRAM_SIZE = 1350  # fits typical Internet paths (1500-byte MTU with 
 # Loopback has a 64 KiB MTU. aioquic 1.7.2 writes packet lengths in 2 bytes (at most 16383), and
 # larger datagrams fail to parse at the peer ("Failed to parse frame", measured), so stay below.
 LOOPBACK_DATAGRAM_SIZE = 16000
-IDLE_TIMEOUT = 8.0  # seconds of silence before QUIC gives a link up (members ping every second)
 MAX_STREAM_DATA = 16 * 1024 * 1024
 MAX_DATA = 64 * 1024 * 1024
 

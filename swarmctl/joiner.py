@@ -9,7 +9,7 @@ import base64
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from net.endpoint import Address, close, connect_pinned_host
+from net.endpoint import NoAddressAnswered, close, connect_first, connect_pinned_host
 from net.identity import IdentityError, make_csr, member_name, new_private_key, verify_member
 from net.invite import Invite
 from net.protocol import RequestOnlyHandler
@@ -25,16 +25,12 @@ async def join_swarm(home: SwarmHome, invite: Invite, *, name: str, listen: str,
         raise JoinRefused("invite has expired")
     key = new_private_key()
     csr = make_csr(key, name).public_bytes(serialization.Encoding.PEM).decode()
-    conn, ca_cert, errors = None, None, []
-    for text in invite.addresses:
-        try:
-            conn, ca_cert = await connect_pinned_host(Address.parse(text), invite.ca_fingerprint,
-                                                      RequestOnlyHandler())
-            break
-        except (ConnectionError, OSError, IdentityError) as e:
-            errors.append(f"{text}: {e}")
-    if conn is None:
-        raise JoinRefused("cannot join: " + "; ".join(errors))
+    try:
+        conn, ca_cert = await connect_first(
+            invite.addresses, lambda address: connect_pinned_host(address, invite.ca_fingerprint, RequestOnlyHandler()),
+            failures=(ConnectionError, OSError, IdentityError))
+    except NoAddressAnswered as e:
+        raise JoinRefused("cannot join: " + "; ".join(f"{text}: {error}" for text, error in e.failures)) from None
     try:
         secret = base64.urlsafe_b64encode(invite.secret).decode().rstrip("=")
         reply = decode_control((await conn.request(encode_control(

@@ -25,21 +25,21 @@ from typing import Callable
 import numpy as np
 
 from kernels.errors import EngineError
-from net.endpoint import Address, close, connect_member
+from net.endpoint import Address, NoAddressAnswered, close, connect_member
 from net.identity import Credentials
-from net.liveness import SilenceClock
+from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
+from net.ping import quiet_ping
 from net.protocol import SwarmProtocol
 from net.wire import (ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_control, decode_packet,
                       encode_control, encode_packet)
 from plans.plan import Plan
 from swarmctl.asker import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.host_addresses import connect_host
 
 log = logging.getLogger("swarmctl.client")
 
 SEND_BACKLOG = 8 * 1024 * 1024
-PING_INTERVAL = 1.0
-SILENCE_LIMIT = 4.0  # seconds without a datagram from a stage with work outstanding: reroute
 NO_PLAN_GRACE = 20.0  # how long to wait for the swarm to become whole again before giving up
 
 
@@ -259,15 +259,10 @@ class SwarmLink:
     # --- plans and connections ---
 
     async def _connect_host(self) -> None:
-        errors = []
-        for text in self.config.host_addresses:
-            try:
-                self.host_conn = await connect_member(Address.parse(text), self.creds, self.config.host_name, self)
-                break
-            except (ConnectionError, OSError) as e:
-                errors.append(str(e))
-        else:
-            raise SwarmError(f"cannot reach the swarm host: {'; '.join(errors) or 'no address'}")
+        try:  # the advertised addresses only, even on the host's own machine
+            self.host_conn = await connect_host(self.config, self.creds, self, addresses=self.config.host_addresses)
+        except NoAddressAnswered as e:
+            raise SwarmError(f"cannot reach the swarm host: {e}") from None
         self.watch_stream = self.host_conn.open_stream()
         first = await self.host_conn.request(encode_control({"type": "watch_plan"}), stream_id=self.watch_stream)
         self._plan_message(decode_control(first.body))
@@ -368,7 +363,7 @@ class SwarmLink:
             clock.tick()
             for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
                 if conn.is_open:
-                    asyncio.ensure_future(_quiet_ping(conn))
+                    asyncio.ensure_future(quiet_ping(conn))
             waiting = any(r.result is not None and not r.result.done() for r in self._requests.values())
             silent = [c for c in (self.first_conn, self.last_conn) if c is not None and
                       clock.silence(c) > SILENCE_LIMIT]
@@ -421,13 +416,6 @@ class SwarmLink:
                 request.result.set_result(packet)
         elif packet.start_pos == request.expect_pos:
             request.result.set_result(packet)  # results of replayed steps are not what we wait for
-
-
-async def _quiet_ping(conn: SwarmProtocol) -> None:
-    try:
-        await asyncio.wait_for(conn.ping(), 5)
-    except (ConnectionError, asyncio.TimeoutError):
-        pass
 
 
 async def _quiet_request(conn: SwarmProtocol, message: dict) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from net.endpoint import Address, close, connect_member
+from net.endpoint import NoAddressAnswered, close
 from net.protocol import RequestOnlyHandler
 from net.wire import decode_control, encode_control
 from swarmctl.home import SwarmHome
+from swarmctl.host_addresses import connect_host
 from swarmctl.membership import revoke
 
 
@@ -22,21 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _tell_running_host(home: SwarmHome) -> int | None:
     """How many of the member's connections the running host closed (None: no host answered)."""
-    config = home.load_config()
-    creds = home.credentials()
-    for text in [config.listen.replace("0.0.0.0", "127.0.0.1"), *config.host_addresses]:
-        try:
-            conn = await connect_member(Address.parse(text), creds, config.name, RequestOnlyHandler())
-        except (ConnectionError, OSError):
-            continue
-        try:
-            reply = decode_control((await conn.request(encode_control({"type": "revoked"}), timeout=5)).body)
-            return int(reply.get("closed", 0))
-        except (ConnectionError, asyncio.TimeoutError):
-            return None
-        finally:
-            await close(conn)
-    return None
+    try:  # revoke runs on the host: host_addresses puts its own listen address first
+        conn = await connect_host(home.load_config(), home.credentials(), RequestOnlyHandler())
+    except NoAddressAnswered:
+        return None
+    try:
+        reply = decode_control((await conn.request(encode_control({"type": "revoked"}), timeout=5)).body)
+        return int(reply.get("closed", 0))
+    except (ConnectionError, asyncio.TimeoutError):
+        return None
+    finally:
+        await close(conn)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,10 +12,11 @@ import asyncio
 import json
 
 from kernels.errors import EngineError
-from net.endpoint import Address, close, connect_member
+from net.endpoint import NoAddressAnswered, close
 from net.protocol import RequestOnlyHandler
 from net.wire import decode_control, encode_control
 from swarmctl.home import SwarmHome
+from swarmctl.host_addresses import connect_host
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,23 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def fetch_status(home: SwarmHome, request: str = "status") -> dict:
-    config = home.load_config()
-    creds = home.credentials()
-    errors = []
-    addresses = config.host_addresses
-    if config.role == "host":
-        addresses = [config.listen.replace("0.0.0.0", "127.0.0.1"), *addresses]
-    for text in addresses:
-        try:
-            conn = await connect_member(Address.parse(text), creds, config.host_name, RequestOnlyHandler())
-        except (ConnectionError, OSError) as e:
-            errors.append(str(e))
-            continue
-        try:
-            return decode_control((await conn.request(encode_control({"type": request}), timeout=10)).body)
-        finally:
-            await close(conn)
-    raise EngineError(f"cannot reach the swarm host: {'; '.join(errors)}")
+    try:
+        conn = await connect_host(home.load_config(), home.credentials(), RequestOnlyHandler())
+    except NoAddressAnswered as e:
+        raise EngineError(f"cannot reach the swarm host: {e}") from None
+    try:
+        return decode_control((await conn.request(encode_control({"type": request}), timeout=10)).body)
+    finally:
+        await close(conn)
 
 
 def format_table(status: dict) -> str:

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from net.endpoint import Address, connect_member
+from net.ping import ping_ms
 from net.protocol import RequestOnlyHandler, SwarmProtocol
 from net.wire import WireError, decode_control, encode_control
 from swarmctl.home import SwarmHome
+from swarmctl.host_addresses import connect_host, host_addresses
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
 
@@ -71,10 +73,7 @@ class Monitor:
         self.creds = home.credentials()
         self.on_poll = on_poll
         self.builder = SnapshotBuilder(config.window_s)
-        addresses = list(self.node_config.host_addresses)
-        if self.node_config.role == "host":  # the host's own CLI reaches it on its listen address first
-            addresses.insert(0, self.node_config.listen.replace("0.0.0.0", "127.0.0.1"))
-        self.host_addresses = list(dict.fromkeys(addresses))
+        self.host_addresses = host_addresses(self.node_config)
         self._host: SwarmProtocol | None = None
         self._peers: dict[str, _Peer] = {}
         self._failures = 0
@@ -143,15 +142,9 @@ class Monitor:
     async def _host_conn(self) -> SwarmProtocol:
         if self._host is not None and self._host.is_open:
             return self._host
-        errors = []
-        for text in self.host_addresses:
-            try:
-                self._host = await connect_member(Address.parse(text), self.creds, self.node_config.host_name,
-                                                  RequestOnlyHandler())
-                return self._host
-            except (ConnectionError, OSError) as e:
-                errors.append(str(e))
-        raise ConnectionError("; ".join(errors) or "no host address")
+        self._host = await connect_host(self.node_config, self.creds, RequestOnlyHandler(),
+                                        addresses=self.host_addresses)
+        return self._host
 
     async def _ask(self, conn: SwarmProtocol, kind: str) -> dict:
         reply = decode_control((await conn.request(encode_control({"type": kind}), timeout=self.config.timeout_s)).body)
@@ -181,10 +174,8 @@ class Monitor:
             self._start_connecting(peer)
             return None, None
         try:
-            t0 = time.perf_counter()
-            await asyncio.wait_for(peer.conn.ping(), self.config.timeout_s)
-            ping_ms = (time.perf_counter() - t0) * 1e3
-            return await self._ask(peer.conn, "stats"), ping_ms
+            rtt_ms = await ping_ms(peer.conn, self.config.timeout_s)
+            return await self._ask(peer.conn, "stats"), rtt_ms
         except _FAILURES as e:
             peer.drop(_reason(e), asyncio.get_running_loop().time() + self.config.max_backoff_s / 2)
             return None, None
