@@ -1,1 +1,14 @@
-"""Bytes on the wire: QUIC transport, framing, identities. (Filled in by the swarm issue.)"""
+"""Bytes on the wire and the connections that carry them: QUIC with mutual TLS between members.
+Imports nothing from ``swarmctl``.
+
+    wire.py      frames, activation packets, expert calls and control messages: pure encode/decode
+    protocol.py  one QUIC connection as an aioquic protocol: frames in, per-stream handlers, requests
+    endpoint.py  opening endpoints: a member's server, member connections, a joiner's pinned one,
+                 the first of several addresses that answers
+    tls.py       QUIC/TLS configuration and the mutual certificate checks on top of aioquic
+    identity.py  the swarm CA, member keys and certificates, names and roles
+    invite.py    invite codes: one line a friend pastes into ``swarmctl join``
+    liveness.py  ping interval, silence limit and timeouts, and a silence clock that ignores our own stalls
+    ping.py      keepalive pings and round-trip times
+    relay.py     a UDP relay that delays, drops or cuts a link (tests and benchmarks)
+"""

@@ -1,1 +1,11 @@
-"""Placement: model layout + node descriptors → a plan. (Filled in by the planner issue.)"""
+"""Placement: what a model needs and what the machines offer, in; a versioned plan of who serves
+which layers (and, for MoE models, which experts), out. No network, no processes: plans can be
+made on paper (``swarmctl plan``) as well as by the running host.
+
+    layout.py      a model's per-layer costs (weights, KV per token, FLOPs, activations), from its GGUF
+                   metadata or from known dimensions
+    nodes.py       what the planner knows of each machine: memory, speed per layer, links
+    planner.py     the topology planner: contiguous trunk layers per member, in order; expert placement
+    plan.py        the Plan (stage and expert assignments, version) as it travels from the host as JSON
+    hysteresis.py  when a changed speed figure is worth a new plan
+"""
