@@ -77,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit_json  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
+from net.messages import as_dict  # noqa: E402
 from swarmctl.commands.status import fetch_status  # noqa: E402
 from swarmctl.home import SwarmHome  # noqa: E402
 from swarmctl.local_swarm import free_udp_port  # noqa: E402
@@ -456,7 +457,7 @@ class Soak:
 
     async def status(self) -> dict:
         try:
-            return await asyncio.wait_for(fetch_status(SwarmHome(self.swarm.homes["monitor"])), 15)
+            return as_dict(await asyncio.wait_for(fetch_status(SwarmHome(self.swarm.homes["monitor"])), 15))
         except Exception as e:  # noqa: BLE001 - an unreachable host is a sample, not an end
             return {"error": f"{type(e).__name__}: {e}"}
 

@@ -2,6 +2,7 @@
 Imports nothing from ``swarmctl``.
 
     wire.py      frames, activation packets, expert calls and control messages: pure encode/decode
+    messages.py  control messages as types: one frozen struct each, checked once where it arrives
     protocol.py  one QUIC connection as an aioquic protocol: frames in, per-stream handlers, requests
     endpoint.py  opening endpoints: a member's server, member connections, a joiner's pinned one,
                  the first of several addresses that answers

@@ -3,13 +3,16 @@
 The asker keeps the model's first and last layers (and the tokens); trunk members run the layers
 between, as a pipeline of stages over mutually authenticated QUIC; the host admits members and
 plans who serves what. Below this package: ``kernels`` (slices on llama.cpp's ggml), ``net``
-(wire format and QUIC) and ``plans`` (placement), which import nothing from here.
+(wire format, typed control messages and QUIC) and ``plans`` (placement), which import
+nothing from here.
 
 Roles and the swarm
-    host            the host role: membership, joins, liveness, the plan, status
+    host/           the host role: joins, the plan and its re-planning, checks of what trunks
+                    claim, liveness, status (service, planning, checks, trunks, reports, status)
     trunk/          the trunk role: a stage of layers or a range of experts, its routes, its host link
     asker           the asker's side of the U-shaped split, for many requests at once
-    swarm_client    the asker's link to a swarm: plans, the first and last stage, rerouting
+    swarm_client    the asker's link to a swarm: the first and last stage, rerouting and replay
+    plan_watch      the asker's link to the host: the newest plan, pushed; reports to the host
     session         an asker ready to generate: a joined swarm, a local one, or all in-process
     local_swarm     a throwaway swarm of processes on loopback for ``ask`` with no swarm joined
     batching        continuous batching for one slice engine
@@ -18,7 +21,6 @@ Roles and the swarm
     distribution    slice distribution: a trunk without the model fetches its layers' tensors
     layer_proof     a trunk proves it holds its layers; the host times them
     verify          ``--verify P``: the asker spot-checks the trunk's results
-    claims          bounds on the figures a member reports about itself
 
 Membership and state
     home            a node's state on disk under $SWARMCTL_HOME

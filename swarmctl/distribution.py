@@ -29,8 +29,9 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec, layer_of
+from net import messages as m
 from net.protocol import SwarmProtocol
-from net.wire import FrameType, decode_control, encode_control, encode_frame
+from net.wire import FrameType, WireError, encode_frame
 
 log = logging.getLogger("swarmctl.distribution")
 
@@ -100,7 +101,7 @@ def build_manifest(gguf: GGUFFile, start: int, stop: int, model_hash: str) -> Sl
 async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manifest: SliceManifest,
                       have: set[str]) -> int:
     """Send the manifest, then every chunk not in ``have``; returns the bytes sent."""
-    conn.send(stream_id, encode_control({"type": "manifest", "manifest": manifest.to_dict()}))
+    conn.send(stream_id, m.encode(m.Manifest(manifest=manifest.to_dict())))
     sent = 0
     for i, entry in enumerate(manifest.tensors):
         data = gguf.tensor_bytes(gguf.tensors[entry.name])
@@ -113,7 +114,7 @@ async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manif
             await conn.drain(stream_id, SEND_BACKLOG)
             if not conn.is_open:
                 return sent
-    conn.send(stream_id, encode_control({"type": "done", "bytes": sent}), end=True)
+    conn.send(stream_id, m.encode(m.Done(bytes=sent)), end=True)
     return sent
 
 
@@ -203,12 +204,14 @@ async def fetch_slice(conn: SwarmProtocol, frames: asyncio.Queue, stream_id: int
     part = final.with_suffix(".gguf.part")
     progress = final.with_suffix(".part.progress")
     have = sorted(set(progress.read_text().split())) if part.exists() and progress.exists() else []
-    conn.send(stream_id, encode_control({"type": "fetch_slice", "start": start, "stop": stop, "have": have}))
+    conn.send(stream_id, m.encode(m.FetchSlice(start=start, stop=stop, have=have)))
     first = await asyncio.wait_for(frames.get(), 60)
-    reply = decode_control(first.body) if first.type == FrameType.CONTROL else {}
-    if reply.get("type") != "manifest":
-        raise EngineError(f"cannot fetch layers [{start}, {stop}): {reply.get('message', 'no manifest')}")
-    manifest = SliceManifest.from_dict(reply["manifest"])
+    try:
+        if first.type != FrameType.CONTROL:
+            raise WireError("no manifest")
+        manifest = SliceManifest.from_dict(m.decode(first.body, m.Manifest).manifest)
+    except (m.Refused, WireError, KeyError, TypeError, ValueError) as e:
+        raise EngineError(f"cannot fetch layers [{start}, {stop}): {e}") from None
     if manifest.model_hash != model_hash:
         raise EngineError("the host offered a slice of a different model")
     out = SliceFile(final, manifest)
@@ -216,10 +219,11 @@ async def fetch_slice(conn: SwarmProtocol, frames: asyncio.Queue, stream_id: int
     while True:
         frame = await asyncio.wait_for(frames.get(), 60)
         if frame.type == FrameType.CONTROL:
-            message = decode_control(frame.body)
-            if message.get("type") == "done":
+            try:
+                m.decode(frame.body, m.Done)
                 break
-            raise EngineError(f"slice transfer failed: {message.get('message', message)}")
+            except (m.Refused, WireError) as e:
+                raise EngineError(f"slice transfer failed: {e}") from None
         if frame.type != FrameType.DATA or len(frame.body) < CHUNK_HEADER.size:
             raise EngineError("slice transfer sent something that is not a data chunk")
         tensor, offset = CHUNK_HEADER.unpack_from(frame.body)

@@ -13,7 +13,8 @@ from net.endpoint import NoAddressAnswered, close, connect_first, connect_pinned
 from net.identity import IdentityError, make_csr, member_name, new_private_key, verify_member
 from net.invite import Invite
 from net.protocol import RequestOnlyHandler
-from net.wire import decode_control, encode_control
+from net import messages as m
+from net.wire import WireError
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.membership import JoinRefused
 
@@ -33,20 +34,20 @@ async def join_swarm(home: SwarmHome, invite: Invite, *, name: str, listen: str,
         raise JoinRefused("cannot join: " + "; ".join(f"{text}: {error}" for text, error in e.failures)) from None
     try:
         secret = base64.urlsafe_b64encode(invite.secret).decode().rstrip("=")
-        reply = decode_control((await conn.request(encode_control(
-            {"type": "join", "token_id": invite.token_id, "secret": secret, "csr": csr, "name": name}))).body)
+        reply = m.decode((await conn.request(m.encode(
+            m.Join(token_id=invite.token_id, secret=secret, csr=csr, name=name)))).body, m.Joined)
+    except (m.Refused, WireError) as e:
+        raise JoinRefused(f"the host refused: {e}") from None
     finally:
         await close(conn)
-    if reply.get("type") != "joined":
-        raise JoinRefused(f"the host refused: {reply.get('message', 'no reason given')}")
-    cert = x509.load_pem_x509_certificate(str(reply["cert"]).encode())
+    cert = x509.load_pem_x509_certificate(reply.cert.encode())
     verify_member(cert, ca_cert)
     if member_name(cert) != name or cert.public_key() != key.public_key():
         raise JoinRefused("the host returned a certificate for another name or key")
     home.save_identity(key, cert, ca_cert)
-    config = NodeConfig(name=name, role="member", swarm_name=str(reply["swarm_name"]),
-                        ca_fingerprint=invite.ca_fingerprint, host_name=str(reply["host_name"]),
-                        host_addresses=list(dict.fromkeys([*invite.addresses, *(reply.get("host_addresses") or [])])),
+    config = NodeConfig(name=name, role="member", swarm_name=reply.swarm_name,
+                        ca_fingerprint=invite.ca_fingerprint, host_name=reply.host_name,
+                        host_addresses=list(dict.fromkeys([*invite.addresses, *reply.host_addresses])),
                         listen=listen,
                         model=model)
     home.save_config(config)

@@ -47,12 +47,13 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
+from net import messages as m
 
 WINDOWS = 16
 WINDOW_BYTES = 256
@@ -64,8 +65,9 @@ MIN_STEPS, MAX_STEPS = 8, 32
 MAX_REVEAL_BYTES = 512 * 1024  # the outputs of a run, before base64
 TOLERANCE = 0.05  # ‖trunk's output − host's‖ / ‖host's output − input|: one layer's update, 5%
 TIMEOUT_S = float(os.environ.get("SWARMCTL_PROOF_TIMEOUT_S", "30"))  # per message; lower in tests
-CHALLENGES = ("prove", "probe_run", "probe_reveal")
+CHALLENGES = m.kinds(m.Prove, m.ProbeRun, m.ProbeReveal)  # what a trunk answers its host
 _WINDOW_HEADER = struct.Struct(">IQI")
+M = TypeVar("M", bound=m.Message)
 _PROBE_ID = b"swarm-probe-0000"
 
 
@@ -246,54 +248,40 @@ class Prover:
         self._probe: _Probe | None = None
         self._files: dict[Path, GGUFFile] = {}  # kept open: opening a GGUF parses its header (tens of ms)
 
-    def answer(self, message: dict) -> dict:
-        kind = message.get("type")
-        if kind == "prove":
+    def answer(self, message: m.Message) -> m.Message:
+        """The answer to one challenge (parsed with ``CHALLENGES``), or ProofError."""
+        if isinstance(message, m.Prove):
             return self._prove(message)
-        if kind == "probe_run":
+        if isinstance(message, m.ProbeRun):
             probe = self._need_probe()
-            run = message.get("run")
-            if not isinstance(run, int) or isinstance(run, bool) or not 0 <= run < 16:
-                raise ProofError("probe_run needs a run number 0..15")
-            first = decode_array(message.get("hidden"), probe.n_embd, 1)
-            probe.outputs[run] = probe.run(first)
-            return {"type": "probe_done", "run": run, "digest": outputs_digest(probe.outputs[run])}
-        if kind == "probe_reveal":
-            probe = self._need_probe()
-            run = message.get("run")
-            outputs = probe.outputs.get(run) if isinstance(run, int) else None
+            first = decode_array(message.hidden, probe.n_embd, 1)
+            probe.outputs[message.run] = probe.run(first)
+            return m.ProbeDone(run=message.run, digest=outputs_digest(probe.outputs[message.run]))
+        if isinstance(message, m.ProbeReveal):
+            outputs = self._need_probe().outputs.get(message.run)
             if outputs is None:
                 raise ProofError("no such probe run")
             self.close()
-            return {"type": "probe_outputs", "outputs": encode_array(outputs)}
-        raise ProofError(f"unknown challenge {kind!r}")
+            return m.ProbeOutputs(outputs=encode_array(outputs))
+        raise ProofError(f"unknown challenge {type(message).__name__}")
 
-    def _prove(self, message: dict) -> dict:
+    def _prove(self, message: m.Prove) -> m.Proof:
         self.close()
-        nonce = message.get("nonce")
-        if not isinstance(nonce, str) or not 16 <= len(nonce) <= 128:
-            raise ProofError("a challenge needs a nonce of 16 to 128 hex digits")
         try:
-            nonce_bytes = bytes.fromhex(nonce)
+            nonce = bytes.fromhex(message.nonce)
         except ValueError:
             raise ProofError("the nonce is not hex") from None
-        windows = check_windows(message.get("windows"))
-        probe = message.get("probe")
-        layers = {w[0] for w in windows}
-        if probe is not None:
-            if not isinstance(probe, dict) or not all(isinstance(probe.get(k), int) and not isinstance(probe.get(k), bool)
-                                                      for k in ("layer", "steps")) \
-                    or not (0 <= probe["layer"] < 2**31 and 1 <= probe["steps"] <= 64):
-                raise ProofError("a probe is {layer, steps} with 1 <= steps <= 64")
-            layers.add(probe["layer"])
+        windows = check_windows(message.windows)
+        probe = message.probe
+        layers = {w[0] for w in windows} | ({probe.layer} if probe is not None else set())
         self._gguf = self._open_holding(sorted(layers))
         for layer, offset, length in windows:
             if offset + length > layer_size(self._gguf, layer):
                 raise ProofError(f"window [{layer}, {offset}, {length}] runs past the layer's bytes")
-        digest = window_digest(self._gguf, nonce_bytes, windows)
+        digest = window_digest(self._gguf, nonce, windows)
         if probe is not None:
-            self._probe = _Probe(self._gguf, probe["layer"], probe["steps"], self.n_threads)
-        return {"type": "proof", "digest": digest}
+            self._probe = _Probe(self._gguf, probe.layer, probe.steps, self.n_threads)
+        return m.Proof(digest=digest)
 
     def _open_holding(self, layers: list[int]) -> GGUFFile:
         sources = [Path(p) for p in self.sources()]
@@ -357,34 +345,34 @@ async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer:
     """Check that the trunk at ``conn`` holds ``layers`` and, with ``probe_layer``, time it on that
     layer. ``timing_lock`` keeps the host's probes one at a time (trunks that share a machine
     would otherwise slow each other's runs, and the host's own check of the outputs with them)."""
-    from net.wire import WireError, decode_control, encode_control
+    from net.wire import WireError
 
     timeout = TIMEOUT_S if timeout is None else timeout
     outcome = Outcome(layer=probe_layer)
 
-    async def ask(message: dict, expect: str) -> dict:
-        reply = decode_control((await conn.request(encode_control(message), timeout=timeout)).body)
-        if reply.get("type") == "error":
-            raise ProofError(str(reply.get("message", ""))[:200], missing=reply.get("missing") is True)
-        if reply.get("type") != expect:
-            raise ProofError(f"answered {str(reply.get('type'))[:40]!r} instead of {expect!r}")
-        return reply
+    async def ask(message: m.Message, expect: type[M]) -> M:
+        try:
+            return m.decode((await conn.request(m.encode(message), timeout=timeout)).body, expect)
+        except m.Refused as e:
+            raise ProofError(e.error.message[:200], missing=e.error.missing) from None
+        except WireError as e:
+            raise ProofError(str(e)[:200]) from None
 
     nonce = secrets.token_bytes(16)
     windows = new_windows(gguf, list(layers))
     outcome.bytes_read = sum(w[2] for w in windows)
     want = await asyncio.to_thread(window_digest, gguf, nonce, windows)
-    message: dict = {"type": "prove", "nonce": nonce.hex(), "windows": windows}
     spec = ModelSpec.from_gguf(gguf)
     n_embd = spec.n_embd
+    probe = None
     if probe_layer is not None:
         outcome.steps = min(steps_for(claimed_ms, n_embd), spec.n_ctx_train)
-        message["probe"] = {"layer": probe_layer, "steps": outcome.steps}
+        probe = m.ProbeSpec(layer=probe_layer, steps=outcome.steps)
     try:
         t0 = time.perf_counter()
-        reply = await ask(message, "proof")
+        reply = await ask(m.Prove(nonce=nonce.hex(), windows=windows, probe=probe), m.Proof)
         outcome.proof_ms = (time.perf_counter() - t0) * 1e3
-        if reply.get("digest") != want:
+        if reply.digest != want:
             outcome.problem = "failed the layer check: its bytes at random offsets are not the model's"
             return outcome
         if probe_layer is None:
@@ -401,13 +389,13 @@ async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer:
             for run in range(PROBE_RUNS):
                 first = rng.standard_normal((1, n_embd), dtype=np.float32)
                 t0 = time.perf_counter()
-                done = await ask({"type": "probe_run", "run": run, "hidden": encode_array(first)}, "probe_done")
+                done = await ask(m.ProbeRun(run=run, hidden=encode_array(first)), m.ProbeDone)
                 outcome.runs_ms.append((time.perf_counter() - t0) * 1e3)
                 firsts.append(first)
-                digests.append(done.get("digest"))
+                digests.append(done.digest)
             best = int(np.argmin(outcome.runs_ms))
-            revealed = await ask({"type": "probe_reveal", "run": best}, "probe_outputs")
-            outputs = decode_array(revealed.get("outputs"), n_embd, outcome.steps)
+            revealed = await ask(m.ProbeReveal(run=best), m.ProbeOutputs)
+            outputs = decode_array(revealed.outputs, n_embd, outcome.steps)
             if outputs.shape[0] != outcome.steps or outputs_digest(outputs) != digests[best]:
                 outcome.problem = "failed the speed probe: the outputs it showed are not the ones it timed"
                 return outcome

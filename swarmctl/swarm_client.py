@@ -3,7 +3,8 @@
 ``SwarmLink`` implements the ``Trunk`` interface on the asker's event loop: hand it the head's
 activations, get back the last trunk stage's output and the per-hop timings. Each request gets its
 own stream to the first stage; results come back on one results stream this asker opened at the
-last stage. Many requests can be in flight at once; the stages batch them.
+last stage. Many requests can be in flight at once; the stages batch them. The plan comes from
+the host through ``PlanWatch`` (swarmctl/plan_watch.py).
 
 Failures: the link keeps every step it sent for each request (its start position and the head's
 activations). When a route fails (a stage dies, the plan changes, a link drops), it waits for the
@@ -24,27 +25,24 @@ from typing import Callable
 
 import numpy as np
 
-from kernels.errors import EngineError
-from net.endpoint import Address, NoAddressAnswered, close, connect_member
+from net.endpoint import Address, close, connect_member
 from net.identity import Credentials
 from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
 from net.ping import quiet_ping
 from net.protocol import SwarmProtocol
-from net.wire import (ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_control, decode_packet,
-                      encode_control, encode_packet)
+from net import messages as m
+from net.wire import ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_packet, encode_packet
 from plans.plan import Plan
 from swarmctl.asker import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.host_addresses import connect_host
+from swarmctl.plan_watch import PlanWatch, SwarmError, cannot_serve
+
+__all__ = ["SwarmError", "SwarmLink"]
 
 log = logging.getLogger("swarmctl.client")
 
 SEND_BACKLOG = 8 * 1024 * 1024
 NO_PLAN_GRACE = 20.0  # how long to wait for the swarm to become whole again before giving up
-
-
-class SwarmError(EngineError):
-    """The swarm could not run a request (unreachable, incomplete, or a stage refused)."""
 
 
 class _RouteFailed(Exception):
@@ -76,9 +74,7 @@ class SwarmLink:
         self.request_timeout = request_timeout
         self.dtype = dtype
         self.plan: Plan | None = None  # the plan the stage connections follow
-        self.latest_plan: Plan | None = None  # the host pushes every new plan
-        self.watch_stream: int | None = None
-        self.host_conn: SwarmProtocol | None = None
+        self.host = PlanWatch(config, creds, self)  # the newest plan, as the host pushes it
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
         self.stats = RecoveryStats()
@@ -86,7 +82,6 @@ class SwarmLink:
         # (another terminal, serve, top) subscribe with their own, so results never cross.
         self.session = secrets.token_hex(16)
         self._requests: dict[bytes, _Request] = {}
-        self._plan_changed = asyncio.Event()
         self._reconnecting: asyncio.Lock | None = None
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
@@ -98,8 +93,8 @@ class SwarmLink:
         a local swarm knows how many trunks it started), connect to the first and last stage."""
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
-            await link._connect_host()
-            link.plan = await link._wait_for_plan(ready_timeout, alive_check, min_stages)
+            await link.host.connect()
+            link.plan = await link.host.complete(ready_timeout, alive_check, min_stages)
             await link._connect_stages()
             link._tasks = [asyncio.ensure_future(link._keep_alive())]
         except BaseException:
@@ -173,15 +168,14 @@ class SwarmLink:
         """The members whose stages run the request's steps now: the current plan's route."""
         return [s.member for s in self.plan.stages] if self.plan is not None else []
 
-    async def report(self, message: dict) -> None:
+    async def report(self, message: m.Message) -> None:
         """Tell the host something (a control message); its answer is not needed."""
-        if self.host_conn is not None and self.host_conn.is_open:
-            await _quiet_request(self.host_conn, message)
+        await self.host.tell(message)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
+        for conn in {self.host.conn, self.first_conn, self.last_conn} - {None}:
             await close(conn)
 
     # --- one step, and the route it travels ---
@@ -217,7 +211,7 @@ class SwarmLink:
     async def _open_route(self, rid: bytes, request: _Request) -> int:
         """A new stream on the current route, and every step of the request's history replayed
         on it back to back (the stages run them in order; their results are not waited for)."""
-        if self.latest_plan is not None and self.latest_plan.version != self.plan.version:
+        if self.host.latest is not None and self.host.latest.version != self.plan.version:
             await self._follow_plan()
         request.stream_id = self.first_conn.open_stream()
         request.conn = self.first_conn
@@ -238,54 +232,19 @@ class SwarmLink:
         retry_same_at = time.monotonic() + 2 * SILENCE_LIMIT
         give_up = min(deadline, time.monotonic() + NO_PLAN_GRACE)
         while True:
-            plan = self.latest_plan
+            plan = self.host.latest
             now = time.monotonic()
             if plan is not None and plan.complete and (plan.version != failed_version or now > retry_same_at):
                 await self._follow_plan(force=plan.version == failed_version)
                 return
             if now > give_up:
-                gaps = ", ".join(f"[{a}, {b})" for a, b in plan.missing_layers()) if plan else "all"
-                notes = f" ({'; '.join(plan.warnings)})" if plan and plan.warnings else ""
-                raise SwarmError(f"the swarm cannot serve the model: no ready trunk holds layers {gaps}{notes}")
-            self._plan_changed.clear()
-            try:
-                await asyncio.wait_for(self._plan_changed.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
+                raise SwarmError(cannot_serve(plan))
+            await self.host.changed()
 
     def _stages_alive(self) -> bool:
         return all(c is not None and c.is_open for c in (self.first_conn, self.last_conn))
 
     # --- plans and connections ---
-
-    async def _connect_host(self) -> None:
-        try:  # the advertised addresses only, even on the host's own machine
-            self.host_conn = await connect_host(self.config, self.creds, self, addresses=self.config.host_addresses)
-        except NoAddressAnswered as e:
-            raise SwarmError(f"cannot reach the swarm host: {e}") from None
-        self.watch_stream = self.host_conn.open_stream()
-        first = await self.host_conn.request(encode_control({"type": "watch_plan"}), stream_id=self.watch_stream)
-        self._plan_message(decode_control(first.body))
-
-    async def _wait_for_plan(self, timeout: float, alive_check: Callable[[], None] | None, min_stages: int = 1) -> Plan:
-        """The newest plan, once it is complete (every trunk layer served by a ready stage)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            plan = self.latest_plan
-            if plan is not None and plan.complete and len(plan.stages) >= min_stages:
-                return plan
-            if alive_check is not None:
-                alive_check()
-            if time.monotonic() > deadline:
-                gaps = ", ".join(f"[{a}, {b})" for a, b in plan.missing_layers()) if plan else "all"
-                notes = f" ({'; '.join(plan.warnings)})" if plan and plan.warnings else ""
-                raise SwarmError(f"the swarm cannot serve the model: no ready trunk holds layers {gaps}{notes}")
-            self._plan_changed.clear()
-            try:
-                await asyncio.wait_for(self._plan_changed.wait(), 0.5)
-            except asyncio.TimeoutError:
-                if self.host_conn is not None and self.host_conn.is_open:
-                    self.latest_plan = await self.fetch_plan()  # in case a push was missed
 
     async def _connect_stages(self, fresh: bool = True) -> None:
         """Connections to the plan's first and last stage; live ones to the same members are kept
@@ -300,9 +259,10 @@ class SwarmLink:
         self.first_conn = await conn_to(first.member, first.address, self.first_conn)
         self.last_conn = self.first_conn if last.member == first.member else \
             await conn_to(last.member, last.address, self.last_conn)
-        reply = decode_control((await self.last_conn.request(encode_control({"type": "subscribe", "session": self.session}))).body)
-        if reply.get("type") != "ok":
-            raise SwarmError(f"the last stage refused the results stream: {reply}")
+        try:
+            m.decode((await self.last_conn.request(m.encode(m.Subscribe(session=self.session)))).body, m.Ok)
+        except (m.Refused, WireError) as e:
+            raise SwarmError(f"the last stage refused the results stream: {e}") from None
         log.info("swarm plan v%d: %s", self.plan.version,
                  ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages))
 
@@ -315,10 +275,10 @@ class SwarmLink:
         async with self._reconnecting:
             if self._moved_at != moved_at:
                 return  # another request moved while this one waited for the lock
-            if not force and self.latest_plan is not None and self.latest_plan.version == self.plan.version \
+            if not force and self.host.latest is not None and self.host.latest.version == self.plan.version \
                     and self._stages_alive():
                 return
-            self.plan = await self._wait_for_plan(self.request_timeout, None)
+            self.plan = await self.host.complete(self.request_timeout)
             old = {c for c in (self.first_conn, self.last_conn) if c is not None}
             for attempt in range(3):
                 try:
@@ -332,20 +292,9 @@ class SwarmLink:
                 asyncio.ensure_future(close(conn))
             self._moved_at = time.monotonic()
 
-    async def fetch_plan(self) -> Plan:
-        reply = decode_control((await self.host_conn.request(encode_control({"type": "get_plan"}))).body)
-        if reply.get("type") != "plan":
-            raise SwarmError(f"host: {reply.get('message', 'unexpected reply')}")
-        return Plan.from_dict(reply["plan"])
-
-    def _plan_message(self, message: dict) -> None:
-        if message.get("type") != "plan":
-            return
-        plan = Plan.from_dict(message["plan"])
-        changed = self.plan is not None and plan.version != self.plan.version
-        self.latest_plan = plan
-        self._plan_changed.set()
-        if changed:  # the route the waiting steps travel is gone: reroute them now, not at a timeout
+    def _plan_arrived(self, plan: Plan | None) -> None:
+        if plan is not None and self.plan is not None and plan.version != self.plan.version:
+            # the route the waiting steps travel is gone: reroute them now, not at a timeout
             self._fail_waiting(f"the plan changed to v{plan.version}")
 
     def _fail_waiting(self, reason: str) -> None:
@@ -361,7 +310,7 @@ class SwarmLink:
         while True:
             await asyncio.sleep(PING_INTERVAL)
             clock.tick()
-            for conn in {self.host_conn, self.first_conn, self.last_conn} - {None}:
+            for conn in {self.host.conn, self.first_conn, self.last_conn} - {None}:
                 if conn.is_open:
                     asyncio.ensure_future(quiet_ping(conn))
             waiting = any(r.result is not None and not r.result.done() for r in self._requests.values())
@@ -369,9 +318,9 @@ class SwarmLink:
                       clock.silence(c) > SILENCE_LIMIT]
             if waiting and silent:
                 self._fail_waiting(f"stage {silent[0].peer_name} went silent")
-            if self.host_conn is None or not self.host_conn.is_open:
+            if not self.host.is_open:
                 try:
-                    await self._connect_host()
+                    self._plan_arrived(await self.host.connect())
                     log.info("reconnected to the host")
                 except (SwarmError, ConnectionError, OSError, asyncio.TimeoutError):
                     pass
@@ -381,9 +330,7 @@ class SwarmLink:
         self.stats.replayed_bytes += replayed
         self.stats.last_recovery_s = seconds
         log.info("rerouted a request in %.2fs, replaying %.1f KB", seconds, replayed / 1e3)
-        if self.host_conn is not None and self.host_conn.is_open:
-            asyncio.ensure_future(_quiet_request(self.host_conn, {"type": "recovered", "recovery_s": seconds,
-                                                                  "replayed_bytes": replayed}))
+        asyncio.ensure_future(self.host.tell(m.Recovered(recovery_s=seconds, replayed_bytes=replayed)))
 
     # --- ConnectionHandler ---
 
@@ -398,8 +345,8 @@ class SwarmLink:
         pass
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
-        if conn is self.host_conn and stream_id == self.watch_stream and frame.type == FrameType.CONTROL:
-            self._plan_message(decode_control(frame.body))
+        if self.host.is_watch_stream(conn, stream_id) and frame.type == FrameType.CONTROL:
+            self._plan_arrived(self.host.received(frame.body))
             return
         if frame.type != FrameType.ACTIVATION:
             return
@@ -416,10 +363,3 @@ class SwarmLink:
                 request.result.set_result(packet)
         elif packet.start_pos == request.expect_pos:
             request.result.set_result(packet)  # results of replayed steps are not what we wait for
-
-
-async def _quiet_request(conn: SwarmProtocol, message: dict) -> None:
-    try:
-        await conn.request(encode_control(message), timeout=5)
-    except (ConnectionError, asyncio.TimeoutError):
-        pass

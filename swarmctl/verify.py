@@ -72,6 +72,7 @@ from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
+from net import messages as m
 from net.wire import DType, Hop
 from swarmctl.asker import TrunkResult
 from swarmctl.batching import BatchRunner
@@ -134,7 +135,7 @@ class VerifiableLink(Protocol):
 
     def route_members(self, request_id: bytes) -> list[str]: ...
 
-    async def report(self, message: dict) -> None: ...
+    async def report(self, message: m.Message) -> None: ...
 
 
 @dataclass
@@ -254,9 +255,9 @@ class VerifyingTrunk:
         who = f"trunk {members[0]}" if len(members) == 1 else f"one of the trunks {', '.join(members)}"
         log.warning("%s returned a wrong result (verified locally: %s); reported to the host; the request "
                     "continues on this machine", who, verdict.describe())
-        report = {"type": "bad_result", "members": list(members), "plan_version": version,
-                  "layers": list(self.layers), "rows": verdict.rows, "bad_rows": verdict.bad_rows,
-                  "rel_error": _json_float(verdict.worst_rel), "cosine": _json_float(verdict.worst_cosine)}
+        report = m.BadResult(members=list(members), plan_version=version, layers=list(self.layers),
+                             rows=verdict.rows, bad_rows=verdict.bad_rows, rel_error=_json_float(verdict.worst_rel),
+                             cosine=_json_float(verdict.worst_cosine))
         task = asyncio.ensure_future(self.link.report(report))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -11,9 +12,36 @@ import pytest
 
 from kernels.slice import SliceEngine
 from swarmctl.models import default_model_path
+from tests import markers
 from tests.tiny_models import TinyConfig, write_tiny_model
 
 N_THREADS = 2
+
+
+# --- marks: swarm, netns, slow (tests/markers.py); `-m "not slow"` runs the fast tests alone ---
+
+_process_watch = markers.ProcessWatch()
+sys.addaudithook(_process_watch.audit)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        markers.mark(item)
+
+
+def pytest_runtest_setup(item):
+    _process_watch.start(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    complaint = _process_watch.complaint()
+    _process_watch.stop()
+    if complaint is not None:
+        pytest.fail(complaint, pytrace=False)
+    return result
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 import net.tls
 from net.endpoint import Address, connect_member, no_answer
 from net.identity import make_csr, new_private_key
+from net.messages import MemberStatus, RecoveryStatus, Status
 from net.protocol import RequestOnlyHandler
 from swarmctl.commands.run import parse_size
 from swarmctl.commands.status import format_table
@@ -164,12 +165,13 @@ def test_a_bare_number_for_memory_asks_for_a_unit(tmp_path):
 
 
 def test_status_shows_the_memory_as_typed():
-    status = {"swarm": "s", "model": "m.gguf", "n_layer": 30, "head_layers": 4, "plan_version": 2, "complete": True,
-              "missing_layers": [], "members": [
-                  {"name": "alice", "role": "trunk", "address": "198.51.100.7:7471", "layers": [4, 15],
-                   "memory": parse_size("12G"), "health": "ready"},
-                  {"name": "bob", "role": "trunk", "address": "198.51.100.9:7471", "layers": [15, 26],
-                   "memory": parse_size("24GB"), "health": "ready"}]}
+    members = [MemberStatus(name="alice", role="trunk", may="trunk", address="198.51.100.7:7471", layers=[4, 15],
+                            memory=parse_size("12G"), health="ready"),
+               MemberStatus(name="bob", role="trunk", may="trunk", address="198.51.100.9:7471", layers=[15, 26],
+                            memory=parse_size("24GB"), health="ready")]
+    status = Status(swarm="s", model="m.gguf", n_layer=30, head_layers=4, plan_version=2, complete=True,
+                    missing_layers=[], members=members, objective="latency", expected_ms_per_token=0.0,
+                    expected_tokens_per_s=0.0, bottleneck="", warnings=[], recovery=RecoveryStatus())
     table = format_table(status)
     assert " 12.0 GB " in table and " 24.0 GB " in table, table
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kernels.gguf_file import GGUFFile
+from net import messages as m
 from net.endpoint import Address, ask_member, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.wire import decode_control, encode_control
@@ -90,6 +91,11 @@ def test_one_changed_byte_fails_the_check(model, slice_file, tmp_path):
         assert lp.window_digest(tampered, b"n" * 16, [[12, 0, 256]]) == lp.window_digest(model, b"n" * 16, [[12, 0, 256]])
 
 
+def answer(prover: lp.Prover, message: dict) -> dict:
+    """The prover's answer to a challenge as the trunk gets it: parsed where it arrives, then answered."""
+    return m.as_dict(prover.answer(m.parse(message, lp.CHALLENGES)))
+
+
 def test_the_trunk_answers_only_bounded_challenges_about_layers_it_holds(slice_file):
     prover = lp.Prover(lambda: [slice_file], n_threads=1)
     nonce = secrets.token_hex(16)
@@ -99,11 +105,11 @@ def test_the_trunk_answers_only_bounded_challenges_about_layers_it_holds(slice_f
                 {"type": "prove", "nonce": nonce, "windows": [[11, -1, 16]]},
                 {"type": "prove", "nonce": nonce, "windows": [[11, 0, 16]], "probe": {"layer": 11, "steps": 10**6}},
                 {"type": "probe_run", "run": 0, "hidden": ""}):
-        with pytest.raises(lp.ProofError) as e:
-            prover.answer(bad)
-        assert not e.value.missing or bad["type"] == "probe_run", bad
+        with pytest.raises((lp.ProofError, m.MalformedMessage)) as e:
+            answer(prover, bad)
+        assert not getattr(e.value, "missing", False) or bad["type"] == "probe_run", bad
     with pytest.raises(lp.ProofError) as e:  # a layer outside its slice: "missing", not a lie
-        prover.answer({"type": "prove", "nonce": nonce, "windows": [[3, 0, 16]]})
+        answer(prover, {"type": "prove", "nonce": nonce, "windows": [[3, 0, 16]]})
     assert e.value.missing
     prover.close(files=True)
 
@@ -111,11 +117,11 @@ def test_the_trunk_answers_only_bounded_challenges_about_layers_it_holds(slice_f
 # --- the speed probe ---
 
 def _probe(prover: lp.Prover, layer: int, steps: int, n_embd: int, rng) -> tuple[np.ndarray, np.ndarray, str]:
-    prover.answer({"type": "prove", "nonce": secrets.token_hex(16), "windows": [[layer, 0, 64]],
-                   "probe": {"layer": layer, "steps": steps}})
+    answer(prover, {"type": "prove", "nonce": secrets.token_hex(16), "windows": [[layer, 0, 64]],
+                    "probe": {"layer": layer, "steps": steps}})
     first = rng.standard_normal((1, n_embd), dtype=np.float32)
-    done = prover.answer({"type": "probe_run", "run": 0, "hidden": lp.encode_array(first)})
-    outputs = lp.decode_array(prover.answer({"type": "probe_reveal", "run": 0})["outputs"], n_embd, steps)
+    done = answer(prover, {"type": "probe_run", "run": 0, "hidden": lp.encode_array(first)})
+    outputs = lp.decode_array(answer(prover, {"type": "probe_reveal", "run": 0})["outputs"], n_embd, steps)
     return first, outputs, done["digest"]
 
 
@@ -302,11 +308,11 @@ def test_liars_never_become_ready_stages_and_askers_get_exact_answers(swarm, inp
 
     def echo(message: dict) -> dict:  # holds the model file, but echoes instead of computing
         if message["type"] == "prove":
-            return honest.answer(message)
+            return answer(honest, message)
         if message["type"] == "probe_run":  # at once, and what it commits to is what it shows later
             first = lp.decode_array(message["hidden"], 576, 1)
             outputs[message["run"]] = np.repeat(lp.unit_rms(first), honest._probe.steps, axis=0)
-            return {"type": "probe_done", "digest": lp.outputs_digest(outputs[message["run"]])}
+            return {"type": "probe_done", "run": message["run"], "digest": lp.outputs_digest(outputs[message["run"]])}
         return {"type": "probe_outputs", "outputs": lp.encode_array(outputs[message["run"]])}
 
     outputs: dict[int, np.ndarray] = {}
@@ -362,7 +368,8 @@ def test_a_fast_claim_is_planned_at_the_speed_the_host_timed(swarm, inproc_answe
     honest = lp.Prover(lambda: [bundled_model], n_threads=1)
 
     async def scenario() -> tuple[dict, dict, list[str]]:
-        fake = FakeTrunk(swarm, "fast", memory=2**30, claim=0.001, answer=honest.answer, says_ready=False)
+        fake = FakeTrunk(swarm, "fast", memory=2**30, claim=0.001, answer=lambda message: answer(honest, message),
+                         says_ready=False)
         await fake.start()
         try:
             row = await _row(swarm, "fast", lambda r: r.get("measured_ms_per_layer") is not None)

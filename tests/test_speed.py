@@ -23,6 +23,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.speed import (BUDGET_S, MAX_REMEASURES, REMEASURE_AFTER_S, REPEATS, REPORT_INTERVAL_S, Repeat,
                            SpeedMeasurement, SpeedTracker, classify, collect, measure_speed, n_cpus, robust_figure,
                            worth_reporting)
+from net.messages import Speed, as_dict
 from plans.hysteresis import (MIN_GAIN, SPEED_FACTOR, assignment_cost, decide_on_speed, materially_changed,
                               sticky_speed)
 from plans.layout import ModelLayout
@@ -279,60 +280,59 @@ def test_a_contended_measurement_is_repeated_a_few_times_further_apart():
 
 
 def test_a_stage_tells_the_host_the_speed_it_serves_at():
-    """The trunk's keepalive loop: a stage's served batches refresh the figure it gave the host."""
-    from plans.plan import Plan, StageAssignment
-    from swarmctl.trunk import TrunkService
+    """The trunk's keepalive tick: a stage's served batches refresh the figure it gave the host."""
+    from pathlib import Path
 
-    trunk = object.__new__(TrunkService)  # only what _refresh_speed reads
+    from swarmctl.trunk.speed_report import SpeedReport
+
     sent = []
-    trunk._tell_host = sent.append
-    trunk._spawn = lambda _: None
-    trunk.speed = SpeedTracker()
-    trunk.ms_per_layer_token = 0.27
-    trunk.stage = StageAssignment("alice", "127.0.0.1:1", 4, 26)
-    trunk.plan = Plan(1, "m", 30, 4, [trunk.stage])
-    trunk.experts = None
+    report = SpeedReport(Path("/nonexistent.gguf"), None, None, tell_host=sent.append, spawn=lambda _: None)
+    report.ms_per_layer_token = 0.27
     t0 = time.time() - 60
     records = [batch(t0 + i, 22 * 0.29e-3) for i in range(10)]
-    trunk.runner = SimpleNamespace(stats=SimpleNamespace(recent=records))
-    trunk._refresh_speed()
-    assert sent == [] and trunk.ms_per_layer_token == 0.27  # 0.29 is close to 0.27: the host is not bothered
+    runner = SimpleNamespace(stats=SimpleNamespace(recent=records))
+    report.refresh((runner, 22), idle=False)
+    assert sent == [] and report.ms_per_layer_token == 0.27  # 0.29 is close to 0.27: the host is not bothered
     records += [batch(t0 + 20 + i, 22 * 0.9e-3) for i in range(30)]  # something else took the machine
-    trunk._refresh_speed()
-    assert sent == [{"type": "speed", "ms_per_layer_token": pytest.approx(0.9)}]
-    assert trunk.ms_per_layer_token == pytest.approx(0.9)
+    report.refresh((runner, 22), idle=False)
+    assert [as_dict(message) for message in sent] == [{"type": "speed", "ms_per_layer_token": pytest.approx(0.9)}]
+    assert report.ms_per_layer_token == pytest.approx(0.9)
 
 
-def test_the_host_replans_on_a_material_change_only():
-    """HostService._speed with the figures of a throughput swarm of two equal trunks."""
+def test_the_host_replans_on_a_material_change_only(tmp_path):
+    """The host's `speed` handler and its PlanKeeper with the figures of a throughput swarm of two
+    equal trunks."""
     from plans.plan import Plan
     from swarmctl.host import HostService, TrunkInfo
+    from swarmctl.host.planning import PlanKeeper
 
-    host = object.__new__(HostService)  # only what _speed and _replan read
-    conns = {name: SimpleNamespace(peer_name=name, is_open=True) for name in ("a", "b")}
-    host.trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=int(2 * GB),
-                                   ms_per_layer_token=1.0) for i, (name, conn) in enumerate(conns.items())}
-    host.speed_basis = {}
-    host.layout, host.constraints, host.config = SMOL, constraints("throughput"), SimpleNamespace(expert_nodes=0)
-    host.plan = Plan(0, "m", 30, 4)
-    host._save_plan_version = lambda: None
-    host._push_plan = lambda only=None: None
+    conns = {name: SimpleNamespace(peer_name=name, is_open=True, send=lambda *a, **k: None) for name in ("a", "b")}
+    trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=int(2 * GB),
+                              ms_per_layer_token=1.0) for i, (name, conn) in enumerate(conns.items())}
+    config = SimpleNamespace(head_layers=4, plan_context=1024, plan_concurrent=4, objective="throughput",
+                             plan_max_stages=0, expert_nodes=0)
+    home = SimpleNamespace(file=lambda name: tmp_path / name)
+    planning = PlanKeeper(home, config, SMOL, Plan(0, "m", 30, 4), trunks)
+    planning.constraints = constraints("throughput")
+    host = object.__new__(HostService)  # only what the speed handler reads
+    host.trunks, host.planning = trunks, planning
     replies = []
     host._reply = lambda conn, sid, message, end=False: replies.append(message)
-    host._replan()
-    assert host.plan.version == 1 and [s.stop - s.start for s in host.plan.stages] == [11, 11]
+    planning.replan()
+    assert planning.plan.version == 1 and [s.stop - s.start for s in planning.plan.stages] == [11, 11]
+    assert (tmp_path / "plan_version").read_text() == "1"
 
     for wobble in (1.3, 0.75, 1.2):
-        host._speed(conns["a"], 0, {"type": "speed", "ms_per_layer_token": wobble})
-        assert host.plan.version == 1 and host.speed_basis["a"] == 1.0
-        assert host.trunks["a"].ms_per_layer_token == wobble  # status shows the latest figure
-    host._replan()  # a re-plan for another reason plans with the figure it had
-    assert host.plan.version == 1
+        host._speed(conns["a"], 0, Speed(ms_per_layer_token=wobble))
+        assert planning.plan.version == 1 and planning.speed_basis["a"] == 1.0
+        assert trunks["a"].ms_per_layer_token == wobble  # status shows the latest figure
+    planning.replan()  # a re-plan for another reason plans with the figure it had
+    assert planning.plan.version == 1
 
-    host._speed(conns["a"], 0, {"type": "speed", "ms_per_layer_token": 3.0})
-    assert host.plan.version == 2 and host.speed_basis["a"] == 3.0
-    assert {s.member: s.stop - s.start for s in host.plan.stages}["a"] < 11
-    assert replies == [{"type": "ok"}] * 4
+    host._speed(conns["a"], 0, Speed(ms_per_layer_token=3.0))
+    assert planning.plan.version == 2 and planning.speed_basis["a"] == 3.0
+    assert {s.member: s.stop - s.start for s in planning.plan.stages}["a"] < 11
+    assert [as_dict(r) for r in replies] == [{"type": "ok"}] * 4
 
 
 # --- the real kernels ---

@@ -21,6 +21,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine
 from kernels.spec import SliceSpec
+from net.messages import as_dict
 from net.wire import DType
 from plans.plan import Plan, StageAssignment
 from swarmctl.asker import Asker, InprocTrunk, TrunkResult, generate_all
@@ -143,7 +144,7 @@ class FakeLink:
         return [self.member]
 
     async def report(self, message):
-        self.reports.append(message)
+        self.reports.append(as_dict(message))  # as the host would read it
 
     def close(self):
         self.trunk.close()

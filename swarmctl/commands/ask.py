@@ -20,42 +20,16 @@ import sys
 import time
 
 from kernels.sampling import SamplingParams
+from swarmctl.commands.options import add_asker_options, positive_int
 from swarmctl.errors import UsageError
 
 log = logging.getLogger("swarmctl.ask")
 
 
-def verify_share(text: str) -> float:
-    """--verify P: a share of trunk steps in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-VERIFY_HELP = ("recompute a random share P of the trunk's steps on this machine and compare (0 to 1; default 0: "
-               "off). A wrong result is reported to the host and the request goes on here. Needs the whole "
-               "model file here; costs up to one more trunk pass per step (benchmarks/bench_verify.py)")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the question (or, with --raw, the text to continue)")
-    parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
-                        help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
-    parser.add_argument("--trunk-nodes", type=_positive_int, default=2, metavar="N",
-                        help="trunk processes of the local swarm started when no swarm is joined (default 2)")
-    parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="tokens to generate")
+    add_asker_options(parser, model_default="the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, metavar="N", help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.2, metavar="T",
                         help="0 = greedy (default 0.2, as the SmolLM2 model card recommends)")
     parser.add_argument("--top-k", type=int, default=40, metavar="K", help="sample from the K likeliest (0 = all)")
@@ -63,18 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
     parser.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     parser.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
-    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
-                        help="layers kept on this machine at each end of the model (default 4; a joined "
-                             "swarm's plan decides)")
-    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages with --transport inproc "
-                                                                           "(default 2)")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="compute threads")
-    parser.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
-                        help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--uplink-noise", type=float, default=0.0, metavar="S",
                         help="add calibrated Gaussian noise (sigma scale S) to the activations sent to the trunk; "
                              "off by default. Measured in docs/threat-model.md: it does not stop inversion")
-    parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from swarmctl.commands.options import positive_int
 from swarmctl.errors import UsageError
 
 
@@ -29,13 +30,6 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return value
 
 
@@ -53,13 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-layers", type=_non_negative_int, default=4, metavar="K",
                         help="layers the asker keeps at each end (default 4)")
     parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=8, metavar="N",
+    parser.add_argument("--max-tokens", type=positive_int, default=8, metavar="N",
                         help="tokens generated per prompt (default 8)")
     parser.add_argument("--uplink-noise", type=_non_negative_float, default=0.0, metavar="S",
                         help="turn the noise mitigation on at sigma scale S (default 0: off)")
     parser.add_argument("--max-candidates", type=_non_negative_int, default=128, metavar="N",
                         help="candidate tokens tried per position at most (default 128; 0: the whole vocabulary)")
-    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
                         help="compute threads of the attack (default 1)")
     parser.add_argument("--cache", type=Path, metavar="DIR",
                         help="where the inversion table is kept (default ~/.cache/swarmctl/audit)")

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.errors import EngineError
+from net import messages as m
 from net.endpoint import Address, close, connect_member
 from net.protocol import RequestOnlyHandler
-from net.wire import decode_control, encode_control
+from net.wire import WireError
 from swarmctl.errors import UsageError
 from swarmctl.home import NodeConfig, SwarmHome
 
@@ -112,14 +113,14 @@ def _host_is_listening(listen: Address) -> bool:
     return False
 
 
-async def tell_running_host(config: NodeConfig, home: SwarmHome) -> dict:
+async def tell_running_host(config: NodeConfig, home: SwarmHome) -> m.Ok:
     """Ask the running host to take its settings from node.json again and re-plan; its reply."""
     listen = Address.parse(config.listen)
     local = Address("127.0.0.1" if listen.host in ("0.0.0.0", "") else "::1" if listen.host == "::" else listen.host,
                     listen.port)
     conn = await connect_member(local, home.credentials(), config.name, RequestOnlyHandler())
     try:
-        return decode_control((await conn.request(encode_control({"type": "reconfigure"}), timeout=10)).body)
+        return m.decode((await conn.request(m.encode(m.Reconfigure()), timeout=10)).body, m.Ok)
     finally:
         await close(conn)
 
@@ -152,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConnectionError, OSError, asyncio.TimeoutError) as e:
         raise EngineError(f"saved, but the running host could not be told ({e}): restart it "
                           "('swarmctl run --role host') to apply them") from None
-    if reply.get("type") != "ok":
-        raise EngineError(f"saved, but the running host did not apply them ({reply.get('message', 'no reason')}): "
-                          "restart it ('swarmctl run --role host') to apply them")
-    warnings = "".join(f"; {w}" for w in reply.get("warnings") or ())
-    print(f"the running host re-planned under them: plan v{reply.get('plan_version')}{warnings}")
+    except (m.Refused, WireError) as e:
+        raise EngineError(f"saved, but the running host did not apply them ({e}): "
+                          "restart it ('swarmctl run --role host') to apply them") from None
+    warnings = "".join(f"; {w}" for w in reply.warnings or ())
+    print(f"the running host re-planned under them: plan v{reply.plan_version}{warnings}")
     return 0

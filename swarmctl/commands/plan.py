@@ -63,19 +63,20 @@ def run(args: argparse.Namespace) -> int:
 
 async def _from_swarm(args: argparse.Namespace):
     from plans.layout import ModelLayout, layout_by_name
-    from swarmctl.commands.status import fetch_status
+    from net import messages as m
+    from swarmctl.commands.status import ask_host
     from swarmctl.home import SwarmHome
     from swarmctl.models import resolve_model
 
     home = SwarmHome()
     if not home.exists:
         raise EngineError("give --nodes FILE (no swarm is joined here to take the members from)")
-    status = await fetch_status(home, request="nodes")
+    answer = await ask_host(home, m.GetNodes(), m.Nodes)
     from plans.nodes import Link, NodeDescriptor
 
-    nodes = [NodeDescriptor(n["name"], int(n["memory_bytes"]), float(n["ms_per_layer_token"]), n.get("device", "cpu"),
-                            n.get("address", ""), {k: Link(**v) for k, v in (n.get("links") or {}).items()})
-             for n in status["nodes"]]
+    nodes = [NodeDescriptor(n.name, n.memory_bytes, n.ms_per_layer_token, n.device, n.address,
+                            {k: Link(v.rtt_ms, v.bandwidth_mb_s) for k, v in n.links.items()})
+             for n in answer.nodes]
     if not nodes:
         raise EngineError("the swarm has no trunk members to plan with yet")
     if args.layout:

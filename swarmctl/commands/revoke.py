@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from net import messages as m
 from net.endpoint import NoAddressAnswered, close
 from net.protocol import RequestOnlyHandler
-from net.wire import decode_control, encode_control
+from net.wire import WireError
 from swarmctl.home import SwarmHome
 from swarmctl.host_addresses import connect_host
 from swarmctl.membership import revoke
@@ -28,9 +29,9 @@ async def _tell_running_host(home: SwarmHome) -> int | None:
     except NoAddressAnswered:
         return None
     try:
-        reply = decode_control((await conn.request(encode_control({"type": "revoked"}), timeout=5)).body)
-        return int(reply.get("closed", 0))
-    except (ConnectionError, asyncio.TimeoutError):
+        reply = m.decode((await conn.request(m.encode(m.Revoked()), timeout=5)).body, m.Ok)
+        return reply.closed or 0
+    except (ConnectionError, asyncio.TimeoutError, m.Refused, WireError):
         return None
     finally:
         await close(conn)

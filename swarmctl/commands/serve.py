@@ -33,15 +33,8 @@ import signal
 import socket
 import sys
 
-from swarmctl.commands.ask import VERIFY_HELP, verify_share
+from swarmctl.commands.options import add_asker_options, positive_int
 from swarmctl.errors import UsageError
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,27 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
     parser.add_argument("--api-key", metavar="KEY", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $SWARMCTL_API_KEY; none: no check)")
-    parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
-                        help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
-    parser.add_argument("--trunk-nodes", type=_positive_int, default=2, metavar="N",
-                        help="trunk processes of the local swarm started when no swarm is joined (default 2)")
-    parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the swarm's, or the bundled "
-                                                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
-                        help="layers kept on this machine at each end of the model (default 4; a joined "
-                             "swarm's plan decides)")
-    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages with --transport inproc "
-                                                                           "(default 2)")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="compute threads")
-    parser.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
-                        help="context length in tokens (default: the model's, at most 4096)")
-    parser.add_argument("--max-in-flight", type=_positive_int, default=16, metavar="N",
+    add_asker_options(parser, model_default="the swarm's, or the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--max-in-flight", type=positive_int, default=16, metavar="N",
                         help="requests generating at once (default 16); more wait for a free slot")
-    parser.add_argument("--timeout", type=_positive_int, default=600, metavar="S",
+    parser.add_argument("--timeout", type=positive_int, default=600, metavar="S",
                         help="seconds a request may take, waiting for a slot included (default 600)")
-    parser.add_argument("--max-connections", type=_positive_int, default=64, metavar="N",
+    parser.add_argument("--max-connections", type=positive_int, default=64, metavar="N",
                         help="client connections open at once (default 64); more are answered 503 and closed")
-    parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,397 @@
+"""Control messages as types: one frozen struct per message, checked once where it arrives.
+
+A control frame (net/wire.py) carries one JSON object whose ``type`` names the message. ``parse``
+turns that object into its struct, or refuses it with one line: an unknown type, a missing field,
+a field of the wrong type, or a number outside what a real machine can have (a 400-digit memory
+once broke every re-plan). Handlers then dispatch on the struct's class and read attributes; no
+``.get()`` chains, no second check.
+
+Who sends what (the host's and the trunk's handlers list the ones they answer):
+
+    member → host   join, register, ready, refuse, links, speed, fetch_slice, recovered, bad_result,
+                    watch_plan, get_plan, nodes, status, revoked, reconfigure
+    host → member   ok, error, joined, plan, status, nodes, manifest, done
+    host → trunk    prove, probe_run, probe_reveal (swarmctl/layer_proof.py)
+    trunk → host    proof, probe_done, probe_outputs
+    member → trunk  subscribe, probe, stats  → ok, error, stats
+
+Structs decode with msgspec (typed structs, tagged unions, validating conversion); unknown extra
+fields are ignored, so a newer member can add one without breaking an older one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, TypeVar
+
+import msgspec
+
+from .wire import WireError, decode_control, encode_frame, FrameType
+
+# What a member may claim about itself. Sanity bounds only: a fast liar is caught by the host's
+# own timing (swarmctl/layer_proof.py), not here.
+MAX_MEMORY = 2**50  # 1 PiB: more than any machine offers
+MS_PER_LAYER = (0.001, 60_000.0)  # per token
+MAX_RTT_MS = 60_000.0
+MAX_BANDWIDTH_MB_S = 1e6
+MAX_LINKS = 1024
+MAX_NAME = 64
+MAX_ACCUSED = 64
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Memory = Annotated[int, msgspec.Meta(ge=0, le=MAX_MEMORY)]
+MsPerLayer = Annotated[float, msgspec.Meta(ge=MS_PER_LAYER[0], le=MS_PER_LAYER[1])]
+RttMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_RTT_MS)]
+Bandwidth = Annotated[float, msgspec.Meta(ge=0, le=MAX_BANDWIDTH_MB_S)]
+Layer = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Version = Annotated[int, msgspec.Meta(ge=-1, le=2**62)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    # The certificate roles that may send it (empty: any member); the host refuses the rest.
+    senders: ClassVar[tuple[str, ...]] = ()
+
+
+class Part(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of a message (not a message of its own)."""
+
+
+# --- member → host ---
+
+class Join(Message, tag="join"):
+    token_id: Text
+    secret: Text
+    csr: Annotated[str, msgspec.Meta(max_length=16384)]
+    name: Text  # (the host checks it as a member name)
+
+
+class Register(Message, tag="register"):
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    listen: Text
+    memory: Memory
+    ms_per_layer_token: MsPerLayer | None = None  # None: it has no model file to measure with yet
+    device: Name = "cpu"
+    rtt_ms: RttMs | None = None  # to the host, which stands in for the asker when planning
+
+
+class Ready(Message, tag="ready"):
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    plan_version: Version
+
+
+class Refuse(Message, tag="refuse"):
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    reason: str  # (cut to a line's length where it is kept)
+
+
+class LinkClaim(Part):
+    rtt_ms: RttMs
+    bandwidth_mb_s: Bandwidth | None = None
+
+
+class Links(Message, tag="links"):
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    links: Annotated[dict[Name, LinkClaim], msgspec.Meta(max_length=MAX_LINKS)]
+
+
+class Speed(Message, tag="speed"):
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    ms_per_layer_token: MsPerLayer
+
+
+class FetchSlice(Message, tag="fetch_slice"):
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    start: Layer
+    stop: Layer
+    have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
+
+
+class Recovered(Message, tag="recovered"):
+    recovery_s: Annotated[float, msgspec.Meta(ge=0, le=86400)]
+    replayed_bytes: Memory
+
+
+class BadResult(Message, tag="bad_result"):
+    members: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(min_length=1, max_length=MAX_ACCUSED)]
+    plan_version: Version = -1
+    layers: list[int] = []
+    rows: int = 0
+    bad_rows: int = 0
+    rel_error: float | None = None
+    cosine: float | None = None
+
+
+class WatchPlan(Message, tag="watch_plan"):
+    pass
+
+
+class GetPlan(Message, tag="get_plan"):
+    pass
+
+
+class GetNodes(Message, tag="nodes"):
+    pass
+
+
+class GetStatus(Message, tag="status"):
+    pass
+
+
+class Revoked(Message, tag="revoked"):
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+
+
+class Reconfigure(Message, tag="reconfigure"):
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+
+
+# --- replies ---
+
+class Ok(Message, tag="ok", omit_defaults=True):
+    # what some requests report back: closed connections (revoked), counted members (bad_result),
+    # the new plan's version, objective and warnings (reconfigure)
+    closed: int | None = None
+    counted: list[str] | None = None
+    plan_version: int | None = None
+    objective: str | None = None
+    warnings: list[str] | None = None
+
+
+class Error(Message, tag="error", omit_defaults=True):
+    message: str
+    missing: bool = False  # a layer check asked about layers the trunk does not hold
+
+
+class Joined(Message, tag="joined"):
+    name: str
+    cert: str
+    ca: str
+    swarm_name: str
+    host_name: str
+    host_addresses: list[str]
+    model_name: str
+
+
+class PlanPush(Message, tag="plan"):
+    plan: dict[str, Any]  # plans.plan.Plan.to_dict(); Plan.from_dict checks it
+
+
+class LinkInfo(Part):
+    rtt_ms: float
+    bandwidth_mb_s: float
+
+
+class NodeInfo(Part):
+    """The planner's view of one member (the answer to ``nodes``)."""
+
+    name: str
+    memory_bytes: int
+    ms_per_layer_token: float
+    device: str
+    address: str
+    links: dict[str, LinkInfo] = {}
+
+
+class Nodes(Message, tag="nodes"):
+    nodes: list[NodeInfo]
+
+
+class MemberStatus(Part):
+    name: str
+    role: str  # host, trunk or member (what it is doing now)
+    may: str  # what its certificate lets it be: host, trunk or asker
+    address: str
+    health: str
+    layers: list[int] | None = None
+    experts: list[int] | None = None
+    memory: int | None = None
+    ms_per_layer_token: float | None = None  # its claim
+    measured_ms_per_layer: float | None = None  # what the host timed itself
+    planned_ms_per_layer: float | None = None  # what it is planned with (never below the timing)
+    slice_bytes_sent: int = 0
+    bad_results: int = 0  # spot checks that caught it (swarmctl/verify.py)
+    bad_result_reporters: int = 0
+
+
+class RecoveryStatus(Part):
+    recoveries: int = 0
+    replayed_bytes: int = 0
+    last_recovery_s: float | None = None
+    last_marked_down: str | None = None
+
+
+class Status(Message, tag="status"):
+    swarm: str
+    model: str
+    n_layer: int
+    head_layers: int
+    plan_version: int
+    complete: bool
+    missing_layers: list[list[int]]
+    members: list[MemberStatus]
+    objective: str
+    expected_ms_per_token: float
+    expected_tokens_per_s: float
+    bottleneck: str
+    warnings: list[str]
+    recovery: RecoveryStatus
+
+
+class Manifest(Message, tag="manifest"):
+    manifest: dict[str, Any]  # swarmctl.distribution.SliceManifest.to_dict(); from_dict checks it
+
+
+class Done(Message, tag="done"):
+    bytes: int
+
+
+# --- host → trunk: the layer check and speed probe (swarmctl/layer_proof.py) ---
+
+class ProbeSpec(Part):
+    layer: Layer
+    steps: Annotated[int, msgspec.Meta(ge=1, le=64)]
+
+
+class Prove(Message, tag="prove"):
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+    nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+    windows: list[list[int]]  # [[layer, offset, length], ...]; layer_proof.check_windows bounds them
+    probe: ProbeSpec | None = None
+
+
+class ProbeRun(Message, tag="probe_run"):
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+    run: Annotated[int, msgspec.Meta(ge=0, lt=16)]
+    hidden: str  # base64 f32 [n_embd]
+
+
+class ProbeReveal(Message, tag="probe_reveal"):
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+    run: int
+
+
+class Proof(Message, tag="proof"):
+    digest: str
+
+
+class ProbeDone(Message, tag="probe_done"):
+    run: int
+    digest: str
+
+
+class ProbeOutputs(Message, tag="probe_outputs"):
+    outputs: str  # base64 f32 [steps, n_embd]
+
+
+# --- member → trunk ---
+
+class Subscribe(Message, tag="subscribe"):
+    session: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{1,64}$")]  # one per asker process
+
+
+class Probe(Message, tag="probe"):
+    """A peer measuring its link to us: answered at once."""
+
+
+class GetStats(Message, tag="stats"):
+    pass
+
+
+class Stats(Message, tag="stats"):
+    """What a trunk reports about itself (the answer to ``stats``): for `status`, `top` and tests."""
+
+    name: str
+    role: str  # "stage", "experts" or "idle"
+    layers: list[int] | None  # [start, stop) of a stage
+    expert_range: list[int] | None  # [first, last) of an expert node
+    time: float  # unix time of this snapshot
+    # [started (unix time), seconds, tokens, [request id prefixes]] of the batches in the window
+    recent_batches: list[list[Any]]
+    requests_detail: list[dict[str, Any]]  # {"id", "position", "idle_s"} of each request held now
+    requests: int
+    routes: int
+    kv_bytes: int
+    peak_kv_bytes: int
+    queue_depth: int
+    batches: int
+    steps: int
+    tokens: int
+    busy_s: float
+    largest_batch: int
+    tensor_bytes: int
+    budget: dict[str, Any]  # requests and KV held per member, the limits, refusals (swarmctl/budget.py)
+    open_streams: int
+    request_locks: int
+    rss: int
+    peak_rss: int
+    fetched_bytes: int
+    expert_rows_served: int
+    expert_call_bytes: int  # expert calls sent and answered (a stage) or served (an expert node)
+    activation_bytes_sent: int
+    ms_per_layer_token: float | None
+
+
+# --- reading and writing ---
+
+M = TypeVar("M", bound=Message)
+Kinds = dict[str, type[Message]]
+
+
+def kinds(*types: type[Message]) -> Kinds:
+    """The messages an endpoint answers, by their ``type``."""
+    return {t.__struct_config__.tag: t for t in types}
+
+
+class UnknownMessage(WireError):
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"unknown request {kind[:40]!r}")
+        self.kind = kind
+
+
+class MalformedMessage(WireError):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"malformed {kind}: {reason}"[:300])
+        self.kind = kind
+
+
+class Refused(Exception):
+    """The peer answered with an error message."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def parse(message: dict[str, Any], accepted: Kinds) -> Message:
+    """The struct of one decoded control message (``net.wire.decode_control``), if ``accepted``
+    has its type: else UnknownMessage, or MalformedMessage naming the field that is wrong."""
+    kind = message["type"]
+    cls = accepted.get(kind)
+    if cls is None:
+        raise UnknownMessage(kind)
+    try:
+        return msgspec.convert(message, cls, strict=True)
+    except msgspec.ValidationError as e:
+        raise MalformedMessage(kind, str(e)) from None
+    except RecursionError:  # nesting deeper than the interpreter's stack: hostile, never ours
+        raise MalformedMessage(kind, "nested too deeply") from None
+
+
+def decode(body: bytes, expected: type[M]) -> M:
+    """A reply of type ``expected``; Refused for an error reply; WireError for anything else."""
+    message = decode_control(body)
+    if message["type"] == "error":
+        raise Refused(parse(message, {"error": Error}))  # type: ignore[arg-type]
+    if message["type"] != expected.__struct_config__.tag:
+        raise WireError(f"answered {message['type'][:40]!r} instead of {expected.__struct_config__.tag!r}")
+    return parse(message, {message["type"]: expected})  # type: ignore[return-value]
+
+
+def encode(message: Message) -> bytes:
+    """One control frame."""
+    return encode_frame(FrameType.CONTROL, msgspec.json.encode(message))
+
+
+def as_dict(message: Message) -> dict[str, Any]:
+    """The message as its JSON object (for logs, tests and JSON output)."""
+    return msgspec.to_builtins(message)

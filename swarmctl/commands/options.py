@@ -1,0 +1,48 @@
+"""Options several commands share, defined once (as pip's cmdoptions are): where the trunk runs,
+which model, how the asker's machine runs its part, and spot checks. ``ask`` and ``serve`` take
+them all; argument types used elsewhere (``positive_int``) live here too."""
+
+from __future__ import annotations
+
+import argparse
+
+VERIFY_HELP = ("recompute a random share P of the trunk's steps on this machine and compare (0 to 1; default 0: "
+               "off). A wrong result is reported to the host and the request goes on here. Needs the whole "
+               "model file here; costs up to one more trunk pass per step (benchmarks/bench_verify.py)")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
+def verify_share(text: str) -> float:
+    """--verify P: a share of trunk steps in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) -> None:
+    """The options of a command that runs the asker's side of the U: --transport, --trunk-nodes,
+    --model, --head-layers, --stages, --threads, --ctx, --verify."""
+    parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
+                        help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
+    parser.add_argument("--trunk-nodes", type=positive_int, default=2, metavar="N",
+                        help="trunk processes of the local swarm started when no swarm is joined (default 2)")
+    parser.add_argument("--model", metavar="PATH", help=f"a GGUF model (default: {model_default})")
+    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
+                        help="layers kept on this machine at each end of the model (default 4; a joined "
+                             "swarm's plan decides)")
+    parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages with --transport inproc "
+                                                                           "(default 2)")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help="compute threads")
+    parser.add_argument("--ctx", type=positive_int, default=None, metavar="N",
+                        help="context length in tokens (default: the model's, at most 4096)")
+    parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)

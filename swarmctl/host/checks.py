@@ -1,0 +1,194 @@
+"""Checking what trunks claim (swarmctl/layer_proof.py): a trunk becomes a ready stage only once it
+proved it holds its layers, and a claimed speed is planned on only once the host timed the trunk
+itself, and never faster than it timed it. A trunk that fails a check is left out of the plan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Coroutine
+
+from kernels.gguf_file import GGUFFile
+from plans.hysteresis import SPEED_FACTOR
+from net.messages import MS_PER_LAYER
+from swarmctl import layer_proof
+
+from .planning import PlanKeeper
+from .trunks import TrunkInfo
+
+log = logging.getLogger("swarmctl.host")
+
+FAILED_CHECK_HOLD_S = 300.0  # a member that failed a layer check is refused again if it re-registers this soon
+REPROBES = 3  # a claim faster than the host measured is timed again this often, after 10, 20, 40 s
+REPROBE_AFTER_S = 10.0
+
+
+class ClaimChecks:
+    def __init__(self, gguf: GGUFFile, planning: PlanKeeper) -> None:
+        self.gguf = gguf  # the host's own copy of the layers: the answers are checked against it
+        self.planning = planning
+        self.failed: dict[str, float] = {}  # member → time.monotonic() it failed a layer check
+        self.measured_speeds: dict[str, float] = {}  # member → the fastest the host timed it (kept across rejoins)
+        self._timing_lock = asyncio.Lock()  # one speed probe at a time
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def plan(self):
+        return self.planning.plan
+
+    def _current(self, name: str, trunk: TrunkInfo) -> bool:
+        return self.planning.trunks.get(name) is trunk
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    # --- when they happen ---
+
+    def at_registration(self, name: str, trunk: TrunkInfo) -> None:
+        """A member that failed a check lately stays out; one the host timed before keeps that
+        figure; a claimed speed is timed before the trunk is planned at all."""
+        failed = self.failed.get(name)
+        if failed is not None and time.monotonic() - failed < FAILED_CHECK_HOLD_S:
+            trunk.refused = f"failed a layer check {time.monotonic() - failed:.0f} s ago"
+            log.warning("trunk %s %s: left out of the plan", name, trunk.refused)
+            return
+        before = self.measured_speeds.get(name)
+        if before is not None:
+            trunk.measured_ms_per_layer = before
+            if trunk.ms_per_layer_token is not None and trunk.ms_per_layer_token * SPEED_FACTOR <= before:
+                self.reprobe(name, trunk)
+            return
+        trunk.unchecked = True
+        if trunk.ms_per_layer_token is not None:  # it has the model file: time it now, plan it after
+            trunk.checking = True
+            self._spawn(self._check_registration(name, trunk))
+
+    def when_ready(self, name: str, trunk: TrunkInfo, version: int) -> None:
+        """The trunk says it loaded its layers for plan ``version``: check it holds them (and time
+        it if the host has not yet) before its stage counts as ready."""
+        stage = self.plan.stage_for(name) or self.plan.expert_for(name)
+        if stage is not None and version == self.plan.version and not stage.ready \
+                and trunk.proving != (version, stage.start, stage.stop):
+            trunk.proving = (version, stage.start, stage.stop)
+            self._spawn(self._check_ready(name, trunk, trunk.proving))
+
+    def reprobe(self, name: str, trunk: TrunkInfo) -> None:
+        """Time a trunk again later: it claims to be faster than the host saw it (another process
+        may have had its cores then, or it got faster). At most ``REPROBES`` times, further apart."""
+        if trunk.reprobes < REPROBES:
+            self._spawn(self._probe_again(name, trunk, REPROBE_AFTER_S * 2 ** trunk.reprobes))
+            trunk.reprobes += 1
+
+    # --- the checks ---
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("checking a trunk failed: %r", task.exception())
+
+    async def _challenge(self, trunk: TrunkInfo, layers: list[int], probe_layer: int | None) -> layer_proof.Outcome:
+        return await layer_proof.challenge(trunk.conn, self.gguf, layers, probe_layer=probe_layer,
+                                           claimed_ms=trunk.ms_per_layer_token, timing_lock=self._timing_lock)
+
+    async def _check_registration(self, name: str, trunk: TrunkInfo) -> None:
+        lo, hi = self.plan.trunk_range
+        layer = lo + secrets.randbelow(hi - lo)
+        outcome = await self._challenge(trunk, [layer], layer)
+        if not self._current(name, trunk):
+            return
+        trunk.checking = False
+        if outcome.problem:
+            self._failed(name, trunk, outcome.problem)  # (it was not planned: nothing to re-plan)
+            return
+        if outcome.missing:  # e.g. a slice file only: timed on its own layers once it says ready
+            log.info("trunk %s could not be timed yet (%s): planned with the others' figure", name, outcome.missing)
+        else:
+            self._took_measurement(name, trunk, outcome)
+        self.planning.replan()
+
+    async def _check_ready(self, name: str, trunk: TrunkInfo, key: tuple[int, int, int]) -> None:
+        version, start, stop = key
+        expert = self.plan.expert_for(name) is not None
+        layers = list(range(*self.plan.trunk_range)) if expert else list(range(start, stop))
+        probe = layers[secrets.randbelow(len(layers))] if trunk.measured_ms_per_layer is None and not expert else None
+        outcome = await self._challenge(trunk, layers, probe)
+        if trunk.proving == key:
+            trunk.proving = None
+        if not self._current(name, trunk):
+            return
+        current = self.plan.stage_for(name) or self.plan.expert_for(name)
+        same = self.plan.version == version and current is not None and (current.start, current.stop) == (start, stop)
+        # A plan that moved meanwhile excuses "not held" (the trunk may have loaded other layers
+        # since) and, once between two passed checks, a late answer; a wrong answer never.
+        excused = not same and (outcome.missing or (outcome.timed_out and not trunk.excused))
+        if excused:
+            trunk.excused = trunk.excused or outcome.timed_out
+        elif outcome.problem or outcome.missing:
+            self._failed(name, trunk, outcome.problem or
+                         f"said it was ready with layers it does not hold ({outcome.missing})")
+            self.planning.replan()
+            return
+        if outcome.ms_per_layer is not None:
+            self._took_measurement(name, trunk, outcome)
+        if not same or excused:
+            return  # the plan moved on: the trunk confirms the new one, and is checked again
+        current.ready = True
+        trunk.excused = False
+        log.info("trunk %s ready with %s [%d, %d) (layer check: %d bytes, %.1f ms)", name,
+                 "experts" if expert else "layers", start, stop, outcome.bytes_read, outcome.proof_ms)
+        self.planning.push()
+        if outcome.ms_per_layer is not None:
+            self._plan_speed(name, trunk)
+
+    async def _probe_again(self, name: str, trunk: TrunkInfo, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not self._current(name, trunk) or trunk.refused:
+            return
+        stage = self.plan.stage_for(name)
+        lo, hi = (stage.start, stage.stop) if stage is not None else self.plan.trunk_range
+        layer = lo + secrets.randbelow(hi - lo)
+        outcome = await self._challenge(trunk, [layer], layer)
+        if not self._current(name, trunk) or trunk.refused:
+            return
+        if outcome.problem and not outcome.timed_out:  # (a busy trunk may answer late; a wrong answer is a lie)
+            self._failed(name, trunk, outcome.problem)
+            self.planning.replan()
+        elif outcome.ms_per_layer is not None:
+            self._took_measurement(name, trunk, outcome)
+            self._plan_speed(name, trunk)
+
+    # --- what the checks found ---
+
+    def _took_measurement(self, name: str, trunk: TrunkInfo, outcome: layer_proof.Outcome) -> None:
+        figure = max(outcome.ms_per_layer, MS_PER_LAYER[0])
+        if trunk.measured_ms_per_layer is None or figure < trunk.measured_ms_per_layer:
+            trunk.measured_ms_per_layer = figure  # interference only adds time: the fastest is the machine's
+        self.measured_speeds[name] = trunk.measured_ms_per_layer
+        trunk.unchecked = False
+        log.info("trunk %s timed by the host on layer %d: %.3f ms per layer (%d steps, runs %s ms, round trip "
+                 "%.2f ms; it claims %s): planned with %.3f", name, outcome.layer, figure, outcome.steps,
+                 "/".join(f"{ms:.1f}" for ms in outcome.runs_ms), outcome.rtt_ms or 0.0,
+                 f"{trunk.ms_per_layer_token:.3f}" if trunk.ms_per_layer_token else "nothing", trunk.planning_speed)
+        if trunk.ms_per_layer_token is not None and trunk.ms_per_layer_token * SPEED_FACTOR <= trunk.measured_ms_per_layer:
+            self.reprobe(name, trunk)
+
+    def _plan_speed(self, name: str, trunk: TrunkInfo) -> None:
+        """A new planning figure from the host's own timing: adopted and re-planned on as a claimed
+        one would be (plans/hysteresis.py)."""
+        figure = trunk.planning_speed
+        if figure is None or not self._current(name, trunk) or trunk.refused or trunk.checking:
+            return
+        self.planning.consider_speed(name, figure, " as timed")
+
+    def _failed(self, name: str, trunk: TrunkInfo, problem: str) -> None:
+        trunk.refused = problem[:300]
+        self.failed[name] = time.monotonic()
+        log.warning("trunk %s %s: left out of the plan", name, trunk.refused)

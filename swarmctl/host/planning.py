@@ -1,0 +1,178 @@
+"""The plan and what it is made from: the trunks' descriptors, the speeds each is planned with,
+and the askers that follow it. Re-planning and pushing a new plan happen here and only here."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import replace
+
+from net import messages as m
+from net.protocol import SwarmProtocol
+from plans.hysteresis import SpeedDecision, decide_on_speed, sticky_speed
+from plans.layout import ModelLayout
+from plans.nodes import ASKER, Link, NodeDescriptor
+from plans.plan import ExpertAssignment, Plan
+from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
+from swarmctl.home import NodeConfig, SwarmHome
+
+from .trunks import Trunks
+
+log = logging.getLogger("swarmctl.host")
+
+DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
+
+
+class PlanKeeper:
+    def __init__(self, home: SwarmHome, config: NodeConfig, layout: ModelLayout, plan: Plan,
+                 trunks: Trunks) -> None:
+        self.home = home
+        self.config = config
+        self.layout = layout
+        self.plan = plan
+        self.trunks = trunks
+        self.constraints = Constraints(config.head_layers, config.plan_context, config.plan_concurrent,
+                                       config.objective, max_stages=config.plan_max_stages)
+        # The speed each member is planned with: a new figure replaces it only when it moved by
+        # SPEED_FACTOR or more (plans/hysteresis.py), so a wobble reshuffles no plan.
+        self.speed_basis: dict[str, float] = {}
+        self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
+        self.plan.version = self._load_version()  # a restarted host continues the numbering
+
+    def _load_version(self) -> int:
+        try:
+            return int(self.home.file("plan_version").read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def save_version(self) -> None:
+        from net.identity import write_public
+
+        write_public(self.home.file("plan_version"), str(self.plan.version).encode())
+
+    # --- the planner's inputs ---
+
+    def descriptors(self) -> list[NodeDescriptor]:
+        """The planner's view of the trunks that can serve: speed (its claim, never faster than the
+        host timed it; the others' median until the host could time it), memory, and links (to the
+        host standing in for the asker). A trunk whose claims are being checked is not planned yet."""
+        ready = [(name, t) for name, t in sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at)
+                 if not t.refused and not t.checking]
+        for name, t in ready:  # a figure within the band of the one planned with leaves that one in place
+            speed = sticky_speed(self.speed_basis.get(name), t.planning_speed)
+            if speed is not None:
+                self.speed_basis[name] = speed
+        known = [self.speed_basis[name] for name, t in ready if t.planning_speed]
+        fallback = statistics.median(known) if known else DEFAULT_MS_PER_LAYER
+        nodes = []
+        for name, t in ready:
+            links = dict(t.links)
+            if t.rtt_ms is not None:
+                links[ASKER] = Link(t.rtt_ms, links.get(ASKER, Link()).bandwidth_mb_s)
+            speed = self.speed_basis[name] if t.planning_speed else fallback
+            nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links))
+        return nodes
+
+    def describe_nodes(self) -> list[m.NodeInfo]:
+        """The descriptors in wire form (the answer to ``nodes``)."""
+        return [m.NodeInfo(name=n.name, memory_bytes=n.memory_bytes, ms_per_layer_token=n.ms_per_layer_token,
+                           device=n.device, address=n.address,
+                           links={k: m.LinkInfo(rtt_ms=v.rtt_ms, bandwidth_mb_s=v.bandwidth_mb_s)
+                                  for k, v in n.links.items()})
+                for n in self.descriptors()]
+
+    def speed_decision(self, name: str, figure: float) -> SpeedDecision:
+        nodes = self.descriptors()
+        try:
+            placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
+        except PlanError as e:
+            return SpeedDecision(True, False, f"no plan to compare with: {e}")
+        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        return decide_on_speed(placement.stage_layout, placement.stage_nodes, self.constraints, current, name, figure)
+
+    def consider_speed(self, name: str, figure: float, source: str = "") -> None:
+        """A new planning figure for ``name`` (claimed, or timed by the host): adopted if it moved
+        materially, re-planned on only if that makes the plan materially better."""
+        self.adopt_speed(name, figure, self.speed_decision(name, figure), source)
+
+    def adopt_speed(self, name: str, figure: float, decision: SpeedDecision, source: str = "") -> None:
+        if decision.adopt or name not in self.speed_basis:
+            self.speed_basis[name] = figure
+        (log.info if decision.adopt else log.debug)("speed of %s%s: %s", name, source, decision.reason)
+        if decision.replan:
+            self.replan()
+
+    # --- planning and telling ---
+
+    def replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
+        # (stages bound each member's KV by what the plan reserves there: swarmctl/budget.py)
+        self.plan.context_tokens = self.constraints.context_tokens
+        self.plan.max_concurrent = self.constraints.max_concurrent
+        every_node = nodes = self.descriptors()
+        experts: list[ExpertAssignment] = []
+        try:
+            placement = place_experts(self.layout, every_node, self.constraints, self.config.expert_nodes)
+            nodes, experts = placement.stage_nodes, placement.experts
+            proposal = plan_layers(placement.stage_layout, nodes, self.constraints) if nodes else None
+            if proposal is not None:
+                add_expert_calls(proposal, placement, every_node, self.layout)
+        except PlanError as e:
+            proposal = None
+            log.warning("cannot plan: %s", e)
+            self.plan.warnings = [str(e)]
+        if proposal is None:
+            changed = bool(self.plan.stages)
+            if changed:
+                self.plan.version += 1
+                self.plan.stages = []
+        else:
+            changed = self.plan.apply(proposal, {n.name: n.address for n in nodes})
+            self.plan.warnings += placement.warnings
+        if [(e.member, e.start, e.stop) for e in experts] != [(e.member, e.start, e.stop) for e in self.plan.experts]:
+            if not changed:
+                self.plan.version += 1
+                for s in self.plan.stages:
+                    s.ready = False
+            self.plan.experts = experts
+            self.plan.check_experts()
+            changed = True
+        if changed:
+            self.save_version()
+            log.info("plan v%d: %s%s%s", self.plan.version,
+                     ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages) or "no trunks",
+                     "".join(f"; experts {e.member}[{e.start},{e.stop})" for e in self.plan.experts),
+                     "".join(f"; {w}" for w in self.plan.warnings))
+            self.push()
+        elif force_push:
+            self.push()
+        elif also_send_to is not None:
+            self.push(only=also_send_to)
+
+    def push(self, only: str | None = None) -> None:
+        """The plan to every trunk (or to ``only``) on its register stream, and to every watcher."""
+        frame = m.encode(m.PlanPush(plan=self.plan.to_dict()))
+        for name, trunk in self.trunks.items():
+            if (only is None or name == only) and trunk.conn.is_open:
+                trunk.conn.send(trunk.plan_stream, frame)
+        if only is None:
+            self.watchers = [(c, sid) for c, sid in self.watchers if c.is_open]
+            for conn, stream_id in self.watchers:
+                conn.send(stream_id, frame)
+
+    def watch(self, conn: SwarmProtocol, stream_id: int) -> None:
+        """``conn`` gets the plan now (on ``stream_id``) and every new one after."""
+        self.watchers.append((conn, stream_id))
+        if conn.is_open:
+            conn.send(stream_id, m.encode(m.PlanPush(plan=self.plan.to_dict())))
+
+    def reconfigure(self, saved: NodeConfig) -> None:
+        """The planner's settings again from node.json, and a new plan under them, pushed to everyone."""
+        for key in ("objective", "plan_context", "plan_concurrent", "plan_max_stages", "expert_nodes"):
+            setattr(self.config, key, getattr(saved, key))
+        self.constraints = replace(self.constraints, objective=saved.objective, context_tokens=saved.plan_context,
+                                   max_concurrent=saved.plan_concurrent, max_stages=saved.plan_max_stages)
+        self.plan.objective = saved.objective  # also while no trunk is there to plan for
+        log.info("settings changed: objective %s, context %d, concurrent %d, max stages %d, expert nodes %d",
+                 saved.objective, saved.plan_context, saved.plan_concurrent, saved.plan_max_stages,
+                 saved.expert_nodes)
+        self.replan(force_push=True)

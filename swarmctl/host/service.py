@@ -1,0 +1,343 @@
+"""The host's service: its connections, the control messages it answers, and the liveness watch.
+The plan lives in PlanKeeper (planning.py), trunk checks in ClaimChecks (checks.py), askers'
+reports in AskerReports (reports.py); this class receives messages and hands them on."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+from typing import Callable
+
+from cryptography import x509
+
+from kernels.gguf_file import GGUFFile
+from kernels.spec import ModelSpec
+from net.endpoint import Address, serve_member
+from net.identity import REVOKED_REASON, cert_pem, verify_member
+from net.protocol import SwarmProtocol
+from net.tls import ALPN_JOIN
+from net import messages as m
+from net.wire import Frame, FrameType, WireError, decode_control
+from plans.hysteresis import SPEED_FACTOR
+from plans.layout import ModelLayout
+from plans.nodes import Link
+from plans.plan import Plan
+from swarmctl.distribution import build_manifest, serve_slice
+from swarmctl.home import SwarmHome
+from swarmctl.membership import JoinRefused, admit
+from swarmctl.models import resolve_model
+
+from .checks import ClaimChecks
+from .liveness import watch_trunks
+from .planning import PlanKeeper
+from .reports import AskerReports
+from .status import StatusSources, swarm_status
+from .trunks import TrunkInfo, Trunks, reachable_address
+
+log = logging.getLogger("swarmctl.host")
+
+# What the host answers. Some only certain certificates may send (``Message.senders``): a trunk's
+# messages shape the plan; the host's own CLI announces revocations and new settings.
+ANSWERS = m.kinds(m.Register, m.Ready, m.Refuse, m.Links, m.Speed, m.FetchSlice, m.WatchPlan, m.GetPlan,
+                  m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure)
+JOINS = m.kinds(m.Join)
+
+Handler = Callable[[SwarmProtocol, int, m.Message], None]
+
+
+class HostService:
+    def __init__(self, home: SwarmHome) -> None:
+        self.home = home
+        self.config = home.load_config()
+        self.creds = home.credentials()
+        model_path = resolve_model(self.config.model)
+        self.gguf = GGUFFile(model_path)  # kept open: the host serves slices from it
+        spec = ModelSpec.from_gguf(self.gguf)
+        hashes = [self.gguf.layer_hash(i) for i in range(spec.n_layer)]
+        plan = Plan(version=0, model_name=model_path.name, n_layer=spec.n_layer,
+                    head_layers=self.config.head_layers, layer_hashes=hashes,
+                    revoked_serials=sorted(home.revoked_serials()),
+                    model_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
+                    objective=self.config.objective, n_expert=spec.n_expert)
+        self.trunks: Trunks = {}
+        self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks)
+        self.checks = ClaimChecks(self.gguf, self.planning)
+        self.reports = AskerReports()
+        # Every authenticated connection: a member may hold several at once (its trunk, two asks,
+        # serve, top), so "online" means any of them is open, and revoking closes them all.
+        self.connections: set[SwarmProtocol] = set()
+        self._monitor: asyncio.Task | None = None
+        self.server = None
+        self.address: Address | None = None
+        self._handlers: dict[type[m.Message], Handler] = {
+            m.Register: self._register, m.Ready: self._ready, m.Refuse: self._refuse, m.Links: self._links,
+            m.Speed: self._speed, m.FetchSlice: self._fetch_slice, m.WatchPlan: self._watch_plan,
+            m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
+            m.Recovered: self._recovered, m.BadResult: self._bad_result,
+            m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
+        }
+
+    @property
+    def plan(self) -> Plan:
+        return self.planning.plan
+
+    async def start(self) -> Address:
+        listen = Address.parse(self.config.listen)
+        self.server = await serve_member(listen, self.creds, self, client_check=self._check_member,
+                                         accept_joins=True)
+        port = self.server._transport.get_extra_info("sockname")[1]
+        self.address = Address(listen.host, port)
+        self._monitor = asyncio.ensure_future(watch_trunks(self.trunks, self.planning, self.reports.recovery))
+        log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
+                 self.plan.model_name, self.plan.n_layer)
+        return self.address
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        self.checks.close()
+        for conn in list(self.connections):
+            conn.close_with("host shutting down")
+        if self.server is not None:
+            self.server.close()
+        self.gguf.close()
+
+    def _check_member(self, cert: x509.Certificate) -> None:
+        verify_member(cert, self.creds.ca_cert, self.home.revoked_serials())
+
+    def _from_host_itself(self, conn: SwarmProtocol) -> bool:
+        return conn.peer_cert is not None and conn.peer_cert.serial_number == self.creds.cert.serial_number
+
+    # --- ConnectionHandler ---
+
+    def online(self) -> set[str]:
+        """Members with at least one open connection."""
+        return {c.peer_name for c in self.connections if c.is_open}
+
+    def connection_made(self, conn: SwarmProtocol) -> None:
+        if conn.peer_name:
+            self.connections.add(conn)
+            log.info("member %s connected", conn.peer_name)
+
+    def connection_lost(self, conn: SwarmProtocol) -> None:
+        if conn in self.connections:
+            self.connections.discard(conn)
+            log.info("member %s disconnected%s", conn.peer_name,
+                     "" if conn.peer_name not in self.online() else " (its other connections stay)")
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None and trunk.conn is conn:
+            del self.trunks[conn.peer_name]
+            self.planning.replan()
+
+    def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        pass  # every host stream is one request, answered in full; a watcher's end changes nothing
+
+    def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        if frame.type != FrameType.CONTROL:
+            conn.reject_stream(stream_id, "the host accepts only control messages")
+            return
+        try:
+            message = decode_control(frame.body)
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+            return
+        kind = message["type"]
+        joining = conn.alpn == ALPN_JOIN
+        if joining and kind != "join":
+            conn.reject_stream(stream_id, "only 'join' is accepted before joining")
+            return
+        try:
+            request = m.parse(message, JOINS if joining else ANSWERS)
+        except m.UnknownMessage as e:
+            self._reply(conn, stream_id, m.Error(message=str(e)))
+            return
+        except m.MalformedMessage as e:
+            self._error(conn, stream_id, str(e))
+            return
+        if joining:
+            asyncio.ensure_future(self._join(conn, stream_id, request))
+            return
+        if request.senders and conn.peer_role not in request.senders:
+            self._error(conn, stream_id, f"{kind!r} needs a {' or '.join(request.senders)} certificate; "
+                                         f"{conn.peer_name} joined as {conn.peer_role}")
+            return
+        try:
+            self._handlers[type(request)](conn, stream_id, request)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            self._error(conn, stream_id, f"malformed {kind}: {e}"[:300])
+        except Exception as e:  # noqa: BLE001 - the edge: a bug answers the sender, the host carries on
+            log.exception("%s from %s: unexpected error", kind, conn.peer_name)
+            self._error(conn, stream_id, f"internal error: {type(e).__name__}")
+
+    def _reply(self, conn: SwarmProtocol, stream_id: int, message: m.Message, end: bool = False) -> None:
+        if conn.is_open:
+            conn.send(stream_id, m.encode(message), end=end)
+
+    def _ok(self, conn: SwarmProtocol, stream_id: int, **fields) -> None:
+        self._reply(conn, stream_id, m.Ok(**fields), end=True)
+
+    def _error(self, conn: SwarmProtocol, stream_id: int, message: str) -> None:
+        self._reply(conn, stream_id, m.Error(message=message), end=True)
+
+    # --- membership ---
+
+    async def _join(self, conn: SwarmProtocol, stream_id: int, message: m.Join) -> None:
+        try:
+            secret = base64.urlsafe_b64decode(message.secret + "==")
+            cert = await asyncio.to_thread(admit, self.home, token_id=message.token_id, secret=secret,
+                                           csr_pem=message.csr.encode(), name=message.name)
+        except (JoinRefused, ValueError) as e:
+            reason = str(e) if isinstance(e, JoinRefused) else "malformed join request"
+            log.warning("join refused: %s", reason)
+            self._error(conn, stream_id, reason)
+            return
+        log.info("member %s joined", message.name)
+        self._reply(conn, stream_id, m.Joined(
+            name=message.name, cert=cert_pem(cert).decode(), ca=cert_pem(self.creds.ca_cert).decode(),
+            swarm_name=self.config.swarm_name, host_name=self.config.name,
+            host_addresses=list(self.config.host_addresses), model_name=self.plan.model_name), end=True)
+
+    def _revoked(self, conn: SwarmProtocol, stream_id: int, message: m.Revoked) -> None:
+        if not self._from_host_itself(conn):
+            self._reply(conn, stream_id, m.Error(message="only the host may announce revocations"))
+            return
+        revoked = self.home.revoked_serials()
+        self.plan.revoked_serials = sorted(revoked)
+        closed = 0
+        for live in list(self.connections):
+            if live.peer_cert is not None and live.peer_cert.serial_number in revoked:
+                live.close_with(REVOKED_REASON)
+                closed += 1
+        for name, trunk in list(self.trunks.items()):  # out of the plan now, not when the close completes
+            if trunk.conn.peer_cert is not None and trunk.conn.peer_cert.serial_number in revoked:
+                del self.trunks[name]
+        self._ok(conn, stream_id, closed=closed)
+        self.planning.replan(force_push=True)
+
+    def _reconfigure(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
+        """The host's own CLI after 'swarmctl config': the planner's settings again from node.json,
+        and a new plan under them, pushed to everyone."""
+        if not self._from_host_itself(conn):
+            self._error(conn, stream_id, "only the host may change its settings")
+            return
+        self.planning.reconfigure(self.home.load_config())
+        self._ok(conn, stream_id, plan_version=self.plan.version, objective=self.plan.objective,
+                 warnings=self.plan.warnings)
+
+    # --- trunks ---
+
+    def _register(self, conn: SwarmProtocol, stream_id: int, message: m.Register) -> None:
+        listen = str(reachable_address(Address.parse(message.listen), conn))
+        speed = message.ms_per_layer_token
+        trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
+                                                        message.device, message.rtt_ms)
+        log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen,
+                 message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured")
+        self.checks.at_registration(conn.peer_name, trunk)
+        self.planning.replan(also_send_to=conn.peer_name)
+
+    def _ready(self, conn: SwarmProtocol, stream_id: int, message: m.Ready) -> None:
+        """A trunk says it loaded its layers: it becomes a ready stage once it proved it holds them
+        (and, if the host has not timed it yet, once it was timed on one of them)."""
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            self.checks.when_ready(conn.peer_name, trunk, message.plan_version)
+        self._ok(conn, stream_id)
+
+    def _refuse(self, conn: SwarmProtocol, stream_id: int, message: m.Refuse) -> None:
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.refused = message.reason[:300]
+            log.warning("trunk %s cannot serve: %s", conn.peer_name, trunk.refused)
+            self.planning.replan()
+        self._ok(conn, stream_id)
+
+    def _links(self, conn: SwarmProtocol, stream_id: int, message: m.Links) -> None:
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.links = {peer: Link(claim.rtt_ms, claim.bandwidth_mb_s or Link().bandwidth_mb_s)
+                           for peer, claim in message.links.items()}
+        self._ok(conn, stream_id)
+
+    def _speed(self, conn: SwarmProtocol, stream_id: int, message: m.Speed) -> None:
+        """A trunk has a new figure: measured once its fetched layers arrived, measured again, or
+        seen while serving. The host plans with it if it moved materially, and re-plans now only
+        if that makes the plan materially better (plans/hysteresis.py)."""
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            figure = message.ms_per_layer_token
+            planned = trunk.planning_speed_with(figure)  # never faster than the host timed it
+            # (decided against the plan made with its previous figure)
+            decision = self.planning.speed_decision(conn.peer_name, planned) if planned is not None else None
+            trunk.ms_per_layer_token = figure  # (status shows the latest claim)
+            if decision is None:
+                log.debug("speed of %s: %.3f ms claimed, not planned on until the host has timed it",
+                          conn.peer_name, figure)
+            else:
+                self.planning.adopt_speed(conn.peer_name, planned, decision)
+            if planned is not None and figure * SPEED_FACTOR <= planned:  # it says it got faster: look
+                self.checks.reprobe(conn.peer_name, trunk)
+        self._ok(conn, stream_id)
+
+    def _fetch_slice(self, conn: SwarmProtocol, stream_id: int, message: m.FetchSlice) -> None:
+        start, stop = message.start, message.stop
+        lo, hi = self.plan.trunk_range
+        if not lo <= start < stop <= hi:
+            self._error(conn, stream_id, f"layers [{start}, {stop}) are not trunk layers [{lo}, {hi})")
+            return
+        manifest = build_manifest(self.gguf, start, stop, self.plan.model_hash)
+        have = set(message.have)
+        log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name, len(have))
+        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, have))
+
+    async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest, have: set[str]) -> None:
+        try:
+            sent = await serve_slice(conn, stream_id, self.gguf, manifest, have)
+        except ConnectionError:
+            return
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.served_bytes += sent
+        log.info("sent %.1f MB of layers [%d, %d) to %s", sent / 1e6, manifest.start, manifest.stop, conn.peer_name)
+
+    # --- anyone ---
+
+    def _watch_plan(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
+        self.planning.watch(conn, stream_id)
+
+    def _get_plan(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
+        self._reply(conn, stream_id, m.PlanPush(plan=self.plan.to_dict()), end=True)
+
+    def _nodes(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
+        self._reply(conn, stream_id, m.Nodes(nodes=self.planning.describe_nodes()), end=True)
+
+    def _status(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
+        self._reply(conn, stream_id, self.status(), end=True)
+
+    def status(self) -> m.Status:
+        # the host's address as members reach it (what init advertised), not its listen address
+        # (which is 0.0.0.0 by default)
+        advertised = self.config.host_addresses[0] if self.config.host_addresses else str(self.address)
+        return swarm_status(StatusSources(self.home, self.config.name, advertised, self.config.swarm_name,
+                                          self.plan, self.trunks, self.online(), self.reports))
+
+    def _recovered(self, conn: SwarmProtocol, stream_id: int, message: m.Recovered) -> None:
+        self.reports.recovered(message.recovery_s, message.replayed_bytes)
+        self._ok(conn, stream_id)
+
+    def _bad_result(self, conn: SwarmProtocol, stream_id: int, message: m.BadResult) -> None:
+        serving = {s.member for s in self.plan.stages} | set(self.trunks)
+        self._ok(conn, stream_id, counted=self.reports.bad_result(conn.peer_name, message, serving))
+
+
+async def run_host(home: SwarmHome, stop: asyncio.Event, ready_file=None) -> None:
+    service = HostService(home)
+    address = await service.start()
+    if ready_file is not None:
+        ready_file.write_text(str(address))
+    try:
+        await stop.wait()
+    finally:
+        service.close()

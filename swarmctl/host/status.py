@@ -1,0 +1,75 @@
+"""The host's answer to ``status``: the swarm, its plan and every member's health
+(``net.messages.Status``, what `swarmctl status`, `top` and the monitor read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from net.messages import MemberStatus, RecoveryStatus, Status
+from plans.plan import Plan
+from swarmctl.home import SwarmHome
+
+from .reports import AskerReports
+from .trunks import Trunks
+
+
+@dataclass
+class StatusSources:
+    """Everything a status is read from."""
+
+    home: SwarmHome  # the member records (who joined, who is revoked)
+    host_name: str
+    host_address: str  # as members reach it
+    swarm_name: str
+    plan: Plan
+    trunks: Trunks
+    online: set[str]  # members with at least one open connection
+    reports: AskerReports
+
+
+def health(src: StatusSources, name: str, revoked: bool) -> str:
+    stage, expert, trunk = src.plan.stage_for(name), src.plan.expert_for(name), src.trunks.get(name)
+    if revoked:
+        return "revoked"
+    if name == src.host_name:
+        return "up (host)"
+    if trunk is not None and trunk.refused:
+        return f"refused: {trunk.refused}"
+    if trunk is not None and trunk.checking:
+        return "checking its claims"
+    if stage is not None:
+        return "ready" if stage.ready else "loading"
+    if expert is not None:
+        return "ready" if expert.ready else "loading"
+    return "up" if name in src.online else "down"
+
+
+def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> MemberStatus:
+    stage, expert, trunk = src.plan.stage_for(name), src.plan.expert_for(name), src.trunks.get(name)
+    is_host = name == src.host_name
+    return MemberStatus(
+        name=name, role="host" if is_host else ("trunk" if trunk is not None else "member"), may=may,
+        address=src.host_address if is_host else (trunk.listen if trunk else ""),
+        layers=[stage.start, stage.stop] if stage else None,
+        experts=[expert.start, expert.stop] if expert else None,
+        memory=trunk.memory if trunk else None, health=health(src, name, revoked),
+        ms_per_layer_token=trunk.ms_per_layer_token if trunk else None,
+        measured_ms_per_layer=trunk.measured_ms_per_layer if trunk else None,
+        planned_ms_per_layer=trunk.planning_speed if trunk else None,
+        slice_bytes_sent=trunk.served_bytes if trunk else 0,
+        bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name))
+
+
+def swarm_status(src: StatusSources) -> Status:
+    plan, recovery = src.plan, src.reports.recovery
+    members = [member_row(src, name, record.role, record.revoked)
+               for name, record in sorted(src.home.members().items())]
+    return Status(swarm=src.swarm_name, model=plan.model_name, n_layer=plan.n_layer, head_layers=plan.head_layers,
+                  plan_version=plan.version, complete=plan.complete,
+                  missing_layers=[list(gap) for gap in plan.missing_layers()], members=members,
+                  objective=plan.objective, expected_ms_per_token=plan.expected_ms_per_token,
+                  expected_tokens_per_s=plan.expected_tokens_per_s, bottleneck=plan.bottleneck,
+                  warnings=list(plan.warnings),
+                  recovery=RecoveryStatus(recoveries=recovery.recoveries, replayed_bytes=recovery.replayed_bytes,
+                                          last_recovery_s=recovery.last_recovery_s,
+                                          last_marked_down=recovery.last_marked_down))

@@ -1,0 +1,59 @@
+"""What the host knows of each trunk that registered: where it is reached, what it claims, and
+what the host saw itself."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from net.endpoint import Address
+from net.protocol import SwarmProtocol
+from plans.nodes import Link
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def reachable_address(stated: Address, conn: SwarmProtocol) -> Address:
+    """Where the swarm reaches a trunk: the address it stated (its ``--advertise``, or a specific
+    listen address), or, when it listens on every interface (README's default ``0.0.0.0:7471``),
+    its listen port at the IP its connection to this host comes from."""
+    seen = conn.peer_address
+    if stated.host not in WILDCARD_HOSTS or seen is None:
+        return stated
+    return Address(seen[0], stated.port)
+
+
+@dataclass
+class TrunkInfo:
+    conn: SwarmProtocol
+    plan_stream: int  # the register stream; new plans go out on it
+    listen: str
+    memory: int
+    ms_per_layer_token: float | None = None  # measured at join; None until the trunk has the model
+    device: str = "cpu"
+    rtt_ms: float | None = None  # to the host, which stands in for the asker when planning
+    links: dict[str, Link] = field(default_factory=dict)
+    registered_at: float = field(default_factory=time.time)
+    refused: str = ""  # why it cannot serve, if it said so
+    served_bytes: int = 0  # slice bytes the host sent it
+    # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
+    # the host has timed the trunk, and never faster than the host timed it.
+    measured_ms_per_layer: float | None = None  # the fastest verified probe so far
+    checking: bool = False  # its claims are being checked: not planned until they are
+    unchecked: bool = False  # not timed yet: planned with the others' figure, not with its claim
+    reprobes: int = 0
+    excused: bool = False  # a late answer to a layer check was excused (the plan had moved meanwhile)
+    proving: tuple[int, int, int] | None = None  # (plan version, start, stop) of a layer check in flight
+
+    @property
+    def planning_speed(self) -> float | None:
+        """The figure the host plans this trunk with (None: the others' median)."""
+        return self.planning_speed_with(self.ms_per_layer_token)
+
+    def planning_speed_with(self, claim: float | None) -> float | None:
+        if self.measured_ms_per_layer is not None:
+            return max(claim or 0.0, self.measured_ms_per_layer)
+        return None if self.unchecked else claim
+
+
+Trunks = dict[str, TrunkInfo]  # member name → its registration; shared by the host's parts

@@ -1,0 +1,112 @@
+"""The asker's link to the host: the host pushes every new plan on one watch stream, and the
+asker waits here for a complete one. Reports to the host (a recovery, a wrong result) go out on
+the same connection."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from kernels.errors import EngineError
+from net import messages as m
+from net.endpoint import NoAddressAnswered
+from net.identity import Credentials
+from net.protocol import ConnectionHandler, SwarmProtocol
+from net.wire import WireError, decode_control
+from plans.plan import Plan
+from swarmctl.home import NodeConfig
+from swarmctl.host_addresses import connect_host
+
+FROM_HOST = m.kinds(m.PlanPush, m.Error)
+CHECK_EVERY_S = 0.5  # while waiting for a complete plan, the host is also asked this often (a missed push)
+
+
+class SwarmError(EngineError):
+    """The swarm could not run a request (unreachable, incomplete, or a stage refused)."""
+
+
+def cannot_serve(plan: Plan | None) -> str:
+    """Why a swarm cannot answer: the trunk layers no ready stage holds, and the planner's warnings."""
+    gaps = ", ".join(f"[{a}, {b})" for a, b in plan.missing_layers()) if plan else "all"
+    notes = f" ({'; '.join(plan.warnings)})" if plan and plan.warnings else ""
+    return f"the swarm cannot serve the model: no ready trunk holds layers {gaps}{notes}"
+
+
+class PlanWatch:
+    def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler) -> None:
+        self.config = config
+        self.creds = creds
+        self.handler = handler  # receives the host connection's frames (and passes plan pushes to received())
+        self.conn: SwarmProtocol | None = None
+        self.stream: int | None = None  # the watch stream: every new plan arrives on it
+        self.latest: Plan | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def is_open(self) -> bool:
+        return self.conn is not None and self.conn.is_open
+
+    async def connect(self) -> Plan | None:
+        """Connect (to the first advertised address that answers, even on the host's own machine)
+        and start watching; the current plan is the stream's first message, returned."""
+        try:
+            self.conn = await connect_host(self.config, self.creds, self.handler, addresses=self.config.host_addresses)
+        except NoAddressAnswered as e:
+            raise SwarmError(f"cannot reach the swarm host: {e}") from None
+        self.stream = self.conn.open_stream()
+        first = await self.conn.request(m.encode(m.WatchPlan()), stream_id=self.stream)
+        return self.received(first.body)
+
+    def is_watch_stream(self, conn: SwarmProtocol, stream_id: int) -> bool:
+        return conn is self.conn and stream_id == self.stream
+
+    def received(self, body: bytes) -> Plan | None:
+        """A message on the watch stream: the new plan, or None if it was something else."""
+        try:
+            push = m.parse(decode_control(body), FROM_HOST)
+        except WireError:
+            return None
+        if not isinstance(push, m.PlanPush):
+            return None
+        self.latest = Plan.from_dict(push.plan)
+        self._changed.set()
+        return self.latest
+
+    async def changed(self, timeout: float = CHECK_EVERY_S) -> bool:
+        """Wait up to ``timeout`` for a new plan; True if one came."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def complete(self, timeout: float, alive_check: Callable[[], None] | None = None,
+                       min_stages: int = 1) -> Plan:
+        """The newest plan, once it is complete (every trunk layer served by a ready stage) and has
+        at least ``min_stages`` stages; SwarmError with the reason after ``timeout``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            plan = self.latest
+            if plan is not None and plan.complete and len(plan.stages) >= min_stages:
+                return plan
+            if alive_check is not None:
+                alive_check()
+            if asyncio.get_running_loop().time() > deadline:
+                raise SwarmError(cannot_serve(plan))
+            if not await self.changed() and self.is_open:
+                self.latest = await self.fetch()  # in case a push was missed
+
+    async def fetch(self) -> Plan:
+        try:
+            return Plan.from_dict(m.decode((await self.conn.request(m.encode(m.GetPlan()))).body, m.PlanPush).plan)
+        except (m.Refused, WireError) as e:
+            raise SwarmError(f"host: {e}") from None
+
+    async def tell(self, message: m.Message) -> None:
+        """A control message to the host whose answer is not needed; a closed or slow host is ignored."""
+        if self.is_open:
+            try:
+                await self.conn.request(m.encode(message), timeout=5)
+            except (ConnectionError, asyncio.TimeoutError):
+                pass

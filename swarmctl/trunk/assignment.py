@@ -1,0 +1,277 @@
+"""What the plan gives this trunk, loaded: a stage's layers or an expert node's experts.
+
+Applying a plan checks it (a placement that leaves experts unplaced is refused before anything
+runs), then loads in the background on the compute thread: fetch the slice from the host when
+the model file is missing, open it once with every layer checked against the host's hashes,
+build the engine. A plan that arrives mid-load is re-read when the load ends. When the layers
+are in place, the host hears ``ready`` once per (plan version, assignment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.errors import EngineError
+from kernels.experts import ExpertEngine
+from kernels.gguf_file import GGUFFile
+from kernels.slice import SliceEngine
+from kernels.spec import SliceSpec
+from net import messages as m
+from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
+from plans.planner import Constraints
+from swarmctl.batching import BatchRunner
+from swarmctl.budget import Limits, MemberBudget
+from swarmctl.trunk.host_link import HostLink
+from swarmctl.trunk.speed_report import SpeedReport
+
+log = logging.getLogger("swarmctl.trunk")
+
+NO_LAYERS = Limits(0, 0, 0, "no layers loaded")
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """What the host last heard ``ready`` for."""
+
+    plan_version: int
+    role: str  # "stage" or "experts"
+    start: int  # layers (a stage) or experts (an expert node)
+    stop: int
+
+
+def open_checked(model: Path, layers: range, plan: Plan) -> GGUFFile:
+    """Open the model (or slice) file, refusing it unless every layer we are to serve hashes to
+    what the host's copy does."""
+    gguf = GGUFFile(model)
+    try:
+        mismatched = [i for i in layers if gguf.layer_hash(i) != plan.layer_hashes[i]]
+        if mismatched:
+            raise EngineError(f"this trunk's copy of the model ({model.name}) differs from the "
+                              f"host's ({plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
+                              "refusing to serve them")
+    except BaseException:
+        gguf.close()
+        raise
+    return gguf
+
+
+class Assignment:
+    def __init__(self, name: str, model_path: Path, slices_dir: Path, *, memory: int, n_threads: int | None,
+                 executor: Executor, host: HostLink, speed: SpeedReport,
+                 remote_experts: Callable, drop_routes: Callable[[str], None],
+                 on_fatal: Callable[[str], None], on_serving: Callable[[Plan], Awaitable[None]],
+                 spawn: Callable) -> None:
+        self.name = name
+        self.model_path = model_path
+        self.slices_dir = slices_dir  # layers fetched from the swarm when the model file is missing
+        self.memory = memory
+        self.n_threads = n_threads
+        self.plan: Plan | None = None
+        self.stage: StageAssignment | None = None
+        self.engine: SliceEngine | None = None
+        self.runner: BatchRunner | None = None  # batches the engine's steps (continuous batching)
+        self.experts: ExpertEngine | None = None  # when the plan makes this trunk an expert node
+        self.gguf: GGUFFile | None = None
+        self.budget = MemberBudget(NO_LAYERS)  # requests and KV per member
+        self.fetched_bytes = 0
+        self._executor = executor
+        self._host = host
+        self._speed = speed
+        self._remote_experts = remote_experts
+        self._drop_routes = drop_routes
+        self._on_fatal = on_fatal
+        self._on_serving = on_serving
+        self._spawn = spawn
+        self._loading: asyncio.Task | None = None
+        self._confirmed: Confirmed | None = None
+
+    @property
+    def loading(self) -> bool:
+        return self._loading is not None and not self._loading.done()
+
+    def host_reconnected(self) -> None:
+        self._confirmed = None  # a (re)connected host needs to hear ``ready`` again
+
+    def accept(self, plan: Plan) -> bool:
+        """Take a plan the host pushed, or refuse it (logged) if it cannot run as written."""
+        try:
+            plan.check_experts()
+        except PlanError as e:
+            log.error("refusing plan v%d: %s", plan.version, e)
+            return False
+        self.plan = plan
+        if self.engine is not None:
+            self.budget.limits = self.budget_limits()  # the planned context and concurrency may have moved
+        return True
+
+    def apply(self) -> None:
+        """Start loading what the current plan gives us, unless a load in progress will re-read it."""
+        plan = self.plan
+        if self.loading and self._loading is not asyncio.current_task():
+            return  # the load in progress re-reads the plan when it finishes (and calls this again)
+        expert = plan.expert_for(self.name)
+        if expert is not None:
+            self._loading = asyncio.ensure_future(self._load_experts(expert))
+            return
+        stage = plan.stage_for(self.name)
+        if stage is None:
+            if self.stage is not None:
+                log.info("plan v%d gives this trunk no layers", plan.version)
+            self.stage = None
+            return
+        self._loading = asyncio.ensure_future(self._load_stage(stage))
+
+    def budget_limits(self) -> Limits:
+        """What one member may hold here: derived from what the plan reserves at this stage
+        (plan_concurrent requests × plan_context tokens) and what this node offered (swarmctl/budget.py)."""
+        engine, plan = self.engine, self.plan
+        room = self.memory - engine.weights.n_bytes - Constraints().reserve_bytes
+        return Limits.derive(kv_bytes_per_position=engine.kv_bytes_per_position,
+                             smallest_cache_bytes=engine.kv_bytes_after(b"", 1),
+                             context_tokens=min(plan.context_tokens, engine.max_context),
+                             concurrent=plan.max_concurrent, room_bytes=room)
+
+    # --- a stage ---
+
+    async def _load_stage(self, stage: StageAssignment) -> None:
+        loop = asyncio.get_running_loop()
+        remote = bool(self.plan.experts)  # routed experts elsewhere?
+        same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
+            (stage.start, stage.stop) and (self.engine.remote_experts is not None) == remote
+        if not same:
+            await self._let_go("this stage is loading other layers")
+            try:
+                model = await self._model_for(stage)
+                await loop.run_in_executor(self._executor, self._open_stage, stage, model)
+                if self._speed.ms_per_layer_token is None:  # measure now that the layers are here
+                    await self._speed.measure_slice(model, stage.start)
+            except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
+                log.error("%s", e)
+                await self._host.tell(m.Refuse(reason=str(e)))
+                self._on_fatal(str(e))
+                return
+        self.stage = stage
+        latest = self.plan.stage_for(self.name) if self.plan else None
+        if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):
+            self.apply()  # the plan moved on while we loaded (maybe to experts, or to nothing)
+            return
+        if await self._confirm(Confirmed(self.plan.version, "stage", stage.start, stage.stop)):
+            log.info("serving layers [%d, %d) under plan v%d", stage.start, stage.stop, self.plan.version)
+            self._spawn(self._on_serving(self.plan))
+
+    def _open_stage(self, stage: StageAssignment, model: Path) -> None:
+        """On the compute thread."""
+        self.unload()
+        gguf = open_checked(model, range(stage.start, stage.stop), self.plan)
+        try:
+            self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                                      remote_experts=self._remote_experts if self.plan.experts else None)
+            self.budget = MemberBudget(self.budget_limits())  # a new engine holds no request yet
+            self.runner = BatchRunner(self.engine)
+            self.gguf = gguf
+        except BaseException:
+            gguf.close()
+            raise
+
+    async def _model_for(self, stage: StageAssignment) -> Path:
+        """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
+        if self.model_path.exists():
+            return self.model_path
+        from swarmctl.distribution import fetch_slice
+
+        if not self._host.is_open:
+            raise EngineError("no model file and no host to fetch layers from")
+        stream_id, frames = self._host.open_fetch()
+        crash_after = os.environ.get("SWARMCTL_TEST_FETCH_CRASH_AFTER")  # fault injection for the resume test
+        try:
+            path, received = await fetch_slice(
+                self._host.conn, frames, stream_id, self.slices_dir, model_hash=self.plan.model_hash,
+                start=stage.start, stop=stage.stop, layer_hashes=self.plan.layer_hashes,
+                on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
+                                                         stage.start, stage.stop, have / 1e6, total / 1e6,
+                                                         100 * have / total),
+                stop_after_bytes=int(crash_after) if crash_after else None)
+        finally:
+            self._host.close_fetch(stream_id)
+        self.fetched_bytes += received
+        log.info("layers [%d, %d) ready in %s (%.1f MB received)", stage.start, stage.stop, path.name, received / 1e6)
+        return path
+
+    # --- an expert node ---
+
+    async def _load_experts(self, expert: ExpertAssignment) -> None:
+        """Expert parallelism: hold experts [start, stop) of every MoE trunk layer, serve calls."""
+        loop = asyncio.get_running_loop()
+        start, stop = self.plan.trunk_range
+        held = self.experts is not None and (self.experts.first, self.experts.last, self.experts.layers) == \
+            (expert.start, expert.stop, range(start, stop))
+        if not held:
+            await self._let_go("this trunk now serves experts")
+            await loop.run_in_executor(self._executor, self.unload)
+            self.stage = None
+            try:
+                if not self.model_path.exists():
+                    raise EngineError("an expert node needs the model file (expert slices are not fetched yet)")
+                await loop.run_in_executor(self._executor, self._open_experts, range(start, stop),
+                                           expert.start, expert.stop)
+            except EngineError as e:
+                log.error("%s", e)
+                await self._host.tell(m.Refuse(reason=str(e)))
+                return
+        latest = self.plan.expert_for(self.name)
+        if latest is None or (latest.start, latest.stop) != (expert.start, expert.stop):
+            self.apply()
+            return
+        if await self._confirm(Confirmed(self.plan.version, "experts", expert.start, expert.stop)):
+            log.info("serving experts [%d, %d) of layers [%d, %d) under plan v%d", expert.start, expert.stop,
+                     start, stop, self.plan.version)
+
+    def _open_experts(self, layers: range, first: int, last: int) -> None:
+        """On the compute thread."""
+        self.unload()
+        gguf = open_checked(self.model_path, layers, self.plan)
+        try:
+            self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads)
+            self.gguf = gguf
+        except BaseException:
+            gguf.close()
+            raise
+
+    # --- both ---
+
+    async def _let_go(self, why: str) -> None:
+        """Before loading something else: every request here retries elsewhere, the runner ends
+        (what it held is unloaded on the compute thread, first thing in the load)."""
+        self._drop_routes("the plan changed")
+        if self.runner is not None:
+            await self.runner.aclose(why)
+
+    async def _confirm(self, confirmed: Confirmed) -> bool:
+        """Tell the host we are ready, once per plan version and assignment."""
+        if self._confirmed == confirmed:
+            return False
+        self._confirmed = confirmed
+        await self._host.tell(m.Ready(plan_version=confirmed.plan_version))
+        return True
+
+    def unload(self) -> None:
+        """On the compute thread."""
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            self.budget = MemberBudget(NO_LAYERS)  # its requests went with it
+        if self.gguf is not None:
+            self.gguf.close()
+            self.gguf = None

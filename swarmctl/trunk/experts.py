@@ -1,0 +1,103 @@
+"""Expert parallelism over the swarm: a stage's client for the expert nodes, and an expert
+node's server for the stages' calls.
+
+A stage whose plan puts its routed experts elsewhere sends each expert node the rows routed to
+its experts, from the compute thread through the event loop, and gathers the outputs; an expert
+node answers those calls on the compute thread (kernels/experts.py does the math on both sides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import numpy as np
+
+from kernels.errors import EngineError
+from kernels.experts import ExpertEngine, rows_for
+from net.endpoint import Address, connect_member
+from net.identity import Credentials
+from net.protocol import ConnectionHandler, SwarmProtocol
+from net.wire import ExpertCall, ExpertCallKind, Frame, WireError, decode_expert_call, encode_expert_call
+from plans.plan import ExpertAssignment
+
+log = logging.getLogger("swarmctl.trunk")
+
+CALL_TIMEOUT_S = 30.0  # one expert node's answer
+ALL_CALLS_TIMEOUT_S = 60.0  # the compute thread's wait for every expert node of one layer
+
+
+class RemoteExpertError(EngineError):
+    """An expert node failed a call; the request can be replayed once the plan moves on."""
+
+
+class ExpertClient:
+    def __init__(self, creds: Credentials, handler: ConnectionHandler,
+                 assignments: Callable[[], list[ExpertAssignment]]) -> None:
+        self.creds = creds
+        self.handler = handler
+        self.conns: dict[str, SwarmProtocol] = {}  # expert node → our link to it
+        self._assignments = assignments  # the current plan's expert nodes
+        self.call_bytes = 0  # sent and answered
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def forward(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
+        """On the compute thread (the slice engine's ``remote_experts``): the outputs of each row's
+        selected experts, [rows, n_selected, n_embd], computed by the nodes that hold them."""
+        future = asyncio.run_coroutine_threadsafe(self.call(layer, x, selected), self.loop)
+        try:
+            return future.result(timeout=ALL_CALLS_TIMEOUT_S)
+        except (ConnectionError, OSError, asyncio.TimeoutError, TimeoutError) as e:
+            raise RemoteExpertError(f"an expert node did not answer: {e}") from None
+
+    async def call(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], selected.shape[1], x.shape[1]), dtype=np.float32)
+        await asyncio.gather(*(self._ask(a, layer, x, selected, out) for a in self._assignments()))
+        return out
+
+    async def _ask(self, assignment: ExpertAssignment, layer: int, x: np.ndarray, selected: np.ndarray,
+                   out: np.ndarray) -> None:
+        rows, slots = rows_for(selected, assignment.start, assignment.stop)
+        if rows.size == 0:
+            return
+        conn = self.conns.get(assignment.member)
+        if conn is None or not conn.is_open:
+            conn = await connect_member(Address.parse(assignment.address), self.creds, assignment.member, self.handler)
+            self.conns[assignment.member] = conn
+        request = encode_expert_call(ExpertCall(ExpertCallKind.REQUEST, layer, x[rows], selected[rows, slots]))
+        reply_frame = await conn.request(request, timeout=CALL_TIMEOUT_S)
+        reply = decode_expert_call(reply_frame.body)
+        if reply.kind != ExpertCallKind.REPLY or reply.data.shape != (rows.size, x.shape[1]):
+            raise RemoteExpertError(f"expert node {assignment.member}: {reply.message or 'a malformed reply'}")
+        out[rows, slots] = reply.data
+        self.call_bytes += len(request) + len(reply_frame.body)
+
+
+class ExpertServer:
+    def __init__(self, executor: Executor, engine: Callable[[], ExpertEngine | None]) -> None:
+        self._executor = executor
+        self._engine = engine  # the experts this node holds now, if any
+        self.rows_served = 0
+        self.call_bytes = 0  # served
+
+    async def serve(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        """Answer one call; a refused call gets an ERROR reply, never silence."""
+        try:
+            call = decode_expert_call(frame.body)
+            if conn.peer_role != "trunk":
+                raise EngineError(f"expert calls come from stages; {conn.peer_name} joined as {conn.peer_role}")
+            engine = self._engine()
+            if call.kind != ExpertCallKind.REQUEST or engine is None:
+                raise EngineError("this trunk is not serving experts" if engine is None else "not a request")
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, engine.forward, call.layer, call.data, call.expert_ids)
+            reply = encode_expert_call(ExpertCall(ExpertCallKind.REPLY, call.layer, result))
+            self.rows_served += result.shape[0]
+            self.call_bytes += len(frame.body) + len(reply)
+        except (EngineError, WireError) as e:
+            log.warning("expert call from %s refused: %s", conn.peer_name, e)
+            reply = encode_expert_call(ExpertCall(ExpertCallKind.ERROR, 0, np.empty((0, 0), np.float32), None, str(e)))
+        if conn.is_open:
+            conn.send(stream_id, reply, end=True)

@@ -1,0 +1,141 @@
+"""The trunk's link to the host: register, keep the link (and this trunk's own links) alive,
+tell the host things, and receive its plans.
+
+The host pushes plans on the stream the trunk registered on; a revocation closes the connection
+with a reason that says so, and then retrying cannot help, so the trunk stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from net import messages as m
+from net.endpoint import close
+from net.identity import Credentials, is_revocation
+from net.liveness import PING_INTERVAL
+from net.ping import quiet_ping, round_trip_ms
+from net.protocol import ConnectionHandler, SwarmProtocol
+from net.wire import Frame, WireError, decode_control
+from plans.plan import Plan
+from swarmctl.home import NodeConfig
+from swarmctl.host_addresses import connect_host
+
+log = logging.getLogger("swarmctl.trunk")
+
+RECONNECT_INTERVAL = 2.0
+REVOKED = "the host revoked this member's certificate; ask the host for a new invite to rejoin"
+FROM_HOST = m.kinds(m.PlanPush, m.Error)  # what the host sends on the plan stream
+
+
+class HostLink:
+    def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler, *,
+                 on_plan: Callable[[Plan], None], on_fatal: Callable[[str], None],
+                 spawn: Callable) -> None:
+        self.config = config
+        self.creds = creds
+        self.handler = handler  # the trunk: frames on the host connection go to it first
+        self.conn: SwarmProtocol | None = None
+        self.plan_stream: int | None = None  # where the host pushes plans
+        self.rtt_ms: float | None = None
+        self._on_plan = on_plan
+        self._on_fatal = on_fatal
+        self._spawn = spawn
+        self._fetches: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
+
+    @property
+    def is_open(self) -> bool:
+        return self.conn is not None and self.conn.is_open
+
+    async def keep(self, stop: asyncio.Event, registration: Callable[[], m.Register],
+                   peers: Callable[[], Iterable[SwarmProtocol | None]], on_tick: Callable[[], None]) -> None:
+        """Register, and re-register whenever the link drops; ping the host and ``peers`` (links
+        this trunk opened: an idle QUIC connection closes after IDLE_TIMEOUT, and the next
+        request would meet it closing and have to reroute); ``on_tick`` once a second."""
+        while not stop.is_set():
+            if not self.is_open:
+                if self.conn is not None and is_revocation(self.conn.close_reason):
+                    self._on_fatal(REVOKED)
+                    return
+                try:
+                    await self._register(registration)
+                except (ConnectionError, asyncio.TimeoutError, OSError) as e:
+                    reason = str(e) or (self.conn.close_reason if self.conn else "") or type(e).__name__
+                    if is_revocation(reason):
+                        self._on_fatal(REVOKED)
+                        return
+                    log.warning("cannot reach the host: %s (retrying)", reason)
+                    await asyncio.sleep(RECONNECT_INTERVAL)
+                    continue
+            try:
+                await asyncio.wait_for(self.conn.ping(), PING_INTERVAL)
+            except (ConnectionError, asyncio.TimeoutError):
+                continue
+            for conn in peers():
+                if conn is not None and conn.is_open:
+                    self._spawn(quiet_ping(conn))
+            on_tick()
+            await asyncio.sleep(PING_INTERVAL)
+
+    async def _register(self, registration: Callable[[], m.Register]) -> None:
+        # (the advertised addresses only, even on the host's own machine)
+        conn = await connect_host(self.config, self.creds, self.handler, addresses=self.config.host_addresses)
+        self.conn = conn
+        self.rtt_ms = await round_trip_ms(conn)
+        self.plan_stream = conn.open_stream()
+        reply = await conn.request(m.encode(msgspec.structs.replace(registration(), rtt_ms=self.rtt_ms)),
+                                   stream_id=self.plan_stream)
+        self.received(decode_control(reply.body), fatal=True)
+
+    def received(self, message: dict, fatal: bool = False) -> None:
+        """A message the host sent on the plan stream: a plan, or an error (``fatal``: the answer to
+        registering, e.g. for an asker's certificate, where retrying cannot help)."""
+        try:
+            parsed = m.parse(message, FROM_HOST)
+        except WireError as e:
+            log.error("host sent %s", e)
+            return
+        if isinstance(parsed, m.PlanPush):
+            self._on_plan(Plan.from_dict(parsed.plan))
+        elif fatal:
+            self._on_fatal(f"the host refused this trunk: {parsed.message}")
+        else:
+            log.error("host: %s", parsed.message)
+
+    def is_plan_stream(self, conn: SwarmProtocol, stream_id: int) -> bool:
+        return conn is self.conn and stream_id == self.plan_stream
+
+    def is_host(self, conn: SwarmProtocol) -> bool:
+        return conn is self.conn
+
+    async def tell(self, message: m.Message) -> None:
+        if self.is_open:
+            try:
+                await self.conn.request(m.encode(message), timeout=10)
+            except (ConnectionError, asyncio.TimeoutError) as e:
+                log.warning("host did not answer %s: %s", type(message).__name__, e)
+
+    # --- slice transfers (swarmctl/distribution.py) arrive on host streams we opened ---
+
+    def open_fetch(self) -> tuple[int, asyncio.Queue]:
+        stream_id = self.conn.open_stream()
+        frames: asyncio.Queue = asyncio.Queue()
+        self._fetches[stream_id] = frames
+        return stream_id, frames
+
+    def close_fetch(self, stream_id: int) -> None:
+        self._fetches.pop(stream_id, None)
+
+    def take_frame(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> bool:
+        """Whether the frame belongs to a slice transfer (and was queued for it)."""
+        if conn is self.conn and stream_id in self._fetches:
+            self._fetches[stream_id].put_nowait(frame)
+            return True
+        return False
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            await close(self.conn, "trunk shutting down")

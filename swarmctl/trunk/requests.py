@@ -1,0 +1,324 @@
+"""The data path of a stage: run each request's steps on its layers and pass the result on.
+
+Each request arrives on its own stream from the previous hop (the asker, or the previous stage);
+its output goes straight to the next stage, or, from the last stage, to the asker's results
+stream. Errors travel back along the request's streams as ERROR packets. KV caches live per
+request id until END or an idle timeout. Which streams a request holds, and which end when, is
+the route table's business (swarmctl/trunk/routes.py); this module carries out what it says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kernels.errors import EngineError, RequestStateError
+from kernels.slice import Step
+from net.endpoint import Address, close, connect_member
+from net.identity import Credentials
+from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
+from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Hop, PacketKind, WireError, \
+    decode_packet, encode_packet
+from swarmctl.batching import EngineClosedError
+from swarmctl.log_limit import LogLimit
+from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.experts import RemoteExpertError
+from swarmctl.trunk.results import ResultStreams, results_key
+from swarmctl.trunk.routes import (Action, EndOnward, FinishStream, FreeRequest, PassBack, Release, Route,
+                                   RouteTable, SendError)
+
+log = logging.getLogger("swarmctl.trunk")
+
+SEND_BACKLOG = 8 * 1024 * 1024  # bytes unacknowledged per stream before a sender waits
+
+
+def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
+    """Test-only (SWARMCTL_TEST_CORRUPT): the rows plus Gaussian noise of ``scale`` times their RMS."""
+    rms = np.sqrt(np.mean(np.square(out, dtype=np.float64), axis=1, keepdims=True))
+    return (out + np.random.default_rng().standard_normal(out.shape) * scale * rms).astype(np.float32)
+
+
+class StageRequests:
+    def __init__(self, name: str, creds: Credentials, handler: ConnectionHandler, assignment: Assignment,
+                 results: ResultStreams, *, capture: Callable[[str, Frame], None], spawn: Callable) -> None:
+        self.name = name
+        self.creds = creds
+        self.handler = handler  # for the connection we open to the next stage
+        self.held = assignment  # the plan, the stage, its engine, runner and budget
+        self.routes = RouteTable()
+        self.results = results
+        self.next_conn: SwarmProtocol | None = None
+        self.next_member: str | None = None
+        self.activation_bytes_sent = 0
+        self.peak_kv_bytes = 0
+        self._capture = capture
+        self._spawn = spawn
+        self._refusals = LogLimit(log)
+        # Test-only fault injection, like SWARMCTL_TEST_FETCH_CRASH_AFTER: a dishonest trunk that adds
+        # Gaussian noise of this size (relative to each output row's RMS) to what it sends on, for the
+        # spot-check tests and benchmark (swarmctl/verify.py). Unset or 0 in any real run.
+        self._test_corrupt = float(os.environ.get("SWARMCTL_TEST_CORRUPT") or 0)
+
+    # --- events from the connections ---
+
+    def packet_frame(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        try:
+            packet = decode_packet(frame.body)
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+            return
+        if packet.kind == PacketKind.ERROR:  # coming back from a next stage (nobody else sends errors here)
+            self._do(self.routes.error_from_next_stage(conn, stream_id, packet))
+            return
+        self.routes.stream_carries_requests(conn, stream_id)
+        self._spawn(self._handle_safely(conn, stream_id, packet, time.perf_counter()))
+
+    def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        actions = self.routes.stream_ended(conn, stream_id)
+        if actions:
+            self._spawn(self._carry_out(actions))
+
+    def connection_lost(self, conn: SwarmProtocol) -> None:
+        self._do(self.routes.connection_lost(conn))
+        if conn is self.next_conn:
+            self.next_conn = self.next_member = None
+
+    def drop_all(self, reason: str) -> None:
+        self._do(self.routes.drop_all(reason))
+
+    async def reap_idle(self, idle_timeout: float) -> None:
+        while True:
+            await asyncio.sleep(min(10.0, idle_timeout))
+            actions = self.routes.reap_idle(idle_timeout)
+            for action in actions:
+                if isinstance(action, Release):
+                    log.info("request %s idle for over %.0fs: freeing its cache", action.request_id.hex()[:8],
+                             idle_timeout)
+            self._do(actions)
+
+    async def close(self) -> None:
+        if self.next_conn is not None:
+            await close(self.next_conn, "trunk shutting down")
+
+    # --- one packet ---
+
+    async def _handle_safely(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket,
+                             arrived: float) -> None:
+        """A bug met while handling a packet answers the sender (who replays the request, within its
+        deadline) instead of leaving it waiting for a packet that never comes."""
+        try:
+            await self._handle(conn, stream_id, packet, arrived)
+        except Exception as e:  # noqa: BLE001 - logged in full; the node and its other requests carry on
+            log.exception("request %s: unexpected error", packet.request_id.hex()[:8])
+            self._refuse(conn, stream_id, packet.request_id, f"internal error at {self.name}: {type(e).__name__}",
+                         retry=True)
+
+    async def _handle(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket, arrived: float) -> None:
+        rid = packet.request_id
+        async with self.routes.locks.hold(rid):
+            if self.routes.has_failed(conn, stream_id, rid):
+                return  # the sender is already rerouting: later packets on this stream answer nothing
+            if packet.kind == PacketKind.END:
+                await self._carry_out(self.routes.end(rid, conn, stream_id))
+                return
+            if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
+                self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
+                return
+            problem, retry = self._check_packet(packet)
+            if problem:
+                self._refuse(conn, stream_id, rid, problem, retry=retry)
+                return
+            held = self.held
+            stage, plan = held.stage, held.plan
+            is_first = stage.start == plan.head_layers
+            if not is_first and conn.peer_name != self._previous_member():
+                # Only an asker's packets enter at the first stage; later stages take the stage before.
+                self._refuse(conn, stream_id, rid, f"layers [{stage.start}, {stage.stop}) take activations "
+                                                   "only from the stage before them in the plan")
+                return
+            reply_to = results_key(conn.peer_name, packet.reply_to) if is_first else packet.reply_to
+            route, actions, problem = self.routes.claim(rid, conn, stream_id, packet.start_pos, reply_to)
+            if problem:
+                self._refuse(conn, stream_id, rid, problem, retry=True)
+                return
+            self._do(actions)
+            problem = self._admit(rid, route, packet)
+            if problem:  # (not worth a retry: the same request would be over the same budget elsewhere)
+                self._refuse(conn, stream_id, rid, problem)
+                return
+            submitted = time.perf_counter()
+            runner, engine, budget = held.runner, held.engine, held.budget
+            try:
+                out, timing = await runner.run(Step(rid, packet.start_pos,
+                                                    hidden=np.asarray(packet.data, dtype=np.float32)))
+            except EngineError as e:
+                budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))
+                if held.runner is runner and engine.has_request(rid) and rid not in self.routes \
+                        and not isinstance(e, EngineClosedError):
+                    await self._carry_out([FreeRequest(rid)])  # a first step that failed after its cache was made
+                # A request this stage lost (it restarted, or is reloading) can be replayed from the start.
+                self._refuse(conn, stream_id, rid, str(e),
+                             retry=isinstance(e, (RequestStateError, EngineClosedError, RemoteExpertError)))
+                return
+            budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))  # the engine's real figure
+            if held.runner is not runner:
+                # The plan changed while this step computed: its layers are gone from here, and so is
+                # the request's cache. The sender starts it over on the new route.
+                self._refuse(conn, stream_id, rid, f"the plan changed (now v{held.plan.version})", retry=True)
+                return
+            self.routes.commit(rid, route)
+            self.peak_kv_bytes = max(self.peak_kv_bytes, engine.kv_bytes)
+            if self._test_corrupt:  # test-only (SWARMCTL_TEST_CORRUPT, in __init__): lie about the result
+                out = _corrupted(out, self._test_corrupt)
+            hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
+                      timing.batch_requests)
+            await self._pass_on(route, packet, out, hop)
+
+    def _previous_member(self) -> str | None:
+        return next((s.member for s in self.held.plan.stages if s.stop == self.held.stage.start), None)
+
+    def _admit(self, rid: bytes, route: Route, packet: ActivationPacket) -> str:
+        """Charge the KV this step leaves the request holding to the member who asked, before it
+        runs; over that member's budget, why not. The first stage takes the member from the
+        connection's certificate, later stages from reply_to ("member/session"), which only the
+        stage before them can send: a member is bounded at every stage, not only the first."""
+        member = route.reply_to.partition("/")[0]
+        needed = self.held.engine.kv_bytes_after(rid, packet.start_pos + int(packet.data.shape[0]))
+        problem = self.held.budget.admit(rid, member, needed)
+        return f"over budget at {self.name}: {problem}" if problem else ""
+
+    def _check_packet(self, packet: ActivationPacket) -> tuple[str, bool]:
+        """What is wrong with a packet, if anything, and whether a resend under a newer plan may work."""
+        held = self.held
+        if held.loading:
+            return f"the plan changed (now v{held.plan.version}): this stage is loading other layers", True
+        if held.stage is None or held.runner is None or held.plan is None:
+            return "this trunk is not serving any layers right now", True
+        if packet.plan_version != held.plan.version:
+            return f"stale plan: packet has version {packet.plan_version}, the swarm is at {held.plan.version}", True
+        if packet.layer_index != held.stage.start:
+            return (f"this stage runs layers [{held.stage.start}, {held.stage.stop}), not layer {packet.layer_index}",
+                    False)
+        if packet.data.ndim != 2 or packet.data.shape[1] != held.engine.spec.n_embd:
+            return (f"activations of shape {list(packet.data.shape)} do not fit: expected "
+                    f"[n_tokens, {held.engine.spec.n_embd}]"), False
+        return "", False
+
+    async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray, hop: Hop) -> None:
+        rid, plan, stage = packet.request_id, self.held.plan, self.held.stage
+        is_last = stage.stop == plan.trunk_range[1]
+        onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, plan.version,
+                                  stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
+                                  hops=(*packet.hops, hop))
+        if is_last:
+            results = self.results.stream_for(route.reply_to)
+            if results is None:
+                self._refuse(route.in_conn, route.in_stream, rid, f"asker {route.reply_to.split('/')[0]!r} has no "
+                                                                  "results stream open at the last stage", retry=True)
+                return
+            await self._send_and_drain(*results, onward)
+            return
+        try:
+            conn = await self._next_stage_conn()
+        except (ConnectionError, OSError) as e:
+            self._refuse(route.in_conn, route.in_stream, rid, f"cannot reach the next stage: {e}", retry=True)
+            return
+        if not route.leaves_on(conn):
+            self._do(self.routes.send_on(rid, route, conn, conn.open_stream()))
+        await self._send_and_drain(conn, route.out_stream, onward)
+
+    async def _next_stage_conn(self) -> SwarmProtocol:
+        nxt = self.held.plan.next_stage(self.held.stage)
+        if nxt is None:
+            raise ConnectionError("the plan has no stage after this one")
+        if self.next_conn is not None and self.next_conn.is_open and self.next_member == nxt.member:
+            return self.next_conn
+        if self.next_conn is not None:
+            await close(self.next_conn, "plan changed")
+        self.next_conn = await connect_member(Address.parse(nxt.address), self.creds, nxt.member, self.handler)
+        self.next_member = nxt.member
+        return self.next_conn
+
+    # --- carrying out what the route table says ---
+
+    def _do(self, actions: list[Action]) -> None:
+        """Actions that need no wait happen now; freeing a request needs its lock and the compute
+        thread, so those run as tasks."""
+        for action in actions:
+            if isinstance(action, (Release, FreeRequest)):
+                self._spawn(self._carry_out([action]))
+            else:
+                self._send_now(action)
+
+    async def _carry_out(self, actions: list[Action]) -> None:
+        """In order, waiting for each release (the caller may hold the request's lock: a
+        ``FreeRequest`` then needs none, a ``Release`` takes it)."""
+        for action in actions:
+            if isinstance(action, Release):
+                async with self.routes.locks.hold(action.request_id):
+                    await self._carry_out(self.routes.take(action.request_id, action.route))
+            elif isinstance(action, FreeRequest):
+                held = self.held
+                if held.runner is not None:
+                    await held.runner.call(held.engine.release, action.request_id)
+                held.budget.release(action.request_id)
+            else:
+                self._send_now(action)
+
+    def _send_now(self, action: Action) -> None:
+        if isinstance(action, SendError):
+            self._send_error(action.conn, action.stream_id, action.request_id, action.message, action.retry)
+        elif isinstance(action, PassBack):
+            self._send(action.conn, action.stream_id, action.packet)
+        elif isinstance(action, EndOnward):
+            self._end_onward(action.conn, action.stream_id, action.request_id)
+        elif isinstance(action, FinishStream):
+            action.conn.finish(action.stream_id)
+
+    def _end_onward(self, conn: SwarmProtocol, stream_id: int, rid: bytes) -> None:
+        if not conn.is_open:
+            return
+        plan, stage = self.held.plan, self.held.stage
+        end = ActivationPacket(PacketKind.END, rid, plan.version if plan else 0, stage.stop if stage else 0, 0,
+                               np.empty((0, 0), np.float32))
+        try:
+            conn.send(stream_id, encode_packet(end), end=True)
+        except StreamClosedError:
+            conn.finish(stream_id)
+
+    # --- sending ---
+
+    def _refuse(self, conn: SwarmProtocol, stream_id: int, rid: bytes, reason: str, retry: bool = False) -> None:
+        self._refusals.warning("request %s from %s refused: %s", rid.hex()[:8], conn.peer_name, reason)
+        self._send_error(conn, stream_id, rid, reason, retry)
+        if retry:
+            self.routes.mark_failed(conn, stream_id, rid)
+
+    def _send_error(self, conn: SwarmProtocol, stream_id: int, rid: bytes, message: str, retry: bool = False) -> None:
+        """An error leaves the stream open on our side: the sender may already have sent its next
+        step on it, and that step must be answered too (a stream we had ended could not carry the
+        answer, and the sender would wait until its deadline). The sender ends the stream when it
+        gives up on it, and then so do we (``RouteTable.stream_ended``)."""
+        plan = self.held.plan
+        error = ActivationPacket(PacketKind.ERROR, rid, plan.version if plan else 0, 0, 0,
+                                 np.empty((0, 0), np.float32), DType.F32, "", message, retry=retry)
+        self._send(conn, stream_id, error)
+
+    def _send(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+        if conn.is_open:
+            data = encode_packet(packet)
+            self.activation_bytes_sent += len(data)
+            self._capture("send", Frame(FrameType.ACTIVATION, data[FRAME_HEADER.size:]))
+            try:
+                conn.send(stream_id, data)
+            except StreamClosedError as e:  # the peer reset it (it gave up on the request): nobody to tell
+                log.info("%s", e)
+
+    async def _send_and_drain(self, conn: SwarmProtocol, stream_id: int, packet: ActivationPacket) -> None:
+        self._send(conn, stream_id, packet)
+        await conn.drain(stream_id, SEND_BACKLOG)

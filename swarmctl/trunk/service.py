@@ -1,0 +1,283 @@
+"""TrunkService: a trunk's lifecycle, and the dispatch of what arrives to the part that handles it.
+
+Frames from any connection come here (it is the connections' ``ConnectionHandler``): slice
+transfers go to the host link, activation packets to the data path, expert calls to the expert
+server, and control messages (results subscriptions, link probes, stats, the host's layer
+checks) are answered here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Callable
+
+from net.endpoint import Address, close, connect_member, serve_member
+from net.identity import REVOKED_REASON, verify_member
+from net.protocol import StreamClosedError, SwarmProtocol
+from net import messages as m
+from net.ping import round_trip_ms
+from net.wire import Frame, FrameType, WireError, decode_control
+from plans.plan import Plan
+from swarmctl.batching import compute_thread
+from swarmctl.home import SwarmHome
+from swarmctl.layer_proof import CHALLENGES, ProofError, Prover
+from swarmctl.models import resolve_model
+from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.experts import ExpertClient, ExpertServer
+from swarmctl.trunk.host_link import HostLink
+from swarmctl.trunk.requests import StageRequests
+from swarmctl.trunk.results import ResultStreams
+from swarmctl.trunk.speed_report import SpeedReport
+from swarmctl.trunk.stats import available_memory, batch_window, proc_status
+
+log = logging.getLogger("swarmctl.trunk")
+
+# What a trunk answers on streams other than the host's plan stream.
+ANSWERS = m.kinds(m.Subscribe, m.Probe, m.GetStats, *CHALLENGES.values())
+
+
+class TrunkService:
+    def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
+                 idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None) -> None:
+        self.config = home.load_config()
+        self.creds = home.credentials()
+        self.name = self.creds.name
+        self.model_path = resolve_model(self.config.model)
+        self.memory = memory or available_memory()
+        self.idle_timeout = idle_timeout
+        self.capture_dir = capture_dir
+        self.advertise = Address.parse(advertise) if advertise else None
+        self.address: Address | None = None  # where we listen, once we do
+        self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
+        self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
+        self.on_fatal: Callable[[], None] = lambda: None
+        self._tasks: set[asyncio.Task] = set()
+        self._executor = compute_thread()  # steps, loading and unloading all happen on the compute thread
+        self._capture_seq = 0
+        self._server = None
+        self.host = HostLink(self.config, self.creds, self, on_plan=self._plan_received, on_fatal=self._fail,
+                             spawn=self._spawn)
+        self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn)
+        self.expert_client = ExpertClient(self.creds, self, lambda: self.held.plan.experts)
+        self.held = Assignment(self.name, self.model_path, home.path / "slices", memory=self.memory,
+                               n_threads=n_threads, executor=self._executor, host=self.host, speed=self.speed,
+                               remote_experts=self.expert_client.forward, drop_routes=self._drop_routes,
+                               on_fatal=self._fail, on_serving=self._measure_peers, spawn=self._spawn)
+        self.expert_server = ExpertServer(self._executor, lambda: self.held.experts)
+        self.results = ResultStreams()
+        self.requests = StageRequests(self.name, self.creds, self, self.held, self.results, capture=self._capture,
+                                      spawn=self._spawn)
+        self._prover = Prover(self._proof_sources, n_threads)  # answers the host's layer checks
+
+    # --- lifecycle ---
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.expert_client.loop = asyncio.get_running_loop()
+        if self.model_path.exists():
+            await self.speed.measure_at_start()
+        else:
+            log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
+        listen = Address.parse(self.config.listen)
+        self._server = await serve_member(listen, self.creds, self, client_check=self._check_member)
+        self.address = Address(listen.host, self._server._transport.get_extra_info("sockname")[1])
+        log.info("trunk %s listening on %s", self.name, self.address)
+        tasks = [asyncio.ensure_future(self.host.keep(stop, self._registration, self._own_links, self._tick)),
+                 asyncio.ensure_future(self.requests.reap_idle(self.idle_timeout))]
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        await self.host.close()
+        await self.requests.close()
+        if self._server is not None:
+            self._server.close()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.held.unload)
+
+    def _fail(self, reason: str) -> None:
+        """This trunk cannot serve (revoked, refused, its layers unloadable): stop, and say why."""
+        self.fatal = reason
+        log.error("%s", reason)
+        self.on_fatal()
+
+    def _check_member(self, cert) -> None:
+        plan = self.held.plan
+        verify_member(cert, self.creds.ca_cert, frozenset(plan.revoked_serials) if plan else frozenset())
+
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("unexpected error while handling a packet: %r", task.exception())
+
+    # --- the host ---
+
+    def _registration(self) -> m.Register:
+        self.held.host_reconnected()
+        return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
+                          ms_per_layer_token=self.speed.ms_per_layer_token, device="cpu")
+
+    def _own_links(self) -> list[SwarmProtocol | None]:
+        return [self.requests.next_conn, *self.expert_client.conns.values()]
+
+    def _tick(self) -> None:
+        held = self.held
+        serving = held.runner is not None and held.stage is not None and not (held.plan and held.plan.experts)
+        self.speed.refresh((held.runner, held.stage.stop - held.stage.start) if serving else None,
+                           idle=held.stage is None and held.experts is None)
+
+    def _plan_received(self, plan: Plan) -> None:
+        if not self.held.accept(plan):
+            return
+        revoked = set(plan.revoked_serials)
+        for conn in list(self.connections):  # every one: a member may hold several (a trunk and asks)
+            if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
+                conn.close_with(REVOKED_REASON)
+        self.held.apply()
+
+    def _drop_routes(self, reason: str) -> None:
+        self.requests.drop_all(reason)
+
+    async def _measure_peers(self, plan: Plan) -> None:
+        """Round trips to the plan's other stages, reported to the host for its next plan."""
+        links = {}
+        for stage in plan.stages:
+            if stage.member == self.name:
+                continue
+            try:
+                conn = await connect_member(Address.parse(stage.address), self.creds, stage.member, self)
+            except (ConnectionError, OSError):
+                continue
+            try:
+                links[stage.member] = m.LinkClaim(rtt_ms=await round_trip_ms(conn))
+            except (ConnectionError, asyncio.TimeoutError):
+                pass
+            finally:
+                await close(conn)
+        if links:
+            await self.host.tell(m.Links(links=links))
+
+    # --- ConnectionHandler ---
+
+    def connection_made(self, conn: SwarmProtocol) -> None:
+        log.debug("connection from %s", conn.peer_name)
+        self.connections.add(conn)
+
+    def connection_lost(self, conn: SwarmProtocol) -> None:
+        self.connections.discard(conn)
+        self.requests.connection_lost(conn)
+        self.results.connection_lost(conn)
+
+    def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        self.requests.stream_ended(conn, stream_id)
+
+    def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        if self.host.take_frame(conn, stream_id, frame):
+            return
+        self._capture("recv", frame)
+        if frame.type == FrameType.CONTROL:
+            self._control(conn, stream_id, frame)
+        elif frame.type == FrameType.DATA:  # an expert call (expert parallelism)
+            self._spawn(self.expert_server.serve(conn, stream_id, frame))
+        else:
+            self.requests.packet_frame(conn, stream_id, frame)
+
+    # --- control messages ---
+
+    def _control(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        try:
+            message = decode_control(frame.body)
+            if self.host.is_plan_stream(conn, stream_id):
+                self.host.received(message)
+                return
+            request = m.parse(message, ANSWERS)
+        except (m.UnknownMessage, m.MalformedMessage) as e:  # (a JSON object: answered, not reset)
+            conn.send(stream_id, m.encode(m.Error(message=str(e))), end=True)
+            return
+        except WireError as e:
+            conn.reject_stream(stream_id, str(e))
+            return
+        if type(request) in CHALLENGES.values():  # the host checks we hold our layers, and times us
+            self._spawn(self._answer_challenge(conn, stream_id, request))
+        elif isinstance(request, m.Subscribe):
+            for old in self.results.subscribe(conn, stream_id, request.session):
+                old.conn.finish(old.stream_id)
+            conn.send(stream_id, m.encode(m.Ok()))
+        elif isinstance(request, m.Probe):  # a peer measuring our link
+            conn.send(stream_id, m.encode(m.Ok()), end=True)
+        elif isinstance(request, m.GetStats):
+            conn.send(stream_id, m.encode(self.stats()), end=True)
+
+    async def _answer_challenge(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
+        """Only our host may ask (anyone else could use us to time or read the model); the answer
+        is computed on the compute thread, between batches (swarmctl/layer_proof.py)."""
+        kind = type(message).__struct_config__.tag
+        reply: m.Message
+        if not self.host.is_host(conn):
+            reply = m.Error(message=f"only the host sends {kind!r}")
+        else:
+            try:
+                reply = await asyncio.get_running_loop().run_in_executor(self._executor, self._prover.answer, message)
+            except ProofError as e:
+                reply = m.Error(message=str(e), missing=e.missing)
+            except Exception as e:  # noqa: BLE001 - the edge: answer the host, carry on serving
+                log.exception("answering the host's %s failed", kind)
+                reply = m.Error(message=f"{type(e).__name__}: {e}"[:300])
+        if conn.is_open:
+            try:
+                conn.send(stream_id, m.encode(reply), end=True)
+            except StreamClosedError:
+                pass
+
+    def _proof_sources(self) -> list[Path]:
+        """Files that may hold the layers the host asks about: the one loaded, then the model file."""
+        loaded = self.held.gguf.path if self.held.gguf is not None else None
+        return [p for p in (loaded, self.model_path) if p is not None and p.exists()]
+
+    # --- what this trunk reports and keeps ---
+
+    def stats(self, window_s: float = 10.0) -> m.Stats:
+        """``recent_batches`` over the last ``window_s`` seconds; ``requests_detail``: what this stage holds now."""
+        held, requests = self.held, self.requests
+        runner, engine, experts = held.runner, held.engine, held.experts
+        now = time.monotonic()
+        return m.Stats(
+            name=self.name, role="experts" if experts else ("stage" if held.stage else "idle"),
+            layers=[held.stage.start, held.stage.stop] if held.stage else None,
+            expert_range=[experts.first, experts.last] if experts else None,
+            time=time.time(), recent_batches=batch_window(runner, window_s),
+            requests_detail=[{"id": rid.hex()[:8], "position": engine.position_of(rid) if engine else 0,
+                              "idle_s": now - route.last_active} for rid, route in requests.routes.items()],
+            requests=engine.n_requests if engine else 0, routes=len(requests.routes),
+            kv_bytes=engine.kv_bytes if engine else 0, peak_kv_bytes=requests.peak_kv_bytes,
+            queue_depth=runner.queue_depth if runner else 0,
+            batches=runner.stats.batches if runner else 0, steps=runner.stats.steps if runner else 0,
+            tokens=runner.stats.tokens if runner else 0, busy_s=runner.stats.busy_s if runner else 0.0,
+            largest_batch=runner.stats.largest_batch if runner else 0,
+            tensor_bytes=engine.weights.n_bytes if engine else (experts.n_bytes if experts else 0),
+            budget=held.budget.stats(),
+            open_streams=sum(c.open_streams for c in self.connections if c.is_open),
+            request_locks=len(requests.routes.locks), rss=proc_status("VmRSS"), peak_rss=proc_status("VmHWM"),
+            fetched_bytes=held.fetched_bytes, expert_rows_served=self.expert_server.rows_served,
+            expert_call_bytes=self.expert_client.call_bytes + self.expert_server.call_bytes,
+            activation_bytes_sent=requests.activation_bytes_sent, ms_per_layer_token=self.speed.ms_per_layer_token)
+
+    def _capture(self, direction: str, frame: Frame) -> None:
+        """With --capture DIR, keep every frame this stage receives and sends, exactly as bytes:
+        what a curious member running this stage could see."""
+        if self.capture_dir is None:
+            return
+        self._capture_seq += 1
+        kind = frame.type.name.lower()
+        (self.capture_dir / f"{self._capture_seq:06d}-{direction}-{kind}.bin").write_bytes(frame.body)

@@ -1,0 +1,76 @@
+"""The speed this trunk tells the host, kept current.
+
+Measured at start (or once a stage's layers arrive, when the model file was missing), then
+refreshed from the single-token batches a stage serves, or measured again while idle when the
+first measurement had to share the CPU (kernels/speed.py). The host re-plans only on a material
+change (plans/hysteresis.py), so only a figure ``worth_reporting`` is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from pathlib import Path
+
+from kernels.gguf_file import GGUFFile
+from kernels.speed import SpeedTracker, measure_speed, worth_reporting
+from net import messages as m
+
+log = logging.getLogger("swarmctl.trunk")
+
+
+class SpeedReport:
+    def __init__(self, model_path: Path, n_threads: int | None, executor: Executor,
+                 tell_host: Callable[[m.Message], Awaitable[None]], spawn: Callable[[Awaitable], None]) -> None:
+        self.model_path = model_path
+        self.n_threads = n_threads
+        self.ms_per_layer_token: float | None = None  # the figure the host has
+        self.tracker = SpeedTracker()
+        self._executor = executor
+        self._tell_host = tell_host
+        self._spawn = spawn
+
+    def measure(self, model: Path | None = None, layer: int | None = None) -> float:
+        """On the compute thread: repeats, after a warm-up, with the repeats that other processes
+        starved left out (kernels/speed.py)."""
+        with GGUFFile(model or self.model_path) as gguf:
+            measurement = measure_speed(gguf, n_threads=self.n_threads, layer=layer)
+        self.tracker.measured(measurement)
+        log.info("measured %s", measurement.describe())
+        return measurement.ms_per_layer_token
+
+    async def measure_at_start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.ms_per_layer_token = await loop.run_in_executor(self._executor, self.measure)
+        log.info("this machine runs one layer of %s in %.2f ms per token", self.model_path.name,
+                 self.ms_per_layer_token)
+
+    async def measure_slice(self, model: Path, first_layer: int) -> None:
+        """A trunk that started without the model file measures on the layers it was sent."""
+        loop = asyncio.get_running_loop()
+        self.ms_per_layer_token = await loop.run_in_executor(self._executor, self.measure, model, first_layer)
+        await self._tell_host(m.Speed(ms_per_layer_token=self.ms_per_layer_token))
+
+    def refresh(self, serving: tuple[object, int] | None, idle: bool) -> None:
+        """Keep the host's figure current. ``serving``: (the batch runner, the stage's layer count)
+        of a stage serving its own layers; ``idle``: nothing loaded, so measuring again disturbs nobody."""
+        if serving is not None:
+            runner, n_layers = serving
+            self.tracker.observe(runner.stats.recent, n_layers)
+            self._report(self.tracker.serving_report(self.ms_per_layer_token), "while serving")
+        elif idle and self.model_path.exists() and self.tracker.take_remeasure():
+            self._spawn(self._remeasure())
+
+    async def _remeasure(self) -> None:
+        figure = await asyncio.get_running_loop().run_in_executor(self._executor, self.measure)
+        if not self.tracker.contended or self.ms_per_layer_token is None or figure < self.ms_per_layer_token:
+            self._report(figure, "measured again")  # (a contended figure only bounds the speed from above)
+
+    def _report(self, figure: float | None, how: str) -> None:
+        if worth_reporting(figure, self.ms_per_layer_token):
+            log.info("%s: %.3f ms per layer (the host had %s)", how, figure,
+                     f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
+            self.ms_per_layer_token = figure
+            self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure)))

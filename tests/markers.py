@@ -1,0 +1,124 @@
+"""Which tests start processes, found by reading their code, and a check that nothing else does.
+
+``python -m pytest -q`` runs every test. ``-m "not slow"`` runs the fast ones alone: no swarm, no
+process, no model loaded into llama.cpp. The marks (registered in pyproject.toml):
+
+    swarm  the test, or a fixture it uses, starts processes: swarmctl nodes, a local swarm, the CLI
+           in a subprocess. Found here, by reading the test's code, its fixtures' code and the
+           helpers they call from tests/ and benchmarks/ (``swarmctl(...)``, ``Swarm``, ``Node``,
+           ``LocalSwarm``, ``subprocess``, ...), so a new test needs no mark of its own.
+    netns  the test builds network namespaces (tests/netns.py; root and iproute2). Found the same way.
+    slow   seconds or more in this process (a model loaded, a long search); every swarm and netns
+           test is slow too. Given by the modules (``pytestmark``) and SLOW_FIXTURES.
+
+The reading can miss a process started some other way, so the check backs it up: a test without
+the slow mark that starts a process anyway fails and says to mark it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import pytest
+
+# Names whose use means a process starts. The helpers of tests/ and benchmarks/ are read in turn,
+# so Swarm, Node, swarmctl() and NetnsLab are found through the subprocess calls they make.
+PROCESS_NAMES = frozenset({"subprocess", "Popen", "LocalSwarm", "create_subprocess_exec", "create_subprocess_shell",
+                           "forkpty", "posix_spawn"})
+NETNS_NAMES = frozenset({"NetnsLab"})
+# Code of these packages is read when a test calls into it; library code (swarmctl/, kernels/...)
+# is not: it starts processes only on paths (a local swarm for `ask`) that tests reach through
+# the names above.
+READ_PACKAGES = ("tests", "benchmarks")
+# Fixtures that load a model into llama.cpp: seconds each, several per module.
+SLOW_FIXTURES = frozenset({"oracle", "tiny_model"})
+
+
+@lru_cache(maxsize=None)
+def names_reached(obj: object) -> frozenset[str]:
+    """Every name ``obj``'s source uses, and those of the tests/ and benchmarks/ functions and
+    classes it refers to, recursively."""
+    return frozenset(_walk(obj, set()))
+
+
+def _walk(obj: object, seen: set[int]) -> set[str]:
+    if id(obj) in seen:
+        return set()
+    seen.add(id(obj))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    found = set(names)
+    for name in names:
+        target = getattr(module, name, None)
+        if (inspect.isfunction(target) or inspect.isclass(target)) and \
+                getattr(target, "__module__", "").split(".")[0] in READ_PACKAGES:
+            found |= _walk(target, seen)
+    return found
+
+
+def _fixture_functions(item: pytest.Item) -> list[object]:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) if info is not None else {}
+    return [d.func for name in item.fixturenames for d in defs.get(name, ())]
+
+
+def mark(item: pytest.Item) -> None:
+    function = getattr(item, "function", None)
+    if function is None:
+        return
+    names: set[str] = set(names_reached(function))
+    for fixture in _fixture_functions(item):
+        names |= names_reached(fixture)
+    if names & NETNS_NAMES:
+        item.add_marker(pytest.mark.netns)
+    if names & (PROCESS_NAMES | NETNS_NAMES):
+        item.add_marker(pytest.mark.swarm)
+    if SLOW_FIXTURES & set(item.fixturenames) or any(item.iter_markers("swarm")) or any(item.iter_markers("netns")):
+        item.add_marker(pytest.mark.slow)
+
+
+# Library calls that run a short command and wait for it: not a process a test starts.
+# platform.processor() runs `uname -p` (the openai client asks it once, for its user agent).
+HARMLESS_COMMANDS = frozenset({"uname -p"})
+
+
+@dataclass
+class ProcessWatch:
+    """Records processes started while a test not marked slow sets up and runs (a Python audit
+    hook: subprocess, os.fork and the like report themselves there)."""
+
+    watching: str | None = None
+    started: list[str] = field(default_factory=list)
+
+    def audit(self, event: str, args: tuple) -> None:
+        if self.watching is None:
+            return
+        if event == "subprocess.Popen":
+            command = " ".join(map(str, args[1] if isinstance(args[1], (list, tuple)) else [args[1]]))
+            if command not in HARMLESS_COMMANDS:
+                self.started.append(command)
+        elif event in ("os.fork", "os.forkpty", "os.posix_spawn", "os.system"):
+            self.started.append(event)
+
+    def start(self, item: pytest.Item) -> None:
+        self.started = []
+        self.watching = None if any(item.iter_markers("slow")) else item.nodeid
+
+    def stop(self) -> None:
+        self.watching = None
+
+    def complaint(self) -> str | None:
+        if self.watching is None or not self.started:
+            return None
+        return (f"{self.watching} is not marked slow but started a process ({self.started[0][:200]}): mark it "
+                f"(pytestmark = pytest.mark.swarm in its module), or see tests/markers.py")
