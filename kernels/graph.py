@@ -3,7 +3,9 @@
 Reads like llama.cpp's ``llm_build_llama``: inputs → layer loop (norm, Q/K/V, RoPE, attention,
 residual, norm, FFN, residual) → output norm → LM head, with every intermediate tensor named the
 way llama.cpp names it (``attn_norm-3``, ``Qcur-3``, ``ffn_inp-3``, ``l_out-3``, ``result_norm``),
-so a slice's tensors can be compared with a whole-model llama.cpp run by name.
+so a slice's tensors can be compared with a whole-model llama.cpp run by name. The layer loop is
+the same for every architecture; its attention and FFN come from the architecture's record
+(kernels.archs), built from the helpers here.
 
 The operator sequence deliberately mirrors llama.cpp's graph without flash attention (F16 KV
 cache, transposed V, F32-accumulated KQ, fused soft_max_ext, swiglu_split): the same kernels on
@@ -18,7 +20,6 @@ concatenated back before the output projection. A batch of one is the single-req
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import ggml
 from .kv_cache import KVCache
@@ -187,21 +188,6 @@ class GraphBuilder:
                          row(f16, cap * s.head_dim), row(f16, cap), row(f16, cap * s.n_embd_kv), 0)
         return k, v
 
-    def swiglu_ffn(self, w: LayerWeights, x: int, il: int) -> int:
-        up = self.name(ggml.mul_mat(self.ctx, w.ffn_up, x), "ffn_up", il)
-        gate = self.name(ggml.mul_mat(self.ctx, w.ffn_gate, x), "ffn_gate", il)
-        act = self.name(ggml.swiglu_split(self.ctx, gate, up), "ffn_swiglu", il)
-        return self.name(ggml.mul_mat(self.ctx, w.ffn_down, act), "ffn_out", il)
-
-    def moe_ffn(self, w: LayerWeights, x: int, il: int) -> int:
-        """Mixture of experts (llama.cpp's build_moe_ffn with softmax gating and normalised
-        weights, as llama-MoE and qwen3moe use it): the router picks the top-k experts per token,
-        each runs its SwiGLU FFN (ggml_mul_mat_id), and the outputs are summed with the weights."""
-        n = ggml.tensor_shape(x)[1]  # rows: fewer than the batch's tokens after the last layer's row selection
-        selected, weights = self.route(w, x, il)
-        experts = self.experts(w, ggml.reshape_3d(self.ctx, x, self.spec.n_embd, 1, n), selected, il)  # [n_embd, k, n]
-        return self.combine_experts(experts, weights, n, il)
-
     def route(self, w: LayerWeights, x: int, il: int) -> tuple[int, int]:
         """The router: top-k experts per token (I32 [k, n]) and their normalised weights (F32 [1, k, n])."""
         s, ctx = self.spec, self.ctx
@@ -244,9 +230,6 @@ class GraphBuilder:
             out = ggml.cont(ctx, out)
         return self.name(out, "ffn_moe_out", il)
 
-    def ffn(self, w: LayerWeights, x: int, il: int) -> int:
-        return self.moe_ffn(w, x, il) if w.is_moe else self.swiglu_ffn(w, x, il)
-
     def keep_output_rows(self, x: int, il: int) -> int:
         """On the model's last layer keep only the rows whose output is wanted (llama.cpp's inp_out_ids)."""
         if il != self.spec.n_layer - 1 or self.inputs.out_ids is None:
@@ -262,46 +245,24 @@ def _concat_rows(ctx: int, parts: list[int]) -> int:
     return parts[0]
 
 
-# --- one builder per architecture family: a transformer block, top to bottom ---
-# Each family writes its attention half; the FFN half (dense SwiGLU or mixture of experts, with
-# the residual) is shared, and a stage whose experts live on other nodes stops before it.
+# --- a transformer block, top to bottom: the pre-norm pair of residuals around the record's halves ---
 
-def llama_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
-    """llama (SmolLM2, Llama 2/3, Mistral, Mixtral). qwen2 is the same block with Q/K/V biases and
-    NEOX RoPE, both of which come from the model's data (bias tensors, rope mode)."""
-    inp_sa = x
+def attention_half(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
+    """ffn_inp = x + attention(attn_norm(x)), with the architecture's attention."""
     cur = b.norm(x, w.attn_norm, "attn_norm", il)
-    q, k, v = b.qkv(w, cur, il)
-    q, k = b.rope(q, "Qcur", il), b.rope(k, "Kcur", il)
-    cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
-    cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
+    cur = b.spec.arch.attention.build(b, w, cur, il)
+    cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(x, il)
     return b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
 
 
-def qwen3_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
-    """qwen3 (and qwen3moe): llama's attention plus a per-head RMSNorm on Q and K before RoPE."""
-    inp_sa = x
-    cur = b.norm(x, w.attn_norm, "attn_norm", il)
-    q, k, v = b.qkv(w, cur, il)
-    q = b.rope(b.norm(q, w.q_norm, "Qcur_normed", il), "Qcur", il)
-    k = b.rope(b.norm(k, w.k_norm, "Kcur_normed", il), "Kcur", il)
-    cur = b.name(b.attention(w, q, k, v, il), "attn_out", il)
-    cur, inp_sa = b.keep_output_rows(cur, il), b.keep_output_rows(inp_sa, il)
-    return b.name(ggml.add(b.ctx, cur, inp_sa), "ffn_inp", il)
-
-
-def ffn_block(b: GraphBuilder, w: LayerWeights, ffn_inp: int, il: int) -> int:
-    cur = b.ffn(w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
+def ffn_half(b: GraphBuilder, w: LayerWeights, ffn_inp: int, il: int) -> int:
+    """l_out = ffn_inp + ffn(ffn_norm(ffn_inp)), with the model's FFN (dense or mixture of experts)."""
+    cur = b.spec.ffn.build(b, w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
     return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
 
 
-AttentionBuilder = Callable[[GraphBuilder, LayerWeights, int, int], int]
-ATTENTION_BUILDERS: dict[str, AttentionBuilder] = {"llama": llama_attention, "qwen2": llama_attention,
-                                                   "qwen3": qwen3_attention, "qwen3moe": qwen3_attention}
-
-
 def transformer_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
-    return ffn_block(b, w, ATTENTION_BUILDERS[b.spec.architecture](b, w, x, il), il)
+    return ffn_half(b, w, attention_half(b, w, x, il), il)
 
 
 def graph_size_for(n_layers: int, n_requests: int, n_expert_used: int = 0) -> int:
@@ -349,7 +310,7 @@ def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceW
     inputs = _new_inputs(ctx, spec, SliceSpec(il, il + 1), shape)
     b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
     w = weights.layers[il]
-    ffn_inp = ATTENTION_BUILDERS[spec.architecture](b, w, inputs.embd, il)
+    ffn_inp = attention_half(b, w, inputs.embd, il)
     ffn_in = b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il)
     selected, routing = b.route(w, ffn_in, il)
     # argsort_top_k is a strided view of the full ranking: copy it contiguous to read it out

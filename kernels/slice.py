@@ -7,7 +7,8 @@
     engine.release(request_id)
 
 Each request owns a KV cache for the slice's layers. Graphs of decode steps are kept (keyed by
-the batch's shape, each with its own compute buffer) and reused while the shape holds: a steady
+the batch's shape, each with its own compute buffer: kernels.graph_cache, with their host-side
+inputs: kernels.graph_inputs) and reused while the shape holds: a steady
 decode step costs a few input copies and one ``ggml_backend_graph_compute``. Graphs that carry
 prompt chunks are built, run once and freed. A batch runs the requests' tokens through shared matmuls
 and gives each request exactly the bits it would get alone.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -28,6 +28,8 @@ from .backend import Backend
 from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
 from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
+from .graph_cache import GraphCache, PlacedGraph, place
+from .graph_inputs import InputHost
 from .kv_cache import KVCache, grown_capacity, pad_cells
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
@@ -78,60 +80,6 @@ class _Request:
         self.n_filled = 0  # positions processed so far (also the next start position)
 
 
-class _InputHost:
-    """Host-side arrays for one graph's inputs, allocated with the graph and refilled per step, so a
-    steady decode step costs a few in-place writes and one copy per input (no allocation)."""
-
-    def __init__(self, graph: SliceGraph, n_embd_kv: int, capacities: list[int], out_rows: np.ndarray) -> None:
-        shape = graph.shape
-        self.pos = np.empty(shape.n_tokens, dtype=np.int32)
-        self.members = []
-        copies = []
-        for r, cap, inp in zip(shape.requests, capacities, graph.inputs.attention):
-            member = {
-                "n": r.n_tokens,
-                "mask": np.empty((r.n_tokens, r.n_kv), dtype=np.float32),
-                "cells": np.arange(r.n_kv, dtype=np.int32),
-                "k_idxs": np.empty(r.n_tokens, dtype=np.int64),
-                "v_idxs": np.empty((r.n_tokens, n_embd_kv), dtype=np.int64),
-                "v_base": np.arange(n_embd_kv, dtype=np.int64) * cap,  # V is transposed
-            }
-            self.members.append(member)
-            copies += [(inp.kq_mask, member["mask"]), (inp.k_idxs, member["k_idxs"]), (inp.v_idxs, member["v_idxs"])]
-        self.out_ids = out_rows.astype(np.int32)
-        if graph.inputs.pos is not None:
-            copies.append((graph.inputs.pos, self.pos))
-        if graph.inputs.out_ids is not None:
-            copies.append((graph.inputs.out_ids, self.out_ids))
-        self.copies = [(t, a.ctypes.data, a.nbytes) for t, a in copies]
-        self.out_shape = ggml.tensor_shape(graph.output)[1::-1]  # (rows, width)
-
-    def fill(self, starts: list[int]) -> None:
-        offset = 0
-        for member, start in zip(self.members, starts):
-            n = member["n"]
-            pos = self.pos[offset:offset + n]
-            if n == 1:  # a decode step: the common case, kept cheap
-                pos[0] = start
-                member["mask"].fill(-np.inf)
-                member["mask"][0, : start + 1] = 0.0
-                member["k_idxs"][0] = start
-                np.add(member["v_base"], start, out=member["v_idxs"][0])
-            else:
-                pos[:] = np.arange(start, start + n, dtype=np.int32)
-                member["mask"][:] = np.where(member["cells"][None, :] <= pos[:, None], np.float32(0),
-                                             np.float32(-np.inf))
-                member["k_idxs"][:] = pos  # cell i holds position i
-                np.add(member["k_idxs"][:, None], member["v_base"][None, :], out=member["v_idxs"])
-            offset += n
-        if not self.members:  # a slice without layers still stacks positions (unused)
-            self.pos[:] = 0
-
-    def upload(self) -> None:
-        for tensor, address, size in self.copies:
-            ggml.backend_tensor_set(tensor, address, 0, size)
-
-
 class SliceEngine:
     def __init__(self, gguf: GGUFFile, slice_spec: SliceSpec, *, n_threads: int | None = None,
                  max_context: int | None = None, owns_file: bool = False,
@@ -153,13 +101,12 @@ class SliceEngine:
                                     with_experts=self.remote_experts is None, repack=repack)
         self.stats = ForwardStats()
         self._owns_file = owns_file
-        self._transient: tuple[SliceGraph, int] | None = None  # a prompt graph, freed after its one run
-        self._segments: OrderedDict[tuple, tuple[SliceGraph, _InputHost, int]] = OrderedDict()  # remote experts
+        self._transient: PlacedGraph | None = None  # a prompt graph, freed after its one run
         self._requests: dict[bytes, _Request] = {}
-        # Each kept graph owns its allocator, placed once: ggml's gallocr never re-places a tensor that
-        # already has data, so one allocator shared by graphs that take turns would leave the earlier
-        # graph pointing into a buffer it has since reallocated.
-        self._graphs: OrderedDict[GraphShape, tuple[SliceGraph, _InputHost, int]] = OrderedDict()
+        self._graphs: GraphCache[GraphShape] = GraphCache(GRAPH_CACHE_SIZE)  # decode graphs by shape
+        # (shape, layer) → one layer's graph, for remote experts
+        self._segments: GraphCache[tuple[GraphShape, int]] = GraphCache(
+            GRAPH_CACHE_SIZE * max(1, len(slice_spec.layers)))
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], slice_spec: SliceSpec, **kwargs) -> "SliceEngine":
@@ -205,19 +152,19 @@ class SliceEngine:
         for step, request, x in zip(steps, requests, inputs):
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
-        shape = self._shape_for(steps, requests, inputs)
+        shape = _graph_shape(steps, requests, inputs, self.slice.stop == self.spec.n_layer)
         if self.remote_experts is not None:
             t1 = time.perf_counter()
             outputs = self._forward_segmented(shape, requests, inputs, [s.start_pos for s in steps])
             t2 = time.perf_counter()
         else:
-            graph, host, _ = self._graph_for(shape, requests)
+            placed = self._graph_for(shape, requests)
             try:
-                self._set_inputs(graph, host, inputs, [s.start_pos for s in steps])
+                placed.host.set(inputs[0] if len(inputs) == 1 else np.concatenate(inputs), [s.start_pos for s in steps])
                 t1 = time.perf_counter()
-                self.backend.compute(graph.graph)
+                self.backend.compute(placed.graph.graph)
                 t2 = time.perf_counter()
-                outputs = self._read_outputs(graph, host)
+                outputs = placed.host.read_outputs()
             finally:
                 self._free_transient()
         for step, request, x in zip(steps, requests, inputs):
@@ -234,7 +181,7 @@ class SliceEngine:
     def check_step(self, step: Step) -> np.ndarray:
         """Validate one step against this slice and the request's state; returns its input array.
         Raises an EngineError (one line) without changing anything."""
-        x = self._check_input(step.tokens, step.hidden)
+        x = _input_array(self.slice, self.spec, step.tokens, step.hidden)
         request = self._requests.get(step.key)
         if request is None:
             if step.start_pos != 0:
@@ -255,12 +202,8 @@ class SliceEngine:
         request = self._requests.pop(key, None)
         if request is None:
             return False
-        for shape in [s for s in self._graphs if key in s.request_ids]:
-            self._drop_graph(shape)
-        for seg in [k for k in self._segments if key in k[0].request_ids]:
-            graph, _, galloc = self._segments.pop(seg)
-            ggml.gallocr_free(galloc)
-            graph.close()
+        self._graphs.drop_where(lambda shape: key in shape.request_ids)
+        self._segments.drop_where(lambda seg: key in seg[0].request_ids)
         if request.kv is not None:
             request.kv.close()
         return True
@@ -306,60 +249,24 @@ class SliceEngine:
         request = self._requests[key] = _Request(kv)
         return request
 
-    def _check_input(self, tokens, hidden) -> np.ndarray:
-        if self.slice.has_embedding:
-            if tokens is None or hidden is not None:
-                raise InputShapeError("this slice starts at the embedding: give token ids, not activations")
-            ids = np.array(tokens, dtype=np.int64).reshape(-1)
-            if ids.size == 0:
-                raise InputShapeError("no tokens to run")
-            if not (0 <= int(ids.min()) and int(ids.max()) < self.spec.n_vocab):
-                raise InputShapeError(f"token id outside the vocabulary [0, {self.spec.n_vocab})")
-            return ids.astype(np.int32)
-        if hidden is None or tokens is not None:
-            raise InputShapeError("this slice starts mid-model: give activations, not token ids")
-        act = np.asarray(hidden)
-        if act.ndim != 2 or act.shape[1] != self.spec.n_embd or act.shape[0] == 0:
-            raise InputShapeError(
-                f"activations of shape {list(act.shape)} do not fit: expected [n_tokens, {self.spec.n_embd}]")
-        return np.ascontiguousarray(act, dtype=np.float32)
-
-    def _shape_for(self, steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray]) -> GraphShape:
-        holds_last = self.slice.stop == self.spec.n_layer
-        shapes = []
-        for step, request, x in zip(steps, requests, inputs):
-            n = len(x)
-            n_outputs = 1 if (step.outputs == "last" and holds_last) else n
-            if request.kv is None:
-                shapes.append(RequestShape(n, 0, n_outputs, 0))
-            else:
-                n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
-                shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation))
-        return GraphShape(tuple(shapes), tuple(step.key for step in steps))
-
-    def _graph_for(self, shape: GraphShape, requests: list[_Request]) -> tuple[SliceGraph, _InputHost, bool]:
-        """The graph for this shape, placed in memory; the flag says it is kept (else: free after use)."""
+    def _graph_for(self, shape: GraphShape, requests: list[_Request]) -> PlacedGraph:
+        """The graph for this shape, placed in memory: kept when it is a decode step's, else freed
+        after its one run (``_free_transient``)."""
         entry = self._graphs.get(shape)
-        if entry is not None:
-            self._graphs.move_to_end(shape)
-            return entry[0], entry[1], True
-        caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
-        graph = build_slice_graph(self.spec, self.slice, self.weights, caches, shape)
-        host = _InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches], self._output_rows(shape))
-        galloc = ggml.gallocr_new(self.backend.buffer_type())
-        if not ggml.gallocr_alloc_graph(galloc, graph.graph):
-            ggml.gallocr_free(galloc)
-            graph.close()
-            raise MemoryError("cannot allocate the compute graph")
+        if entry is None:
+            caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
+            entry = self._place(build_slice_graph(self.spec, self.slice, self.weights, caches, shape), caches)
+            if shape.n_tokens <= CACHED_GRAPH_MAX_TOKENS:
+                self._graphs.put(shape, entry)
+            else:
+                self._transient = entry
+        return entry
+
+    def _place(self, graph: SliceGraph, caches: list[KVCache]) -> PlacedGraph:
+        host = InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches])
+        entry = place(graph, host, self.backend.buffer_type())  # frees the graph if it does not fit
         self.stats.graph_builds += 1
-        keep = shape.n_tokens <= CACHED_GRAPH_MAX_TOKENS
-        if keep:
-            self._graphs[shape] = (graph, host, galloc)
-            while len(self._graphs) > GRAPH_CACHE_SIZE:
-                self._drop_graph(next(iter(self._graphs)))
-        else:
-            self._transient = (graph, galloc)
-        return graph, host, keep
+        return entry
 
     def _forward_segmented(self, shape: GraphShape, requests: list[_Request], inputs: list[np.ndarray],
                            starts: list[int]) -> list[np.ndarray]:
@@ -370,10 +277,9 @@ class SliceEngine:
         k = self.spec.n_expert_used
         for il in self.slice.layers:
             moe = self.weights.layers[il].is_moe
-            graph, host = self._segment_for(shape, requests, il, moe)
-            ggml.backend_tensor_set(graph.inputs.embd, x.ctypes.data, 0, x.nbytes)
-            host.fill(starts)
-            host.upload()
+            placed = self._segment_for(shape, requests, il, moe)
+            placed.host.set(x, starts)
+            graph = placed.graph
             self.backend.compute(graph.graph)
             residual = _read(graph.output, (shape.n_tokens, self.spec.n_embd), np.float32)
             if not moe:
@@ -385,82 +291,32 @@ class SliceEngine:
             experts = np.asarray(self.remote_experts(il, ffn_in, selected), dtype=np.float32)
             if experts.shape != (shape.n_tokens, k, self.spec.n_embd):
                 raise InputShapeError(f"expert outputs of shape {list(experts.shape)} do not fit")
-            weighted = experts * weights[:, :, None]  # ggml_mul(experts, weights)
-            out = weighted[:, 0]
-            for slot in range(1, k):
-                out = out + weighted[:, slot]  # the views added in slot order
-            x = np.ascontiguousarray(out + residual, dtype=np.float32)  # l_out = moe_out + ffn_inp
+            x = _combine_experts(experts, weights, residual)
         bounds = np.cumsum([0] + [r.n_tokens for r in shape.requests])
         return [x[a:b] for a, b in zip(bounds, bounds[1:])]
 
-    def _segment_for(self, shape: GraphShape, requests: list[_Request], il: int,
-                     moe: bool) -> tuple[SliceGraph, _InputHost]:
-        key = (shape, il)
-        entry = self._segments.get(key)
+    def _segment_for(self, shape: GraphShape, requests: list[_Request], il: int, moe: bool) -> PlacedGraph:
+        """Layer ``il`` alone (up to its router when it is a MoE layer), placed and kept."""
+        entry = self._segments.get((shape, il))
         if entry is None:
             caches = [r.kv for r in requests]
             if moe:
                 graph = build_router_segment(self.spec, self.slice, self.weights, caches, shape, il)
             else:
                 graph = build_slice_graph(self.spec, SliceSpec(il, il + 1), self.weights, caches, shape)
-            host = _InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches], self._output_rows(shape))
-            galloc = ggml.gallocr_new(self.backend.buffer_type())
-            if not ggml.gallocr_alloc_graph(galloc, graph.graph):
-                raise MemoryError("cannot allocate the compute graph")
-            entry = self._segments[key] = (graph, host, galloc)
-            self.stats.graph_builds += 1
-            while len(self._segments) > GRAPH_CACHE_SIZE * max(1, len(self.slice.layers)):
-                old_graph, _, old_galloc = self._segments.pop(next(iter(self._segments)))
-                ggml.gallocr_free(old_galloc)
-                old_graph.close()
-        else:
-            self._segments.move_to_end(key)
-        return entry[0], entry[1]
-
-    @staticmethod
-    def _output_rows(shape: GraphShape) -> np.ndarray:
-        """Stacked row index of every output row (the last row of a request keeping one)."""
-        rows, start = [], 0
-        for r in shape.requests:
-            rows.extend(range(start + r.n_tokens - r.n_outputs, start + r.n_tokens))
-            start += r.n_tokens
-        return np.array(rows, dtype=np.int32)
-
-    def _drop_graph(self, shape: GraphShape) -> None:
-        graph, _, galloc = self._graphs.pop(shape)
-        ggml.gallocr_free(galloc)
-        graph.close()
+            entry = self._place(graph, caches)
+            self._segments.put((shape, il), entry)
+        return entry
 
     def _free_transient(self) -> None:
         if self._transient is not None:
-            graph, galloc = self._transient
-            ggml.gallocr_free(galloc)
-            graph.close()
+            self._transient.free()
             self._transient = None
-
-    def _set_inputs(self, graph: SliceGraph, host: _InputHost, inputs: list[np.ndarray], starts: list[int]) -> None:
-        x = inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
-        ggml.backend_tensor_set(graph.inputs.tokens if graph.inputs.tokens is not None else graph.inputs.embd,
-                                x.ctypes.data, 0, x.nbytes)
-        host.fill(starts)
-        host.upload()
-
-    def _read_outputs(self, graph: SliceGraph, host: _InputHost) -> list[np.ndarray]:
-        out = np.empty(host.out_shape, dtype=np.float32)
-        ggml.backend_tensor_get(graph.output, out.ctypes.data, 0, out.nbytes)
-        if len(graph.shape.requests) == 1:
-            return [out]
-        bounds = np.cumsum([0] + [r.n_outputs for r in graph.shape.requests])
-        return [out[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def close(self) -> None:
         for key in list(self._requests):
             self.release(key)
-        for shape in list(self._graphs):
-            self._drop_graph(shape)
-        for graph, _, galloc in self._segments.values():
-            ggml.gallocr_free(galloc)
-            graph.close()
+        self._graphs.clear()
         self._segments.clear()
         self._free_transient()
         self.weights.close()
@@ -473,6 +329,53 @@ class SliceEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _input_array(slice_spec: SliceSpec, spec: ModelSpec, tokens: Sequence[int] | np.ndarray | None,
+                 hidden: np.ndarray | None) -> np.ndarray:
+    """A step's input as the graph takes it: I32 token ids [n] for a slice with the embedding,
+    F32 activations [n, n_embd] for one fed mid-model. InputShapeError (one line) otherwise."""
+    if slice_spec.has_embedding:
+        if tokens is None or hidden is not None:
+            raise InputShapeError("this slice starts at the embedding: give token ids, not activations")
+        ids = np.array(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise InputShapeError("no tokens to run")
+        if not (0 <= int(ids.min()) and int(ids.max()) < spec.n_vocab):
+            raise InputShapeError(f"token id outside the vocabulary [0, {spec.n_vocab})")
+        return ids.astype(np.int32)
+    if hidden is None or tokens is not None:
+        raise InputShapeError("this slice starts mid-model: give activations, not token ids")
+    act = np.asarray(hidden)
+    if act.ndim != 2 or act.shape[1] != spec.n_embd or act.shape[0] == 0:
+        raise InputShapeError(
+            f"activations of shape {list(act.shape)} do not fit: expected [n_tokens, {spec.n_embd}]")
+    return np.ascontiguousarray(act, dtype=np.float32)
+
+
+def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray],
+                 holds_last: bool) -> GraphShape:
+    """The batch's graph shape; ``holds_last``: the slice ends at the model's last layer."""
+    shapes = []
+    for step, request, x in zip(steps, requests, inputs):
+        n = len(x)
+        n_outputs = 1 if (step.outputs == "last" and holds_last) else n
+        if request.kv is None:
+            shapes.append(RequestShape(n, 0, n_outputs, 0))
+        else:
+            n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
+            shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation))
+    return GraphShape(tuple(shapes), tuple(step.key for step in steps))
+
+
+def _combine_experts(experts: np.ndarray, weights: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """l_out = residual + the experts' outputs [n, k, n_embd] weighted [n, k] and added in slot
+    order, with the float32 operations the whole-layer graph performs (GraphBuilder.combine_experts)."""
+    weighted = experts * weights[:, :, None]  # ggml_mul(experts, weights)
+    out = weighted[:, 0]
+    for slot in range(1, weighted.shape[1]):
+        out = out + weighted[:, slot]  # the views added in slot order
+    return np.ascontiguousarray(out + residual, dtype=np.float32)  # l_out = moe_out + ffn_inp
 
 
 def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -5,17 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import ggml
+from .archs import Architecture, Block, architecture_for
 from .errors import ModelFileError, SliceRangeError, UnsupportedModelError
 from .gguf_file import GGUFFile
-
-# architecture → RoPE mode (llama.cpp's llama_model_rope_type)
-SUPPORTED_ARCHITECTURES: dict[str, int] = {
-    "llama": ggml.ROPE_TYPE_NORM,  # SmolLM2, Llama 2/3, Mistral
-    "qwen2": ggml.ROPE_TYPE_NEOX,  # Q/K/V biases
-    "qwen3": ggml.ROPE_TYPE_NEOX,  # per-head Q/K RMSNorm
-    "qwen3moe": ggml.ROPE_TYPE_NEOX,  # qwen3 with mixture-of-experts FFNs
-}
 
 KV_CELL_PAD = 256  # llama.cpp pads the attended KV length to this; we mirror it for identical bits
 
@@ -37,7 +29,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    architecture: str
+    architecture: str  # general.architecture; its record is ``arch``
     n_layer: int
     n_embd: int
     n_ff: int
@@ -70,14 +62,22 @@ class ModelSpec:
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.n_embd_kv * 2  # K and V, f16
 
+    @property
+    def arch(self) -> Architecture:
+        """The architecture's record (kernels.archs): its tensors and builders."""
+        return architecture_for(self.architecture)
+
+    @property
+    def ffn(self) -> Block:
+        """This model's feed-forward half: dense, or a mixture of experts when it has experts."""
+        return self.arch.feed_forward(self.n_expert)
+
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> "ModelSpec":
         arch = gguf.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelFileError(f"{gguf.path}: no general.architecture in GGUF metadata")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES)
-            raise UnsupportedModelError(f"architecture '{arch}' is not supported (supported: {supported})")
+        record = architecture_for(arch)
 
         def key(name: str, default=None, *, required: bool = False):
             value = gguf.get(f"{arch}.{name}", default)
@@ -97,7 +97,8 @@ class ModelSpec:
             n_vocab = gguf.tensors["token_embd.weight"].shape[1]
         n_ctx_train = int(key("context_length", 4096))
         n_expert = int(key("expert_count", 0) or 0)
-        rope = _rope_config(gguf, arch, head_dim, n_ctx_train)
+        record.feed_forward(n_expert)  # refuses experts the architecture has no layers for, or their absence
+        rope = _rope_config(gguf, arch, record.rope_mode, head_dim, n_ctx_train)
         attention_scale = float(key("attention.scale", 0.0) or 0.0) or 1.0 / math.sqrt(head_dim)
 
         layer_bytes = [0] * n_layer
@@ -148,7 +149,7 @@ def layer_of(tensor_name: str) -> int | None:
     return int(index) if index.isdigit() else None
 
 
-def _rope_config(gguf: GGUFFile, arch: str, head_dim: int, n_ctx_train: int) -> RopeConfig:
+def _rope_config(gguf: GGUFFile, arch: str, mode: int, head_dim: int, n_ctx_train: int) -> RopeConfig:
     def key(name: str, default):
         value = gguf.get(f"{arch}.rope.{name}", default)
         return default if value is None else value
@@ -164,7 +165,7 @@ def _rope_config(gguf: GGUFFile, arch: str, head_dim: int, n_ctx_train: int) -> 
         raise UnsupportedModelError("YaRN with a log multiplier (DeepSeek-style) is not supported")
     attn_factor = float(key("scaling.attn_factor", 1.0))
     return RopeConfig(
-        mode=SUPPORTED_ARCHITECTURES[arch],
+        mode=mode,
         n_dims=int(key("dimension_count", head_dim)),
         freq_base=float(key("freq_base", 10000.0)),
         freq_scale=freq_scale,

@@ -2,7 +2,8 @@
 
 Only the slice's own tensors become ggml tensors; each one points into the map, so the pages a
 slice touches are exactly the bytes it serves. Quantized tensors stay quantized.
-GGUF names are translated to field names here, once, never inside the math.
+GGUF names are translated to field names here, once, never inside the math: the architecture's
+record (kernels.archs) lists the tensors, which of them are required, and their shapes.
 
 ``repack=True`` copies the matrices that ggml's CPU_REPACK buffer type has a layout for (Q4_0,
 Q4_K, IQ4_NL, ... on AVX2 / NEON CPUs; see ``Backend.repack_buffer_type``) into that buffer, which
@@ -15,48 +16,19 @@ not bit for bit). The repacked copy replaces the mapped pages, which are release
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from . import ggml
+from .archs import LayerTensor
 from .backend import Backend
 from .errors import UnsupportedModelError
 from .gguf_file import GGUFFile, TensorInfo
 from .spec import ModelSpec, SliceSpec
 
-# field name → GGUF tensor name inside "blk.{il}."
-_LAYER_TENSOR_NAMES = {
-    "attn_norm": "attn_norm.weight",
-    "wq": "attn_q.weight",
-    "wk": "attn_k.weight",
-    "wv": "attn_v.weight",
-    "wo": "attn_output.weight",
-    "bq": "attn_q.bias",
-    "bk": "attn_k.bias",
-    "bv": "attn_v.bias",
-    "bo": "attn_output.bias",
-    "q_norm": "attn_q_norm.weight",
-    "k_norm": "attn_k_norm.weight",
-    "ffn_norm": "ffn_norm.weight",
-    "ffn_gate": "ffn_gate.weight",
-    "ffn_up": "ffn_up.weight",
-    "ffn_down": "ffn_down.weight",
-    "ffn_gate_inp": "ffn_gate_inp.weight",
-    "ffn_gate_exps": "ffn_gate_exps.weight",
-    "ffn_up_exps": "ffn_up_exps.weight",
-    "ffn_down_exps": "ffn_down_exps.weight",
-}
-# Fields whose tensor only ever feeds ggml_mul_mat as its weight (kernels.graph); "output" too,
-# unless the slice also looks rows up in it (tied embeddings with the embedding in the slice).
-_MATMUL_ONLY = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down", "output")
-_REQUIRED_DENSE = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-_EXPERT_FIELDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-_REQUIRED_MOE = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps",
-                 "ffn_up_exps", "ffn_down_exps")
-
-
 @dataclass
 class LayerWeights:
-    """One transformer block. Each field is a ggml tensor address, or None when the model lacks it."""
+    """One transformer block. Each field is a ggml tensor address, or None when the model lacks it.
+    The fields are the union of the records' LayerTensor fields (kernels.archs)."""
 
     attn_norm: int
     wq: int  # [n_embd, n_head * head_dim]
@@ -110,7 +82,7 @@ class SliceWeights:
         self.tensor_names: tuple[str, ...] = tuple(info.name for info in infos)
         self.n_bytes = sum(info.n_bytes for info in infos)
         buft = backend.repack_buffer_type() if repack else None
-        to_repack = _repackable(_matmul_only(wanted), gguf, buft) if buft else []
+        to_repack = _repackable(_matmul_only(wanted, _matmul_fields(spec)), gguf, buft) if buft else []
         self.repacked: tuple[str, ...] = tuple(info.name for info in to_repack)
         mapped = [info for info in infos if info.name not in self.repacked]
         self._ctx = ggml.new_context(len(mapped) + 1)
@@ -145,35 +117,30 @@ class SliceWeights:
         return tensors
 
     def _tensor_names(self, gguf: GGUFFile, spec: ModelSpec, s: SliceSpec) -> dict[tuple[str, int], str]:
-        """(field, layer) → GGUF tensor name, for every tensor this slice needs; layer -1 = global."""
+        """(field, layer) → GGUF tensor name, for every tensor this slice needs; layer -1 = global.
+        Exactly the tensors the architecture's record lists, in its order."""
+        tensors = spec.arch.layer_tensors(spec.n_expert)
         names: dict[tuple[str, int], str] = {}
+        if s.stop > s.start and spec.n_expert and not 0 < spec.n_expert_used <= spec.n_expert:
+            raise UnsupportedModelError(f"{spec.n_expert_used} experts used per token of {spec.n_expert}")
         for il in s.layers:
-            for field_name, suffix in _LAYER_TENSOR_NAMES.items():
-                name = f"blk.{il}.{suffix}"
-                if name in gguf.tensors:
-                    names[(field_name, il)] = name
-            required = _REQUIRED_MOE if (("ffn_gate_inp", il) in names) else _REQUIRED_DENSE
-            _check_layer_shapes(gguf, spec, il, {f: n for (f, l), n in names.items() if l == il})
-            if not self.with_experts:
-                for field_name in _EXPERT_FIELDS:
-                    names.pop((field_name, il), None)
-                required = tuple(f for f in required if f not in _EXPERT_FIELDS)
-            for field_name in required:
-                if (field_name, il) not in names:
-                    raise UnsupportedModelError(
-                        f"tensor blk.{il}.{_LAYER_TENSOR_NAMES[field_name]} is missing from the model"
-                    )
-        if s.stop > s.start and "rope_freqs.weight" in gguf.tensors:
-            names[("rope_freqs", -1)] = "rope_freqs.weight"
-        if s.has_embedding:
-            names[("tok_embd", -1)] = "token_embd.weight"
-        if s.has_lm_head:
-            if "output_norm.weight" not in gguf.tensors:
-                raise UnsupportedModelError("tensor output_norm.weight is missing from the model")
-            names[("output_norm", -1)] = "output_norm.weight"
-            names[("output", -1)] = "token_embd.weight" if spec.tied_embeddings else "output.weight"
-            if "output.bias" in gguf.tensors:
-                names[("output_b", -1)] = "output.bias"
+            present = {t.field: t.gguf_name(il) for t in tensors if t.gguf_name(il) in gguf.tensors}
+            for t in tensors:
+                if t.required and t.field not in present and (self.with_experts or not t.expert):
+                    raise UnsupportedModelError(f"tensor {t.gguf_name(il)} is missing from the model")
+            _check_layer_shapes(gguf, spec, tensors, present)
+            # A stage whose experts live on other nodes leaves their slabs unmapped.
+            names.update(((t.field, il), present[t.field]) for t in tensors
+                         if t.field in present and (self.with_experts or not t.expert))
+        holds = {"layers": s.stop > s.start, "embedding": s.has_embedding, "lm_head": s.has_lm_head}
+        for t in spec.arch.model_tensors:
+            if not holds[t.part]:
+                continue
+            name = t.name if t.name in gguf.tensors or t.fallback is None else t.fallback
+            if name in gguf.tensors:
+                names[(t.field, -1)] = name
+            elif t.required:
+                raise UnsupportedModelError(f"tensor {t.name} is missing from the model")
         return names
 
     def _map_tensor(self, info: TensorInfo, address: int) -> int:
@@ -191,9 +158,8 @@ class SliceWeights:
                 setattr(self, field_name, by_name[name])
             else:
                 per_layer.setdefault(il, {})[field_name] = by_name[name]
-        known = {f.name for f in fields(LayerWeights)}
         for il, tensors in per_layer.items():
-            self.layers[il] = LayerWeights(**{k: v for k, v in tensors.items() if k in known})
+            self.layers[il] = LayerWeights(**tensors)
 
     def close(self) -> None:
         for buffer in ("_buffer", "_repack_buffer"):
@@ -212,41 +178,42 @@ class SliceWeights:
         self.close()
 
 
-def _check_layer_shapes(gguf: GGUFFile, spec: ModelSpec, il: int, names: dict[str, str]) -> None:
-    """Refuse a layout the graph builders would feed to ggml wrongly (ggml aborts on a bad shape)."""
-    e, q, kv = spec.n_embd, spec.n_embd_q, spec.n_embd_kv
-    expected = {"attn_norm": (e,), "wq": (e, q), "wk": (e, kv), "wv": (e, kv), "wo": (q, e), "ffn_norm": (e,),
-                "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (e,),
-                "q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,)}
-    for field_name, shape in expected.items():
-        name = names.get(field_name)
-        if name is not None and gguf.tensors[name].shape != shape:
-            raise UnsupportedModelError(
-                f"tensor {name} has shape {list(gguf.tensors[name].shape)}, expected {list(shape)}"
-            )
-    if "ffn_gate_inp" in names:
-        n_ff = gguf.tensors[names["ffn_up_exps"]].shape[1]
-        x = spec.n_expert
-        moe = {"ffn_gate_inp": (e, x), "ffn_gate_exps": (e, n_ff, x), "ffn_up_exps": (e, n_ff, x),
-               "ffn_down_exps": (n_ff, e, x)}
-        for field_name, shape in moe.items():
-            if gguf.tensors[names[field_name]].shape != shape:
-                raise UnsupportedModelError(f"tensor {names[field_name]} has shape "
-                                            f"{list(gguf.tensors[names[field_name]].shape)}, expected {list(shape)}")
-        if not 0 < spec.n_expert_used <= spec.n_expert:
-            raise UnsupportedModelError(f"{spec.n_expert_used} experts used per token of {spec.n_expert}")
-    if "ffn_gate" in names:
-        n_ff = gguf.tensors[names["ffn_up"]].shape[1]
-        for field_name, shape in (("ffn_gate", (e, n_ff)), ("ffn_up", (e, n_ff)), ("ffn_down", (n_ff, e))):
-            if gguf.tensors[names[field_name]].shape != shape:
-                raise UnsupportedModelError(f"tensor {names[field_name]} has an unexpected shape")
+def _check_layer_shapes(gguf: GGUFFile, spec: ModelSpec, tensors: tuple[LayerTensor, ...],
+                        present: dict[str, str]) -> None:
+    """Refuse a layout the graph builders would feed to ggml wrongly (ggml aborts on a bad shape).
+    Dimensions come from the spec; one the metadata does not fix (an FFN's width) is read from the
+    first of the layer's tensors that has it, and every later tensor must agree."""
+    dims: dict[str, int] = {"n_embd": spec.n_embd, "n_embd_q": spec.n_embd_q, "n_embd_kv": spec.n_embd_kv,
+                            "head_dim": spec.head_dim, "n_expert": spec.n_expert}
+    for t in tensors:
+        name = present.get(t.field)
+        if name is None:
+            continue
+        shape = tuple(gguf.tensors[name].shape)
+        if len(shape) == len(t.shape):
+            for dim, n in zip(t.shape, shape):
+                dims.setdefault(dim, n)
+        expected = tuple(dims.get(dim, dim) for dim in t.shape)  # a dimension never read shows by name
+        if shape != expected:
+            raise UnsupportedModelError(f"tensor {name} has shape {_dims(shape)}, expected {_dims(expected)}")
 
 
-def _matmul_only(wanted: dict[tuple[str, int], str]) -> list[str]:
+def _dims(shape: tuple[int | str, ...]) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+def _matmul_only(wanted: dict[tuple[str, int], str], matmul_fields: set[str]) -> list[str]:
     """GGUF names of the slice's tensors that feed nothing but ggml_mul_mat."""
-    other_uses = {name for (field_name, _), name in wanted.items() if field_name not in _MATMUL_ONLY}
+    other_uses = {name for (field_name, _), name in wanted.items() if field_name not in matmul_fields}
     return list(dict.fromkeys(name for (field_name, _), name in wanted.items()
-                              if field_name in _MATMUL_ONLY and name not in other_uses))
+                              if field_name in matmul_fields and name not in other_uses))
+
+
+def _matmul_fields(spec: ModelSpec) -> set[str]:
+    """Fields whose tensor only ever feeds ggml_mul_mat as its weight, as the record marks them
+    ("output" too: unless the slice also looks rows up in it, as a tied LM head with the embedding)."""
+    tensors = (*spec.arch.layer_tensors(spec.n_expert), *spec.arch.model_tensors)
+    return {t.field for t in tensors if t.matmul_only}
 
 
 def _repackable(names: list[str], gguf: GGUFFile, buft: int) -> list[TensorInfo]:

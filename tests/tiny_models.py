@@ -30,6 +30,7 @@ class TinyConfig:
     seed: int = 0
     n_expert: int = 0  # > 0: mixture-of-experts FFNs (llama-MoE, or arch "qwen3moe")
     n_expert_used: int = 2
+    omit: tuple[str, ...] = ()  # GGUF tensor names left out (a model missing a tensor, for error tests)
 
     @property
     def head_dim(self) -> int:
@@ -83,17 +84,21 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
             writer.add_expert_feed_forward_length(cfg.n_ff)
     qtype = gguf.GGMLQuantizationType[cfg.qtype]
 
+    def add(name: str, data: np.ndarray, **kwargs) -> None:
+        if name not in cfg.omit:
+            writer.add_tensor(name, data, **kwargs)
+
     def matrix(name: str, rows: int, cols: int, scale: float | None = None, experts: int = 0) -> None:
         """A [cols, rows(, experts)] ggml tensor (numpy shape ([experts,] rows, cols)), quantized if asked."""
         shape = (experts, rows, cols) if experts else (rows, cols)
         data = rng.standard_normal(shape).astype(np.float32) * (scale or cols ** -0.5)
         if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, data)
+            add(name, data)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            add(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
     def vector(name: str, n: int, center: float, spread: float) -> None:
-        writer.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+        add(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
 
     e, q, kv, ff = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_ff
     matrix("token_embd.weight", n_vocab, e, scale=1.0)
@@ -118,8 +123,8 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
             vector(p + "attn_k_norm.weight", cfg.head_dim, 1.0, 0.1)
         vector(p + "ffn_norm.weight", e, 1.0, 0.1)
         if cfg.n_expert:
-            writer.add_tensor(p + "ffn_gate_inp.weight",  # the router stays F32, as converters leave it
-                              (rng.standard_normal((cfg.n_expert, e)) * e ** -0.5).astype(np.float32))
+            add(p + "ffn_gate_inp.weight",  # the router stays F32, as converters leave it
+                (rng.standard_normal((cfg.n_expert, e)) * e ** -0.5).astype(np.float32))
             matrix(p + "ffn_gate_exps.weight", ff, e, experts=cfg.n_expert)
             matrix(p + "ffn_up_exps.weight", ff, e, experts=cfg.n_expert)
             matrix(p + "ffn_down_exps.weight", e, ff, experts=cfg.n_expert)

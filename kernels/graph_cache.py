@@ -1,0 +1,77 @@
+"""Placed compute graphs, kept for reuse: one cache class for the slice engine's whole-slice
+graphs and its per-layer segments (remote experts).
+
+A placed graph owns its allocator (ggml's gallocr): gallocr never re-places a tensor that already
+has data, so one allocator shared by graphs that take turns would leave an earlier graph pointing
+into a buffer it has since reallocated. Placing frees what it made when the allocation fails, and
+dropping a graph frees both, so no path leaks an allocator.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from . import ggml
+from .graph import SliceGraph
+
+if TYPE_CHECKING:
+    from .graph_inputs import InputHost
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass
+class PlacedGraph:
+    """A graph ready to run: built, its tensors placed by its own allocator, its host inputs made."""
+
+    graph: SliceGraph
+    host: InputHost
+    galloc: int  # ggml_gallocr_t
+
+    def free(self) -> None:
+        ggml.gallocr_free(self.galloc)
+        self.graph.close()
+
+
+def place(graph: SliceGraph, host: InputHost, buffer_type: int) -> PlacedGraph:
+    """``graph`` placed in memory by an allocator of its own. If it does not fit, the allocator
+    and the graph are freed and MemoryError raised: nothing is left behind."""
+    galloc = ggml.gallocr_new(buffer_type)
+    if not galloc or not ggml.gallocr_alloc_graph(galloc, graph.graph):
+        if galloc:
+            ggml.gallocr_free(galloc)
+        graph.close()
+        raise MemoryError("cannot allocate the compute graph")
+    return PlacedGraph(graph, host, galloc)
+
+
+class GraphCache(Generic[K]):
+    """Placed graphs by key, the least recently used dropped once there are more than ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[K, PlacedGraph] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> PlacedGraph | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: K, entry: PlacedGraph) -> None:
+        self._entries[key] = entry
+        while len(self._entries) > self.capacity:
+            self._entries.pop(next(iter(self._entries))).free()
+
+    def drop_where(self, doomed: Callable[[K], bool]) -> None:
+        for key in [k for k in self._entries if doomed(k)]:
+            self._entries.pop(key).free()
+
+    def clear(self) -> None:
+        self.drop_where(lambda _: True)

@@ -1,0 +1,91 @@
+"""A graph's inputs on the host side: numpy arrays allocated once with the graph, refilled for
+each step (positions, each request's mask and KV cell indices) and copied into the graph's
+placeholders, and its outputs read back per request."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml
+from .graph import GraphShape, SliceGraph
+
+
+class InputHost:
+    """Host-side arrays for one graph's inputs, allocated with the graph and refilled per step, so a
+    steady decode step costs a few in-place writes and one copy per input (no allocation)."""
+
+    def __init__(self, graph: SliceGraph, n_embd_kv: int, capacities: list[int]) -> None:
+        """``capacities``: the KV cells of each request's cache, in the graph's order."""
+        self.graph = graph
+        shape = graph.shape
+        self.pos = np.empty(shape.n_tokens, dtype=np.int32)
+        self.members = []
+        copies = []
+        for r, cap, inp in zip(shape.requests, capacities, graph.inputs.attention):
+            member = {
+                "n": r.n_tokens,
+                "mask": np.empty((r.n_tokens, r.n_kv), dtype=np.float32),
+                "cells": np.arange(r.n_kv, dtype=np.int32),
+                "k_idxs": np.empty(r.n_tokens, dtype=np.int64),
+                "v_idxs": np.empty((r.n_tokens, n_embd_kv), dtype=np.int64),
+                "v_base": np.arange(n_embd_kv, dtype=np.int64) * cap,  # V is transposed
+            }
+            self.members.append(member)
+            copies += [(inp.kq_mask, member["mask"]), (inp.k_idxs, member["k_idxs"]), (inp.v_idxs, member["v_idxs"])]
+        self.out_ids = output_rows(shape)
+        if graph.inputs.pos is not None:
+            copies.append((graph.inputs.pos, self.pos))
+        if graph.inputs.out_ids is not None:
+            copies.append((graph.inputs.out_ids, self.out_ids))
+        self.copies = [(t, a.ctypes.data, a.nbytes) for t, a in copies]
+        self.out_shape = ggml.tensor_shape(graph.output)[1::-1]  # (rows, width)
+
+    def fill(self, starts: list[int]) -> None:
+        offset = 0
+        for member, start in zip(self.members, starts):
+            n = member["n"]
+            pos = self.pos[offset:offset + n]
+            if n == 1:  # a decode step: the common case, kept cheap
+                pos[0] = start
+                member["mask"].fill(-np.inf)
+                member["mask"][0, : start + 1] = 0.0
+                member["k_idxs"][0] = start
+                np.add(member["v_base"], start, out=member["v_idxs"][0])
+            else:
+                pos[:] = np.arange(start, start + n, dtype=np.int32)
+                member["mask"][:] = np.where(member["cells"][None, :] <= pos[:, None], np.float32(0),
+                                             np.float32(-np.inf))
+                member["k_idxs"][:] = pos  # cell i holds position i
+                np.add(member["k_idxs"][:, None], member["v_base"][None, :], out=member["v_idxs"])
+            offset += n
+        if not self.members:  # a slice without layers still stacks positions (unused)
+            self.pos[:] = 0
+
+    def upload(self) -> None:
+        for tensor, address, size in self.copies:
+            ggml.backend_tensor_set(tensor, address, 0, size)
+
+    def set(self, x: np.ndarray, starts: list[int]) -> None:
+        """Copy in the batch's stacked input (token ids or activations) and every placeholder."""
+        inputs = self.graph.inputs
+        ggml.backend_tensor_set(inputs.tokens if inputs.tokens is not None else inputs.embd, x.ctypes.data, 0, x.nbytes)
+        self.fill(starts)
+        self.upload()
+
+    def read_outputs(self) -> list[np.ndarray]:
+        """The graph's output rows, one array per request."""
+        out = np.empty(self.out_shape, dtype=np.float32)
+        ggml.backend_tensor_get(self.graph.output, out.ctypes.data, 0, out.nbytes)
+        if len(self.graph.shape.requests) == 1:
+            return [out]
+        bounds = np.cumsum([0] + [r.n_outputs for r in self.graph.shape.requests])
+        return [out[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def output_rows(shape: GraphShape) -> np.ndarray:
+    """Stacked row index of every output row (the last row of a request keeping one)."""
+    rows, start = [], 0
+    for r in shape.requests:
+        rows.extend(range(start + r.n_tokens - r.n_outputs, start + r.n_tokens))
+        start += r.n_tokens
+    return np.array(rows, dtype=np.int32)
