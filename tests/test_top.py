@@ -6,13 +6,15 @@ Regenerate the golden files after an intended change of the picture:
     SWARMCTL_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_top.py -k golden
 The recorded feed (tests/snapshots/top/feed.jsonl) is what `swarmctl top --record` wrote in the
 tmux session of `python docs/make_top_screenshot.py`, which also draws docs/top-screenshot.svg
-from it: that SVG is the colour golden file.
+from it: that SVG is the colour golden file. (Since typed messages it has been read and written
+again by the recorder, which spells out every field of the message types; the polls are the same.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 from rich.console import Console
 
 from kernels.sampling import SamplingParams
+from net.messages import MemberStatus, RecoveryStatus, Stats, Status
 from swarmctl.asker import Asker, generate_all
 from swarmctl.cli import main as cli_main
 from swarmctl.home import SwarmHome
@@ -28,7 +31,7 @@ from swarmctl.local_swarm import LocalSwarm, free_udp_port
 from swarmctl.membership import create_swarm
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.poller import Monitor, MonitorConfig
-from swarmctl.monitor.recording import Recorder, ReplayFeed, read_recording
+from swarmctl.monitor.recording import Recorder, RecordingError, ReplayFeed, read_recording
 from swarmctl.swarm_client import SwarmLink
 from swarmctl.tui.app import TopApp
 from swarmctl.tui.chart import IDLE, lane_cells
@@ -43,18 +46,28 @@ UPDATE = bool(os.environ.get("SWARMCTL_UPDATE_SNAPSHOTS"))
 
 # --- the arithmetic, on small hand-made polls ---
 
-def _status(*trunks: tuple[str, int, int]) -> dict:
-    members = [{"name": "host", "role": "host", "address": "127.0.0.1:7470", "layers": None, "memory": None,
-                "health": "up (host)"}]
-    members += [{"name": n, "role": "trunk", "address": f"127.0.0.1:{7471 + i}", "layers": [a, b],
-                 "memory": 4_000_000_000, "health": "ready"} for i, (n, a, b) in enumerate(trunks)]
-    return {"swarm": "s", "model": "m.gguf", "plan_version": 3, "complete": True, "missing_layers": [],
-            "members": members}
+def _member(name: str, role: str, address: str, layers: list[int] | None, memory: int | None,
+            health: str) -> MemberStatus:
+    return MemberStatus(name=name, role=role, may=role, address=address, health=health, layers=layers, memory=memory)
 
 
-def _stats(clock: float, batches: list, steps: int, requests: tuple = ()) -> dict:
-    return {"time": clock, "recent_batches": batches, "requests_detail": list(requests), "queue_depth": 2,
-            "rss": 90_000_000, "steps": steps}
+def _status(*trunks: tuple[str, int, int], down: tuple[str, ...] = ()) -> Status:
+    """Stages ``trunks`` (name, first layer, end), then trunks the host calls down (no layers)."""
+    members = [_member("host", "host", "127.0.0.1:7470", None, None, "up (host)")]
+    members += [_member(n, "trunk", f"127.0.0.1:{7471 + i}", [a, b], 4_000_000_000, "ready")
+                for i, (n, a, b) in enumerate(trunks)]
+    members += [_member(n, "trunk", f"127.0.0.1:{7490 + i}", None, 4_000_000_000, "down") for i, n in enumerate(down)]
+    return Status(swarm="s", model="m.gguf", n_layer=26, head_layers=4, plan_version=3, complete=True,
+                  missing_layers=[], members=members, objective="", expected_ms_per_token=0.0,
+                  expected_tokens_per_s=0.0, bottleneck="", warnings=[], recovery=RecoveryStatus())
+
+
+def _stats(clock: float, batches: list, steps: int, requests: tuple = ()) -> Stats:
+    return Stats(name="", role="stage", layers=None, expert_range=None, time=clock, recent_batches=batches,
+                 requests_detail=list(requests), requests=0, routes=0, kv_bytes=0, peak_kv_bytes=0, queue_depth=2,
+                 batches=0, steps=steps, tokens=0, busy_s=0.0, largest_batch=0, tensor_bytes=0, budget={},
+                 open_streams=0, request_locks=0, rss=90_000_000, peak_rss=0, fetched_bytes=0, expert_rows_served=0,
+                 expert_call_bytes=0, activation_bytes_sent=0, ms_per_layer_token=None)
 
 
 def test_occupancy_rates_and_letters_from_polls():
@@ -123,6 +136,33 @@ def test_recording_round_trip(tmp_path):
     assert len(again) == len(polls) > 10
     assert again[-1].stats == polls[-1].stats and again[-1].status == polls[-1].status
     assert path.stat().st_size <= FEED.stat().st_size * 1.01  # only new batches are written
+
+
+def test_a_recording_from_before_may_and_budget_replays(tmp_path):
+    """Recordings made before members reported ``may`` and trunks ``budget``, ``open_streams`` and
+    ``request_locks`` still replay (the committed feed was such a recording, rewritten since)."""
+    polls = read_recording(FEED)
+    path = tmp_path / "older.jsonl"
+    with open(path, "w") as f:
+        f.write(FEED.read_text().splitlines()[0] + "\n")
+        for poll in polls[:3]:
+            d = poll.to_dict()
+            for member in d["status"]["members"]:
+                del member["may"]
+            for stats in d["stats"].values():
+                for key in ("budget", "open_streams", "request_locks"):
+                    del stats[key]
+            f.write(json.dumps(d) + "\n")
+    assert read_recording(path) == polls[:3]
+
+
+def test_a_recorded_poll_of_the_wrong_shape_is_one_line(tmp_path):
+    lines = FEED.read_text().splitlines()
+    poll = json.loads(lines[1])
+    poll["status"]["members"][0]["layers"] = "all of them"
+    (tmp_path / "bad.jsonl").write_text(lines[0] + "\n" + json.dumps(poll) + "\n")
+    with pytest.raises(RecordingError, match=r"line 2: not a recorded poll \(Expected `array \| null`, got `str`"):
+        read_recording(tmp_path / "bad.jsonl")
 
 
 # --- the screen from the recorded feed, against golden files ---
@@ -196,9 +236,7 @@ def test_golden_svg_from_recorded_feed():
 def test_one_stage_and_a_node_the_host_calls_down_that_answers_our_ping():
     """One stage is "1 stage"; a node the host counts down while it answers this screen's ping is
     not shown as plain "down" (one that does not answer is)."""
-    status = _status(("amy", 4, 26))
-    status["members"] += [{"name": n, "role": "trunk", "address": f"127.0.0.1:{7490 + i}", "layers": None,
-                           "memory": 4_000_000_000, "health": "down"} for i, n in enumerate(("bob", "carol"))]
+    status = _status(("amy", 4, 26), down=("bob", "carol"))
     poll = RawPoll(time.time(), 0.01, status, stats={"amy": _stats(5.0, [], 0)}, pings_ms={"amy": 1.0, "bob": 2.5})
     text, _ = asyncio.run(_render(ReplayFeed([poll], realtime=False), []))
     assert " · 1 stage · " in text and "1 stages" not in text

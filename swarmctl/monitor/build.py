@@ -1,10 +1,11 @@
 """From raw polls to snapshots: the arithmetic of occupancy, rates and request marks.
 
-Pure: a ``RawPoll`` is the host's answers and each trunk's ``stats`` exactly as they came over
-the wire; ``SnapshotBuilder.add`` turns a sequence of them into ``SwarmSnapshot``s. The only
-state it keeps between polls is what needs history: the swarm-wide rate (a counter's growth from
-one poll to the next) and the letter each request keeps in the chart while it is visible.
-Recorded polls replayed through it give the same snapshots, which is what the view tests use.
+Pure: a ``RawPoll`` is the host's answers and each trunk's ``stats`` as they came over the wire,
+decoded into their message types (net/messages.py); ``SnapshotBuilder.add`` turns a sequence of
+them into ``SwarmSnapshot``s. The only state it keeps between polls is what needs history: the
+swarm-wide rate (a counter's growth from one poll to the next) and the letter each request keeps
+in the chart while it is visible. Recorded polls replayed through it give the same snapshots,
+which is what the view tests use.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 import string
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
+import msgspec
+
+from net.messages import MemberStatus, NodeInfo, Stats, Status
 from swarmctl.monitor.snapshot import Batch, Lane, NodeView, PlanView, RequestView, SwarmSnapshot, waiting_snapshot
 
 LETTERS = string.ascii_lowercase + string.ascii_uppercase
@@ -22,26 +27,35 @@ HISTORY = 240  # polls of swarm-wide tok/s kept for the sparkline (2 minutes at 
 MIN_RATE_SPAN_S = 1.0  # a request seen for less than this is rated over this, not over a few ms
 
 
-@dataclass(frozen=True)
-class RawPoll:
-    """One round of questions to the swarm, answers as received (JSON-shaped, for recording)."""
+class RawPoll(msgspec.Struct, frozen=True):
+    """One round of questions to the swarm, the answers as received (for recording: ``to_dict``
+    is plain JSON-shaped data, ``from_dict`` reads it back and checks it)."""
 
     taken_at: float  # unix time when the poll started
     poll_s: float  # how long the whole poll took
-    status: dict | None  # the host's "status" reply; None when the host could not be asked
-    nodes: list[dict] | None = None  # the host's "nodes" reply: device and measured links per trunk
-    stats: dict[str, dict] = field(default_factory=dict)  # trunk name → its "stats" reply
-    pings_ms: dict[str, float] = field(default_factory=dict)  # trunk name → QUIC ping from here
-    stats_errors: dict[str, str] = field(default_factory=dict)  # trunk name → why no stats
+    status: Status | None  # the host's "status" reply; None when the host could not be asked
+    nodes: list[NodeInfo] | None = None  # the host's "nodes" reply: device and measured links per trunk
+    stats: dict[str, Stats] = {}  # trunk name → its "stats" reply
+    pings_ms: dict[str, float] = {}  # trunk name → QUIC ping from here
+    stats_errors: dict[str, str] = {}  # trunk name → why no stats
     host_error: str = ""
     retry_in_s: float = 0.0
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RawPoll":
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+    def from_dict(cls, d: dict[str, Any]) -> "RawPoll":
+        """Raises msgspec.ValidationError (a ValueError) naming the field that is wrong."""
+        return msgspec.convert(d, cls, strict=False)
+
+
+class _Held(msgspec.Struct, frozen=True):
+    """One entry of a trunk's ``requests_detail`` (``Stats`` types it only as a dict)."""
+
+    id: str
+    position: int
+    idle_s: float
 
 
 @dataclass(frozen=True)
@@ -52,9 +66,10 @@ class _StageBatches:
     spans: tuple[tuple[float, float, tuple[str, ...]], ...]
 
     @classmethod
-    def from_stats(cls, stats: dict) -> "_StageBatches":
-        spans = tuple((float(b[0]), float(b[1]), tuple(str(r) for r in b[3])) for b in stats.get("recent_batches", ()))
-        return cls(float(stats["time"]), spans)
+    def from_stats(cls, stats: Stats) -> "_StageBatches":
+        # each batch is [started, seconds, tokens, [request ids]] (Stats types it as a list of Any)
+        spans = tuple((float(b[0]), float(b[1]), tuple(str(r) for r in b[3])) for b in stats.recent_batches)
+        return cls(stats.time, spans)
 
     def busy_fraction(self, window_s: float) -> float:
         """The share of the last ``window_s`` seconds during which the engine ran a batch."""
@@ -86,23 +101,24 @@ class SnapshotBuilder:
         self._last_good: SwarmSnapshot | None = None
 
     def add(self, poll: RawPoll) -> SwarmSnapshot:
+        """The next snapshot. A malformed trunk entry raises ValueError, IndexError or TypeError."""
         self._seq += 1
         if poll.status is None:
             return self._unreachable(poll)
         status = poll.status
-        members = list(status.get("members", []))
-        stages = sorted((m for m in members if m.get("layers")), key=lambda m: m["layers"][0])
+        members = status.members
+        stages = sorted((m for m in members if m.layers), key=lambda m: m.layers[0])
         batches = {name: _StageBatches.from_stats(s) for name, s in poll.stats.items()}
-        self._assign_letters(stages, batches, poll.stats)
-        reference = next((m["name"] for m in stages if m["name"] in batches), None)
+        held = {name: _held(s) for name, s in poll.stats.items()}
+        self._assign_letters(stages, batches, held)
+        reference = next((m.name for m in stages if m.name in batches), None)
         snapshot = SwarmSnapshot(
             seq=self._seq, taken_at=poll.taken_at, poll_ms=poll.poll_s * 1e3, window_s=self.window_s,
-            swarm=str(status.get("swarm", "")), model=str(status.get("model", "")),
-            plan_version=int(status.get("plan_version", 0)), complete=bool(status.get("complete")),
-            missing_layers=tuple((int(a), int(b)) for a, b in status.get("missing_layers", ())),
+            swarm=status.swarm, model=status.model, plan_version=status.plan_version, complete=status.complete,
+            missing_layers=tuple((int(a), int(b)) for a, b in status.missing_layers),
             nodes=self._nodes(members, stages, poll, batches),
-            lanes=tuple(self._lane(m, batches.get(m["name"])) for m in stages),
-            requests=self._requests(stages, poll.stats, batches.get(reference) if reference else None),
+            lanes=tuple(self._lane(m, batches.get(m.name)) for m in stages),
+            requests=self._requests(stages, held, batches.get(reference) if reference else None),
             tok_s_history=self._rate(reference, poll.stats.get(reference or ""), batches.get(reference or ""),
                                      poll.taken_at),
             history_s=self._history_times[-1] - self._history_times[0], plan=_plan_view(status))
@@ -118,57 +134,58 @@ class SnapshotBuilder:
             return dataclasses.replace(waiting_snapshot(banner), seq=self._seq, taken_at=poll.taken_at)
         return dataclasses.replace(self._last_good, seq=self._seq, banner=banner, stale=True)
 
-    def _nodes(self, members: list[dict], stages: list[dict], poll: RawPoll,
+    def _nodes(self, members: list[MemberStatus], stages: list[MemberStatus], poll: RawPoll,
                batches: dict[str, _StageBatches]) -> tuple[NodeView, ...]:
-        described = {str(n["name"]): n for n in poll.nodes or ()}
-        next_hop = {m["name"]: (stages[i + 1]["name"] if i + 1 < len(stages) else "asker")
-                    for i, m in enumerate(stages)}
-        staged = [m["name"] for m in stages]
-        order = staged + sorted((m["name"] for m in members if m["name"] not in staged),
-                                key=lambda n: (0 if _member(members, n)["role"] == "host" else 1, n))
+        described = {n.name: n for n in poll.nodes or ()}
+        next_hop = {m.name: (stages[i + 1].name if i + 1 < len(stages) else "asker") for i, m in enumerate(stages)}
+        by_name: dict[str, MemberStatus] = {}
+        for m in members:
+            by_name.setdefault(m.name, m)
+        staged = [m.name for m in stages]
+        order = staged + sorted((m.name for m in members if m.name not in staged),
+                                key=lambda n: (0 if by_name[n].role == "host" else 1, n))
         views = []
         for name in order:
-            m = _member(members, name)
-            stats, work = poll.stats.get(name), batches.get(name)
+            m = by_name[name]
+            stats, work, node = poll.stats.get(name), batches.get(name), described.get(name)
             hop = next_hop.get(name, "")
-            link = (described.get(name, {}).get("links") or {}).get(hop) if hop else None
+            link = node.links.get(hop) if node is not None and hop else None
             views.append(NodeView(
-                name=name, role=str(m.get("role", "member")), address=str(m.get("address") or ""),
-                layers=tuple(m["layers"]) if m.get("layers") else None,
-                device=str(described.get(name, {}).get("device") or ("cpu" if m.get("role") == "trunk" else "")),
-                health=str(m.get("health", "")),
-                memory_used=int(stats["rss"]) if stats and stats.get("rss") else None,
-                memory_budget=int(m["memory"]) if m.get("memory") else None,
-                queue_depth=int(stats["queue_depth"]) if stats else None,
+                name=name, role=m.role, address=m.address, layers=tuple(m.layers) if m.layers else None,
+                device=(node.device if node is not None else "") or ("cpu" if m.role == "trunk" else ""),
+                health=m.health,
+                memory_used=stats.rss if stats is not None and stats.rss else None,
+                memory_budget=m.memory or None,
+                queue_depth=stats.queue_depth if stats is not None else None,
                 occupancy=work.busy_fraction(self.window_s) if work else None,
                 tok_s=work.steps_per_s(self.window_s) if work else None,
-                next_hop=hop, next_hop_ms=float(link["rtt_ms"]) if link and link.get("rtt_ms") is not None else None,
+                next_hop=hop, next_hop_ms=link.rtt_ms if link is not None else None,
                 ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, "")))
         return tuple(views)
 
-    def _lane(self, member: dict, work: _StageBatches | None) -> Lane:
-        layers = (int(member["layers"][0]), int(member["layers"][1]))
+    def _lane(self, member: MemberStatus, work: _StageBatches | None) -> Lane:
+        layers = (member.layers[0], member.layers[1])
         if work is None:
-            return Lane(member["name"], layers, (), reachable=False)
-        return Lane(member["name"], layers, tuple(
+            return Lane(member.name, layers, (), reachable=False)
+        return Lane(member.name, layers, tuple(
             Batch(work.clock - start, seconds, tuple(self._letters.get(r, OVERFLOW_LETTER) for r in ids))
             for start, seconds, ids in work.spans), reachable=True)
 
-    def _requests(self, stages: list[dict], stats: dict[str, dict],
+    def _requests(self, stages: list[MemberStatus], held: dict[str, tuple[_Held, ...]],
                   reference: _StageBatches | None) -> tuple[RequestView, ...]:
-        held: dict[str, list[tuple[str, int, float]]] = {}  # id → (stage, position, idle seconds)
+        places: dict[str, list[tuple[str, int, float]]] = {}  # id → (stage, position, idle seconds)
         for m in stages:
-            for r in (stats.get(m["name"]) or {}).get("requests_detail", ()):
-                held.setdefault(str(r["id"]), []).append((m["name"], int(r["position"]), float(r["idle_s"])))
+            for r in held.get(m.name, ()):
+                places.setdefault(r.id, []).append((m.name, r.position, r.idle_s))
         views = []
-        for rid, places in sorted(held.items()):
-            latest = min(places, key=lambda p: p[2])
-            views.append(RequestView(rid, self._letters.get(rid, OVERFLOW_LETTER), max(p[1] for p in places),
+        for rid, seen in sorted(places.items()):
+            latest = min(seen, key=lambda p: p[2])
+            views.append(RequestView(rid, self._letters.get(rid, OVERFLOW_LETTER), max(p[1] for p in seen),
                                      reference.request_rate(rid, self.window_s) if reference else 0.0,
                                      latest[0], latest[2]))
         return tuple(views)
 
-    def _rate(self, reference: str | None, stats: dict | None, work: _StageBatches | None,
+    def _rate(self, reference: str | None, stats: Stats | None, work: _StageBatches | None,
               taken_at: float) -> tuple[float, ...]:
         """Swarm-wide tok/s: every generated token is one step at every stage, so the first
         stage's step counter grows at the swarm's rate (a prompt counts once, as one step)."""
@@ -177,7 +194,7 @@ class SnapshotBuilder:
             self._history.append(0.0)
             self._last_count = None
             return tuple(self._history)
-        count = (reference, work.clock, int(stats.get("steps", 0)))
+        count = (reference, work.clock, stats.steps)
         last = self._last_count
         if last is not None and last[0] == reference and count[1] > last[1] and count[2] >= last[2]:
             rate = (count[2] - last[2]) / (count[1] - last[1])
@@ -187,14 +204,15 @@ class SnapshotBuilder:
         self._history.append(rate)
         return tuple(self._history)
 
-    def _assign_letters(self, stages: list[dict], batches: dict[str, _StageBatches], stats: dict[str, dict]) -> None:
+    def _assign_letters(self, stages: list[MemberStatus], batches: dict[str, _StageBatches],
+                        held: dict[str, tuple[_Held, ...]]) -> None:
         """Each visible request keeps one letter; letters of requests gone from view are reused."""
         seen: list[str] = []
         for m in stages:
-            work = batches.get(m["name"])
+            work = batches.get(m.name)
             spans = sorted(work.spans) if work else ()
             seen += [r for _, _, ids in spans for r in ids]
-            seen += [str(r["id"]) for r in (stats.get(m["name"]) or {}).get("requests_detail", ())]
+            seen += [r.id for r in held.get(m.name, ())]
         visible = dict.fromkeys(seen)
         self._letters = {r: letter for r, letter in self._letters.items() if r in visible}
         free = [letter for letter in LETTERS if letter not in set(self._letters.values())]
@@ -203,16 +221,13 @@ class SnapshotBuilder:
                 self._letters[r] = free.pop(0) if free else OVERFLOW_LETTER
 
 
-def _plan_view(status: dict) -> PlanView:
-    recovery = status.get("recovery") or {}
-    return PlanView(objective=str(status.get("objective", "")),
-                    expected_ms_per_token=float(status.get("expected_ms_per_token") or 0.0),
-                    expected_tok_s=float(status.get("expected_tokens_per_s") or 0.0),
-                    bottleneck=str(status.get("bottleneck") or ""),
-                    warnings=tuple(str(w) for w in status.get("warnings") or ()),
-                    recoveries=int(recovery.get("recoveries") or 0), last_recovery_s=recovery.get("last_recovery_s"),
-                    last_marked_down=recovery.get("last_marked_down"))
+def _held(stats: Stats) -> tuple[_Held, ...]:
+    return msgspec.convert(stats.requests_detail, tuple[_Held, ...], strict=False)
 
 
-def _member(members: list[dict], name: str) -> dict:
-    return next(m for m in members if m["name"] == name)
+def _plan_view(status: Status) -> PlanView:
+    recovery = status.recovery
+    return PlanView(objective=status.objective, expected_ms_per_token=status.expected_ms_per_token,
+                    expected_tok_s=status.expected_tokens_per_s, bottleneck=status.bottleneck,
+                    warnings=tuple(status.warnings), recoveries=recovery.recoveries,
+                    last_recovery_s=recovery.last_recovery_s, last_marked_down=recovery.last_marked_down)

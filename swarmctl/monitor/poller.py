@@ -15,18 +15,22 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
+from net import messages
 from net.endpoint import Address, connect_member
+from net.messages import GetNodes, GetStats, GetStatus, Message, NodeInfo, Nodes, Stats, Status
 from net.ping import ping_ms
 from net.protocol import RequestOnlyHandler, SwarmProtocol
-from net.wire import WireError, decode_control, encode_control
+from net.wire import WireError
 from swarmctl.home import SwarmHome
 from swarmctl.host_addresses import connect_host, host_addresses
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
 
 log = logging.getLogger("swarmctl.monitor")
+
+Reply = TypeVar("Reply", bound=Message)
 
 _FAILURES = (ConnectionError, OSError, asyncio.TimeoutError, WireError, KeyError, TypeError, ValueError)
 
@@ -109,7 +113,7 @@ class Monitor:
         taken_at, t0 = time.time(), time.perf_counter()
         try:
             host = await self._host_conn()
-            status, nodes = await asyncio.gather(self._ask(host, "status"), self._ask(host, "nodes"))
+            status, nodes = await asyncio.gather(self._ask(host, GetStatus(), Status), self._ask_nodes(host))
         except _FAILURES as e:
             self._failures += 1
             if self._host is not None:
@@ -124,9 +128,7 @@ class Monitor:
         stats = {p.name: a[0] for p, a in zip(peers, answers) if a[0] is not None}
         pings = {p.name: a[1] for p, a in zip(peers, answers) if a[1] is not None}
         errors = {p.name: p.error for p in peers if p.name not in stats}
-        status.pop("type", None)
-        return RawPoll(taken_at, time.perf_counter() - t0, status, nodes.get("nodes") if nodes else None,
-                       stats, pings, errors)
+        return RawPoll(taken_at, time.perf_counter() - t0, status, nodes, stats, pings, errors)
 
     def close(self) -> None:
         for peer in self._peers.values():
@@ -146,18 +148,32 @@ class Monitor:
                                         addresses=self.host_addresses)
         return self._host
 
-    async def _ask(self, conn: SwarmProtocol, kind: str) -> dict:
-        reply = decode_control((await conn.request(encode_control({"type": kind}), timeout=self.config.timeout_s)).body)
-        if reply.get("type") == "error":
-            if kind == "nodes":
-                return {}  # optional extras (device, measured links): the view shows less without them
-            raise ConnectionError(f"{conn.peer_name or 'the node'} refused {kind!r}: {reply.get('message')}")
-        return reply
+    async def _request(self, conn: SwarmProtocol, request: Message, reply: type[Reply]) -> Reply:
+        """The node's answer: messages.Refused when it answers with an error, WireError when the
+        answer is not a ``reply``."""
+        answer = await conn.request(messages.encode(request), timeout=self.config.timeout_s)
+        return messages.decode(answer.body, reply)
 
-    def _follow_members(self, status: dict) -> None:
+    async def _ask(self, conn: SwarmProtocol, request: Message, reply: type[Reply]) -> Reply:
+        """The node's answer; a refusal is a ConnectionError (the node counts as unreachable)."""
+        try:
+            return await self._request(conn, request, reply)
+        except messages.Refused as e:
+            kind = request.__struct_config__.tag
+            raise ConnectionError(f"{conn.peer_name or 'the node'} refused {kind!r}: {e.error.message}") from None
+
+    async def _ask_nodes(self, host: SwarmProtocol) -> list[NodeInfo] | None:
+        """Optional extras (device, measured links): a host that refuses them, or answers in a
+        shape this version cannot read, gives None, and the view shows less without them."""
+        try:
+            return (await self._request(host, GetNodes(), Nodes)).nodes
+        except (messages.Refused, messages.MalformedMessage) as e:
+            log.debug("no nodes from the host: %s", e)
+            return None
+
+    def _follow_members(self, status: Status) -> None:
         """Keep a peer for every trunk the host lists, at the address it lists."""
-        trunks = {str(m["name"]): str(m["address"]) for m in status.get("members", ())
-                  if m.get("role") == "trunk" and m.get("address")}
+        trunks = {m.name: m.address for m in status.members if m.role == "trunk" and m.address}
         for name in list(self._peers):
             if self._peers[name].address != trunks.get(name):
                 peer = self._peers.pop(name)
@@ -169,13 +185,13 @@ class Monitor:
 
     # --- trunks ---
 
-    async def _ask_trunk(self, peer: _Peer) -> tuple[dict | None, float | None]:
+    async def _ask_trunk(self, peer: _Peer) -> tuple[Stats | None, float | None]:
         if not peer.connected:
             self._start_connecting(peer)
             return None, None
         try:
             rtt_ms = await ping_ms(peer.conn, self.config.timeout_s)
-            return await self._ask(peer.conn, "stats"), rtt_ms
+            return await self._ask(peer.conn, GetStats(), Stats), rtt_ms
         except _FAILURES as e:
             peer.drop(_reason(e), asyncio.get_running_loop().time() + self.config.max_backoff_s / 2)
             return None, None

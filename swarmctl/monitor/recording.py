@@ -11,7 +11,9 @@ import asyncio
 import json
 from collections import deque
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import msgspec
 
 from kernels.errors import EngineError
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
@@ -20,6 +22,8 @@ from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
 FORMAT = "swarmctl-top-recording"
 VERSION = 1
 TRUNK_WINDOW_S = 10.0  # how far back a trunk's stats reach (trunk.stats' window)
+_OLDER_MEMBER = {"may": ""}  # what _from_older_versions fills in where a recording lacks it
+_OLDER_STATS = {"budget": {}, "open_streams": 0, "request_locks": 0}
 
 
 class RecordingError(EngineError):
@@ -34,14 +38,14 @@ class Recorder:
 
     def write(self, poll: RawPoll) -> None:
         d = poll.to_dict()
-        for name, stats in d["stats"].items():
+        for name, stats in poll.stats.items():
             newest = self._reported.get(name, float("-inf"))
             # 0.1 ms and 10 µs: finer than any chart cell, and a third of the bytes
-            rounded = [[round(b[0], 4), round(b[1], 5), *b[2:]] for b in stats.get("recent_batches", ())]
+            rounded = [[round(b[0], 4), round(b[1], 5), *b[2:]] for b in stats.recent_batches]
             fresh = [b for b in rounded if b[0] > newest]
             if fresh:
                 self._reported[name] = fresh[-1][0]
-            d["stats"][name] = {**stats, "recent_batches": fresh}
+            d["stats"][name]["recent_batches"] = fresh
         self._file.write(json.dumps(d, separators=(",", ":")) + "\n")
         self._file.flush()
 
@@ -55,23 +59,40 @@ def read_recording(path: Path) -> list[RawPoll]:
         header = json.loads(lines[0]) if lines else {}
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise RecordingError(f"cannot read recording {path}: {e}") from None
-    if header.get("format") != FORMAT or header.get("version") != VERSION:
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
         raise RecordingError(f"{path} is not a swarmctl top recording (version {VERSION})")
     windows: dict[str, deque] = {}
     polls = []
     for number, line in enumerate(lines[1:], start=2):
         try:
-            d = json.loads(line)
-            for name, stats in d["stats"].items():
+            poll = RawPoll.from_dict(_from_older_versions(json.loads(line)))
+            stats = {}
+            for name, recorded in poll.stats.items():
                 window = windows.setdefault(name, deque())
-                window.extend(b for b in stats["recent_batches"] if not window or b[0] > window[-1][0])
-                while window and window[0][0] < float(stats["time"]) - TRUNK_WINDOW_S:
+                window.extend(b for b in recorded.recent_batches if not window or b[0] > window[-1][0])
+                while window and window[0][0] < recorded.time - TRUNK_WINDOW_S:
                     window.popleft()
-                stats["recent_batches"] = list(window)
-            polls.append(RawPoll.from_dict(d))
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+                stats[name] = msgspec.structs.replace(recorded, recent_batches=list(window))
+        except (ValueError, TypeError, IndexError) as e:  # msgspec.ValidationError is a ValueError
             raise RecordingError(f"{path}, line {number}: not a recorded poll ({e})") from None
+        polls.append(msgspec.structs.replace(poll, stats=stats))
     return polls
+
+
+def _from_older_versions(d: Any) -> Any:
+    """A recorded poll with what older hosts and trunks did not report yet filled in: a member's
+    ``may`` (its certificate's role), a trunk's ``budget``, ``open_streams`` and ``request_locks``.
+    Snapshots read none of them, so a recording from before them replays as it did."""
+    if not isinstance(d, dict):
+        return d  # RawPoll.from_dict says what it is instead
+    status = d.get("status")
+    if isinstance(status, dict) and isinstance(status.get("members"), list):
+        members = [{**_OLDER_MEMBER, **m} if isinstance(m, dict) else m for m in status["members"]]
+        d = {**d, "status": {**status, "members": members}}
+    if isinstance(d.get("stats"), dict):
+        d = {**d, "stats": {name: {**_OLDER_STATS, **s} if isinstance(s, dict) else s
+                            for name, s in d["stats"].items()}}
+    return d
 
 
 class ReplayFeed:
