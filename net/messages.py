@@ -196,10 +196,10 @@ class Nodes(Message, tag="nodes"):
     nodes: list[NodeInfo]
 
 
-class MemberStatus(Part):
+class MemberStatus(Part, kw_only=True):
     name: str
     role: str  # host, trunk or member (what it is doing now)
-    may: str  # what its certificate lets it be: host, trunk or asker
+    may: str = ""  # what its certificate lets it be: host, trunk or asker ("": a host too old to say)
     address: str
     health: str
     layers: list[int] | None = None
@@ -297,7 +297,7 @@ class GetStats(Message, tag="stats"):
     pass
 
 
-class Stats(Message, tag="stats"):
+class Stats(Message, tag="stats", kw_only=True):
     """What a trunk reports about itself (the answer to ``stats``): for `status`, `top` and tests."""
 
     name: str
@@ -319,9 +319,10 @@ class Stats(Message, tag="stats"):
     busy_s: float
     largest_batch: int
     tensor_bytes: int
-    budget: dict[str, Any]  # requests and KV held per member, the limits, refusals (swarmctl/budget.py)
-    open_streams: int
-    request_locks: int
+    # (defaults: a trunk of an older version does not send these)
+    budget: dict[str, Any] = {}  # requests and KV held per member, the limits, refusals (swarmctl/budget.py)
+    open_streams: int = 0
+    request_locks: int = 0
     rss: int
     peak_rss: int
     fetched_bytes: int
