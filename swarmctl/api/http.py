@@ -1,60 +1,70 @@
-"""A small HTTP/1.1 server on asyncio streams: enough for a JSON API with streamed responses.
+"""HTTP/1.1 (and HTTPS) for `swarmctl serve`, on aiohttp's low-level server.
 
-Requests carry their body with Content-Length (no chunked uploads); connections stay open
-between requests unless the client says otherwise (the openai client pools them). A handler
-answers once, with a whole body or a chunked stream. While it runs, the connection watches for
-the client going away and cancels it, so work for a vanished client stops.
+Why aiohttp: its server is asyncio-native and kept upstream with the parts that used to be
+hand-written here: the llhttp request parser (Node.js's), keep-alive with an idle timeout,
+chunked responses, a lingering close that reads off a body it will not use so the answer is not
+lost to a TCP reset, cancelling a handler whose client went away, and TLS through asyncio. Its
+low-level ``web.Server`` takes one handler coroutine and no framework around it, which is all
+three routes need. Starlette on uvicorn would be two libraries and an ASGI layer between them,
+and would still need a head-size limit and a connection cap of our own.
 
-Limits, for clients that mean harm: a request head (request line and header fields, through the
-blank line) of at most ``max_head_bytes``; a body of at most ``max_body_bytes``, read only after
-the ``gate`` (the API key check) has let its head through, so a refused client's body is
-discarded as it arrives, never buffered; bodies held at once (read, or their request being
-handled) of at most ``max_bodies_bytes`` in all, a request beyond that answered 503; at most
-``max_connections`` connections at once, a connection beyond them answered 503 and closed
-without reading its request. A refused or
-unreadable request closes its connection, after a short, bounded drain of what the client is
-still sending so that the answer is not lost to a TCP reset.
+This module adapts it to what the API needs, in terms of its own small ``Request`` and
+``Responder`` (so the routes do not depend on aiohttp), and adds the limits for clients that mean
+harm:
+
+- a request head (request line and header fields) of at most ``max_head_bytes``, counted once
+  parsed as its lines would be written (431 beyond); no header line may be longer than that
+  either (431), and a connection that sends more than twice that without completing a head is
+  cut off unanswered;
+- a body of at most ``max_body_bytes`` (413 at once when Content-Length says more, or as soon as
+  a chunked body passes it), read only after the ``gate`` (the API key check) has let its head
+  through: a refused client's body is read off and dropped for at most ``LINGER_S``, never held;
+- bodies held at once (read, or their request being handled), all connections together, of at
+  most ``max_bodies_bytes``; a request beyond that is answered 503;
+- at most ``max_connections`` connections at once; a connection beyond them gets 503 for its
+  first request and is closed;
+- a head must arrive within ``idle_timeout`` of the connection opening or of its previous
+  response (aiohttp's keep-alive timer, which also ends slow-header clients), and a body must
+  keep arriving at least every ``read_timeout`` seconds (408 otherwise).
+
+Every refusal is one JSON body from ``error_body`` and one log line, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http
 import logging
 import socket
-from dataclasses import dataclass
+import ssl
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
+
+from aiohttp import HttpVersion11, web
+from aiohttp.http_exceptions import LineTooLong
+from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE  # the head aiohttp gives a request it could not parse
 
 log = logging.getLogger("swarmctl.http")
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADER_FIELDS = 100
 MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 64
 MAX_BODIES_BYTES = 4 * MAX_BODY_BYTES  # request bodies held at once, all connections together
-IDLE_TIMEOUT_S = 75.0  # a kept-alive connection with no new request for this long is closed
-READ_TIMEOUT_S = 30.0  # a request that has started must keep arriving at least this often
-READ_CHUNK = 64 * 1024
+IDLE_TIMEOUT_S = 75.0  # a connection with no complete request head for this long is closed
+READ_TIMEOUT_S = 30.0  # a request body that has started must keep arriving at least this often
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 LIMIT_LOG_INTERVAL_S = 60.0  # "connection limit reached" is logged at most this often
+SERVER_HEADER = "swarmctl"  # not aiohttp's default, which names its version and Python's
 
 
 @dataclass
 class Request:
     method: str
-    path: str  # without the query string
+    path: str  # as sent, without the query string
     query: str
     headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
     body: bytes
     keep_alive: bool
-
-
-class ProtocolError(Exception):
-    """A request this server cannot read: answered with ``status``, then the connection closes."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -66,51 +76,57 @@ class Refusal:
 
 
 class ChunkedBody:
-    """A response body sent as it is produced (Transfer-Encoding: chunked)."""
+    """A response body sent as it is produced (chunked on HTTP/1.1)."""
 
-    def __init__(self, writer: asyncio.StreamWriter, responder: "Responder") -> None:
-        self._writer = writer
+    def __init__(self, response: web.StreamResponse, responder: "Responder") -> None:
+        self._response = response
         self._responder = responder
 
     async def write(self, data: bytes) -> None:
         if data:  # an empty chunk would end the body
-            self._writer.write(b"%x\r\n%b\r\n" % (len(data), data))
-            await self._writer.drain()
+            await self._response.write(data)
 
     async def end(self) -> None:
-        self._writer.write(b"0\r\n\r\n")
-        await self._writer.drain()
+        await self._response.write_eof()
         self._responder.complete = True
 
 
 class Responder:
     """How a handler answers its request: exactly once, whole (``send``) or streamed (``stream``)."""
 
-    def __init__(self, writer: asyncio.StreamWriter, keep_alive: bool) -> None:
-        self._writer = writer
+    def __init__(self, raw: web.BaseRequest, keep_alive: bool) -> None:
+        self._raw = raw
         self.keep_alive = keep_alive
+        self.response: web.StreamResponse | None = None
         self.started = False  # the status line is out: the status can no longer change
         self.complete = False  # the whole response is out: the connection can carry another
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json",
                    headers: dict[str, str] | None = None) -> None:
-        self._start(status, {"Content-Type": content_type, "Content-Length": str(len(body)), **(headers or {})})
-        self._writer.write(body)
-        await self._writer.drain()
+        response = self._start(web.Response(status=status, body=body, headers=self._headers(
+            {"Content-Type": content_type, **(headers or {})})))
+        await response.prepare(self._raw)
+        await response.write_eof()
         self.complete = True
 
     async def stream(self, status: int, content_type: str, headers: dict[str, str] | None = None) -> ChunkedBody:
-        self._start(status, {"Content-Type": content_type, "Transfer-Encoding": "chunked", **(headers or {})})
-        await self._writer.drain()
-        return ChunkedBody(self._writer, self)
+        response = self._start(web.StreamResponse(status=status, headers=self._headers(
+            {"Content-Type": content_type, **(headers or {})})))
+        await response.prepare(self._raw)
+        return ChunkedBody(response, self)
 
-    def _start(self, status: int, headers: dict[str, str]) -> None:
+    def _headers(self, headers: dict[str, str]) -> dict[str, str]:
+        # Said on HTTP/1.1 too (aiohttp leaves it implicit): clients and tests can see the choice.
+        return {**headers, "Connection": "keep-alive" if self.keep_alive else "close", "Server": SERVER_HEADER}
+
+    def _start(self, response: web.StreamResponse) -> web.StreamResponse:
         if self.started:
             raise RuntimeError("this request has been answered already")
         self.started = True
-        headers = {**headers, "Connection": "keep-alive" if self.keep_alive else "close"}
-        lines = [f"HTTP/1.1 {status} {_phrase(status)}", *(f"{k}: {v}" for k, v in headers.items())]
-        self._writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        if not self.keep_alive:
+            response.force_close()
+        self.response = response
+        return response
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
@@ -120,253 +136,255 @@ Gate = Callable[[Request], "Refusal | None"]
 ErrorBody = Callable[[int, str, "str | None"], bytes]
 
 
-async def start_server(handler: Handler, *, error_body: ErrorBody, gate: Gate | None = None,
-                       host: str | None = None, port: int | None = None, sock: socket.socket | None = None,
-                       max_connections: int = DEFAULT_MAX_CONNECTIONS, max_head_bytes: int = MAX_HEAD_BYTES,
-                       max_body_bytes: int = MAX_BODY_BYTES, max_bodies_bytes: int = MAX_BODIES_BYTES,
-                       ) -> asyncio.Server:
-    """Listen on host:port (or a socket already bound); each connection serves its requests one
-    after another."""
-    limits = _Limits(max_head_bytes, max_body_bytes, max(max_bodies_bytes, max_body_bytes))
-    open_connections = 0
-    last_limit_log = -LIMIT_LOG_INTERVAL_S
-
-    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal open_connections, last_limit_log
-        connection = _Connection(reader, writer, handler, error_body, gate, limits)
-        if open_connections >= max_connections:
-            now = asyncio.get_running_loop().time()
-            if now - last_limit_log >= LIMIT_LOG_INTERVAL_S:
-                last_limit_log = now
-                log.warning("%d connections open, the most allowed: answering new ones 503 (logged at most "
-                            "once a minute)", open_connections)
-            await connection.refuse(503, f"the server has too many connections open ({max_connections}); "
-                                         f"retry shortly", code="too_many_connections", headers={"Retry-After": "1"})
-            return
-        open_connections += 1
-        try:
-            await connection.run()
-        finally:
-            open_connections -= 1
-
-    return await asyncio.start_server(on_connection, host, port, sock=sock)
+@dataclass
+class Limits:
+    max_head_bytes: int = MAX_HEAD_BYTES
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_bodies_bytes: int = MAX_BODIES_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    idle_timeout: float = IDLE_TIMEOUT_S
+    read_timeout: float = READ_TIMEOUT_S
 
 
 @dataclass
-class _Limits:
-    max_head_bytes: int
-    max_body_bytes: int
-    max_bodies_bytes: int
-    bodies_bytes: int = 0  # bodies being read or held by a request being handled, all connections
+class _Counters:
+    """What all connections hold together."""
+    connections: int = 0
+    bodies_bytes: int = 0  # bodies being read or held by a request being handled
+    last_limit_log: float = field(default=-LIMIT_LOG_INTERVAL_S)
 
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: Handler,
-                 error_body: ErrorBody, gate: Gate | None, limits: _Limits) -> None:
-        self.reader = reader
-        self.writer = writer
+class _RequestTooLarge(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+async def start_server(handler: Handler, *, error_body: ErrorBody, gate: Gate | None = None,
+                       host: str | None = None, port: int | None = None, sock: socket.socket | None = None,
+                       tls: ssl.SSLContext | None = None, limits: Limits | None = None) -> asyncio.Server:
+    """Listen on host:port (or a socket already bound), over TLS when given a context; each
+    connection serves its requests one after another."""
+    exchange = _Exchange(handler, error_body, gate, limits or Limits())
+    server = _Server(exchange)
+    return await asyncio.get_running_loop().create_server(server, host, port, sock=sock, ssl=tls)
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server TLS context from PEM files; a file that cannot be used raises OSError with one
+    line that says which and why."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except FileNotFoundError as e:
+        raise OSError(f"TLS: no such file: {e.filename or cert}") from None
+    except (ssl.SSLError, ValueError) as e:
+        raise OSError(f"TLS: cannot use certificate {cert} with key {key}: {getattr(e, 'reason', None) or e}") \
+            from None
+    return context
+
+
+class _Exchange:
+    """One request on one connection: limits, gate, body, handler; the aiohttp handler."""
+
+    def __init__(self, handler: Handler, error_body: ErrorBody, gate: Gate | None, limits: Limits) -> None:
         self.handler = handler
         self.error_body = error_body
         self.gate = gate
         self.limits = limits
-        self.buffer = bytearray()  # bytes read but not yet parsed (a pipelined next request, say)
+        self.counters = _Counters()
 
-    async def run(self) -> None:
+    async def __call__(self, raw: web.BaseRequest) -> web.StreamResponse:
+        connection: _Connection = raw.protocol  # type: ignore[assignment]
+        connection.request_started()
         try:
-            while True:
-                try:
-                    head = await self._read_head()
-                except ProtocolError as e:
-                    await self.refuse(e.status, str(e))
-                    return
-                if head is None:
-                    break
-                request, length = head
-                refusal = self.gate(request) if self.gate is not None else None
-                if refusal is not None:
-                    if len(self.buffer) < length:  # the body is still coming: it is not read, so close
-                        await self._answer_and_close(refusal.status, refusal.body, refusal.headers)
-                        return
-                    self._take(length)  # small and here already: drop it, keep the connection
-                    responder = Responder(self.writer, request.keep_alive)
-                    await responder.send(refusal.status, refusal.body, headers=refusal.headers)
-                    if not request.keep_alive:
-                        break
-                    continue
-                if self.limits.bodies_bytes + length > self.limits.max_bodies_bytes:
-                    # Authorized clients too: so many large bodies at once could exhaust memory.
-                    await self._answer_and_close(503, self.error_body(
-                        503, "the server is holding too many large request bodies; retry shortly",
-                        "too_many_large_requests"), {"Retry-After": "1"})
-                    return
-                self.limits.bodies_bytes += length
-                try:
-                    if not await self._read_and_dispatch(request, length):
-                        break
-                finally:
-                    self.limits.bodies_bytes -= length
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away
-        except Exception as e:  # noqa: BLE001 - a fault below the handler: one log line; the connection closes
-            log.error("connection: internal error: %s: %s", type(e).__name__, e)
+            return await self._answer(raw, connection)
         finally:
-            await self._close()
+            connection.request_finished(body_read=raw.content.is_eof())
 
-    async def _read_and_dispatch(self, request: Request, length: int) -> bool:
-        """Read the body and handle the request; False: close the connection."""
-        body = await self._read_body(request, length)
-        if body is None:
-            return False
-        request.body = body
-        responder = Responder(self.writer, request.keep_alive)
-        return await self._dispatch(request, responder) and responder.keep_alive and responder.complete
-
-    async def refuse(self, status: int, message: str, code: str | None = None,
-                     headers: dict[str, str] | None = None) -> None:
-        """Answer with an error and close, reading nothing more of the request than was read."""
+    async def _answer(self, raw: web.BaseRequest, connection: "_Connection") -> web.StreamResponse:
+        if connection.over_limit:
+            return self._error(raw, 503, f"the server has too many connections open "
+                                         f"({self.limits.max_connections}); retry shortly",
+                               "too_many_connections", {"Retry-After": "1"})
+        request = _request(raw)
         try:
-            await self._answer_and_close(status, self.error_body(status, message, code), headers or {})
+            length = self._check_head(raw)
+        except _RequestTooLarge as e:
+            return self._error(raw, e.status, str(e), e.code)
+        refusal = self.gate(request) if self.gate is not None else None
+        if refusal is not None:
+            keep_alive = request.keep_alive and raw.content.is_eof()  # a body still coming is not read: close
+            return json_response(refusal.status, refusal.body, refusal.headers, keep_alive)
+        if self.counters.bodies_bytes + length > self.limits.max_bodies_bytes:
+            # Authorized clients too: so many large bodies at once could exhaust memory.
+            return self._error(raw, 503, "the server is holding too many large request bodies; retry shortly",
+                               "too_many_large_requests", {"Retry-After": "1"})
+        self.counters.bodies_bytes += length
+        try:
+            try:
+                request.body = await self._read_body(raw)
+            except _RequestTooLarge as e:
+                return self._error(raw, e.status, str(e), e.code)
+            responder = Responder(raw, request.keep_alive)
+            await self._run_handler(request, responder)
+            if responder.response is None:
+                return self._error(raw, 500, "internal server error")
+            return responder.response
+        finally:
+            self.counters.bodies_bytes -= length
+
+    def _check_head(self, raw: web.BaseRequest) -> int:
+        """The head's size, and the body's length to reserve (the most allowed when it comes
+        chunked, its length unknown)."""
+        head = (len(raw.method) + len(raw.raw_path) + len("  HTTP/1.1\r\n\r\n")
+                + sum(len(name) + len(value) + 4 for name, value in raw.raw_headers))  # "name: value\r\n"
+        if head > self.limits.max_head_bytes:
+            raise _RequestTooLarge(431, f"the request head is larger than {self.limits.max_head_bytes} bytes")
+        length = raw.content_length
+        if length is None:
+            return self.limits.max_body_bytes if raw.body_exists else 0
+        if length > self.limits.max_body_bytes:
+            raise _RequestTooLarge(413, f"the request body is larger than {self.limits.max_body_bytes} bytes")
+        return length
+
+    async def _read_body(self, raw: web.BaseRequest) -> bytes:
+        if raw.headers.get("Expect", "").lower() == "100-continue" and not raw.content.is_eof():
+            await raw.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = bytearray()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(raw.content.readany(), self.limits.read_timeout)
+            except asyncio.TimeoutError:
+                raise _RequestTooLarge(408, f"the request body stopped arriving (nothing for "
+                                            f"{self.limits.read_timeout:g} s)") from None
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > self.limits.max_body_bytes:
+                raise _RequestTooLarge(413, f"the request body is larger than {self.limits.max_body_bytes} bytes")
+
+    async def _run_handler(self, request: Request, responder: Responder) -> None:
+        """A fault below the routes' own error handling: one log line, a 500 if nothing has been
+        sent yet, and the connection closes."""
+        try:
+            await self.handler(request, responder)
         except ConnectionError:
-            pass
-        finally:
-            await self._close()
-
-    async def _answer_and_close(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        await Responder(self.writer, keep_alive=False).send(status, body, headers=headers)
-        await self._drain_input()
-
-    async def _drain_input(self) -> None:
-        """Half-close, then read and drop what the client still sends (a request body this server
-        will not read), for at most LINGER_S and the largest request: closing with unread input
-        would reset the connection, and the client could lose the answer just sent."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + LINGER_S
-        budget = self.limits.max_head_bytes + self.limits.max_body_bytes
-        self.buffer = bytearray()
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError, asyncio.TimeoutError):
-            if self.writer.can_write_eof():
-                self.writer.write_eof()
-            while budget > 0 and (left := deadline - loop.time()) > 0:
-                data = await asyncio.wait_for(self.reader.read(READ_CHUNK), left)
-                if not data:
-                    break
-                budget -= len(data)
-
-    async def _close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(ConnectionError, OSError):
-            await self.writer.wait_closed()
-
-    async def _dispatch(self, request: Request, responder: Responder) -> bool:
-        """Run the handler; cancel it if the client hangs up. False: close the connection."""
-        handling = asyncio.create_task(self.handler(request, responder))
-        watching = asyncio.create_task(self._wait_for_hangup())
-        try:
-            await asyncio.wait({handling, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this connection itself is cancelled (the server shutting down)
-            for task in (handling, watching):
-                task.cancel()
-            await asyncio.gather(handling, watching, return_exceptions=True)
-        if watching.done() and not watching.cancelled():
-            return False  # the client hung up: the handler was cancelled and has cleaned up
-        error = None if handling.cancelled() else handling.exception()
-        if isinstance(error, ConnectionError):
-            return False
-        if error is not None:
+            raise  # the client went away; aiohttp ends the connection
+        except Exception as error:  # noqa: BLE001 - never a traceback to the client or the log
             log.error("%s %s: internal error: %s: %s", request.method, request.path, type(error).__name__, error)
             if not responder.started:
+                responder.keep_alive = False
                 await responder.send(500, self.error_body(500, "internal server error", None))
-            return False
-        return True
+            elif responder.response is not None:
+                responder.response.force_close()
 
-    async def _wait_for_hangup(self) -> None:
-        """Returns when the client closes its side; whatever it sends meanwhile is kept for later."""
-        while True:
-            data = await self.reader.read(READ_CHUNK)
-            if not data:
-                return
-            self.buffer += data
-            if len(self.buffer) >= self.limits.max_head_bytes:
-                # Stop reading: what is pipelined behind this request waits in TCP, unbuffered,
-                # until the request is done and its head can be checked.
-                await asyncio.Event().wait()
-
-    async def _fill(self, timeout: float) -> bool:
-        """Read more into the buffer; False at end of stream or when nothing came in time."""
-        try:
-            data = await asyncio.wait_for(self.reader.read(READ_CHUNK), timeout)
-        except asyncio.TimeoutError:
-            return False
-        self.buffer += data
-        return bool(data)
-
-    def _take(self, n: int) -> bytes:
-        """The buffer's first n bytes, removed from it (copying only what stays, usually little)."""
-        with memoryview(self.buffer) as view:
-            taken = bytes(view[:n])
-        self.buffer = self.buffer[n:]
-        return taken
-
-    async def _read_head(self) -> tuple[Request, int] | None:
-        """The next request without its body, and the body's length; None when the client has
-        closed the connection or gone idle. The head, through its blank line, is at most
-        max_head_bytes."""
-        limit = self.limits.max_head_bytes
-        while (end := self.buffer.find(b"\r\n\r\n", 0, limit)) < 0:
-            if len(self.buffer) >= limit:
-                raise ProtocolError(431, f"the request head is larger than {limit} bytes")
-            if not await self._fill(READ_TIMEOUT_S if self.buffer else IDLE_TIMEOUT_S):
-                return None
-        head = self._take(end + 4)[:end]
-        method, path, query, version, headers = parse_head(head)
-        length = _content_length(headers, self.limits.max_body_bytes)
-        tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
-        keep_alive = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
-        return Request(method, path, query, headers, b"", keep_alive), length
-
-    async def _read_body(self, request: Request, length: int) -> bytes | None:
-        """The body of a request the gate let through; None if the client stopped sending it."""
-        if request.headers.get("expect", "").lower() == "100-continue" and len(self.buffer) < length:
-            self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        while len(self.buffer) < length:
-            if not await self._fill(READ_TIMEOUT_S):
-                return None
-        return self._take(length)
+    def _error(self, raw: web.BaseRequest, status: int, message: str, code: str | None = None,
+               headers: dict[str, str] | None = None) -> web.StreamResponse:
+        """A refusal below the routes: the connection closes after it (a body not read is dropped)."""
+        log.warning("%s %s -> %d %s", raw.method, raw.raw_path.partition("?")[0][:200], status, message)
+        return json_response(status, self.error_body(status, message, code), headers or {}, keep_alive=False)
 
 
-def parse_head(head: bytes) -> tuple[str, str, str, str, dict[str, str]]:
-    """Request line and header fields → (method, path, query, version, headers)."""
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[1].startswith("/"):
-        raise ProtocolError(400, "malformed request line")
-    method, target, version = parts
-    if version not in ("HTTP/1.0", "HTTP/1.1"):
-        raise ProtocolError(505, f"unsupported protocol version {version!r}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or " " in name:
-            raise ProtocolError(400, "malformed header field")
-        headers[name.lower()] = value.strip()
-    path, _, query = target.partition("?")
-    return method, path, query, version, headers
+def json_response(status: int, body: bytes, headers: dict[str, str], keep_alive: bool) -> web.Response:
+    response = web.Response(status=status, body=body, headers={
+        "Content-Type": "application/json", **headers, "Server": SERVER_HEADER,
+        "Connection": "keep-alive" if keep_alive else "close"})
+    if not keep_alive:
+        response.force_close()
+    return response
 
 
-def _content_length(headers: dict[str, str], limit: int) -> int:
-    if "transfer-encoding" in headers:
-        raise ProtocolError(411, "chunked request bodies are not supported; send Content-Length")
-    text = headers.get("content-length", "0")
-    if not (text.isascii() and text.isdigit()) or len(text) > 20:
-        raise ProtocolError(400, "malformed Content-Length")
-    length = int(text)
-    if length > limit:
-        raise ProtocolError(413, f"the request body is larger than {limit} bytes")
-    return length
+def _request(raw: web.BaseRequest) -> Request:
+    path, _, query = raw.raw_path.partition("?")
+    return Request(raw.method, path, query, {k.lower(): v for k, v in raw.headers.items()}, b"", raw.keep_alive)
 
 
-def _phrase(status: int) -> str:
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
+class _Connection(web.RequestHandler):
+    """aiohttp's connection, plus the connection cap, an error body in the API's shape for
+    requests that cannot be parsed, and a bound on bytes sent while no head has completed."""
+
+    def __init__(self, server: "_Server", **kwargs) -> None:
+        super().__init__(server, **kwargs)
+        self.exchange = server.exchange
+        self.over_limit = False
+        self.counted = False
+        self.in_request = False
+        self.draining = False  # the last request's body was not read: what comes is not a head
+        self.idle_bytes = 0  # bytes of a head still incomplete
+        self.tail = b""  # the last 3 bytes seen, for a blank line split across reads
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        counters, limits = self.exchange.counters, self.exchange.limits
+        if counters.connections >= limits.max_connections:
+            self.over_limit = True
+            now = asyncio.get_running_loop().time()
+            if now - counters.last_limit_log >= LIMIT_LOG_INTERVAL_S:
+                counters.last_limit_log = now
+                log.warning("%d connections open, the most allowed: answering new ones 503 (logged at most "
+                            "once a minute)", counters.connections)
+        else:
+            counters.connections += 1
+            self.counted = True
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.counted:
+            self.counted = False
+            self.exchange.counters.connections -= 1
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not (self.in_request or self.draining) and self.idle_bytes >= 0:
+            if b"\r\n\r\n" in data or b"\r\n\r\n" in self.tail + data[:3]:
+                self.idle_bytes = -1  # the head is complete; the parser takes it from here
+            else:
+                self.idle_bytes += len(data)
+                self.tail = (self.tail + data[-3:])[-3:]
+                if self.idle_bytes > 2 * self.exchange.limits.max_head_bytes:
+                    log.warning("a client sent %d bytes without ending a request head; closed", self.idle_bytes)
+                    self.force_close()
+                    return
+        super().data_received(data)
+
+    def request_started(self) -> None:
+        self.in_request = True
+
+    def request_finished(self, body_read: bool) -> None:
+        self.in_request, self.draining = False, not body_read
+        self.idle_bytes, self.tail = 0, b""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse (or a failure it caught): one log line and the API's
+        error body, and the connection closes."""
+        if isinstance(exc, LineTooLong):
+            status, text = 431, f"a request header line is longer than {self.exchange.limits.max_head_bytes} bytes"
+        elif status < 500:
+            text = f"malformed request: {' '.join(str(message or exc or 'unreadable').split())[:200]}"
+        else:
+            text = "internal server error"
+        log.warning("unreadable request -> %d %s", status, text)
+        return json_response(status, self.exchange.error_body(status, text, None), {}, keep_alive=False)
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server making our connections. Requests it cannot parse are answered
+    as HTTP/1.1 (aiohttp answers them as 1.0; this server speaks 1.1)."""
+
+    def __init__(self, exchange: _Exchange) -> None:
+        super().__init__(exchange, request_factory=self._request, handler_cancellation=True)
+        self.exchange = exchange
+        self.loop = asyncio.get_running_loop()
+        limits = exchange.limits
+        self.connection_options = dict(
+            keepalive_timeout=limits.idle_timeout, lingering_time=LINGER_S, max_line_size=limits.max_head_bytes,
+            max_field_size=limits.max_head_bytes, max_headers=MAX_HEADER_FIELDS, access_log=None)
+
+    def _request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
+        if message is PARSE_ERROR_MESSAGE:
+            message = message._replace(version=HttpVersion11)
+        return web.BaseRequest(message, payload, protocol, writer, task, self.loop)
+
+    def __call__(self) -> _Connection:
+        return _Connection(self, loop=self.loop, **self.connection_options)

@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import socket
+import ssl
 from contextlib import aclosing
 from typing import Awaitable, Callable, Sequence
 
@@ -21,7 +22,7 @@ from kernels.errors import ModelFileError
 from swarmctl.api import sse
 from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
 from swarmctl.api.generation import TextGeneration
-from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Refusal, Request, Responder, start_server
+from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, model_list, model_object
 from swarmctl.asker import Asker, Trunk
@@ -47,10 +48,12 @@ class ApiServer:
         }
 
     async def start(self, host: str | None = None, port: int | None = None, *, sock: socket.socket | None = None,
-                    max_connections: int = DEFAULT_MAX_CONNECTIONS) -> asyncio.Server:
-        """Listen on host:port, or on a socket already bound."""
+                    max_connections: int = DEFAULT_MAX_CONNECTIONS, tls: ssl.SSLContext | None = None,
+                    limits: Limits | None = None) -> asyncio.Server:
+        """Listen on host:port, or on a socket already bound; HTTPS when given a TLS context."""
+        limits = limits or Limits(max_connections=max_connections)
         return await start_server(self.handle, error_body=http_error_body, gate=self.check_head, host=host,
-                                  port=port, sock=sock, max_connections=max_connections)
+                                  port=port, sock=sock, tls=tls, limits=limits)
 
     def check_head(self, request: Request) -> Refusal | None:
         """Before the body is read: a request without the key is refused on its head alone, so a

@@ -10,12 +10,14 @@ The model's id is its file name without .gguf (e.g. SmolLM2-135M-Instruct.Q4_1).
 
 It listens on loopback unless told otherwise. Anywhere else, give it an API key (--api-key, or
 $SWARMCTL_API_KEY, which keeps the key out of the process list); clients send it as
-"Authorization: Bearer KEY".
+"Authorization: Bearer KEY". With --tls-cert and --tls-key (PEM files) it serves HTTPS, so the
+key and the conversation are not sent in the clear.
 
 examples:
   swarmctl serve
   swarmctl serve --port 8080 --api-key "$(openssl rand -hex 16)"
   SWARMCTL_API_KEY=... swarmctl serve --host 0.0.0.0
+  swarmctl serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem --api-key "$KEY"
 
   python -c 'from openai import OpenAI
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -31,6 +33,7 @@ import ipaddress
 import os
 import signal
 import socket
+import ssl
 import sys
 
 from swarmctl.commands.options import add_asker_options, positive_int
@@ -50,12 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request may take, waiting for a slot included (default 600)")
     parser.add_argument("--max-connections", type=positive_int, default=64, metavar="N",
                         help="client connections open at once (default 64); more are answered 503 and closed")
+    parser.add_argument("--tls-cert", metavar="PEM", default=None,
+                        help="serve HTTPS with this certificate (chain), together with --tls-key")
+    parser.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UsageError("--port must be between 0 and 65535")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together: give both, or neither for plain HTTP")
     api_key = args.api_key or os.environ.get("SWARMCTL_API_KEY") or None
+    # Checked before anything starts: a certificate that cannot be used stops the command at once.
+    if args.tls_cert:
+        from swarmctl.api.http import tls_context
+
+        tls = tls_context(args.tls_cert, args.tls_key)
+    else:
+        tls = None
     if not is_loopback(args.host) and api_key is None:
         print(open_server_warning(args.host), file=sys.stderr, flush=True)
     # Bind before starting the swarm: a port in use fails at once, and clients that connect while
@@ -66,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
-        return asyncio.run(_serve(args, listener, api_key))
+        return asyncio.run(_serve(args, listener, api_key, tls))
     finally:
         listener.close()
 
@@ -88,7 +103,8 @@ def open_server_warning(host: str) -> str:
             f"{bar}")
 
 
-async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str | None) -> int:
+async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str | None,
+                 tls: ssl.SSLContext | None) -> int:
     from swarmctl.api.server import ApiServer
     from swarmctl.session import SessionOptions, open_session
 
@@ -103,10 +119,11 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
         model_id = session.model.name.removesuffix(".gguf")
         server = ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
                            created=int(session.model.stat().st_mtime), request_timeout=args.timeout)
-        http_server = await server.start(sock=listener, max_connections=args.max_connections)
+        http_server = await server.start(sock=listener, max_connections=args.max_connections, tls=tls)
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
-        print(f"serving {model_id} at http://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
+        scheme = "https" if tls else "http"
+        print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
               flush=True)
         try:
             await stop.wait()
