@@ -1,8 +1,11 @@
-"""Where tensors live and graphs run. The one place that knows we compute on the CPU.
+"""Where tensors live and graphs run: the one place that knows which device computes.
 
-A CUDA build of llama-cpp-python exposes a CUDA backend through the same ggml-backend calls;
-supporting it means changing this module only: ``weights_buffer`` would copy host bytes into a
-device buffer instead of wrapping them, and ``compute`` would run there.
+On the CPU (the default) weights stay in the GGUF's memory map: ``weights_buffer`` wraps it, no
+copy and no read. On any other device (kernels.devices: CUDA, Metal, Vulkan, ROCm, ...) weights
+are copied into the device's memory (``upload_buffer_type``), and the KV cache and every graph's
+tensors are allocated there too, through the same ggml-backend calls; the graphs themselves do
+not change. ``upload=True`` sends a CPU backend down that copying path, so it can be tested on a
+machine with no GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import functools
 import os
 
 from . import ggml
+from .devices import Device, DeviceError
 
 # The CPU extra buffer type whose weights the engine may repack (kernels.weights, repack=True).
 # Never "AMX": llama.cpp's AMX matmul dies with SIGILL on some AMX CPUs (issue 13).
@@ -40,29 +44,53 @@ def cpu_extra_buffer_types() -> dict[str, int]:
 
 
 class Backend:
-    """A ggml compute backend (CPU) with a fixed thread count."""
+    """A ggml compute backend on one device (the CPU unless told otherwise); on the CPU with a
+    fixed thread count."""
 
-    def __init__(self, n_threads: int | None = None) -> None:
+    def __init__(self, n_threads: int | None = None, device: Device | None = None, *, upload: bool = False) -> None:
         self.n_threads = n_threads or default_threads()
-        self.handle: int = ggml.backend_cpu_init()
+        self.device = device
+        on_cpu = device is None or device.is_cpu
+        self.uploads_weights = upload or not on_cpu
+        self.handle: int = ggml.backend_cpu_init() if on_cpu else ggml.backend_dev_init(device.handle, None)
         if not self.handle:
-            raise RuntimeError("ggml_backend_cpu_init failed")
-        ggml.backend_cpu_set_n_threads(self.handle, self.n_threads)
-        self.name = "cpu"
+            raise DeviceError(f"cannot start ggml's backend for {device.label if device else 'cpu'}")
+        if on_cpu:
+            ggml.backend_cpu_set_n_threads(self.handle, self.n_threads)
+        self.name = "cpu" if device is None else device.label
 
     def weights_buffer(self, host_address: int, size: int) -> int:
-        """A buffer over memory-mapped weights. On the CPU this wraps the map: no copy, no read."""
+        """A buffer over memory-mapped weights, for a backend that computes on them in place (the
+        CPU): it wraps the map, no copy, no read."""
+        if self.uploads_weights:
+            raise RuntimeError(f"{self.name} copies its weights (upload_buffer_type); it cannot wrap the map")
         buffer = ggml.backend_cpu_buffer_from_ptr(host_address, size)
         if not buffer:
             raise MemoryError("ggml_backend_cpu_buffer_from_ptr failed")
         return buffer
 
+    def upload_buffer_type(self) -> int | None:
+        """Where weights are copied to (the device's memory); None where they are used in place."""
+        return ggml.backend_get_default_buffer_type(self.handle) if self.uploads_weights else None
+
     def buffer_type(self) -> int:
         return ggml.backend_get_default_buffer_type(self.handle)
 
     def repack_buffer_type(self) -> int | None:
-        """ggml's CPU_REPACK buffer type, where this build has it; None otherwise."""
+        """ggml's CPU_REPACK buffer type, where this build has it and weights stay on the CPU;
+        None otherwise."""
+        if self.uploads_weights:
+            return None
         return cpu_extra_buffer_types().get(REPACK_BUFFER_TYPE)
+
+    def unsupported_ops(self, graph: int) -> list[str]:
+        """The operations of ``graph`` this backend cannot run (none on the CPU), by name."""
+        missing: dict[str, None] = {}
+        for i in range(ggml.graph_n_nodes(graph)):
+            node = ggml.graph_node(graph, i)
+            if not ggml.backend_supports_op(self.handle, node):
+                missing[(ggml.op_desc(node) or b"?").decode()] = None
+        return list(missing)
 
     def alloc_context_tensors(self, ctx: int) -> int:
         """Allocate every tensor of a no_alloc context in one backend buffer (zeroed)."""

@@ -110,6 +110,8 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 base = _load("libggml-base")
 cpu = _load("libggml-cpu")
+# The backend registry: the CPU and whatever GPU backends this build has linked in (kernels.devices).
+registry = _load("libggml")
 
 _P = c_void_p  # any pointer: context, tensor, graph, backend, buffer
 
@@ -206,6 +208,23 @@ backend_buft_name = _bind(base, "ggml_backend_buft_name", c_char_p, _P)
 backend_alloc_ctx_tensors_from_buft = _bind(base, "ggml_backend_alloc_ctx_tensors_from_buft", _P, _P, _P)
 backend_buffer_set_usage = _bind(base, "ggml_backend_buffer_set_usage", None, _P, c_int)
 BUFFER_USAGE_WEIGHTS = 1
+
+# --- devices (ggml-backend.h): every backend this build registers, GPUs included ---
+backend_dev_count = _bind(registry, "ggml_backend_dev_count", c_size_t)
+backend_dev_get = _bind(registry, "ggml_backend_dev_get", _P, c_size_t)
+backend_dev_name = _bind(base, "ggml_backend_dev_name", c_char_p, _P)
+backend_dev_description = _bind(base, "ggml_backend_dev_description", c_char_p, _P)
+backend_dev_type = _bind(base, "ggml_backend_dev_type", c_int, _P)
+backend_dev_memory = _bind(base, "ggml_backend_dev_memory", None, _P, ctypes.POINTER(c_size_t),
+                           ctypes.POINTER(c_size_t))
+backend_dev_init = _bind(base, "ggml_backend_dev_init", _P, _P, c_char_p)
+backend_dev_buffer_type = _bind(base, "ggml_backend_dev_buffer_type", _P, _P)
+backend_supports_op = _bind(base, "ggml_backend_supports_op", c_bool, _P, _P)
+backend_buft_is_host = _bind(base, "ggml_backend_buft_is_host", c_bool, _P)
+graph_node = _bind(base, "ggml_graph_node", _P, _P, c_int)
+op_desc = _bind(base, "ggml_op_desc", c_char_p, _P)
+# enum ggml_backend_dev_type
+DEVICE_TYPE_CPU, DEVICE_TYPE_GPU, DEVICE_TYPE_IGPU, DEVICE_TYPE_ACCEL, DEVICE_TYPE_META = range(5)
 
 # ggml writes its log to stderr by default; route it to Python logging (debug level) instead, so
 # stderr stays for our own one-line messages.

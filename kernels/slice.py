@@ -25,6 +25,7 @@ import numpy as np
 
 from . import ggml
 from .backend import Backend
+from .devices import Device, DeviceError
 from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
 from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
@@ -83,11 +84,15 @@ class _Request:
 class SliceEngine:
     def __init__(self, gguf: GGUFFile, slice_spec: SliceSpec, *, n_threads: int | None = None,
                  max_context: int | None = None, owns_file: bool = False,
-                 remote_experts: RemoteExperts | None = None, repack: bool = False) -> None:
+                 remote_experts: RemoteExperts | None = None, repack: bool = False,
+                 device: Device | None = None, upload: bool = False) -> None:
         """``remote_experts``: the slice's MoE experts live on other nodes (expert parallelism);
         the engine runs each layer up to its router, calls this for the experts' outputs, and
         combines them itself. Called on the compute thread; it may block on the network.
-        ``repack``: copy the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights)."""
+        ``repack``: copy the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights).
+        ``device``: where the slice computes (kernels.devices; default the CPU): on a GPU its
+        weights, KV cache and graphs live in the device's memory. ``upload``: copy the weights
+        even on the CPU, the device path without a device (tests)."""
         self.gguf = gguf
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
@@ -96,9 +101,13 @@ class SliceEngine:
         if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head):
             raise SliceRangeError("only a trunk slice (no embedding, no LM head) can use remote experts")
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
-        self.backend = Backend(n_threads)
-        self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
-                                    with_experts=self.remote_experts is None, repack=repack)
+        self.backend = Backend(n_threads, device, upload=upload)
+        try:
+            self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
+                                        with_experts=self.remote_experts is None, repack=repack)
+        except BaseException:
+            self.backend.close()
+            raise
         self.stats = ForwardStats()
         self._owns_file = owns_file
         self._transient: PlacedGraph | None = None  # a prompt graph, freed after its one run
@@ -263,6 +272,11 @@ class SliceEngine:
         return entry
 
     def _place(self, graph: SliceGraph, caches: list[KVCache]) -> PlacedGraph:
+        if self.backend.device is not None and not self.backend.device.is_cpu:
+            if missing := self.backend.unsupported_ops(graph.graph):
+                graph.close()
+                raise DeviceError(f"{self.backend.name} cannot run ggml's {', '.join(missing)} in this build; "
+                                  f"run this slice with --device cpu")
         host = InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches])
         entry = place(graph, host, self.backend.buffer_type())  # frees the graph if it does not fit
         self.stats.graph_builds += 1

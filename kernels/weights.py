@@ -1,7 +1,9 @@
-"""A slice's weights, handed to ggml zero-copy from the GGUF memory map.
+"""A slice's weights, handed to ggml zero-copy from the GGUF memory map, or copied to a device.
 
-Only the slice's own tensors become ggml tensors; each one points into the map, so the pages a
-slice touches are exactly the bytes it serves. Quantized tensors stay quantized.
+Only the slice's own tensors become ggml tensors; on the CPU each one points into the map, so the
+pages a slice touches are exactly the bytes it serves. On a device with memory of its own (a GPU;
+``Backend.upload_buffer_type``) every tensor is copied into one device buffer instead, and its
+mapped pages are released once copied. Quantized tensors stay quantized.
 GGUF names are translated to field names here, once, never inside the math: the architecture's
 record (kernels.archs) lists the tensors, which of them are required, and their shapes.
 
@@ -74,17 +76,23 @@ class SliceWeights:
         self.rope_freqs: int | None = None  # [head_dim / 2] (llama 3)
         self._ctx = 0
         self._buffer = 0
-        self._repack_ctx = 0
-        self._repack_buffer = 0
+        self._copy_ctx = 0
+        self._copy_buffer = 0
 
         wanted = self._tensor_names(gguf, spec, slice_spec)
         infos = [gguf.tensors[name] for name in dict.fromkeys(wanted.values())]
         self.tensor_names: tuple[str, ...] = tuple(info.name for info in infos)
         self.n_bytes = sum(info.n_bytes for info in infos)
-        buft = backend.repack_buffer_type() if repack else None
-        to_repack = _repackable(_matmul_only(wanted, _matmul_fields(spec)), gguf, buft) if buft else []
-        self.repacked: tuple[str, ...] = tuple(info.name for info in to_repack)
-        mapped = [info for info in infos if info.name not in self.repacked]
+        upload_buft = backend.upload_buffer_type()
+        if upload_buft is not None:  # a device with memory of its own: every tensor is copied there
+            to_copy, copy_buft = infos, upload_buft
+        else:
+            copy_buft = backend.repack_buffer_type() if repack else None
+            to_copy = _repackable(_matmul_only(wanted, _matmul_fields(spec)), gguf, copy_buft) if copy_buft else []
+        copied = tuple(info.name for info in to_copy)
+        self.repacked: tuple[str, ...] = copied if upload_buft is None else ()
+        self.uploaded: tuple[str, ...] = copied if upload_buft is not None else ()
+        mapped = [info for info in infos if info.name not in copied]
         self._ctx = ggml.new_context(len(mapped) + 1)
         # Keep the map open as long as ggml points into it.
         self._gguf = gguf
@@ -94,23 +102,30 @@ class SliceWeights:
             hi = max(info.offset + info.n_bytes for info in mapped)
             self._buffer = backend.weights_buffer(gguf.address + lo, hi - lo)
             by_name.update((info.name, self._map_tensor(info, gguf.address + info.offset)) for info in mapped)
-        if to_repack:
-            by_name.update(self._repack(to_repack, gguf, buft))
+        if to_copy:
+            by_name.update(self._copy(to_copy, gguf, copy_buft, repacking=upload_buft is None))
         self._assign(wanted, by_name)
 
-    def _repack(self, infos: list[TensorInfo], gguf: GGUFFile, buft: int) -> dict[str, int]:
-        """Copy ``infos`` into one buffer of type ``buft``, which repacks them as they arrive."""
-        self._repack_ctx = ggml.new_context(len(infos) + 1)
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes of the buffer the weights were copied into (device memory, or repacked layouts)."""
+        return ggml.backend_buffer_get_size(self._copy_buffer) if self._copy_buffer else 0
+
+    def _copy(self, infos: list[TensorInfo], gguf: GGUFFile, buft: int, *, repacking: bool) -> dict[str, int]:
+        """Copy ``infos`` into one buffer of type ``buft``: a device's memory, or the CPU's repack
+        type, which repacks them as they arrive. The mapped pages are dropped once copied."""
+        self._copy_ctx = ggml.new_context(len(infos) + 1)
         tensors = {}
         for info in infos:
-            tensors[info.name] = _new_tensor(self._repack_ctx, info)
+            tensors[info.name] = _new_tensor(self._copy_ctx, info)
             ggml.set_name(tensors[info.name], info.name.encode())
-        self._repack_buffer = ggml.backend_alloc_ctx_tensors_from_buft(self._repack_ctx, buft)
-        if not self._repack_buffer:
-            raise MemoryError("cannot allocate the buffer for repacked weights")
-        ggml.backend_buffer_set_usage(self._repack_buffer, ggml.BUFFER_USAGE_WEIGHTS)
+        self._copy_buffer = ggml.backend_alloc_ctx_tensors_from_buft(self._copy_ctx, buft)
+        if not self._copy_buffer:
+            raise MemoryError(f"cannot allocate {sum(i.n_bytes for i in infos) / 1e6:.0f} MB for the weights "
+                              f"({ggml.backend_buft_name(buft).decode()})")
+        ggml.backend_buffer_set_usage(self._copy_buffer, ggml.BUFFER_USAGE_WEIGHTS)
         for info in infos:
-            if not ggml.tensor_view(tensors[info.name]).extra:  # no layout: ggml would abort on the copy
+            if repacking and not ggml.tensor_view(tensors[info.name]).extra:  # ggml would abort on the copy
                 raise RuntimeError(f"ggml has no repacked layout for {info.name}")
             ggml.backend_tensor_set(tensors[info.name], gguf.address + info.offset, 0, info.n_bytes)
             gguf.release_pages([(info.offset, info.n_bytes)])  # the copy replaces the mapped bytes
@@ -162,11 +177,11 @@ class SliceWeights:
             self.layers[il] = LayerWeights(**tensors)
 
     def close(self) -> None:
-        for buffer in ("_buffer", "_repack_buffer"):
+        for buffer in ("_buffer", "_copy_buffer"):
             if getattr(self, buffer):
                 ggml.backend_buffer_free(getattr(self, buffer))
                 setattr(self, buffer, 0)
-        for ctx in ("_ctx", "_repack_ctx"):
+        for ctx in ("_ctx", "_copy_ctx"):
             if getattr(self, ctx):
                 ggml.free(getattr(self, ctx))
                 setattr(self, ctx, 0)

@@ -1,0 +1,123 @@
+"""Devices: the registry, `--device` choices, and the device path of the slice engine (weights
+copied into the device's buffer, KV cache and graphs allocated there).
+
+Everywhere: the CPU sent down the copying path (``upload=True``) must give logits bit-identical to
+the zero-copy CPU path, since the same kernels run on the same bytes. Where a GPU backend is in
+the build (tests/gpu/, the environment scripts/gpu-env.sh makes), tests/test_gpu_devices.py
+checks a real device against llama-cpp-python on that device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import ggml
+from kernels.devices import Device, DeviceError, available_devices, choose_device
+from kernels.gguf_file import GGUFFile
+from kernels.slice import SliceEngine
+from kernels.spec import ModelSpec, SliceSpec
+from tests.conftest import run_split
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 3217, 30, 378, 1326, 282, 2463, 314]
+
+
+def fake_devices() -> list[Device]:
+    return [Device("CPU", "cpu", 0, "cpu", "Test CPU", 8 << 30, 16 << 30),
+            Device("CUDA0", "cuda", 0, "gpu", "RTX A", 20 << 30, 24 << 30),
+            Device("CUDA1", "cuda", 1, "gpu", "RTX B", 10 << 30, 12 << 30),
+            Device("Vulkan0", "vulkan", 0, "gpu", "llvmpipe", 1 << 30, 2 << 30)]
+
+
+def test_this_build_offers_exactly_one_cpu():
+    devices = available_devices()
+    assert [d.label for d in devices if d.is_cpu] == ["cpu"]
+    cpu = choose_device("cpu")
+    assert cpu.memory_total > 0 and cpu.handle
+
+
+@pytest.mark.parametrize("wanted, name", [("auto", "CUDA0"), ("cpu", "CPU"), ("cuda", "CUDA0"), ("cuda:1", "CUDA1"),
+                                          ("CUDA:1", "CUDA1"), ("vulkan:0", "Vulkan0"), ("hip", None)])
+def test_choose_device_by_what_users_type(wanted, name):
+    if name is None:
+        with pytest.raises(DeviceError, match=r"no rocm device: this build offers cpu \(Test CPU\), cuda:0 \(RTX A\)"):
+            choose_device(wanted, fake_devices())
+        return
+    assert choose_device(wanted, fake_devices()).name == name
+
+
+def test_auto_without_a_gpu_is_the_cpu_and_bad_names_are_one_line():
+    cpu_only = fake_devices()[:1]
+    assert choose_device("auto", cpu_only).is_cpu
+    for bad in ("cuda:x", "cu da", "cuda:-1", ":1"):
+        with pytest.raises(DeviceError) as e:
+            choose_device(bad, cpu_only)
+        assert "\n" not in str(e.value)
+    with pytest.raises(DeviceError, match="no cuda:2 device"):
+        choose_device("cuda:2", fake_devices())
+
+
+@pytest.fixture(scope="module")
+def gguf(bundled_model):
+    with GGUFFile(bundled_model) as f:
+        yield f
+
+
+def _engines(gguf, cuts: list[int], **kwargs) -> list[SliceEngine]:
+    n = ModelSpec.from_gguf(gguf).n_layer
+    bounds = [0, *cuts, n]
+    return [SliceEngine(gguf, SliceSpec(a, b, has_embedding=a == 0, has_lm_head=b == n), n_threads=2, **kwargs)
+            for a, b in zip(bounds, bounds[1:])]
+
+
+def test_the_upload_path_is_bit_identical_to_the_zero_copy_path(gguf):
+    """The CPU forced down the device path: every weight copied into a buffer of its own (not the
+    map), the KV cache and graphs allocated by the backend. Same kernels, same bytes: same bits,
+    whole model and as three slices, prefill and decode across the KV cache's growth."""
+    mapped = _engines(gguf, [])
+    uploaded = _engines(gguf, [], upload=True)
+    sliced = _engines(gguf, [10, 20], upload=True)
+    try:
+        lo, hi = gguf.address, gguf.address + gguf.size
+        for engine in uploaded + sliced:
+            weights = engine.weights
+            assert set(weights.uploaded) == set(weights.tensor_names) and not weights.repacked
+            assert weights.copied_bytes >= weights.n_bytes
+            some = weights.layers[engine.slice.start].wq if engine.slice.stop > engine.slice.start \
+                else weights.output
+            assert not lo <= ggml.tensor_view(some).data < hi, "a weight still points into the map"
+        want = run_split(mapped, PROMPT)
+        assert np.array_equal(run_split(uploaded, PROMPT), want)
+        assert np.array_equal(run_split(sliced, PROMPT), want)
+
+        # Decode one token at a time past the KV cache's first 256 cells (it grows by copying).
+        tokens = (PROMPT * 21)[:262]
+        assert np.array_equal(_decode(sliced, tokens, 250), _decode(mapped, tokens, 250))
+    finally:
+        for engine in mapped + uploaded + sliced:
+            engine.close()
+
+
+def _decode(engines: list[SliceEngine], tokens: list[int], n_prefill: int) -> np.ndarray:
+    """Prefill ``n_prefill`` tokens, then decode the rest one at a time: the logits of each step."""
+    rid, rows = b"decode", []
+    try:
+        for pos, n in [(0, n_prefill)] + [(p, 1) for p in range(n_prefill, len(tokens))]:
+            x = None
+            for engine in engines:
+                x = engine.forward(rid, start_pos=pos, tokens=tokens[pos:pos + n]) if x is None else \
+                    engine.forward(rid, start_pos=pos, hidden=x)
+            rows.append(x[-1])
+        return np.array(rows)
+    finally:
+        for engine in engines:
+            engine.release(rid)
+
+
+def test_the_cpu_device_keeps_weights_in_the_map(gguf):
+    (engine,) = _engines(gguf, [], device=choose_device("cpu"))
+    try:
+        assert engine.weights.uploaded == () and engine.weights.copied_bytes == 0
+        assert engine.backend.name == "cpu"
+    finally:
+        engine.close()
