@@ -124,3 +124,17 @@ def _cpu(devices: list[Device]) -> Device:
 
 def describe_all(devices: list[Device]) -> str:
     return ", ".join(f"{d.label} ({d.description or d.name})" for d in devices) or "no devices"
+
+
+# Left free on a GPU for what the slice's tensors and KV cache do not count: compute buffers, the
+# driver's own allocations, other programs' windows. llama.cpp's fitting leaves about 1 GiB.
+MIN_RESERVE_BYTES = 512 * 2**20
+RESERVE_SHARE = 0.05
+
+
+def device_budget(device: Device) -> int:
+    """Bytes a slice may take on ``device`` when the user does not say: what it reports free now,
+    less a reserve (the larger of 512 MiB and 5% of its total)."""
+    device = device.refreshed()
+    reserve = max(MIN_RESERVE_BYTES, int(device.memory_total * RESERVE_SHARE))
+    return max(0, device.memory_free - reserve)

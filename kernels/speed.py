@@ -41,6 +41,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .devices import Device
 from .gguf_file import GGUFFile
 
 MIN_REPEAT_S = 0.04  # long enough for /proc/stat's 10 ms ticks to say something about the others
@@ -164,7 +165,7 @@ def n_cpus() -> int:
 
 def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | None = None,
                   repeats: int = REPEATS, budget_s: float = BUDGET_S, min_repeat_s: float = MIN_REPEAT_S,
-                  ) -> SpeedMeasurement:
+                  device: Device | None = None) -> SpeedMeasurement:
     """ms per decode token through one layer, as described at the top of this file."""
     from .slice import SliceEngine
     from .spec import ModelSpec, SliceSpec
@@ -177,7 +178,7 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
     rng = np.random.default_rng(0)
     clocks = _Clocks()
     cpus = n_cpus()
-    with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256) as engine:
+    with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256, device=device) as engine:
         threads = engine.backend.n_threads
         rid = b"speed-probe-0000"
         engine.forward(rid, start_pos=0, hidden=rng.standard_normal((16, spec.n_embd)).astype(np.float32))

@@ -205,6 +205,7 @@ class MemberStatus(Part, kw_only=True):
     layers: list[int] | None = None
     experts: list[int] | None = None
     memory: int | None = None
+    device: str = ""  # where a trunk computes: cpu, cuda:0, vulkan:0, ... ("": not a trunk, or a host too old)
     ms_per_layer_token: float | None = None  # its claim
     measured_ms_per_layer: float | None = None  # what the host timed itself
     planned_ms_per_layer: float | None = None  # what it is planned with (never below the timing)

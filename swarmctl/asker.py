@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import numpy as np
 
+from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Sampler, SamplingParams
@@ -85,11 +86,13 @@ def u_split(n_layer: int, head_layers: int, n_stages: int) -> USplit:
 class InprocTrunk:
     """Trunk stages as slice engines in this process (``--transport inproc``), each batching."""
 
-    def __init__(self, gguf: GGUFFile, stages: Sequence[SliceSpec], *, n_threads: int | None, max_context: int):
+    def __init__(self, gguf: GGUFFile, stages: Sequence[SliceSpec], *, n_threads: int | None, max_context: int,
+                 device: Device | None = None):
         self.engines: list[SliceEngine] = []
         try:
             for stage in stages:
-                self.engines.append(SliceEngine(gguf, stage, n_threads=n_threads, max_context=max_context))
+                self.engines.append(SliceEngine(gguf, stage, n_threads=n_threads, max_context=max_context,
+                                                device=device))
         except BaseException:
             self.close()
             raise
@@ -158,17 +161,19 @@ class Asker:
 
     def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
                  max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None,
+                 device: Device | None = None) -> None:
         """``uplink_transform`` (optional) rewrites the head's activations before they leave this
-        process (e.g. a privacy mitigation that adds noise); the default sends them as computed."""
+        process (e.g. a privacy mitigation that adds noise); the default sends them as computed.
+        ``device``: where the head and tail compute (default the CPU)."""
         self.gguf = GGUFFile(model_path)
         self.head: SliceEngine | None = None
         self.tail: SliceEngine | None = None
         try:
             self.spec = ModelSpec.from_gguf(self.gguf)
             head, tail = u_ends(self.spec.n_layer, head_layers)
-            self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context)
-            self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context)
+            self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context, device=device)
+            self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context, device=device)
             self.max_context = self.head.max_context
             self.tokenizer = Tokenizer(model_path)
         except BaseException:

@@ -39,6 +39,7 @@ COMMANDS: dict[str, CommandInfo] = {
     "config": CommandInfo("swarmctl.commands.config", "show or change the planner's settings (host only)"),
     "audit": CommandInfo("swarmctl.commands.audit", "measure what swarm members can read from your traffic"),
     "plan": CommandInfo("swarmctl.commands.plan", "plan which members serve which layers (runs nothing)"),
+    "devices": CommandInfo("swarmctl.commands.devices", "list the devices (CPU, GPUs) slices can compute on here"),
 }
 
 

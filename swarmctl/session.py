@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+from kernels.devices import choose_device
 from kernels.errors import EngineError
 from swarmctl.asker import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
 
@@ -34,6 +35,7 @@ class SessionOptions:
     ctx: int | None = None
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     verify: float = 0.0  # share of trunk steps recomputed here and compared (swarmctl/verify.py); 0: none
+    device: str = "auto"  # where this process's slices compute (kernels.devices)
 
 
 @dataclass
@@ -60,17 +62,19 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
                           "already runs in this process")
     model = resolve_model(options.model)
     head_layers = DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers
+    device = choose_device(options.device)
     t0 = time.perf_counter()
     asker = Asker(model, head_layers, n_threads=options.threads, max_context=options.ctx,
-                  max_in_flight=options.max_in_flight)
+                  max_in_flight=options.max_in_flight, device=device)
     trunk = None
     try:
         split = u_split(asker.spec.n_layer, head_layers, options.stages)
         if split.trunk:
-            trunk = InprocTrunk(asker.gguf, split.trunk, n_threads=options.threads, max_context=asker.max_context)
-        log.info("loaded %s: %s | %s | %s in %.2fs", model.name, split.head.describe(),
+            trunk = InprocTrunk(asker.gguf, split.trunk, n_threads=options.threads, max_context=asker.max_context,
+                                device=device)
+        log.info("loaded %s: %s | %s | %s on %s in %.2fs", model.name, split.head.describe(),
                  ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
-                 time.perf_counter() - t0)
+                 device.label, time.perf_counter() - t0)
         yield Session(asker, trunk, model)
     finally:
         if trunk is not None:
@@ -89,6 +93,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     local = link = asker = verifier = None
     threads = options.threads
     try:
+        device = choose_device(options.device)  # a device this build lacks: one line, before anything starts
         # The model is checked before any node starts or any connection opens: a missing or
         # unusable file is one line at once, not a swarm that fails to come up.
         if home.exists:
@@ -110,7 +115,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
                               f"--head-layers {options.head_layers} does not match")
         asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
-                      max_in_flight=options.max_in_flight)
+                      max_in_flight=options.max_in_flight, device=device)
         link.check_model(asker.gguf)
         if options.verify:
             from swarmctl.verify import VerifyingTrunk

@@ -58,7 +58,7 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             verify=args.verify)
+                             verify=args.verify, device=args.device)
     async with open_session(options) as session:
         if args.uplink_noise:
             from swarmctl.audit.noise import UplinkNoise

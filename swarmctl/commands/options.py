@@ -31,7 +31,7 @@ def verify_share(text: str) -> float:
 
 def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) -> None:
     """The options of a command that runs the asker's side of the U: --transport, --trunk-nodes,
-    --model, --head-layers, --stages, --threads, --ctx, --verify."""
+    --model, --head-layers, --stages, --threads, --ctx, --verify, --device."""
     parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
                         help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
     parser.add_argument("--trunk-nodes", type=positive_int, default=2, metavar="N",
@@ -46,3 +46,12 @@ def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) ->
     parser.add_argument("--ctx", type=positive_int, default=None, metavar="N",
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
+    add_device_option(parser, "this machine's slices (embedding, head, tail, LM head; with --transport inproc, all)")
+
+
+def add_device_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """--device: where slices compute (kernels.devices); `swarmctl devices` lists the choices."""
+    parser.add_argument("--device", default="auto", metavar="DEVICE",
+                        help=f"where {what} compute: auto (default: the first GPU this build of llama.cpp "
+                             f"offers, else the CPU), cpu, cuda[:N], metal, vulkan[:N], rocm[:N]; "
+                             f"'swarmctl devices' lists them")

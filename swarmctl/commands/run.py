@@ -4,6 +4,7 @@ of layers).
 examples:
   swarmctl run --role host
   swarmctl run --role trunk --memory 12G
+  swarmctl run --role trunk --device cuda:0 --gpu-memory 20G
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import signal
 from pathlib import Path
 
 from kernels.errors import EngineError
+from swarmctl.commands.options import add_device_option
 from swarmctl.errors import UsageError
 from swarmctl.home import SwarmHome
+
+log = logging.getLogger("swarmctl.trunk")
 
 # Sizes read the way the rest of swarmctl prints them (status, plan, top and the planner all
 # count GB as 10^9 bytes): "12G" and "12GB" are 12 GB and 'status' shows 12.0 GB back. The binary
@@ -57,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory this trunk offers, e.g. 12G: 12 GB of 10^9 bytes, as 'status' shows it (16GiB "
                              "for binary units; default: what is available)")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    add_device_option(parser, "a trunk's slices")
+    parser.add_argument("--gpu-memory", metavar="SIZE", type=_size_text,
+                        help="trunk on a GPU: device memory its slices may take (default: what the device reports "
+                             "free, less max(512 MiB, 5%%) for compute buffers and the driver)")
     parser.add_argument("--advertise", metavar="HOST:PORT",
                         help="trunk: the address others should use to reach it (default: where it listens)")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
@@ -72,10 +80,19 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
 
         await run_host(home, stop)
         return None
+    from kernels.devices import choose_device
     from swarmctl.trunk import TrunkService
 
-    service = TrunkService(home, memory=parse_size(args.memory) if args.memory else None, n_threads=args.threads,
+    device = choose_device(args.device)
+    if args.gpu_memory and device.is_cpu:
+        raise UsageError(f"--gpu-memory is for a trunk on a GPU; this one computes on the CPU (--device "
+                         f"{args.device}): offer host memory with --memory")
+    memory = parse_size(args.gpu_memory) if args.gpu_memory else parse_size(args.memory) if args.memory and \
+        device.is_cpu else None
+    service = TrunkService(home, memory=memory, n_threads=args.threads, device=device,
                            capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise)
+    log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
+             f", offering {service.memory / 1e9:.1f} GB of its memory" if not device.is_cpu else "")
     service.on_fatal = stop.set
     await service.run(stop)
     return service.fatal

@@ -110,7 +110,7 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             max_in_flight=args.max_in_flight, verify=args.verify)
+                             max_in_flight=args.max_in_flight, verify=args.verify, device=args.device)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down

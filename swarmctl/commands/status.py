@@ -43,13 +43,14 @@ async def fetch_status(home: SwarmHome) -> m.Status:
 
 
 def format_table(status: m.Status) -> str:
-    rows = [("NAME", "ROLE", "ADDRESS", "LAYERS", "MEMORY", "HEALTH")]
+    rows = [("NAME", "ROLE", "ADDRESS", "LAYERS", "DEVICE", "MEMORY", "HEALTH")]
     for member in status.members:
         layers = f"[{member.layers[0]}, {member.layers[1]})" if member.layers else "-"
         if member.experts:  # expert parallelism: this member holds experts of every trunk layer
             layers = f"experts [{member.experts[0]}, {member.experts[1]})"
         memory = f"{member.memory / 1e9:.1f} GB" if member.memory else "-"
-        rows.append((member.name, member.may, member.address or "-", layers, memory, member.health))
+        rows.append((member.name, member.may, member.address or "-", layers, member.device or "-", memory,
+                     member.health))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"swarm {status.swarm}: model {status.model} ({status.n_layer} layers, asker keeps "
              f"{status.head_layers} at each end), plan v{status.plan_version}, "

@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels.devices import Device
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
@@ -66,8 +67,9 @@ class Assignment:
                  executor: Executor, host: HostLink, speed: SpeedReport,
                  remote_experts: Callable, drop_routes: Callable[[str], None],
                  on_fatal: Callable[[str], None], on_serving: Callable[[Plan], Awaitable[None]],
-                 spawn: Callable) -> None:
+                 spawn: Callable, device: Device | None = None) -> None:
         self.name = name
+        self.device = device  # where stage slices compute (experts stay on the CPU)
         self.model_path = model_path
         self.slices_dir = slices_dir  # layers fetched from the swarm when the model file is missing
         self.memory = memory
@@ -171,6 +173,7 @@ class Assignment:
         gguf = open_checked(model, range(stage.start, stage.stop), self.plan)
         try:
             self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                                      device=self.device,
                                       remote_experts=self._remote_experts if self.plan.experts else None)
             self.budget = MemberBudget(self.budget_limits())  # a new engine holds no request yet
             self.runner = BatchRunner(self.engine)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Callable
 
+from kernels.devices import Device, device_budget
 from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import REVOKED_REASON, verify_member
 from net.protocol import StreamClosedError, SwarmProtocol
@@ -42,12 +43,17 @@ ANSWERS = m.kinds(m.Subscribe, m.Probe, m.GetStats, *CHALLENGES.values())
 
 class TrunkService:
     def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
-                 idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None) -> None:
+                 idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None,
+                 device: Device | None = None) -> None:
+        """``device``: where the slices compute (default the CPU); on a GPU, ``memory`` is what
+        the device may hold (default: what it reports free, less a reserve)."""
         self.config = home.load_config()
         self.creds = home.credentials()
         self.name = self.creds.name
         self.model_path = resolve_model(self.config.model)
-        self.memory = memory or available_memory()
+        self.device = device
+        self.memory = memory or (device_budget(device) if device is not None and not device.is_cpu
+                                 else available_memory())
         self.idle_timeout = idle_timeout
         self.capture_dir = capture_dir
         self.advertise = Address.parse(advertise) if advertise else None
@@ -61,12 +67,14 @@ class TrunkService:
         self._server = None
         self.host = HostLink(self.config, self.creds, self, on_plan=self._plan_received, on_fatal=self._fail,
                              spawn=self._spawn)
-        self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn)
+        self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn,
+                                 device=device)
         self.expert_client = ExpertClient(self.creds, self, lambda: self.held.plan.experts)
         self.held = Assignment(self.name, self.model_path, home.path / "slices", memory=self.memory,
                                n_threads=n_threads, executor=self._executor, host=self.host, speed=self.speed,
                                remote_experts=self.expert_client.forward, drop_routes=self._drop_routes,
-                               on_fatal=self._fail, on_serving=self._measure_peers, spawn=self._spawn)
+                               on_fatal=self._fail, on_serving=self._measure_peers, spawn=self._spawn,
+                               device=device)
         self.expert_server = ExpertServer(self._executor, lambda: self.held.experts)
         self.results = ResultStreams()
         self.requests = StageRequests(self.name, self.creds, self, self.held, self.results, capture=self._capture,
@@ -126,7 +134,8 @@ class TrunkService:
     def _registration(self) -> m.Register:
         self.held.host_reconnected()
         return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
-                          ms_per_layer_token=self.speed.ms_per_layer_token, device="cpu")
+                          ms_per_layer_token=self.speed.ms_per_layer_token,
+                          device=self.device.label if self.device is not None else "cpu")
 
     def _own_links(self) -> list[SwarmProtocol | None]:
         return [self.requests.next_conn, *self.expert_client.conns.values()]

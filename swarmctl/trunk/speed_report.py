@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from kernels.gguf_file import GGUFFile
+from kernels.devices import Device
 from kernels.speed import SpeedTracker, measure_speed, worth_reporting
 from net import messages as m
 
@@ -23,9 +24,11 @@ log = logging.getLogger("swarmctl.trunk")
 
 class SpeedReport:
     def __init__(self, model_path: Path, n_threads: int | None, executor: Executor,
-                 tell_host: Callable[[m.Message], Awaitable[None]], spawn: Callable[[Awaitable], None]) -> None:
+                 tell_host: Callable[[m.Message], Awaitable[None]], spawn: Callable[[Awaitable], None],
+                 device: Device | None = None) -> None:
         self.model_path = model_path
         self.n_threads = n_threads
+        self.device = device  # measured where the slices will run
         self.ms_per_layer_token: float | None = None  # the figure the host has
         self.tracker = SpeedTracker()
         self._executor = executor
@@ -36,7 +39,7 @@ class SpeedReport:
         """On the compute thread: repeats, after a warm-up, with the repeats that other processes
         starved left out (kernels/speed.py)."""
         with GGUFFile(model or self.model_path) as gguf:
-            measurement = measure_speed(gguf, n_threads=self.n_threads, layer=layer)
+            measurement = measure_speed(gguf, n_threads=self.n_threads, layer=layer, device=self.device)
         self.tracker.measured(measurement)
         log.info("measured %s", measurement.describe())
         return measurement.ms_per_layer_token
