@@ -10,6 +10,7 @@ machine with no GPU.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -44,26 +45,43 @@ def cpu_extra_buffer_types() -> dict[str, int]:
 
 
 class Backend:
-    """A ggml compute backend on one device (the CPU unless told otherwise); on the CPU with a
-    fixed thread count."""
+    """A ggml compute backend on one device (the CPU unless told otherwise), and on a GPU a CPU
+    backend beside it for the layers that do not fit (partial offload) and for operations the
+    device lacks, which ggml's scheduler then runs there. CPU work uses ``n_threads`` threads."""
 
-    def __init__(self, n_threads: int | None = None, device: Device | None = None, *, upload: bool = False) -> None:
+    def __init__(self, n_threads: int | None = None, device: Device | None = None, *, upload: bool = False,
+                 device_layers: range | None = None) -> None:
+        """``device_layers``: with a GPU, the layers whose weights and KV cache go there (None: all
+        of them, and the slice's embedding and LM head too); the rest stay on the CPU."""
         self.n_threads = n_threads or default_threads()
         self.device = device
         on_cpu = device is None or device.is_cpu
         self.uploads_weights = upload or not on_cpu
+        self.device_layers = None if on_cpu else device_layers
         self.handle: int = ggml.backend_cpu_init() if on_cpu else ggml.backend_dev_init(device.handle, None)
         if not self.handle:
             raise DeviceError(f"cannot start ggml's backend for {device.label if device else 'cpu'}")
-        if on_cpu:
-            ggml.backend_cpu_set_n_threads(self.handle, self.n_threads)
+        self.cpu_handle = self.handle if on_cpu else ggml.backend_cpu_init()
+        ggml.backend_cpu_set_n_threads(self.cpu_handle, self.n_threads)
         self.name = "cpu" if device is None else device.label
 
+    @property
+    def partial(self) -> bool:
+        """Some layers on the device, the rest on the CPU."""
+        return self.device_layers is not None
+
+    def on_device(self, layer: int | None) -> bool:
+        """Whether ``layer``'s weights and KV cache live on the device (None: the slice's
+        embedding and LM head, which stay on the CPU under partial offload, as llama.cpp's do)."""
+        if not self.uploads_weights:
+            return False
+        if self.device_layers is None:
+            return True
+        return layer is not None and layer in self.device_layers
+
     def weights_buffer(self, host_address: int, size: int) -> int:
-        """A buffer over memory-mapped weights, for a backend that computes on them in place (the
-        CPU): it wraps the map, no copy, no read."""
-        if self.uploads_weights:
-            raise RuntimeError(f"{self.name} copies its weights (upload_buffer_type); it cannot wrap the map")
+        """A buffer over memory-mapped weights the CPU computes on in place: it wraps the map, no
+        copy, no read."""
         buffer = ggml.backend_cpu_buffer_from_ptr(host_address, size)
         if not buffer:
             raise MemoryError("ggml_backend_cpu_buffer_from_ptr failed")
@@ -75,6 +93,10 @@ class Backend:
 
     def buffer_type(self) -> int:
         return ggml.backend_get_default_buffer_type(self.handle)
+
+    def layer_buffer_type(self, layer: int) -> int:
+        """Where ``layer``'s KV cache lives."""
+        return ggml.backend_get_default_buffer_type(self.handle if self.on_device(layer) else self.cpu_handle)
 
     def repack_buffer_type(self) -> int | None:
         """ggml's CPU_REPACK buffer type, where this build has it and weights stay on the CPU;
@@ -92,6 +114,20 @@ class Backend:
                 missing[(ggml.op_desc(node) or b"?").decode()] = None
         return list(missing)
 
+    def scheduler_for(self, graph: int) -> int | None:
+        """A ggml scheduler for ``graph`` when one backend cannot run it all: layers split between
+        the device and the CPU, or operations the device lacks. It sends each operation to the
+        backend holding its weights, the rest to the device where it can, else to the CPU, and
+        copies activations between them. None: the device runs the whole graph itself."""
+        if self.handle == self.cpu_handle or not (self.partial or self.unsupported_ops(graph)):
+            return None
+        backends = (ctypes.c_void_p * 2)(self.handle, self.cpu_handle)
+        sched = ggml.backend_sched_new(backends, None, 2, max(ggml.GGML_DEFAULT_GRAPH_SIZE, 2 * ggml.graph_n_nodes(graph)),
+                                       False, False)
+        if not sched:
+            raise MemoryError("ggml_backend_sched_new failed")
+        return sched
+
     def alloc_context_tensors(self, ctx: int) -> int:
         """Allocate every tensor of a no_alloc context in one backend buffer (zeroed)."""
         buffer = ggml.backend_alloc_ctx_tensors(ctx, self.handle)
@@ -106,6 +142,9 @@ class Backend:
             raise RuntimeError(f"ggml graph compute failed (status {status})")
 
     def close(self) -> None:
+        if self.cpu_handle and self.cpu_handle != self.handle:
+            ggml.backend_free(self.cpu_handle)
+        self.cpu_handle = 0
         if self.handle:
             ggml.backend_free(self.handle)
             self.handle = 0

@@ -222,6 +222,13 @@ backend_dev_buffer_type = _bind(base, "ggml_backend_dev_buffer_type", _P, _P)
 backend_supports_op = _bind(base, "ggml_backend_supports_op", c_bool, _P, _P)
 backend_buft_is_host = _bind(base, "ggml_backend_buft_is_host", c_bool, _P)
 graph_node = _bind(base, "ggml_graph_node", _P, _P, c_int)
+backend_sched_new = _bind(base, "ggml_backend_sched_new", _P, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p),
+                          c_int, c_size_t, c_bool, c_bool)
+backend_sched_free = _bind(base, "ggml_backend_sched_free", None, _P)
+backend_sched_alloc_graph = _bind(base, "ggml_backend_sched_alloc_graph", c_bool, _P, _P)
+backend_sched_graph_compute = _bind(base, "ggml_backend_sched_graph_compute", c_int, _P, _P)
+backend_sched_get_n_splits = _bind(base, "ggml_backend_sched_get_n_splits", c_int, _P)
+
 op_desc = _bind(base, "ggml_op_desc", c_char_p, _P)
 # enum ggml_backend_dev_type
 DEVICE_TYPE_CPU, DEVICE_TYPE_GPU, DEVICE_TYPE_IGPU, DEVICE_TYPE_ACCEL, DEVICE_TYPE_META = range(5)

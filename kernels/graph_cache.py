@@ -3,8 +3,10 @@ graphs and its per-layer segments (remote experts).
 
 A placed graph owns its allocator (ggml's gallocr): gallocr never re-places a tensor that already
 has data, so one allocator shared by graphs that take turns would leave an earlier graph pointing
-into a buffer it has since reallocated. Placing frees what it made when the allocation fails, and
-dropping a graph frees both, so no path leaks an allocator.
+into a buffer it has since reallocated. A graph split between a GPU and the CPU owns a scheduler
+instead, for the same reason (a scheduler holds one graph's placement until it is reset). Placing
+frees what it made when the allocation fails, and dropping a graph frees both, so no path leaks
+an allocator.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from . import ggml
 from .graph import SliceGraph
 
 if TYPE_CHECKING:
+    from .backend import Backend
     from .graph_inputs import InputHost
 
 K = TypeVar("K", bound=Hashable)
@@ -25,27 +28,52 @@ K = TypeVar("K", bound=Hashable)
 
 @dataclass
 class PlacedGraph:
-    """A graph ready to run: built, its tensors placed by its own allocator, its host inputs made."""
+    """A graph ready to run: built, its tensors placed by its own allocator (or scheduler), its
+    host inputs made."""
 
     graph: SliceGraph
     host: InputHost
-    galloc: int  # ggml_gallocr_t
+    galloc: int = 0  # ggml_gallocr_t: one backend runs the whole graph
+    sched: int = 0  # ggml_backend_sched_t: the graph is split between a device and the CPU
+
+    def compute(self, backend: Backend) -> None:
+        if self.sched:
+            status = ggml.backend_sched_graph_compute(self.sched, self.graph.graph)
+            if status != ggml.STATUS_SUCCESS:
+                raise RuntimeError(f"ggml graph compute failed (status {status})")
+        else:
+            backend.compute(self.graph.graph)
 
     def free(self) -> None:
-        ggml.gallocr_free(self.galloc)
+        if self.sched:
+            ggml.backend_sched_free(self.sched)
+        if self.galloc:
+            ggml.gallocr_free(self.galloc)
         self.graph.close()
 
 
-def place(graph: SliceGraph, host: InputHost, buffer_type: int) -> PlacedGraph:
-    """``graph`` placed in memory by an allocator of its own. If it does not fit, the allocator
-    and the graph are freed and MemoryError raised: nothing is left behind."""
-    galloc = ggml.gallocr_new(buffer_type)
+def place(graph: SliceGraph, host: InputHost, backend: Backend) -> PlacedGraph:
+    """``graph`` placed in memory by an allocator of its own, or by a scheduler of its own when
+    the backend splits it between a device and the CPU. If it does not fit, what was made and the
+    graph are freed and MemoryError raised: nothing is left behind."""
+    try:
+        sched = backend.scheduler_for(graph.graph)
+    except BaseException:
+        graph.close()
+        raise
+    if sched:
+        if not ggml.backend_sched_alloc_graph(sched, graph.graph):
+            ggml.backend_sched_free(sched)
+            graph.close()
+            raise MemoryError("cannot allocate the compute graph")
+        return PlacedGraph(graph, host, sched=sched)
+    galloc = ggml.gallocr_new(backend.buffer_type())
     if not galloc or not ggml.gallocr_alloc_graph(galloc, graph.graph):
         if galloc:
             ggml.gallocr_free(galloc)
         graph.close()
         raise MemoryError("cannot allocate the compute graph")
-    return PlacedGraph(graph, host, galloc)
+    return PlacedGraph(graph, host, galloc=galloc)
 
 
 class GraphCache(Generic[K]):

@@ -42,8 +42,7 @@ class KVCache:
         self.capacity = 0  # cells allocated per layer (a multiple of KV_CELL_PAD)
         self.k: dict[int, int] = {}  # layer → tensor
         self.v: dict[int, int] = {}
-        self._ctx = 0
-        self._buffer = 0
+        self._allocations: list[tuple[int, int]] = []  # (ggml context, backend buffer) per place
         self.generation = 0  # bumps on every reallocation; graphs built on older tensors are stale
 
     @property
@@ -61,21 +60,40 @@ class KVCache:
         self._reallocate(grown_capacity(self.capacity, n_tokens, self.max_tokens))
 
     def _reallocate(self, capacity: int) -> None:
-        old = (self._ctx, self._buffer, self.k, self.v, self.capacity)
-        n_layers = len(self.layers)
-        ctx = ggml.new_context(2 * n_layers + 1)
-        k = {il: ggml.new_tensor_2d(ctx, ggml.TYPE_F16, self.n_embd_kv, capacity) for il in self.layers}
-        v = {il: ggml.new_tensor_2d(ctx, ggml.TYPE_F16, capacity, self.n_embd_kv) for il in self.layers}
+        old = (self._allocations, self.k, self.v, self.capacity)
+        # One buffer per place the layers live: all on one device, or split between a GPU and the
+        # CPU (partial offload: kernels.backend).
+        groups: dict[int, list[int]] = {}
         for il in self.layers:
-            ggml.set_name(k[il], f"cache_k_l{il}".encode())
-            ggml.set_name(v[il], f"cache_v_l{il}".encode())
-        buffer = self.backend.alloc_context_tensors(ctx)  # zeroed: masked cells must not be NaN
-        old_ctx, old_buffer, old_k, old_v, old_capacity = old
+            groups.setdefault(self.backend.layer_buffer_type(il), []).append(il)
+        allocations: list[tuple[int, int]] = []
+        k: dict[int, int] = {}
+        v: dict[int, int] = {}
+        try:
+            for buft, layers in groups.items():
+                ctx = ggml.new_context(2 * len(layers) + 1)
+                allocations.append((ctx, 0))
+                for il in layers:
+                    k[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, self.n_embd_kv, capacity)
+                    v[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, capacity, self.n_embd_kv)
+                    ggml.set_name(k[il], f"cache_k_l{il}".encode())
+                    ggml.set_name(v[il], f"cache_v_l{il}".encode())
+                buffer = ggml.backend_alloc_ctx_tensors_from_buft(ctx, buft)
+                if not buffer:
+                    raise MemoryError(f"cannot allocate the KV cache ({ggml.backend_buft_name(buft).decode()})")
+                ggml.backend_buffer_clear(buffer, 0)  # zeroed: masked cells must not be NaN
+                allocations[-1] = (ctx, buffer)
+        except BaseException:
+            for ctx, buffer in allocations:
+                _free(ctx, buffer)
+            raise
+        old_allocations, old_k, old_v, old_capacity = old
         if self.n_filled:
             self._copy_cells(old_k, old_v, old_capacity, k, v, capacity)
-        self._ctx, self._buffer, self.k, self.v, self.capacity = ctx, buffer, k, v, capacity
+        self._allocations, self.k, self.v, self.capacity = allocations, k, v, capacity
         self.generation += 1
-        _free(old_ctx, old_buffer)
+        for ctx, buffer in old_allocations:
+            _free(ctx, buffer)
 
     def _copy_cells(self, old_k: dict, old_v: dict, old_capacity: int, new_k: dict, new_v: dict,
                     new_capacity: int) -> None:
@@ -92,8 +110,9 @@ class KVCache:
             ggml.backend_tensor_set(new_v[il], v_new.ctypes.data, 0, v_new.nbytes)
 
     def close(self) -> None:
-        _free(self._ctx, self._buffer)
-        self._ctx = self._buffer = 0
+        for ctx, buffer in self._allocations:
+            _free(ctx, buffer)
+        self._allocations = []
         self.k, self.v = {}, {}
         self.capacity = self.n_filled = 0
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import ggml
 from .backend import Backend
-from .devices import Device, DeviceError
+from .devices import Device
 from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
 from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
@@ -85,14 +85,17 @@ class SliceEngine:
     def __init__(self, gguf: GGUFFile, slice_spec: SliceSpec, *, n_threads: int | None = None,
                  max_context: int | None = None, owns_file: bool = False,
                  remote_experts: RemoteExperts | None = None, repack: bool = False,
-                 device: Device | None = None, upload: bool = False) -> None:
+                 device: Device | None = None, upload: bool = False, gpu_memory: int | None = None) -> None:
         """``remote_experts``: the slice's MoE experts live on other nodes (expert parallelism);
         the engine runs each layer up to its router, calls this for the experts' outputs, and
         combines them itself. Called on the compute thread; it may block on the network.
         ``repack``: copy the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights).
         ``device``: where the slice computes (kernels.devices; default the CPU): on a GPU its
         weights, KV cache and graphs live in the device's memory. ``upload``: copy the weights
-        even on the CPU, the device path without a device (tests)."""
+        even on the CPU, the device path without a device (tests). ``gpu_memory``: bytes the slice
+        may take on a GPU; when its layers (weights, and one request's KV cache at the full
+        context) need more, the first ones that fit go there and the rest stay on the CPU, as
+        llama.cpp's ``n_gpu_layers`` does (``self.backend.device_layers``)."""
         self.gguf = gguf
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
@@ -101,7 +104,10 @@ class SliceEngine:
         if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head):
             raise SliceRangeError("only a trunk slice (no embedding, no LM head) can use remote experts")
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
-        self.backend = Backend(n_threads, device, upload=upload)
+        device_layers = None
+        if device is not None and not device.is_cpu and gpu_memory is not None:
+            device_layers = layers_that_fit(self.spec, slice_spec, gpu_memory, self.max_context)
+        self.backend = Backend(n_threads, device, upload=upload, device_layers=device_layers)
         try:
             self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
                                         with_experts=self.remote_experts is None, repack=repack)
@@ -171,7 +177,7 @@ class SliceEngine:
             try:
                 placed.host.set(inputs[0] if len(inputs) == 1 else np.concatenate(inputs), [s.start_pos for s in steps])
                 t1 = time.perf_counter()
-                self.backend.compute(placed.graph.graph)
+                placed.compute(self.backend)
                 t2 = time.perf_counter()
                 outputs = placed.host.read_outputs()
             finally:
@@ -272,13 +278,8 @@ class SliceEngine:
         return entry
 
     def _place(self, graph: SliceGraph, caches: list[KVCache]) -> PlacedGraph:
-        if self.backend.device is not None and not self.backend.device.is_cpu:
-            if missing := self.backend.unsupported_ops(graph.graph):
-                graph.close()
-                raise DeviceError(f"{self.backend.name} cannot run ggml's {', '.join(missing)} in this build; "
-                                  f"run this slice with --device cpu")
         host = InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches])
-        entry = place(graph, host, self.backend.buffer_type())  # frees the graph if it does not fit
+        entry = place(graph, host, self.backend)  # frees the graph if it does not fit
         self.stats.graph_builds += 1
         return entry
 
@@ -294,7 +295,7 @@ class SliceEngine:
             placed = self._segment_for(shape, requests, il, moe)
             placed.host.set(x, starts)
             graph = placed.graph
-            self.backend.compute(graph.graph)
+            placed.compute(self.backend)
             residual = _read(graph.output, (shape.n_tokens, self.spec.n_embd), np.float32)
             if not moe:
                 x = residual
@@ -396,3 +397,20 @@ def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
     out = np.empty(shape, dtype=dtype)
     ggml.backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
     return out
+
+
+def layers_that_fit(spec: ModelSpec, slice_spec: SliceSpec, budget: int, max_context: int) -> range | None:
+    """The slice's first layers whose weights and KV cache (one request at ``max_context``) fit in
+    ``budget`` bytes; None when the whole slice fits, its embedding and LM head included."""
+    kv_per_layer = 2 * 2 * spec.n_embd_kv * max_context  # K and V, F16
+    globals_bytes = (spec.embedding_bytes if slice_spec.has_embedding else 0) + \
+        (spec.lm_head_bytes if slice_spec.has_lm_head else 0)
+    used, fit = 0, 0
+    for il in slice_spec.layers:
+        need = spec.layer_bytes[il] + kv_per_layer
+        if used + need > budget:
+            break
+        used, fit = used + need, fit + 1
+    if fit == len(slice_spec.layers) and used + globals_bytes <= budget:
+        return None
+    return range(slice_spec.start, slice_spec.start + fit)

@@ -84,8 +84,9 @@ class SliceWeights:
         self.tensor_names: tuple[str, ...] = tuple(info.name for info in infos)
         self.n_bytes = sum(info.n_bytes for info in infos)
         upload_buft = backend.upload_buffer_type()
-        if upload_buft is not None:  # a device with memory of its own: every tensor is copied there
-            to_copy, copy_buft = infos, upload_buft
+        if upload_buft is not None:  # a device with memory of its own: its tensors are copied there
+            layer_of = {name: il if il >= 0 else None for (_, il), name in wanted.items()}
+            to_copy, copy_buft = [info for info in infos if backend.on_device(layer_of[info.name])], upload_buft
         else:
             copy_buft = backend.repack_buffer_type() if repack else None
             to_copy = _repackable(_matmul_only(wanted, _matmul_fields(spec)), gguf, copy_buft) if copy_buft else []

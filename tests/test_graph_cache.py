@@ -9,6 +9,18 @@ from kernels import graph_cache
 from kernels.graph_cache import GraphCache, place
 
 
+class OneBackend:
+    """Where the graphs go: one backend that runs them whole (no scheduler), buffer type 0."""
+
+    @staticmethod
+    def scheduler_for(graph) -> None:
+        return None
+
+    @staticmethod
+    def buffer_type() -> int:
+        return 0
+
+
 class FakeGraph:
     def __init__(self) -> None:
         self.graph = object()
@@ -44,7 +56,7 @@ def test_a_graph_that_does_not_fit_frees_its_allocator_and_itself(allocators):
     fits["ok"] = False
     graph = FakeGraph()
     with pytest.raises(MemoryError):
-        place(graph, None, 0)
+        place(graph, None, OneBackend())
     assert live == set() and graph.closed
 
 
@@ -53,10 +65,10 @@ def test_evicted_dropped_and_cleared_graphs_free_their_allocators(allocators):
     cache: GraphCache[str] = GraphCache(capacity=2)
     graphs = {name: FakeGraph() for name in "abcd"}
     for name in "abc":
-        cache.put(name, place(graphs[name], None, 0))
+        cache.put(name, place(graphs[name], None, OneBackend()))
     assert len(cache) == 2 and graphs["a"].closed and len(live) == 2  # the least recently used went
     assert cache.get("b") is not None  # b is now the most recent...
-    cache.put("d", place(graphs["d"], None, 0))
+    cache.put("d", place(graphs["d"], None, OneBackend()))
     assert graphs["c"].closed and not graphs["b"].closed  # ...so c went
     cache.drop_where(lambda key: key == "b")
     assert graphs["b"].closed and len(live) == 1
