@@ -25,7 +25,7 @@ import numpy as np
 
 from . import ggml
 from .backend import Backend
-from .devices import Device
+from .devices import Device, device_budget
 from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
 from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
@@ -93,7 +93,7 @@ class SliceEngine:
         ``device``: where the slice computes (kernels.devices; default the CPU): on a GPU its
         weights, KV cache and graphs live in the device's memory. ``upload``: copy the weights
         even on the CPU, the device path without a device (tests). ``gpu_memory``: bytes the slice
-        may take on a GPU; when its layers (weights, and one request's KV cache at the full
+        may take on a GPU (default: what it reports free, less a reserve); when its layers (weights, and one request's KV cache at the full
         context) need more, the first ones that fit go there and the rest stay on the CPU, as
         llama.cpp's ``n_gpu_layers`` does (``self.backend.device_layers``)."""
         self.gguf = gguf
@@ -105,8 +105,9 @@ class SliceEngine:
             raise SliceRangeError("only a trunk slice (no embedding, no LM head) can use remote experts")
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
         device_layers = None
-        if device is not None and not device.is_cpu and gpu_memory is not None:
-            device_layers = layers_that_fit(self.spec, slice_spec, gpu_memory, self.max_context)
+        if device is not None and not device.is_cpu:
+            budget = device_budget(device) if gpu_memory is None else gpu_memory
+            device_layers = layers_that_fit(self.spec, slice_spec, budget, self.max_context)
         self.backend = Backend(n_threads, device, upload=upload, device_layers=device_layers)
         try:
             self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
@@ -131,6 +132,17 @@ class SliceEngine:
         except BaseException:
             gguf.close()
             raise
+
+    def placement(self) -> str:
+        """Where the slice computes, for logs and status: ``cpu``, ``vulkan:0``, or under partial
+        offload ``vulkan:0 for layers [4, 9), cpu for [9, 15)``."""
+        b = self.backend
+        if not b.partial:
+            return b.name
+        on, s = b.device_layers, self.slice
+        if not on:
+            return f"cpu (nothing fits on {b.name})"
+        return f"{b.name} for layers [{on.start}, {on.stop}), cpu for [{on.stop}, {s.stop})"
 
     @property
     def n_requests(self) -> int:

@@ -121,3 +121,22 @@ def test_the_cpu_device_keeps_weights_in_the_map(gguf):
         assert engine.backend.name == "cpu"
     finally:
         engine.close()
+
+
+def test_layers_that_fit_takes_the_first_layers_within_the_budget(gguf):
+    """Partial offload's split (the device part is tested where a GPU build exists): weights plus
+    one request's KV cache per layer, first layers first; the whole slice fits only with its
+    embedding and LM head counted."""
+    from kernels.slice import layers_that_fit
+
+    spec = ModelSpec.from_gguf(gguf)
+    kv = 2 * 2 * spec.n_embd_kv * 512
+    trunk = SliceSpec(4, 15)
+    assert layers_that_fit(spec, trunk, 10**12, 512) is None
+    assert layers_that_fit(spec, trunk, sum(spec.layer_bytes[4:7]) + 3 * kv, 512) == range(4, 7)
+    assert layers_that_fit(spec, trunk, sum(spec.layer_bytes[4:7]) + 3 * kv - 1, 512) == range(4, 6)
+    assert layers_that_fit(spec, trunk, 0, 512) == range(4, 4)
+    whole = SliceSpec(0, spec.n_layer, has_embedding=True, has_lm_head=True)
+    layers_only = sum(spec.layer_bytes) + spec.n_layer * kv
+    assert layers_that_fit(spec, whole, layers_only, 512) == range(0, spec.n_layer)  # no room for the ends
+    assert layers_that_fit(spec, whole, layers_only + spec.embedding_bytes + spec.lm_head_bytes, 512) is None

@@ -100,6 +100,35 @@ def test_one_slice_equals_four_slices_on_the_device(on_device):
         print(f"one vs four slices on {whole[0].backend.name}: max |diff| {np.abs(a - b).max():.3g}")
 
 
+def test_partial_offload_follows_all_on_device(gguf, device, on_device):
+    """A --gpu-memory that holds only 3 of the trunk slice's 11 layers: those 3 on the device, the
+    other 8 and their KV cache on the CPU, one scheduler running the split graph; its output
+    against the same slice all on the device."""
+    spec = ModelSpec.from_gguf(gguf)
+    budget = sum(spec.layer_bytes[4:7]) + 3 * 2 * 2 * spec.n_embd_kv * 512 + 1
+    trunk = SliceSpec(4, 15)
+    partial = SliceEngine(gguf, trunk, n_threads=2, max_context=512, device=device, gpu_memory=budget)
+    full = SliceEngine(gguf, trunk, n_threads=2, max_context=512, device=device)
+    head = on_device[1][0]
+    try:
+        assert partial.backend.device_layers == range(4, 7)
+        assert partial.placement() == f"{device.label} for layers [4, 7), cpu for [7, 15)"
+        assert full.backend.device_layers is None
+        tokens = [1, 504, 3458, 282, 4649, 314, 3217, 30]
+        x = run_split([head], tokens, outputs="all")
+        rid = b"partial"
+        outs = []
+        for engine in (partial, full):
+            outs.append(engine.forward(rid, start_pos=0, hidden=x, outputs="all"))
+            engine.release(rid)
+        a, b = outs
+        cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        assert cosine.min() >= 0.9999, cosine
+    finally:
+        partial.close()
+        full.close()
+
+
 def test_device_and_cpu_slices_mix(gguf, device, bundled_model):
     """Stages on the device and on the CPU in one chain, as a swarm with one GPU trunk and one CPU
     trunk runs it: the oracle rule against llama-cpp-python on the CPU."""

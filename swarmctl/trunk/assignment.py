@@ -164,7 +164,8 @@ class Assignment:
             self.apply()  # the plan moved on while we loaded (maybe to experts, or to nothing)
             return
         if await self._confirm(Confirmed(self.plan.version, "stage", stage.start, stage.stop)):
-            log.info("serving layers [%d, %d) under plan v%d", stage.start, stage.stop, self.plan.version)
+            log.info("serving layers [%d, %d) under plan v%d on %s", stage.start, stage.stop, self.plan.version,
+                     self.engine.placement() if self.engine else "?")
             self._spawn(self._on_serving(self.plan))
 
     def _open_stage(self, stage: StageAssignment, model: Path) -> None:
@@ -173,7 +174,7 @@ class Assignment:
         gguf = open_checked(model, range(stage.start, stage.stop), self.plan)
         try:
             self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                                      device=self.device,
+                                      device=self.device, gpu_memory=self.memory,
                                       remote_experts=self._remote_experts if self.plan.experts else None)
             self.budget = MemberBudget(self.budget_limits())  # a new engine holds no request yet
             self.runner = BatchRunner(self.engine)
