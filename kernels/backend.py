@@ -62,6 +62,11 @@ class Backend:
         if not self.handle:
             raise DeviceError(f"cannot start ggml's backend for {device.label if device else 'cpu'}")
         self.cpu_handle = self.handle if on_cpu else ggml.backend_cpu_init()
+        # Graph allocators no graph uses now, kept for the next graph rather than freed: on a
+        # device (not the CPU), ggml-vulkan crashed within a few steps when compute buffers were
+        # freed and new ones allocated (lavapipe; llama.cpp never frees its compute buffers while
+        # it runs, so it never takes that path). They are freed with the backend.
+        self._idle_gallocrs: list[int] = []
         ggml.backend_cpu_set_n_threads(self.cpu_handle, self.n_threads)
         self.name = "cpu" if device is None else device.label
 
@@ -128,6 +133,19 @@ class Backend:
             raise MemoryError("ggml_backend_sched_new failed")
         return sched
 
+    def new_gallocr(self) -> int:
+        """A graph allocator for this backend's buffer type (0 if ggml cannot make one)."""
+        if self._idle_gallocrs:
+            return self._idle_gallocrs.pop()
+        return ggml.gallocr_new(self.buffer_type())
+
+    def release_gallocr(self, galloc: int) -> None:
+        """A graph allocator no graph uses any more: freed on the CPU, kept for reuse on a device."""
+        if self.handle == self.cpu_handle:
+            ggml.gallocr_free(galloc)
+        else:
+            self._idle_gallocrs.append(galloc)
+
     def alloc_context_tensors(self, ctx: int) -> int:
         """Allocate every tensor of a no_alloc context in one backend buffer (zeroed)."""
         buffer = ggml.backend_alloc_ctx_tensors(ctx, self.handle)
@@ -142,6 +160,8 @@ class Backend:
             raise RuntimeError(f"ggml graph compute failed (status {status})")
 
     def close(self) -> None:
+        while self._idle_gallocrs:
+            ggml.gallocr_free(self._idle_gallocrs.pop())
         if self.cpu_handle and self.cpu_handle != self.handle:
             ggml.backend_free(self.cpu_handle)
         self.cpu_handle = 0

@@ -33,22 +33,23 @@ class PlacedGraph:
 
     graph: SliceGraph
     host: InputHost
+    backend: Backend
     galloc: int = 0  # ggml_gallocr_t: one backend runs the whole graph
     sched: int = 0  # ggml_backend_sched_t: the graph is split between a device and the CPU
 
-    def compute(self, backend: Backend) -> None:
+    def compute(self) -> None:
         if self.sched:
             status = ggml.backend_sched_graph_compute(self.sched, self.graph.graph)
             if status != ggml.STATUS_SUCCESS:
                 raise RuntimeError(f"ggml graph compute failed (status {status})")
         else:
-            backend.compute(self.graph.graph)
+            self.backend.compute(self.graph.graph)
 
     def free(self) -> None:
         if self.sched:
             ggml.backend_sched_free(self.sched)
         if self.galloc:
-            ggml.gallocr_free(self.galloc)
+            self.backend.release_gallocr(self.galloc)
         self.graph.close()
 
 
@@ -66,14 +67,14 @@ def place(graph: SliceGraph, host: InputHost, backend: Backend) -> PlacedGraph:
             ggml.backend_sched_free(sched)
             graph.close()
             raise MemoryError("cannot allocate the compute graph")
-        return PlacedGraph(graph, host, sched=sched)
-    galloc = ggml.gallocr_new(backend.buffer_type())
+        return PlacedGraph(graph, host, backend, sched=sched)
+    galloc = backend.new_gallocr()
     if not galloc or not ggml.gallocr_alloc_graph(galloc, graph.graph):
         if galloc:
-            ggml.gallocr_free(galloc)
+            backend.release_gallocr(galloc)
         graph.close()
         raise MemoryError("cannot allocate the compute graph")
-    return PlacedGraph(graph, host, galloc=galloc)
+    return PlacedGraph(graph, host, backend, galloc=galloc)
 
 
 class GraphCache(Generic[K]):

@@ -189,7 +189,7 @@ class SliceEngine:
             try:
                 placed.host.set(inputs[0] if len(inputs) == 1 else np.concatenate(inputs), [s.start_pos for s in steps])
                 t1 = time.perf_counter()
-                placed.compute(self.backend)
+                placed.compute()
                 t2 = time.perf_counter()
                 outputs = placed.host.read_outputs()
             finally:
@@ -307,7 +307,7 @@ class SliceEngine:
             placed = self._segment_for(shape, requests, il, moe)
             placed.host.set(x, starts)
             graph = placed.graph
-            placed.compute(self.backend)
+            placed.compute()
             residual = _read(graph.output, (shape.n_tokens, self.spec.n_embd), np.float32)
             if not moe:
                 x = residual

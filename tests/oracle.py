@@ -73,9 +73,14 @@ def judge(prompt: Sequence[int], ours: list[int], theirs: list[int],
           our_logits_fn: Callable[[list[int]], np.ndarray], llm) -> OracleVerdict:
     """Apply the oracle rule. ``our_logits_fn(tokens)`` returns our logits for every position."""
     forced = list(prompt) + theirs
-    ref = oracle_logits(llm, forced)
-    mine = our_logits_fn(forced)
-    rows = slice(len(prompt) - 1, len(forced))  # the positions that predict generated tokens
+    return judge_logits(prompt, ours, theirs, our_logits_fn(forced), oracle_logits(llm, forced))
+
+
+def judge_logits(prompt: Sequence[int], ours: list[int], theirs: list[int], mine: np.ndarray,
+                 ref: np.ndarray) -> OracleVerdict:
+    """The oracle rule on logits already computed for every position of prompt + theirs (ours
+    and llama-cpp-python's), e.g. by llama-cpp-python in another process."""
+    rows = slice(len(prompt) - 1, len(prompt) + len(theirs))  # the positions that predict generated tokens
     ref_rows, my_rows = ref[rows], mine[rows]
     cos = (ref_rows * my_rows).sum(1) / (np.linalg.norm(ref_rows, axis=1) * np.linalg.norm(my_rows, axis=1))
     mismatches = sum(1 for r, m in zip(ref_rows, my_rows)

@@ -10,15 +10,20 @@ from kernels.graph_cache import GraphCache, place
 
 
 class OneBackend:
-    """Where the graphs go: one backend that runs them whole (no scheduler), buffer type 0."""
+    """Where the graphs go: one CPU backend that runs them whole (no scheduler), its allocators
+    made and freed through ggml (counted by the fixture below)."""
 
     @staticmethod
     def scheduler_for(graph) -> None:
         return None
 
     @staticmethod
-    def buffer_type() -> int:
-        return 0
+    def new_gallocr() -> int:
+        return graph_cache.ggml.gallocr_new(0)
+
+    @staticmethod
+    def release_gallocr(galloc: int) -> None:
+        graph_cache.ggml.gallocr_free(galloc)
 
 
 class FakeGraph:
