@@ -115,3 +115,21 @@ def run_split(engines: Sequence[SliceEngine], tokens: Sequence[int], outputs: st
     finally:
         for engine in engines:
             engine.release(rid)
+
+
+def decode_logits(engines: Sequence[SliceEngine], tokens: Sequence[int], n_prefill: int = 1) -> np.ndarray:
+    """Prefill ``n_prefill`` tokens through consecutive slices, then decode the rest one at a
+    time; the last row of each step (logits where the last slice has the LM head). Frees the
+    request."""
+    rid, rows = secrets.token_bytes(16), []
+    try:
+        for pos, n in [(0, n_prefill)] + [(p, 1) for p in range(n_prefill, len(tokens))]:
+            x = None
+            for engine in engines:
+                x = engine.forward(rid, start_pos=pos, tokens=list(tokens[pos:pos + n])) if x is None else \
+                    engine.forward(rid, start_pos=pos, hidden=x)
+            rows.append(x[-1])
+        return np.array(rows)
+    finally:
+        for engine in engines:
+            engine.release(rid)

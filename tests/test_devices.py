@@ -17,7 +17,7 @@ from kernels.devices import Device, DeviceError, available_devices, choose_devic
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
-from tests.conftest import run_split
+from tests.conftest import decode_logits, run_split
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 3217, 30, 378, 1326, 282, 2463, 314]
 
@@ -92,26 +92,10 @@ def test_the_upload_path_is_bit_identical_to_the_zero_copy_path(gguf):
 
         # Decode one token at a time past the KV cache's first 256 cells (it grows by copying).
         tokens = (PROMPT * 21)[:262]
-        assert np.array_equal(_decode(sliced, tokens, 250), _decode(mapped, tokens, 250))
+        assert np.array_equal(decode_logits(sliced, tokens, 250), decode_logits(mapped, tokens, 250))
     finally:
         for engine in mapped + uploaded + sliced:
             engine.close()
-
-
-def _decode(engines: list[SliceEngine], tokens: list[int], n_prefill: int) -> np.ndarray:
-    """Prefill ``n_prefill`` tokens, then decode the rest one at a time: the logits of each step."""
-    rid, rows = b"decode", []
-    try:
-        for pos, n in [(0, n_prefill)] + [(p, 1) for p in range(n_prefill, len(tokens))]:
-            x = None
-            for engine in engines:
-                x = engine.forward(rid, start_pos=pos, tokens=tokens[pos:pos + n]) if x is None else \
-                    engine.forward(rid, start_pos=pos, hidden=x)
-            rows.append(x[-1])
-        return np.array(rows)
-    finally:
-        for engine in engines:
-            engine.release(rid)
 
 
 def test_the_cpu_device_keeps_weights_in_the_map(gguf):

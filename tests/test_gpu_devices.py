@@ -20,7 +20,7 @@ from kernels.devices import available_devices
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
-from tests.conftest import run_split
+from tests.conftest import decode_logits, run_split
 from tests.oracle import judge_logits
 
 GPUS = [d for d in available_devices() if not d.is_cpu]
@@ -87,24 +87,10 @@ def _greedy(engines: list[SliceEngine], prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-def _stepwise_logits(engines: list[SliceEngine], tokens: list[int]) -> np.ndarray:
-    """Logits for every position, one decode step at a time (each step keeps only its last row).
-    Not one prefill with every row's logits: on lavapipe, the LM head over 10 or more rows at once
-    corrupts the heap (an out-of-bounds write inside the Vulkan driver's buffer, seen with exact-size
-    compute buffers; llama.cpp reserves its buffer for 512 tokens, which hides it). `ask` and
-    `serve` never ask for more than the last row."""
-    rid, rows = b"stepwise", []
-    try:
-        for pos, token in enumerate(tokens):
-            x = None
-            for engine in engines:
-                x = engine.forward(rid, start_pos=pos, tokens=[token]) if x is None else \
-                    engine.forward(rid, start_pos=pos, hidden=x)
-            rows.append(x[-1])
-        return np.array(rows)
-    finally:
-        for engine in engines:
-            engine.release(rid)
+# Logits for every position come one decode step at a time (tests/conftest.decode_logits), not
+# from one prefill that keeps every row: on lavapipe the LM head over 10 or more rows at once
+# corrupted the heap with exact-size compute buffers (llama.cpp reserves its buffer for 512 tokens,
+# which would hide an out-of-bounds write). `ask` and `serve` only ever keep the last row.
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +116,7 @@ def test_device_slices_follow_the_oracle_rule(on_device, bundled_model, prompt, 
     _, sliced = on_device
     ids, theirs, ref = oracle_run(bundled_model, prompt, N_GENERATE, True, tmp_path)
     ours = _greedy(sliced, ids, N_GENERATE)
-    verdict = judge_logits(ids, ours, theirs, _stepwise_logits(sliced, ids + theirs), ref)
+    verdict = judge_logits(ids, ours, theirs, decode_logits(sliced, ids + theirs), ref)
     assert verdict.passes, verdict.explain()
 
 
@@ -139,14 +125,14 @@ def test_whole_model_on_the_device_follows_the_oracle_rule(on_device, bundled_mo
     (engine,) = on_device[0]
     ids, theirs, ref = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, True, tmp_path)
     ours = _greedy([engine], ids, N_GENERATE)
-    verdict = judge_logits(ids, ours, theirs, _stepwise_logits([engine], ids + theirs), ref)
+    verdict = judge_logits(ids, ours, theirs, decode_logits([engine], ids + theirs), ref)
     assert verdict.passes, verdict.explain()
 
 
 def test_one_slice_equals_four_slices_on_the_device(on_device):
     whole, sliced = on_device
     tokens = [1, 504, 3458, 282, 4649, 314, 3217, 30, 378, 1326, 282, 2463, 314]
-    a, b = _stepwise_logits(whole, tokens), _stepwise_logits(sliced, tokens)
+    a, b = decode_logits(whole, tokens), decode_logits(sliced, tokens)
     cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     assert cosine.min() >= 0.9999 and np.array_equal(a.argmax(1), b.argmax(1))
     if not np.array_equal(a, b):  # said, not failed: the backend may pick kernels by shape
@@ -195,7 +181,7 @@ def test_device_and_cpu_slices_mix(gguf, device, bundled_model, tmp_path):
     try:
         ids, theirs, ref = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, False, tmp_path)
         ours = _greedy(engines, ids, N_GENERATE)
-        verdict = judge_logits(ids, ours, theirs, _stepwise_logits(engines, ids + theirs), ref)
+        verdict = judge_logits(ids, ours, theirs, decode_logits(engines, ids + theirs), ref)
         assert verdict.passes, verdict.explain()
     finally:
         for engine in engines:
