@@ -70,6 +70,7 @@ def _engines(gguf, cuts: list[int], **kwargs) -> list[SliceEngine]:
             for a, b in zip(bounds, bounds[1:])]
 
 
+@pytest.mark.slow  # ~15 s: 262 decode steps through two engine sets
 def test_the_upload_path_is_bit_identical_to_the_zero_copy_path(gguf):
     """The CPU forced down the device path: every weight copied into a buffer of its own (not the
     map), the KV cache and graphs allocated by the backend. Same kernels, same bytes: same bits,
