@@ -218,16 +218,13 @@ backend_dev_type = _bind(base, "ggml_backend_dev_type", c_int, _P)
 backend_dev_memory = _bind(base, "ggml_backend_dev_memory", None, _P, ctypes.POINTER(c_size_t),
                            ctypes.POINTER(c_size_t))
 backend_dev_init = _bind(base, "ggml_backend_dev_init", _P, _P, c_char_p)
-backend_dev_buffer_type = _bind(base, "ggml_backend_dev_buffer_type", _P, _P)
 backend_supports_op = _bind(base, "ggml_backend_supports_op", c_bool, _P, _P)
-backend_buft_is_host = _bind(base, "ggml_backend_buft_is_host", c_bool, _P)
 graph_node = _bind(base, "ggml_graph_node", _P, _P, c_int)
 backend_sched_new = _bind(base, "ggml_backend_sched_new", _P, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p),
                           c_int, c_size_t, c_bool, c_bool)
 backend_sched_free = _bind(base, "ggml_backend_sched_free", None, _P)
 backend_sched_alloc_graph = _bind(base, "ggml_backend_sched_alloc_graph", c_bool, _P, _P)
 backend_sched_graph_compute = _bind(base, "ggml_backend_sched_graph_compute", c_int, _P, _P)
-backend_sched_get_n_splits = _bind(base, "ggml_backend_sched_get_n_splits", c_int, _P)
 
 op_desc = _bind(base, "ggml_op_desc", c_char_p, _P)
 # enum ggml_backend_dev_type
