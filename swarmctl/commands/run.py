@@ -87,8 +87,13 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
     if args.gpu_memory and device.is_cpu:
         raise UsageError(f"--gpu-memory is for a trunk on a GPU; this one computes on the CPU (--device "
                          f"{args.device}): offer host memory with --memory")
-    memory = parse_size(args.gpu_memory) if args.gpu_memory else parse_size(args.memory) if args.memory and \
-        device.is_cpu else None
+    # What the trunk offers the planner: host memory on the CPU, device memory on a GPU (None: what
+    # is there now, less a reserve on a GPU).
+    offered = args.memory if device.is_cpu else args.gpu_memory
+    if args.memory and not device.is_cpu:
+        log.warning("--memory %s is host memory; this trunk computes on %s and offers its device memory "
+                    "(--gpu-memory)", args.memory, device.label)
+    memory = parse_size(offered) if offered else None
     service = TrunkService(home, memory=memory, n_threads=args.threads, device=device,
                            capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise)
     log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
