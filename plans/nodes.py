@@ -1,9 +1,12 @@
-"""What the planner knows about each machine: memory it offers, how fast it runs one layer, and its
-links to the others. Filled from measurements at join, or from a JSON file for plans on paper."""
+"""What the planner knows about each machine: memory it offers, how fast it runs one layer, where it
+sits, and its measured links to the others. Filled from measurements at join, or from a JSON file for
+plans on paper. Links nobody measured are not guessed here: plans/links.py bounds them from the
+measured ones."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,15 +16,16 @@ ASKER = "asker"  # link key for the asker's side of a node (the host stands in f
 
 @dataclass(frozen=True)
 class Link:
-    rtt_ms: float = 20.0
-    bandwidth_mb_s: float = 50.0  # megabytes per second
+    """A measured link. ``via`` names the machine it is relayed through ("" for a direct path; ASKER
+    for the host): the planner charges such a link both of the relay's hops (plans/links.py)."""
+
+    rtt_ms: float = 20.0  # (a constructor default for claims that carry only a bandwidth; a link
+    bandwidth_mb_s: float = 50.0  # nobody measured is never planned at these: plans/links.py)
+    via: str = ""
 
     def cost_ms(self, n_bytes: int) -> float:
         """One-way time to move ``n_bytes``: half the round trip plus the bytes at the link's rate."""
         return self.rtt_ms / 2 + n_bytes / (self.bandwidth_mb_s * 1e3)
-
-
-DEFAULT_LINK = Link()
 
 
 @dataclass(frozen=True)
@@ -31,31 +35,69 @@ class NodeDescriptor:
     ms_per_layer_token: float  # one layer of this model, one decode token (measured at join)
     device: str = "cpu"
     address: str = ""
-    links: dict[str, Link] = field(default_factory=dict)  # to other nodes by name, and to ASKER
+    links: dict[str, Link] = field(default_factory=dict)  # measured, to other nodes by name, and to ASKER
+    site: str = ""  # machines that share a site (a house, a lab) and have no measured link count as on a LAN
 
-    def link_to(self, other: str) -> Link:
-        return self.links.get(other, DEFAULT_LINK)
+    def measured_link(self, other: str) -> Link | None:
+        return self.links.get(other)
+
+
+def measured_between(a: NodeDescriptor, b: NodeDescriptor) -> Link | None:
+    """Measured from either end (``a``'s own measurement first), or None."""
+    return a.links.get(b.name) or b.links.get(a.name)
 
 
 def link_between(a: NodeDescriptor, b: NodeDescriptor) -> Link:
-    """Measured from either end; a missing measurement falls back to the other end's, then the default."""
-    if b.name in a.links:
-        return a.links[b.name]
-    return b.links.get(a.name, DEFAULT_LINK)
+    """The link the planner charges between two nodes when it knows only these two: measured, or
+    bounded from the peers both measured (plans/links.py; with the whole swarm, use LinkModel)."""
+    from .links import LinkModel
+
+    return LinkModel([a, b]).link(a.name, b.name).link
 
 
 def load_nodes(path: str | Path) -> list[NodeDescriptor]:
-    """Nodes from JSON: a list of {"name", "memory_gb", "ms_per_layer_token", "device"?, "links"?:
-    {other: {"rtt_ms", "bandwidth_mb_s"}}}."""
+    """Nodes from JSON: a list of {"name", "memory_gb", "ms_per_layer_token", "device"?, "site"?,
+    "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
     from kernels.errors import EngineError
 
     try:
         raw = json.loads(Path(path).read_text())
-        return [NodeDescriptor(name=str(n["name"]), memory_bytes=int(float(n["memory_gb"]) * GB),
-                               ms_per_layer_token=float(n["ms_per_layer_token"]), device=str(n.get("device", "cpu")),
-                               links={k: Link(**v) for k, v in (n.get("links") or {}).items()})
-                for n in raw]
+        if not isinstance(raw, list):
+            raise ValueError("expected a JSON list of nodes")
+        nodes = [_node(n) for n in raw]
     except FileNotFoundError:
         raise EngineError(f"nodes file not found: {path}") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise EngineError(f"nodes file {path} is malformed ({type(e).__name__}: {e})") from None
+    names = [n.name for n in nodes]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise EngineError(f"nodes file {path} names {', '.join(twice)} more than once")
+    return nodes
+
+
+def _node(n: dict) -> NodeDescriptor:
+    name = str(n["name"])
+    return NodeDescriptor(name=name, memory_bytes=int(float(n["memory_gb"]) * GB),
+                          ms_per_layer_token=float(n["ms_per_layer_token"]), device=str(n.get("device", "cpu")),
+                          links={str(k): _link(name, str(k), v) for k, v in (n.get("links") or {}).items()},
+                          site=str(n.get("site") or ""))
+
+
+def _link(name: str, peer: str, v: dict) -> Link:
+    unknown = set(v) - {"rtt_ms", "bandwidth_mb_s", "via"}
+    if unknown:
+        raise ValueError(f"link {name} → {peer} has unknown keys {sorted(unknown)}")
+    via = str(v.get("via") or "")
+    # A relayed link measured end to end says so with rtt_ms; one that only names its relay is
+    # charged the relay's two hops alone (0 ms and no bandwidth limit of its own).
+    if "rtt_ms" not in v and not via:
+        raise ValueError(f"link {name} → {peer} has no rtt_ms (leave out a link nobody measured: the planner "
+                         "bounds it from the measured ones)")
+    rtt = float(v.get("rtt_ms", 0.0))
+    bandwidth = float(v.get("bandwidth_mb_s", math.inf if via else Link.bandwidth_mb_s))
+    if not (rtt >= 0 and math.isfinite(rtt)) or not bandwidth > 0:
+        raise ValueError(f"link {name} → {peer}: rtt_ms must be 0 or more and bandwidth_mb_s more than 0")
+    if via in (name, peer):
+        raise ValueError(f"link {name} → {peer} cannot be relayed through one of its own ends")
+    return Link(rtt, bandwidth, via)
