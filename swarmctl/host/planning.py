@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from net import messages as m
 from net.protocol import SwarmProtocol
-from plans.hysteresis import SpeedDecision, decide_on_speed, sticky_speed
+from plans.hysteresis import SpeedDecision, decide_on_links, decide_on_speed, sticky_links, sticky_speed
 from plans.layout import ModelLayout
 from plans.nodes import ASKER, Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan
@@ -99,6 +99,27 @@ class PlanKeeper:
         if decision.adopt or name not in self.speed_basis:
             self.speed_basis[name] = figure
         (log.info if decision.adopt else log.debug)("speed of %s%s: %s", name, source, decision.reason)
+        if decision.replan:
+            self.replan()
+
+    def consider_links(self, name: str, claims: dict[str, Link]) -> None:
+        """``name`` reports its measured links: each is planned with once it moved past the noise
+        band, and the host re-plans on them only if that makes the plan materially better
+        (plans/hysteresis.py)."""
+        trunk = self.trunks.get(name)
+        if trunk is None:
+            return
+        nodes = self.descriptors()
+        try:
+            placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
+        except PlanError:
+            trunk.links = sticky_links(trunk.links, claims)
+            return
+        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        decision = decide_on_links(placement.stage_layout, placement.stage_nodes, self.constraints, current, name,
+                                   claims)
+        trunk.links = {peer: decision.links[peer] for peer in claims}
+        (log.info if decision.replan else log.debug)("links of %s: %s", name, decision.reason)
         if decision.replan:
             self.replan()
 
