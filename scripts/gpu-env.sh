@@ -103,6 +103,29 @@ need_debs() {  # install missing Debian packages when we can; otherwise say whic
     || die "apt-get could not install ${missing[*]}; see $log"
 }
 
+# Debian 12's Mesa (22.3) lavapipe crashes in its queue thread when two slices on one Vulkan device
+# take turns (seen: a segfault inside libvulkan_lvp.so, any buffer policy); bookworm-backports' Mesa
+# 25.0 runs the same sequence cleanly. As root on bookworm, take lavapipe from backports.
+newer_lavapipe() {
+  local have
+  have=$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers 2>/dev/null) || return 0
+  dpkg --compare-versions "$have" ge 25 && return 0
+  grep -qs 'VERSION_CODENAME=bookworm' /etc/os-release || { say "Mesa $have: lavapipe older than 25.0 may crash (see README)"; return 0; }
+  if [ "$(id -u)" != 0 ]; then
+    say "warning: Mesa $have's lavapipe crashes on multi-slice runs; as root: apt-get install -t bookworm-backports mesa-vulkan-drivers"
+    return 0
+  fi
+  if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    say "adding bookworm-backports to apt's sources (for Mesa 25's lavapipe)"
+    printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      >/etc/apt/sources.list.d/swarmctl-bookworm-backports.sources
+  fi
+  say "installing mesa-vulkan-drivers from bookworm-backports (Mesa $have's lavapipe crashes)"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq -t bookworm-backports mesa-vulkan-drivers; } >>"$log" 2>&1 \
+    || die "could not install mesa-vulkan-drivers from bookworm-backports; see $log"
+}
+
 find_nvcc() {
   local c
   for c in "${CUDACXX:-}" /usr/local/cuda/bin/nvcc $(ls -d /usr/local/cuda-*/bin/nvcc 2>/dev/null | sort -rV) \
@@ -121,6 +144,7 @@ command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/d
 case "$backend" in
   vulkan)
     need_debs mesa-vulkan-drivers libvulkan-dev glslc glslang-tools spirv-headers
+    newer_lavapipe
     command -v glslc >/dev/null || die "glslc (the GLSL to SPIR-V compiler) is not on PATH"
     [ -f /usr/include/vulkan/vulkan.hpp ] || [ -n "${VULKAN_SDK:-}" ] \
       || die "Vulkan headers not found (install libvulkan-dev or set VULKAN_SDK)"
@@ -132,7 +156,18 @@ case "$backend" in
     export CUDACXX=$nvcc CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}
     export PATH=$(dirname "$nvcc"):$PATH
     say "using nvcc $nvcc ($("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
+    cuda_root=$(dirname "$(dirname "$nvcc")")
+    cuda_major=$("$nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
     cmake_args="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${GPU_ENV_CUDA_ARCHS:-90}"
+    # ggml-cuda links the driver library (libcuda) for its virtual-memory pool. A build machine
+    # without a driver may also lack the toolkit's link stubs; then build without that pool
+    # (GGML_CUDA_NO_VMM: plain cudaMalloc, which works on every GPU) rather than not at all.
+    if ! ls "$cuda_root"/lib64/stubs/libcuda.so "$cuda_root"/targets/*/lib/stubs/libcuda.so \
+            "$cuda_root"/lib64/libcuda.so >/dev/null 2>&1 \
+       && ! { command -v ldconfig >/dev/null && ldconfig -p | grep -q 'libcuda\.so '; }; then
+      say "no libcuda.so (driver or toolkit stub) to link: building with -DGGML_CUDA_NO_VMM=on"
+      cmake_args="$cmake_args -DGGML_CUDA_NO_VMM=on"
+    fi
     lib=libggml-cuda.so
     ;;
   rpc)
@@ -150,6 +185,39 @@ else
   run "upgrading pip in the venv" "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 vpip=("$venv/bin/python" -m pip)
+
+# ---- cuBLAS: ggml-cuda needs it; a toolkit installed without its math libraries lacks it ----------
+# NVIDIA publishes cuBLAS on PyPI (nvidia-cublas for CUDA 13, nvidia-cublas-cu12 before); install it
+# into the venv and point CMake at it. At run time its directory must then be on LD_LIBRARY_PATH
+# (the script prints the line); a toolkit with cuBLAS needs none of this.
+cuda_libpath=
+if [ "$backend" = cuda ] && [ ! -f "$cuda_root/include/cublas_v2.h" ]; then
+  if [ "$cuda_major" -ge 13 ]; then cublas_pkg="nvidia-cublas>=$cuda_major,<$((cuda_major + 1))"
+  else cublas_pkg="nvidia-cublas-cu$cuda_major"; fi
+  say "the CUDA toolkit in $cuda_root has no cuBLAS; installing $cublas_pkg from PyPI into the venv"
+  run "installing $cublas_pkg" "${vpip[@]}" install -q "$cublas_pkg"
+  cublas_dir=$("$venv/bin/python" - <<'PY' 2>>"$log"
+import glob, importlib.util, os
+spec = importlib.util.find_spec("nvidia")
+roots = list(spec.submodule_search_locations) if spec else []
+hits = [h for r in roots for h in glob.glob(os.path.join(r, "*", "include", "cublas_v2.h"))]
+print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")
+PY
+  ) || true
+  [ -n "$cublas_dir" ] || die "$cublas_pkg installed no cublas_v2.h; see $log"
+  # CMake looks for libcublas.so; the wheel ships only the versioned names.
+  mkdir -p "$cache/cublas-link"
+  for l in cublas cublasLt; do
+    so=$(ls "$cublas_dir"/lib/lib$l.so.* 2>/dev/null | head -n1) || true
+    [ -n "$so" ] || die "no lib$l.so.* in $cublas_dir/lib"
+    ln -sf "$so" "$cache/cublas-link/lib$l.so"
+  done
+  cmake_args="$cmake_args -DCUDA_cublas_LIBRARY=$cache/cublas-link/libcublas.so"
+  cmake_args="$cmake_args -DCUDA_cublasLt_LIBRARY=$cache/cublas-link/libcublasLt.so"
+  cmake_args="$cmake_args -DCMAKE_CUDA_FLAGS=-I$cublas_dir/include -DCMAKE_CXX_FLAGS=-I$cublas_dir/include"
+  cuda_libpath=$cublas_dir/lib:$cuda_root/lib64
+  export LD_LIBRARY_PATH=$cuda_libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 
 # ---- the wheel: cached per backend, keyed by version and CMake switches --------------------------
 key="llama-cpp-python==$version $cmake_args"
@@ -232,6 +300,14 @@ if ! "$venv/bin/python" -c 'import llama_cpp' >>"$log" 2>&1; then
 fi
 
 say "ok: $venv has llama-cpp-python $version with $lib"
+[ -z "$cuda_libpath" ] || say "cuBLAS came from PyPI: run with LD_LIBRARY_PATH=$cuda_libpath"
+# swarmctl's own view of the build: the devices ggml offers (a CUDA build on a machine without a GPU
+# or driver lists only the CPU, and must still load).
+if devices=$("$venv/bin/swarmctl" devices 2>>"$log"); then
+  say "swarmctl devices:"; printf '%s\n' "$devices" | sed 's/^/  /'
+else
+  die "swarmctl devices failed in $venv; see $log"
+fi
 [ "$backend" != vulkan ] || say "on a CPU Vulkan driver (lavapipe) set GGML_VK_VISIBLE_DEVICES=0, or ggml-vulkan skips it"
 if [ -n "$build_s" ]; then
   say "$(printf 'timing: wheel build %dm%02ds, total %dm%02ds' $((build_s / 60)) $((build_s % 60)) \
