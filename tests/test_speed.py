@@ -367,3 +367,39 @@ def test_repeats_run_while_other_processes_hold_the_cores_are_recognised(bundled
     assert m.contended and all(m.starved), [(r.ms, r.cpu_s / r.wall_s, r.others_cores) for r in m.repeats]
     assert m.ms_per_layer_token <= min(r.ms for r in m.repeats)
     assert not math.isnan(m.ms_per_layer_token)
+
+
+def test_the_host_replans_on_links_that_matter_only(tmp_path):
+    """The host's `links` handler: trunks report their measured round trips to the plan's other
+    stages. A slow link inside the plan moves the plan; noise around a figure does not."""
+    from plans.plan import Plan
+    from swarmctl.host import HostService, TrunkInfo
+    from swarmctl.host.planning import PlanKeeper
+    from net.messages import LinkClaim, Links
+
+    conns = {name: SimpleNamespace(peer_name=name, is_open=True, send=lambda *a, **k: None) for name in "abc"}
+    # each holds about 13 of the 22 trunk layers (4.5 MB a layer with its KV, 300 MB reserve): two stages
+    trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=360_000_000,
+                              ms_per_layer_token=1.0, rtt_ms=1.0) for i, (name, conn) in enumerate(conns.items())}
+    config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective="latency",
+                             plan_max_stages=0, expert_nodes=0)
+    planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name), config, SMOL, Plan(0, "m", 30, 4), trunks)
+    planning.constraints = constraints("latency")
+    host = object.__new__(HostService)  # only what the links handler reads
+    host.trunks, host.planning = trunks, planning
+    host._reply = lambda conn, sid, message, end=False: None
+    planning.replan()
+    first, second = [s.member for s in planning.plan.stages]
+    assert planning.plan.version == 1
+
+    host._links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=300.0)}))
+    assert planning.plan.version == 2
+    order = [s.member for s in planning.plan.stages]
+    assert (first, second) not in zip(order, order[1:]), order  # the slow hop is out of the plan
+    assert trunks[first].links[second].rtt_ms == 300.0
+
+    host._links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=310.0)}))  # noise on a known link
+    assert planning.plan.version == 2 and trunks[first].links[second].rtt_ms == 300.0
+    a, b = order
+    host._links(conns[a], 0, Links(links={b: LinkClaim(rtt_ms=2.5)}))  # about what the plan assumed
+    assert planning.plan.version == 2

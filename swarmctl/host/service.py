@@ -243,6 +243,9 @@ class HostService:
         (and, if the host has not timed it yet, once it was timed on one of them)."""
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
+            if message.placement != trunk.placement and message.placement not in ("", trunk.device):
+                log.info("trunk %s computes its stage on %s", conn.peer_name, message.placement)
+            trunk.placement = message.placement
             self.checks.when_ready(conn.peer_name, trunk, message.plan_version)
         self._ok(conn, stream_id)
 
@@ -255,10 +258,11 @@ class HostService:
         self._ok(conn, stream_id)
 
     def _links(self, conn: SwarmProtocol, stream_id: int, message: m.Links) -> None:
-        trunk = self.trunks.get(conn.peer_name)
-        if trunk is not None:
-            trunk.links = {peer: Link(claim.rtt_ms, claim.bandwidth_mb_s or Link().bandwidth_mb_s)
-                           for peer, claim in message.links.items()}
+        """A trunk's measured links: planned with once they move past the noise band, re-planned on
+        only when that makes the plan materially better (plans/hysteresis.py)."""
+        self.planning.consider_links(conn.peer_name, {
+            peer: Link(claim.rtt_ms, claim.bandwidth_mb_s or Link().bandwidth_mb_s)
+            for peer, claim in message.links.items()})
         self._ok(conn, stream_id)
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: m.Speed) -> None:
