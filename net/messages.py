@@ -77,6 +77,9 @@ class Register(Message, tag="register"):
 class Ready(Message, tag="ready"):
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
     plan_version: Version
+    # Where its stage computes: "cpu", "vulkan:0", or under partial offload "cuda:0 for layers
+    # [4, 9), cpu for [9, 15)" ("": an expert node, or a trunk too old to say).
+    placement: Annotated[str, msgspec.Meta(max_length=200)] = ""
 
 
 class Refuse(Message, tag="refuse"):
@@ -206,6 +209,7 @@ class MemberStatus(Part, kw_only=True):
     experts: list[int] | None = None
     memory: int | None = None
     device: str = ""  # where a trunk computes: cpu, cuda:0, vulkan:0, ... ("": not a trunk, or a host too old)
+    placement: str = ""  # its stage's layers by device when they are split (partial offload), else ""
     ms_per_layer_token: float | None = None  # its claim
     measured_ms_per_layer: float | None = None  # what the host timed itself
     planned_ms_per_layer: float | None = None  # what it is planned with (never below the timing)

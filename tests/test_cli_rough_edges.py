@@ -164,16 +164,20 @@ def test_a_bare_number_for_memory_asks_for_a_unit(tmp_path):
                     "(examples: 512M, 12G)"), line
 
 
-def test_status_shows_the_memory_as_typed():
+def test_status_shows_the_memory_as_typed_and_a_split_stage():
     members = [MemberStatus(name="alice", role="trunk", may="trunk", address="198.51.100.7:7471", layers=[4, 15],
                             memory=parse_size("12G"), health="ready"),
                MemberStatus(name="bob", role="trunk", may="trunk", address="198.51.100.9:7471", layers=[15, 26],
-                            memory=parse_size("24GB"), health="ready")]
+                            memory=parse_size("24GB"), health="ready", device="cuda:0",
+                            placement="cuda:0 for layers [15, 20), cpu for [20, 26)")]
     status = Status(swarm="s", model="m.gguf", n_layer=30, head_layers=4, plan_version=2, complete=True,
                     missing_layers=[], members=members, objective="latency", expected_ms_per_token=0.0,
                     expected_tokens_per_s=0.0, bottleneck="", warnings=[], recovery=RecoveryStatus())
     table = format_table(status)
     assert " 12.0 GB " in table and " 24.0 GB " in table, table
+    # partial offload: which of bob's layers are on its GPU; alice (all on one device) gets no line
+    assert " cuda:0 " in table and "\nbob: cuda:0 for layers [15, 20), cpu for [20, 26)" in table, table
+    assert "alice:" not in table
 
 
 # --- the planner's settings after init ---

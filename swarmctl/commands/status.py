@@ -56,6 +56,8 @@ def format_table(status: m.Status) -> str:
              f"{status.head_layers} at each end), plan v{status.plan_version}, "
              + ("complete" if status.complete else _incomplete(status))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    # A stage split between a GPU and the CPU (partial offload) says which layers are where.
+    lines += [f"{member.name}: {member.placement}" for member in status.members if member.placement]
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ class TrunkInfo:
     memory: int
     ms_per_layer_token: float | None = None  # measured at join; None until the trunk has the model
     device: str = "cpu"
+    placement: str = ""  # its stage's layers by device, as it said when ready (partial offload)
     rtt_ms: float | None = None  # to the host, which stands in for the asker when planning
     links: dict[str, Link] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.time)

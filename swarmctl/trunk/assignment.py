@@ -261,7 +261,8 @@ class Assignment:
         if self._confirmed == confirmed:
             return False
         self._confirmed = confirmed
-        await self._host.tell(m.Ready(plan_version=confirmed.plan_version))
+        placement = self.engine.placement() if self.engine is not None and confirmed.role == "stage" else ""
+        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement))
         return True
 
     def unload(self) -> None:
