@@ -5,7 +5,8 @@ made on paper (``swarmctl plan``) as well as by the running host.
     layout.py      a model's per-layer costs (weights, KV per token, FLOPs, activations), from its GGUF
                    metadata or from known dimensions
     nodes.py       what the planner knows of each machine: memory, speed per layer, links
+    links.py       the links the planner charges: measured, relayed, or bounded from the measured ones
     planner.py     the topology planner: contiguous trunk layers per member, in order; expert placement
     plan.py        the Plan (stage and expert assignments, version) as it travels from the host as JSON
-    hysteresis.py  when a changed speed figure is worth a new plan
+    hysteresis.py  when a changed speed or link figure is worth a new plan
 """

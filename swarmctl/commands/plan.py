@@ -5,8 +5,10 @@ examples:
   swarmctl plan --model ~/models/qwen3-8b.Q4_K_M.gguf --nodes nodes.json --objective throughput --json
   swarmctl plan                      # inside a swarm: the running swarm's model and members
 
-A nodes file is a JSON list of {"name", "memory_gb", "ms_per_layer_token", "device", "links":
-{"other-node" or "asker": {"rtt_ms", "bandwidth_mb_s"}}}.
+A nodes file is a JSON list of {"name", "memory_gb", "ms_per_layer_token", "device", "site",
+"links": {"other-node" or "asker": {"rtt_ms", "bandwidth_mb_s", "via"}}}: "site" groups machines on
+one LAN; a link with "via": "NAME" is relayed through NAME. Links left out are bounded from the
+measured ones (plans/links.py), never assumed cheap.
 """
 
 from __future__ import annotations
