@@ -14,6 +14,7 @@ Who sends what (the host's and the trunk's handlers list the ones they answer):
     host → trunk    prove, probe_run, probe_reveal (swarmctl/layer_proof.py)
     trunk → host    proof, probe_done, probe_outputs
     member → trunk  subscribe, probe, stats  → ok, error, stats
+    member → host   probe (a throughput probe of the link to the host, net/probe.py) → ok, error
 
 Structs decode with msgspec (typed structs, tagged unions, validating conversion); unknown extra
 fields are ignored, so a newer member can add one without breaking an older one.
@@ -218,6 +219,20 @@ class MemberStatus(Part, kw_only=True):
     bad_result_reporters: int = 0
 
 
+class LinkStatus(Part, kw_only=True):
+    """One link the plan uses (asker → first stage, stage → next stage, last stage → asker), as
+    measured, or as the planner estimates it where nobody measured it (plans/links.py)."""
+
+    source: str  # a member, or "asker" (the host stands in for the asker's side)
+    target: str
+    path: str = "direct"  # "direct", or "relayed via X"
+    rtt_ms: float | None = None  # measured, or the estimate the planner charges
+    bandwidth_mb_s: float | None = None  # likewise (None: nothing to say)
+    basis: str = "unknown"  # measured, relayed, site, bound or unknown (plans/links.py)
+    measured: bool = False  # the round trip is a measurement of this link (else an estimate)
+    bandwidth_measured: bool = False  # a probe measured its throughput (else a default or estimate)
+
+
 class RecoveryStatus(Part):
     recoveries: int = 0
     replayed_bytes: int = 0
@@ -240,6 +255,7 @@ class Status(Message, tag="status"):
     bottleneck: str
     warnings: list[str]
     recovery: RecoveryStatus
+    links: list[LinkStatus] = []  # the plan's links in order (empty from a host too old to say)
 
 
 class Manifest(Message, tag="manifest"):
@@ -295,7 +311,11 @@ class Subscribe(Message, tag="subscribe"):
 
 
 class Probe(Message, tag="probe"):
-    """A peer measuring its link to us: answered at once."""
+    """A peer measuring its link to us: answered at once when ``n_bytes`` is 0, else once that
+    many bytes (one DATA frame after it on the same stream) arrived (net/probe.py; the receiver
+    refuses more than its cap)."""
+
+    n_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
 
 
 class GetStats(Message, tag="stats"):

@@ -1,4 +1,4 @@
-"""Show the swarm's members, their addresses, layer ranges and health.
+"""Show the swarm's members, their addresses, layer ranges and health, and the plan's links.
 
 examples:
   swarmctl status
@@ -58,7 +58,25 @@ def format_table(status: m.Status) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     # A stage split between a GPU and the CPU (partial offload) says which layers are where.
     lines += [f"{member.name}: {member.placement}" for member in status.members if member.placement]
+    lines += format_links(status.links)
     return "\n".join(lines)
+
+
+def format_links(links: list[m.LinkStatus]) -> list[str]:
+    """The plan's links under the members table: path, round trip, throughput, and whether each
+    figure was measured or is the planner's estimate (plans/links.py says how it estimates)."""
+    if not links:
+        return []
+    rows = [("LINK", "PATH", "RTT", "THROUGHPUT", "BASIS")]
+    for link in links:
+        rtt = f"{link.rtt_ms:.1f} ms" if link.rtt_ms is not None else "-"
+        rate = f"{link.bandwidth_mb_s:.0f} MB/s" if link.bandwidth_mb_s is not None else "-"
+        if link.measured and not link.bandwidth_measured and link.bandwidth_mb_s is not None:
+            rate += " (default)"
+        basis = "measured" if link.measured else f"estimated ({link.basis})"
+        rows.append((f"{link.source} → {link.target}", link.path, rtt, rate, basis))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["", *("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)]
 
 
 def _incomplete(status: m.Status) -> str:

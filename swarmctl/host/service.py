@@ -16,6 +16,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
 from net.identity import REVOKED_REASON, cert_pem, verify_member
+from net.probe import ProbeSink
 from net.protocol import SwarmProtocol
 from net.tls import ALPN_JOIN
 from net import messages as m
@@ -41,7 +42,7 @@ log = logging.getLogger("swarmctl.host")
 # What the host answers. Some only certain certificates may send (``Message.senders``): a trunk's
 # messages shape the plan; the host's own CLI announces revocations and new settings.
 ANSWERS = m.kinds(m.Register, m.Ready, m.Refuse, m.Links, m.Speed, m.FetchSlice, m.WatchPlan, m.GetPlan,
-                  m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure)
+                  m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure, m.Probe)
 JOINS = m.kinds(m.Join)
 
 Handler = Callable[[SwarmProtocol, int, m.Message], None]
@@ -68,6 +69,10 @@ class HostService:
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
         # serve, top), so "online" means any of them is open, and revoking closes them all.
         self.connections: set[SwarmProtocol] = set()
+        # Trunks measure their link to us (the asker's side in the planner) with a throughput probe;
+        # which (trunk, peer) links came with a measured bandwidth, for status (others carry a default).
+        self.probes = ProbeSink()
+        self.bandwidth_measured: set[tuple[str, str]] = set()
         self._monitor: asyncio.Task | None = None
         self.server = None
         self.address: Address | None = None
@@ -77,6 +82,7 @@ class HostService:
             m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
+            m.Probe: self._probe,
         }
 
     @property
@@ -122,6 +128,7 @@ class HostService:
             log.info("member %s connected", conn.peer_name)
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
+        self.probes.connection_lost(conn)
         if conn in self.connections:
             self.connections.discard(conn)
             log.info("member %s disconnected%s", conn.peer_name,
@@ -132,9 +139,12 @@ class HostService:
             self.planning.replan()
 
     def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
-        pass  # every host stream is one request, answered in full; a watcher's end changes nothing
+        # every host stream is one request, answered in full; a watcher's end changes nothing
+        self.probes.stream_ended(conn, stream_id)  # (a probe's stream that ended short is answered)
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
+        if self.probes.take_data(conn, stream_id, frame):  # a probe's payload (after its control frame)
+            return
         if frame.type != FrameType.CONTROL:
             conn.reject_stream(stream_id, "the host accepts only control messages")
             return
@@ -260,10 +270,19 @@ class HostService:
     def _links(self, conn: SwarmProtocol, stream_id: int, message: m.Links) -> None:
         """A trunk's measured links: planned with once they move past the noise band, re-planned on
         only when that makes the plan materially better (plans/hysteresis.py)."""
+        for peer, claim in message.links.items():
+            if claim.bandwidth_mb_s is not None:
+                self.bandwidth_measured.add((conn.peer_name, peer))
+            else:
+                self.bandwidth_measured.discard((conn.peer_name, peer))
         self.planning.consider_links(conn.peer_name, {
             peer: Link(claim.rtt_ms, claim.bandwidth_mb_s or Link().bandwidth_mb_s)
             for peer, claim in message.links.items()})
         self._ok(conn, stream_id)
+
+    def _probe(self, conn: SwarmProtocol, stream_id: int, message: m.Probe) -> None:
+        """A member measuring its link to us: answered once its bytes arrived (net/probe.py)."""
+        self.probes.start(conn, stream_id, message)
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: m.Speed) -> None:
         """A trunk has a new figure: measured once its fetched layers arrived, measured again, or
@@ -325,7 +344,8 @@ class HostService:
         # (which is 0.0.0.0 by default)
         advertised = self.config.host_addresses[0] if self.config.host_addresses else str(self.address)
         return swarm_status(StatusSources(self.home, self.config.name, advertised, self.config.swarm_name,
-                                          self.plan, self.trunks, self.online(), self.reports))
+                                          self.plan, self.trunks, self.online(), self.reports,
+                                          self.bandwidth_measured))
 
     def _recovered(self, conn: SwarmProtocol, stream_id: int, message: m.Recovered) -> None:
         self.reports.recovered(message.recovery_s, message.replayed_bytes)

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-from net.messages import MemberStatus, RecoveryStatus, Status
+from net.messages import LinkStatus, MemberStatus, RecoveryStatus, Status
+from plans.links import RELAYED, LinkModel
+from plans.nodes import ASKER, Link, NodeDescriptor
 from plans.plan import Plan
 from swarmctl.home import SwarmHome
 
@@ -25,6 +28,8 @@ class StatusSources:
     trunks: Trunks
     online: set[str]  # members with at least one open connection
     reports: AskerReports
+    # (trunk, peer) links whose last report carried a measured bandwidth (the others plan at a default)
+    bandwidth_measured: set[tuple[str, str]] = field(default_factory=set)
 
 
 def health(src: StatusSources, name: str, revoked: bool) -> str:
@@ -62,6 +67,35 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name))
 
 
+def link_rows(src: StatusSources) -> list[LinkStatus]:
+    """The plan's links in the order a token crosses them (asker → stage 1 → … → last → asker),
+    each as the host plans with it: the trunks' measurements (the one to the host stands for the
+    asker's side), or the planner's estimate where nobody measured the pair (plans/links.py)."""
+    order = [s.member for s in src.plan.stages]
+    if not order:
+        return []
+    nodes = []
+    for name, t in src.trunks.items():  # (as PlanKeeper.descriptors gives them to the planner)
+        links = dict(t.links)
+        if t.rtt_ms is not None:
+            links[ASKER] = Link(t.rtt_ms, links.get(ASKER, Link()).bandwidth_mb_s)
+        nodes.append(NodeDescriptor(name, t.memory, 1.0, t.device, t.listen, links))
+    model = LinkModel(nodes)
+    rows = []
+    for a, b in [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]:
+        estimate = model.link(a, b)
+        # whose measurement it is: a trunk's own report, else the other end's (ASKER reports nothing)
+        reporter = next(((x, y) for x, y in ((a, b), (b, a)) if y in (src.trunks[x].links if x in src.trunks
+                                                                        else {})), None)
+        rows.append(LinkStatus(
+            source=a, target=b, path=f"relayed via {estimate.through[0]}" if estimate.basis == RELAYED else "direct",
+            rtt_ms=estimate.link.rtt_ms, basis=estimate.basis,
+            bandwidth_mb_s=estimate.link.bandwidth_mb_s if math.isfinite(estimate.link.bandwidth_mb_s) else None,
+            measured=estimate.measured,
+            bandwidth_measured=estimate.measured and reporter is not None and reporter in src.bandwidth_measured))
+    return rows
+
+
 def swarm_status(src: StatusSources) -> Status:
     plan, recovery = src.plan, src.reports.recovery
     members = [member_row(src, name, record.role, record.revoked)
@@ -74,4 +108,5 @@ def swarm_status(src: StatusSources) -> Status:
                   warnings=list(plan.warnings),
                   recovery=RecoveryStatus(recoveries=recovery.recoveries, replayed_bytes=recovery.replayed_bytes,
                                           last_recovery_s=recovery.last_recovery_s,
-                                          last_marked_down=recovery.last_marked_down))
+                                          last_marked_down=recovery.last_marked_down),
+                  links=link_rows(src))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -20,8 +21,9 @@ from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import REVOKED_REASON, verify_member
 from net.protocol import StreamClosedError, SwarmProtocol
 from net import messages as m
-from net.ping import round_trip_ms
+from net.probe import ProbeSink, measure_or_none
 from net.wire import Frame, FrameType, WireError, decode_control
+from plans.nodes import ASKER
 from plans.plan import Plan
 from swarmctl.batching import compute_thread
 from swarmctl.home import SwarmHome
@@ -39,6 +41,12 @@ log = logging.getLogger("swarmctl.trunk")
 
 # What a trunk answers on streams other than the host's plan stream.
 ANSWERS = m.kinds(m.Subscribe, m.Probe, m.GetStats, *CHALLENGES.values())
+
+# Links are measured again in the background, this often (jittered, so trunks that started
+# together do not probe together), and only while no request passed for IDLE_BEFORE_PROBE_S: a probe
+# competes with activations for the same uplink.
+LINK_REFRESH_S = 180.0
+IDLE_BEFORE_PROBE_S = 10.0
 
 
 class TrunkService:
@@ -80,6 +88,8 @@ class TrunkService:
         self.requests = StageRequests(self.name, self.creds, self, self.held, self.results, capture=self._capture,
                                       spawn=self._spawn)
         self._prover = Prover(self._proof_sources, n_threads)  # answers the host's layer checks
+        self.probes = ProbeSink()  # peers measuring their link to us (net/probe.py)
+        self._measuring = asyncio.Lock()  # one round of link measurements at a time
 
     # --- lifecycle ---
 
@@ -94,7 +104,8 @@ class TrunkService:
         self.address = Address(listen.host, self._server._transport.get_extra_info("sockname")[1])
         log.info("trunk %s listening on %s", self.name, self.address)
         tasks = [asyncio.ensure_future(self.host.keep(stop, self._registration, self._own_links, self._tick)),
-                 asyncio.ensure_future(self.requests.reap_idle(self.idle_timeout))]
+                 asyncio.ensure_future(self.requests.reap_idle(self.idle_timeout)),
+                 asyncio.ensure_future(self._refresh_links())]
         try:
             await stop.wait()
         finally:
@@ -159,23 +170,53 @@ class TrunkService:
         self.requests.drop_all(reason)
 
     async def _measure_peers(self, plan: Plan) -> None:
-        """Round trips to the plan's other stages, reported to the host for its next plan."""
-        links = {}
-        for stage in plan.stages:
-            if stage.member == self.name:
-                continue
-            try:
-                conn = await connect_member(Address.parse(stage.address), self.creds, stage.member, self)
-            except (ConnectionError, OSError):
-                continue
-            try:
-                links[stage.member] = m.LinkClaim(rtt_ms=await round_trip_ms(conn))
-            except (ConnectionError, asyncio.TimeoutError):
-                pass
-            finally:
-                await close(conn)
-        if links:
-            await self.host.tell(m.Links(links=links))
+        """Round trip and throughput to the plan's other stages and to the host (which stands in
+        for the asker's side: ASKER), reported to the host for its next plan. Run when a plan is
+        served (a new plan may need new pairs) and again while idle (``_refresh_links``)."""
+        async with self._measuring:
+            links: dict[str, m.LinkClaim] = {}
+            for stage in plan.stages:
+                if stage.member == self.name or stage.member in links:
+                    continue
+                measure = await self._measure_member(stage.member, stage.address)
+                if measure is not None:
+                    links[stage.member] = measure.claim()
+            measure = await measure_or_none(self.host.conn)
+            if measure is not None:
+                links[ASKER] = measure.claim()
+            if links:
+                log.debug("measured links: %s", ", ".join(
+                    f"{peer} {c.rtt_ms:.1f} ms {c.bandwidth_mb_s:.0f} MB/s" for peer, c in links.items()))
+                await self.host.tell(m.Links(links=links))
+
+    async def _measure_member(self, member: str, address: str):
+        """Over the connection to the next stage where that is the member, else a fresh one
+        (mutually authenticated like every member connection), closed after."""
+        conn = self.requests.next_conn
+        if conn is not None and conn.is_open and conn.peer_name == member:
+            return await measure_or_none(conn)
+        try:
+            conn = await connect_member(Address.parse(address), self.creds, member, self)
+        except (ConnectionError, OSError, ValueError):
+            return None
+        try:
+            return await measure_or_none(conn)
+        finally:
+            await close(conn)
+
+    async def _refresh_links(self) -> None:
+        while True:
+            await asyncio.sleep(LINK_REFRESH_S * random.uniform(0.75, 1.25))
+            plan = self.held.plan
+            if plan is not None and plan.stage_for(self.name) is not None and self._idle():
+                await self._measure_peers(plan)
+
+    def _idle(self) -> bool:
+        """No request passed through this stage lately, and nothing waits for the compute thread."""
+        now = time.monotonic()
+        runner = self.held.runner
+        return (runner is None or runner.queue_depth == 0) and all(
+            now - route.last_active > IDLE_BEFORE_PROBE_S for _, route in self.requests.routes.items())
 
     # --- ConnectionHandler ---
 
@@ -185,14 +226,16 @@ class TrunkService:
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
         self.connections.discard(conn)
+        self.probes.connection_lost(conn)
         self.requests.connection_lost(conn)
         self.results.connection_lost(conn)
 
     def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
+        self.probes.stream_ended(conn, stream_id)
         self.requests.stream_ended(conn, stream_id)
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
-        if self.host.take_frame(conn, stream_id, frame):
+        if self.host.take_frame(conn, stream_id, frame) or self.probes.take_data(conn, stream_id, frame):
             return
         self._capture("recv", frame)
         if frame.type == FrameType.CONTROL:
@@ -223,8 +266,8 @@ class TrunkService:
             for old in self.results.subscribe(conn, stream_id, request.session):
                 old.conn.finish(old.stream_id)
             conn.send(stream_id, m.encode(m.Ok()))
-        elif isinstance(request, m.Probe):  # a peer measuring our link
-            conn.send(stream_id, m.encode(m.Ok()), end=True)
+        elif isinstance(request, m.Probe):  # a peer measuring our link (net/probe.py)
+            self.probes.start(conn, stream_id, request)
         elif isinstance(request, m.GetStats):
             conn.send(stream_id, m.encode(self.stats()), end=True)
 
