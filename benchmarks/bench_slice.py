@@ -1,12 +1,22 @@
 """Slice engine vs llama-cpp-python, side by side in one run; prints JSON.
 
     python benchmarks/bench_slice.py [--model PATH] [--threads N] [--decode 64] [--repeats 5]
+                                     [--device cpu|cuda[:N]|vulkan[:N]|...] [--prompt-tokens N] [--out FILE]
 
 (a) llama-cpp-python, whole model; (b) our engine as one slice; (c) our engine as 4 slices in one
 process. Same prompt, same thread count, interleaved repeats; medians and ratios b/a, c/a.
 Decode = one token per step with greedy argmax, including each runtime's own per-step overhead
-(llama-cpp-python copies logits into numpy, we copy the output tensor). Also the peak RSS of a
-process holding only layers [10, 20) against one holding the whole model.
+(llama-cpp-python copies logits into numpy, we copy the output tensor). Prefill ends when the
+last position's logits are in hand (a GPU backend computes asynchronously; reading them waits).
+
+On the CPU (the default) also the peak RSS of a process holding only layers [10, 20) against one
+holding the whole model. On a GPU (``--device``): llama-cpp-python runs with every layer there
+(n_gpu_layers=-1), our slices with weights, KV cache and graphs there; each run is a fresh
+process (one Vulkan user per process, and a run that crashes is reported, not fatal), and the
+memory report is the engine's device buffers (weights, KV cache, compute) against its tensors and
+KV, with what the device itself reports used where it tracks that.
+
+    GGML_VK_VISIBLE_DEVICES=0 .venv-gpu/bin/python benchmarks/bench_slice.py --device vulkan --decode 8 --repeats 3
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.devices import Device, DeviceError, available_devices, choose_device  # noqa: E402
 from kernels.gguf_file import GGUFFile  # noqa: E402
 from kernels.slice import SliceEngine  # noqa: E402
 from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
@@ -32,6 +44,9 @@ from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "The story should have a beginning, a middle and an end, and it should mention the sea, "
           "a storm, a gull named Pete, an old radio, and a letter from a sister who lives far away. ") * 2
+RUNTIMES = ("a_llama_cpp", "b_engine_1_slice", "c_engine_4_slices")
+CHILD_TIMEOUT_S = 3600  # one run on lavapipe (~100x slower than the CPU) stays far below this
+LLAMA_SPLIT_MODE_NONE = 0  # llama.h: the whole model on main_gpu
 
 
 def per_cpu_second(n_prefill: int, prefill_cpu_s: float, n_decode: int, decode_cpu_s: float) -> dict:
@@ -41,35 +56,102 @@ def per_cpu_second(n_prefill: int, prefill_cpu_s: float, n_decode: int, decode_c
     return {"prefill_tok_per_cpu_s": n_prefill / prefill_cpu_s, "decode_tok_per_cpu_s": n_decode / decode_cpu_s}
 
 
-def bench_llama_cpp(model: Path, tokens: list[int], n_decode: int, threads: int, *, repack: bool = False) -> dict:
+def llama_device_args(device: Device | None) -> dict:
+    """llama-cpp-python's arguments for running every layer on ``device`` alone (none: the CPU);
+    split mode NONE keeps llama.cpp from spreading layers over several GPUs. Its ``main_gpu``
+    counts llama.cpp's own list (src/llama.cpp, model loading): RPC servers, then the other GPUs in
+    the registry's order, integrated GPUs only where there is no other. Not followed here: it also
+    drops a GPU whose device id an earlier one has (one card seen by two backends, as in a build
+    with both CUDA and Vulkan), which would shift the count."""
+    if device is None or device.is_cpu:
+        return {}
+    devices = available_devices()
+    rpc = [d.name for d in devices if d.family == "rpc"]
+    gpus = [d.name for d in devices if d.kind == "gpu" and d.family != "rpc"]
+    order = rpc + (gpus or [d.name for d in devices if d.kind == "igpu"])
+    if device.name not in order:
+        raise DeviceError(f"llama-cpp-python does not use {device.label} (an integrated GPU beside another)")
+    return {"n_gpu_layers": -1, "split_mode": LLAMA_SPLIT_MODE_NONE, "main_gpu": order.index(device.name)}
+
+
+def device_memory(device: Device | None) -> tuple[int, int] | None:
+    """(used, total) bytes as the device reports them now; None on the CPU."""
+    if device is None or device.is_cpu:
+        return None
+    d = device.refreshed()
+    return d.memory_total - d.memory_free, d.memory_total
+
+
+def reported_growth(device: Device | None, before: tuple[int, int] | None) -> int | None:
+    """Bytes the device reports used now beyond ``before``; None where that says nothing: on the
+    CPU, when the total itself changed, or when the device reports the host's memory, whose free
+    bytes move with every process on the machine (lavapipe: a fixed 2 GiB, or the host's memory,
+    seen both ways)."""
+    after = device_memory(device)
+    if before is None or after is None or after[1] != before[1]:
+        return None
+    if after[1] == choose_device("cpu").memory_total:
+        return None
+    return after[0] - before[0]
+
+
+def warmup_tokens(tokens: list[int], device: Device | None) -> list[int]:
+    """What each runtime runs before it is timed. On a GPU the whole prompt: the backend builds
+    its kernels for each shape on first use (on lavapipe an LLVM compile of seconds), and a
+    shorter batch can take another matmul kernel than the timed one."""
+    return tokens[:8] if device is None or device.is_cpu else tokens
+
+
+def bench_llama_cpp(model: Path, tokens: list[int], n_decode: int, threads: int, *, repack: bool = False,
+                    device: Device | None = None) -> dict:
     """``repack=False``: plain weight buffers, like the engine; ``True``: llama.cpp's default
     (repacked extra buffer types; can die with SIGILL on AMX CPUs, see bench_repack.py)."""
     from kernels.oracle_llama import last_logits, load_llama
 
-    llm = load_llama(model, repack=repack, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads)
-    llm.eval(tokens[:8])  # warm-up
+    before = device_memory(device)
+    llm = load_llama(model, repack=repack, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                     **llama_device_args(device))
+    llm.eval(warmup_tokens(tokens, device))
+    last_logits(llm)
     llm.reset()
     t0, c0 = time.perf_counter(), time.process_time()
     llm.eval(tokens)
-    t1, c1 = time.perf_counter(), time.process_time()
     tok = int(np.argmax(last_logits(llm)))
-    t2, c2 = time.perf_counter(), time.process_time()
+    t1, c1 = time.perf_counter(), time.process_time()
     for _ in range(n_decode):
         llm.eval([tok])
         tok = int(np.argmax(last_logits(llm)))
-    t3, c3 = time.perf_counter(), time.process_time()
+    t2, c2 = time.perf_counter(), time.process_time()
+    result = {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t2 - t1),
+              **per_cpu_second(len(tokens), c1 - c0, n_decode, c2 - c1)}
+    if before is not None:
+        result["device_reported_used_bytes"] = reported_growth(device, before)
     llm.close()
-    return {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t3 - t2),
-            **per_cpu_second(len(tokens), c1 - c0, n_decode, c3 - c2)}
+    return result
+
+
+def make_engines(gguf: GGUFFile, cuts: list[int], threads: int, *, repack: bool = False,
+                 device: Device | None = None, max_context: int = 1024) -> list[SliceEngine]:
+    """The model as consecutive slices, cut before each layer in ``cuts`` (none: one slice)."""
+    n_layer = ModelSpec.from_gguf(gguf).n_layer
+    bounds = [0, *cuts, n_layer]
+    engines: list[SliceEngine] = []
+    try:
+        for a, b in zip(bounds, bounds[1:]):
+            engines.append(SliceEngine(gguf, SliceSpec(a, b, a == 0, b == n_layer), n_threads=threads,
+                                       max_context=max_context, repack=repack, device=device))
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    return engines
 
 
 def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: int, threads: int,
-                 *, repack: bool = False) -> dict:
-    spec = ModelSpec.from_gguf(gguf)
-    bounds = [0, *cuts, spec.n_layer]
-    engines = [SliceEngine(gguf, SliceSpec(a, b, a == 0, b == spec.n_layer), n_threads=threads, max_context=1024,
-                           repack=repack)
-               for a, b in zip(bounds, bounds[1:])]
+                 *, repack: bool = False, device: Device | None = None) -> dict:
+    """On a GPU the result also carries ``memory``: the engines' device buffers (device_buffers)."""
+    before = device_memory(device)
+    engines = make_engines(gguf, cuts, threads, repack=repack, device=device)
 
     def step(rid: bytes, pos: int, new: list[int]) -> np.ndarray:
         x = engines[0].forward(rid, start_pos=pos, tokens=new)
@@ -79,29 +161,69 @@ def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: i
 
     try:
         warm = secrets.token_bytes(16)
-        step(warm, 0, tokens[:8])
+        step(warm, 0, warmup_tokens(tokens, device))
         for e in engines:
             e.release(warm)
         rid = secrets.token_bytes(16)
         t0, c0 = time.perf_counter(), time.process_time()
         logits = step(rid, 0, tokens)
-        t1, c1 = time.perf_counter(), time.process_time()
         tok = int(np.argmax(logits[-1]))
+        t1, c1 = time.perf_counter(), time.process_time()
         for e in engines:  # count only decode steps in the overhead figures
             e.stats.calls = e.stats.tokens = 0
             e.stats.total_s = e.stats.compute_s = 0.0
-        t2, c2 = time.perf_counter(), time.process_time()
         for i in range(n_decode):
             tok = int(np.argmax(step(rid, len(tokens) + i, [tok])[-1]))
-        t3, c3 = time.perf_counter(), time.process_time()
+        t2, c2 = time.perf_counter(), time.process_time()
         overhead_us = sum(e.stats.overhead_s for e in engines) / n_decode * 1e6
         compute_us = sum(e.stats.compute_s for e in engines) / n_decode * 1e6
-        return {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t3 - t2),
-                "python_overhead_us_per_token": overhead_us, "ggml_compute_us_per_token": compute_us,
-                **per_cpu_second(len(tokens), c1 - c0, n_decode, c3 - c2)}
+        result = {"prefill_tok_s": len(tokens) / (t1 - t0), "decode_tok_s": n_decode / (t2 - t1),
+                  "python_overhead_us_per_token": overhead_us, "ggml_compute_us_per_token": compute_us,
+                  **per_cpu_second(len(tokens), c1 - c0, n_decode, c2 - c1)}
+        if before is not None:
+            result["memory"] = device_buffers(engines, reported_growth(device, before))
+        return result
     finally:
         for e in engines:
             e.close()
+
+
+def compute_buffer_bytes(engine: SliceEngine) -> int:
+    """Bytes of the engine's graph allocators' buffers: the kept decode graphs' and the idle
+    allocators the backend keeps on a device (a prompt graph's, returned after its run, still
+    holding its buffer). The engine offers no public figure for this, so it is read from its
+    graph cache and backend; graphs under partial offload (a scheduler each) are not counted."""
+    from kernels import ggml
+
+    gallocs = [entry.galloc for entry in engine._graphs._entries.values() if entry.galloc]
+    gallocs += engine.backend._idle_gallocrs
+    return sum(ggml.gallocr_get_buffer_size(g, 0) for g in gallocs)
+
+
+def device_buffers(engines: list[SliceEngine], reported_used: int | None) -> dict:
+    """The engines' device memory while one request (prompt + decode) is in flight, slice by slice:
+    weights as copied, KV cache as allocated (it grows with the request, up to max_context), and
+    compute buffers, against the tensors' own bytes + that KV. ``reported_used``: what the device
+    says it lost meanwhile (None where that means nothing: reported_growth)."""
+    slices = []
+    for e in engines:
+        s = {"layers": [e.slice.start, e.slice.stop], "placement": e.placement(),
+             "tensor_bytes": e.weights.n_bytes, "weights_device_bytes": e.weights.copied_bytes,
+             "kv_bytes": e.kv_bytes, "compute_bytes": compute_buffer_bytes(e)}
+        s["weights_kv_over_tensors_kv"] = ((s["weights_device_bytes"] + s["kv_bytes"])
+                                           / (s["tensor_bytes"] + s["kv_bytes"]))
+        slices.append(s)
+    fields = ("tensor_bytes", "weights_device_bytes", "kv_bytes", "compute_bytes")
+    total = {k: sum(s[k] for s in slices) for k in fields}
+    buffers = total["weights_device_bytes"] + total["kv_bytes"] + total["compute_bytes"]
+    ratio = (total["weights_device_bytes"] + total["kv_bytes"]) / (total["tensor_bytes"] + total["kv_bytes"])
+    # The target: device memory <= tensors + KV + 10 % + the backend's fixed cost. Compute buffers
+    # are counted with the fixed cost: they follow the largest graph (the prompt chunk), not the
+    # layers held; llama.cpp reserves its own for n_batch tokens.
+    return {"slices": slices, "total": total, "device_buffer_bytes": buffers,
+            "weights_kv_over_tensors_kv": ratio, "weights_kv_within_10_percent": ratio <= 1.1,
+            "device_reported_used_bytes": reported_used,
+            "device_reported_beyond_buffers": None if reported_used is None else reported_used - buffers}
 
 
 def rss_child(model: str, start: int, stop: int, threads: int) -> None:
@@ -146,46 +268,157 @@ def memory_report(model: Path, n_layer: int, threads: int) -> dict:
             "rss_above_baseline_ratio_10_20_over_whole": ten["rss_above_baseline"] / whole["rss_above_baseline"]}
 
 
+# --- on a GPU: every run in a process of its own ---
+
+def run_child(args: argparse.Namespace, runtime: str, cuts: list[int]) -> dict:
+    """One run of ``runtime`` (llama or engine) in a fresh process: its result, or ``{"failed":
+    why}`` when it crashed, failed or hung."""
+    cmd = [sys.executable, __file__, "--device-child", runtime, "--cuts", ",".join(map(str, cuts)),
+           "--device", args.device, "--threads", str(args.threads), "--decode", str(args.decode),
+           "--prompt-tokens", str(args.prompt_tokens or 0)]
+    if args.model:
+        cmd += ["--model", args.model]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"timed out after {CHILD_TIMEOUT_S} s"}
+    if out.returncode != 0:
+        return {"failed": exit_reason(out.returncode, out.stderr)}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def exit_reason(returncode: int, stderr: str) -> str:
+    """A child's failure in one line: the signal that killed it, or its exit code and last words."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    return f"exit {returncode}: {lines[-1] if lines else 'no message'}"
+
+
+def device_child(args: argparse.Namespace, device: Device) -> None:
+    runtime = args.device_child
+    cuts = [int(c) for c in args.cuts.split(",") if c]
+    model, tokens = prompt_tokens(args)
+    if runtime == "llama":
+        result = bench_llama_cpp(model, tokens, args.decode, args.threads, device=device)
+    else:
+        with GGUFFile(model) as gguf:
+            result = bench_engine(gguf, cuts, tokens, args.decode, args.threads, device=device)
+    print(json.dumps(result))
+
+
+def prompt_tokens(args: argparse.Namespace) -> tuple[Path, list[int]]:
+    from kernels.tokenizer import Tokenizer
+    from swarmctl.models import resolve_model
+
+    model = resolve_model(args.model)
+    tokens = Tokenizer(model).encode_prompt(PROMPT)
+    return model, tokens[:args.prompt_tokens] if args.prompt_tokens else tokens
+
+
+def medians(rs: list[dict]) -> dict:
+    """Per-figure medians over the runs that finished (figures some run lacks left out)."""
+    ok = [r for r in rs if "failed" not in r]
+    if not ok:
+        return {}
+    return {k: statistics.median(r[k] for r in ok) for k in ok[0]
+            if all(isinstance(r.get(k), (int, float)) for r in ok)}
+
+
+def ratios(med: dict) -> dict:
+    a = med["a_llama_cpp"]
+    out = {}
+    for phase in ("decode", "prefill"):
+        for key, name in (("b", "b_engine_1_slice"), ("c", "c_engine_4_slices")):
+            ours, theirs = med[name].get(f"{phase}_tok_s"), a.get(f"{phase}_tok_s")
+            out[f"{phase}_{key}_over_a"] = ours / theirs if ours and theirs else None
+    return out
+
+
+def device_main(args: argparse.Namespace, device: Device, n_layer: int, n_prompt: int, model: Path) -> dict:
+    four = [4, n_layer // 2, n_layer - 4]
+    plan = {"a_llama_cpp": ("llama", []), "b_engine_1_slice": ("engine", []), "c_engine_4_slices": ("engine", four)}
+    runs: dict[str, list[dict]] = {name: [] for name in RUNTIMES}
+    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all three alike
+        for name in RUNTIMES:
+            runs[name].append(run_child(args, *plan[name]))
+    med = {name: medians(rs) for name, rs in runs.items()}
+    memory = {name: next((r["memory"] for r in runs[name] if "memory" in r), None) for name in RUNTIMES[1:]}
+    memory["a_llama_cpp_device_reported_used_bytes"] = med["a_llama_cpp"].get("device_reported_used_bytes")
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "note": "tokens per wall-clock second, medians over the runs that finished; every run a fresh process "
+                "warmed up on the whole prompt; prefill ends when the last logits are read; memory from the "
+                "first engine run that finished, while its request is in flight",
+        "model": model.name, "device": {"label": device.label, "name": device.name,
+                                         "description": device.description, "memory_total": device.memory_total},
+        "threads": args.threads, "prompt_tokens": n_prompt, "decode_tokens": args.decode,
+        "repeats": args.repeats, "four_slice_cuts": four, "median": med,
+        "failed_runs": {name: [r["failed"] for r in rs if "failed" in r] for name, rs in runs.items()},
+        "ratios": ratios(med) if all(med.values()) else None,
+        "targets": {"decode": 0.9, "prefill": 0.9, "device_memory_over_tensors_kv": 1.1},
+        "memory": memory,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda[:N], vulkan[:N], metal, rocm[:N], auto")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="keep only the prompt's first N tokens (0: all)")
+    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--rss-child", nargs=3, metavar=("MODEL", "START", "STOP"))
+    p.add_argument("--device-child", choices=("llama", "engine"), help=argparse.SUPPRESS)
+    p.add_argument("--cuts", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rss_child:
         rss_child(args.rss_child[0], int(args.rss_child[1]), int(args.rss_child[2]), args.threads)
         return
+    if args.decode < 1 or args.repeats < 1 or args.prompt_tokens < 0:
+        sys.exit("bench_slice: --decode and --repeats must be at least 1, --prompt-tokens at least 0")
+    try:
+        device = choose_device(args.device)
+    except DeviceError as e:
+        print(f"bench_slice: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.device_child:
+        device_child(args, device)
+        return
 
-    from kernels.tokenizer import Tokenizer
-    from swarmctl.models import resolve_model
-
-    model = resolve_model(args.model)
-    tokens = Tokenizer(model).encode_prompt(PROMPT)
+    model, tokens = prompt_tokens(args)
     gguf = GGUFFile(model)
     n_layer = ModelSpec.from_gguf(gguf).n_layer
+    if not device.is_cpu:
+        gguf.close()
+        result = device_main(args, device, n_layer, len(tokens), model)
+    else:
+        result = cpu_main(args, gguf, model, tokens, n_layer)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+def cpu_main(args: argparse.Namespace, gguf: GGUFFile, model: Path, tokens: list[int], n_layer: int) -> dict:
     four = [4, n_layer // 2, n_layer - 4]
-    runs: dict[str, list[dict]] = {"a_llama_cpp": [], "b_engine_1_slice": [], "c_engine_4_slices": []}
+    runs: dict[str, list[dict]] = {name: [] for name in RUNTIMES}
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all three alike
         runs["a_llama_cpp"].append(bench_llama_cpp(model, tokens, args.decode, args.threads))
         runs["b_engine_1_slice"].append(bench_engine(gguf, [], tokens, args.decode, args.threads))
         runs["c_engine_4_slices"].append(bench_engine(gguf, four, tokens, args.decode, args.threads))
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    a = med["a_llama_cpp"]
-    result = {
+    return {
         "model": model.name, "threads": args.threads, "prompt_tokens": len(tokens), "decode_tokens": args.decode,
-        "repeats": args.repeats, "four_slice_cuts": four, "median": med,
-        "ratios": {
-            "decode_b_over_a": med["b_engine_1_slice"]["decode_tok_s"] / a["decode_tok_s"],
-            "decode_c_over_a": med["c_engine_4_slices"]["decode_tok_s"] / a["decode_tok_s"],
-            "prefill_b_over_a": med["b_engine_1_slice"]["prefill_tok_s"] / a["prefill_tok_s"],
-            "prefill_c_over_a": med["c_engine_4_slices"]["prefill_tok_s"] / a["prefill_tok_s"],
-        },
+        "repeats": args.repeats, "four_slice_cuts": four, "median": med, "ratios": ratios(med),
         "targets": {"decode": 0.95, "prefill": 0.9},
         "memory": memory_report(model, n_layer, args.threads),
     }
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
