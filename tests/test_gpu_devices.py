@@ -21,7 +21,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 from tests.conftest import decode_logits, run_split
-from tests.oracle import judge_logits
+from tests.oracle import MIN_COSINE, NEAR_TIE, judge_logits, top2_gap
 
 GPUS = [d for d in available_devices() if not d.is_cpu]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -29,13 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 PROMPTS = ["The capital of France is"]
 N_GENERATE = 6
-# On lavapipe these crash the process (a segfault inside ggml-vulkan's graph compute, after a run
-# of requests whose KV caches and compute buffers were freed and made anew); not understood yet,
-# see issue 16's note. Each passes its first steps, and the single-step tests below pass.
-LAVAPIPE_CRASHES = pytest.mark.skipif(bool(GPUS) and "llvmpipe" in GPUS[0].description,
-                                      reason="segfaults in ggml-vulkan on lavapipe (issue 16's note); for a real GPU")
-
-
 @pytest.fixture(scope="module")
 def device():
     return GPUS[0]
@@ -51,12 +44,20 @@ ORACLE_SCRIPT = """
 import json, sys
 import numpy as np
 from kernels.oracle_llama import load_llama
-from tests.oracle import oracle_greedy, oracle_logits
+from tests.oracle import oracle_greedy
 path, prompt, n, gpu_layers, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 llm = load_llama(path, n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=True, n_gpu_layers=gpu_layers)
 ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
 theirs = oracle_greedy(llm, ids, n)
-np.savez(out, ids=np.array(ids), theirs=np.array(theirs), logits=oracle_logits(llm, ids + theirs))
+# Logits one token per step, as decode_logits makes ours: a GPU backend picks its matrix kernels by
+# the number of rows (a vector kernel for one token, a tiled one for a batch), so a batch's logits
+# and a step's differ in their last bits there (cosine 0.9992 seen on lavapipe) while the CPU's agree.
+llm.reset()
+rows = []
+for token in ids + theirs:
+    llm.eval([token])
+    rows.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+np.savez(out, ids=np.array(ids), theirs=np.array(theirs), logits=np.array(rows))
 """
 
 
@@ -109,7 +110,6 @@ def test_weights_live_on_the_device(on_device, device):
     assert engine.weights.copied_bytes >= engine.weights.n_bytes
 
 
-@LAVAPIPE_CRASHES
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_device_slices_follow_the_oracle_rule(on_device, bundled_model, prompt, tmp_path):
     """As four slices on the device, against llama-cpp-python on the same device."""
@@ -120,7 +120,6 @@ def test_device_slices_follow_the_oracle_rule(on_device, bundled_model, prompt, 
     assert verdict.passes, verdict.explain()
 
 
-@LAVAPIPE_CRASHES
 def test_whole_model_on_the_device_follows_the_oracle_rule(on_device, bundled_model, tmp_path):
     (engine,) = on_device[0]
     ids, theirs, ref = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, True, tmp_path)
@@ -170,7 +169,6 @@ def test_partial_offload_follows_all_on_device(gguf, device, on_device):
         full.close()
 
 
-@LAVAPIPE_CRASHES
 def test_device_and_cpu_slices_mix(gguf, device, bundled_model, tmp_path):
     """Stages on the device and on the CPU in one chain, as a swarm with one GPU trunk and one CPU
     trunk runs it: the oracle rule against llama-cpp-python on the CPU."""
@@ -181,8 +179,28 @@ def test_device_and_cpu_slices_mix(gguf, device, bundled_model, tmp_path):
     try:
         ids, theirs, ref = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, False, tmp_path)
         ours = _greedy(engines, ids, N_GENERATE)
-        verdict = judge_logits(ids, ours, theirs, decode_logits(engines, ids + theirs), ref)
-        assert verdict.passes, verdict.explain()
+        mine = decode_logits(engines, ids + theirs)
+        # Against the CPU oracle, 11 layers computed by another backend are not bit-close. The bar
+        # is llama-cpp-python's own run on this device against its CPU run, over the positions
+        # where both saw the same tokens: no more confident argmax disagreements, and a distance
+        # (1 - cosine) within twice theirs (lavapipe, seen: ours 0.99847, theirs 0.99880; 1 flip each).
+        _, theirs_dev, ref_dev = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, True, tmp_path)
+        same = next((i for i, (a, b) in enumerate(zip(theirs, theirs_dev)) if a != b), len(theirs))
+        rows = slice(len(ids) - 1, len(ids) + same)
+
+        def spread(logits: np.ndarray) -> tuple[float, int]:
+            a, b = ref[rows], logits[rows]
+            cosine = float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+            flips = sum(1 for r, x in zip(a, b) if top2_gap(r) >= NEAR_TIE and np.argmax(r) != np.argmax(x))
+            return cosine, flips
+
+        (our_cosine, our_flips), (their_cosine, their_flips) = spread(mine), spread(ref_dev)
+        print(f"against the CPU oracle over {rows.stop - rows.start} positions: ours (mixed) cosine "
+              f"{our_cosine:.6f}, {our_flips} confident flips; llama-cpp-python on {device.label} "
+              f"{their_cosine:.6f}, {their_flips}")
+        verdict = judge_logits(ids, ours, theirs, mine, ref)
+        assert verdict.first_divergence is None or verdict.gap_at_divergence < NEAR_TIE, verdict.explain()
+        assert our_flips <= their_flips and 1 - our_cosine <= 2 * max(1 - their_cosine, 1 - MIN_COSINE)
     finally:
         for engine in engines:
             engine.close()
@@ -193,3 +211,62 @@ def test_environment_names_the_device():
     print(f"devices: {', '.join(f'{d.label} ({d.description})' for d in available_devices())}; "
           f"GGML_VK_VISIBLE_DEVICES={os.environ.get('GGML_VK_VISIBLE_DEVICES')}")
     assert GPUS
+
+
+def _greedy_stepwise(engines: list[SliceEngine], prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens as an asker makes them: the prompt in one step, then one token per step."""
+    import secrets
+
+    rid, tokens = secrets.token_bytes(16), list(prompt)
+    pos, chunk = 0, list(prompt)
+    try:
+        for _ in range(n):
+            x = None
+            for engine in engines:
+                x = engine.forward(rid, start_pos=pos, tokens=chunk) if x is None else \
+                    engine.forward(rid, start_pos=pos, hidden=x)
+            tokens.append(int(np.argmax(x[-1])))
+            pos, chunk = len(tokens) - 1, tokens[-1:]
+        return tokens[len(prompt):]
+    finally:
+        for engine in engines:
+            engine.release(rid)
+
+
+def test_a_swarm_with_one_trunk_on_the_device_and_one_on_the_cpu(tmp_path_factory, gguf, device, bundled_model):
+    """Real processes, as README's swarm runs: a host, a trunk computing on the device, a trunk on
+    the CPU, an asker (head and tail on the CPU). The swarm's answer is the tokens of the same
+    split run in this process with the same devices (prompt in one step, then a token per step)."""
+    from kernels.tokenizer import Tokenizer
+    from tests.swarm_harness import Swarm, swarmctl
+
+    s = Swarm(tmp_path_factory.mktemp("gpu-swarm"))
+    try:
+        s.init()
+        s.start_host()
+        s.wait_host()
+        for name in ("trunk-gpu", "trunk-cpu", "asker"):
+            s.join(name)
+        s.start_trunk("trunk-gpu", "--device", device.label, capture=False)
+        s.start_trunk("trunk-cpu", "--device", "cpu", capture=False)
+        status = s.wait_complete(2, timeout=600)
+        members = {m["name"]: m for m in status["members"]}
+        assert (members["trunk-gpu"]["device"], members["trunk-cpu"]["device"]) == (device.label, "cpu")
+        r = swarmctl(s.homes["asker"], "ask", "--device", "cpu", "--raw", "--temperature", "0", "--max-tokens",
+                     str(N_GENERATE), PROMPTS[0], timeout=600)
+        assert r.returncode == 0, r.stderr
+    finally:
+        s.close()
+    n, head = ModelSpec.from_gguf(gguf).n_layer, status["head_layers"]
+    stages = sorted((m["layers"], m["name"]) for m in members.values() if m["layers"])
+    specs = [(SliceSpec(0, head, has_embedding=True), None)]
+    specs += [(SliceSpec(a, b), device if name == "trunk-gpu" else None) for (a, b), name in stages]
+    specs += [(SliceSpec(n - head, n, has_lm_head=True), None)]
+    engines = [SliceEngine(gguf, spec, n_threads=2, max_context=512, device=d) for spec, d in specs]
+    try:
+        tokenizer = Tokenizer(bundled_model)
+        ours = _greedy_stepwise(engines, tokenizer.encode_prompt(PROMPTS[0]), N_GENERATE)
+    finally:
+        for engine in engines:
+            engine.close()
+    assert r.stdout == tokenizer.decode(ours) + "\n", (r.stdout, ours)
