@@ -188,18 +188,6 @@ def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: i
             e.close()
 
 
-def compute_buffer_bytes(engine: SliceEngine) -> int:
-    """Bytes of the engine's graph allocators' buffers: the kept decode graphs' and the idle
-    allocators the backend keeps on a device (a prompt graph's, returned after its run, still
-    holding its buffer). The engine offers no public figure for this, so it is read from its
-    graph cache and backend; graphs under partial offload (a scheduler each) are not counted."""
-    from kernels import ggml
-
-    gallocs = [entry.galloc for entry in engine._graphs._entries.values() if entry.galloc]
-    gallocs += engine.backend._idle_gallocrs
-    return sum(ggml.gallocr_get_buffer_size(g, 0) for g in gallocs)
-
-
 def device_buffers(engines: list[SliceEngine], reported_used: int | None) -> dict:
     """The engines' device memory while one request (prompt + decode) is in flight, slice by slice:
     weights as copied, KV cache as allocated (it grows with the request, up to max_context), and
@@ -209,7 +197,7 @@ def device_buffers(engines: list[SliceEngine], reported_used: int | None) -> dic
     for e in engines:
         s = {"layers": [e.slice.start, e.slice.stop], "placement": e.placement(),
              "tensor_bytes": e.weights.n_bytes, "weights_device_bytes": e.weights.copied_bytes,
-             "kv_bytes": e.kv_bytes, "compute_bytes": compute_buffer_bytes(e)}
+             "kv_bytes": e.kv_bytes, "compute_bytes": e.compute_buffer_bytes()}
         s["weights_kv_over_tensors_kv"] = ((s["weights_device_bytes"] + s["kv_bytes"])
                                            / (s["tensor_bytes"] + s["kv_bytes"]))
         slices.append(s)

@@ -146,6 +146,10 @@ class Backend:
         else:
             self._idle_gallocrs.append(galloc)
 
+    def idle_gallocr_bytes(self) -> int:
+        """Bytes the idle graph allocators kept for reuse still hold (their device buffers)."""
+        return sum(ggml.gallocr_get_buffer_size(g, 0) for g in self._idle_gallocrs)
+
     def alloc_context_tensors(self, ctx: int) -> int:
         """Allocate every tensor of a no_alloc context in one backend buffer (zeroed)."""
         buffer = ggml.backend_alloc_ctx_tensors(ctx, self.handle)

@@ -98,6 +98,9 @@ class GraphCache(Generic[K]):
         while len(self._entries) > self.capacity:
             self._entries.pop(next(iter(self._entries))).free()
 
+    def placed(self) -> list[PlacedGraph]:
+        return list(self._entries.values())
+
     def drop_where(self, doomed: Callable[[K], bool]) -> None:
         for key in [k for k in self._entries if doomed(k)]:
             self._entries.pop(key).free()

@@ -144,6 +144,14 @@ class SliceEngine:
             return f"cpu (nothing fits on {b.name})"
         return f"{b.name} for layers [{on.start}, {on.stop}), cpu for [{on.stop}, {s.stop})"
 
+    def compute_buffer_bytes(self) -> int:
+        """Bytes of the compute buffers this engine holds: its kept graphs' and segments'
+        allocators and the idle ones its backend keeps for reuse (graphs split by a scheduler,
+        under partial offload, are not counted)."""
+        placed = self._graphs.placed() + self._segments.placed()
+        held = sum(ggml.gallocr_get_buffer_size(p.galloc, 0) for p in placed if p.galloc)
+        return held + self.backend.idle_gallocr_bytes()
+
     @property
     def n_requests(self) -> int:
         return len(self._requests)

@@ -104,6 +104,15 @@ def test_the_cpu_device_keeps_weights_in_the_map(gguf):
     try:
         assert engine.weights.uploaded == () and engine.weights.copied_bytes == 0
         assert engine.backend.name == "cpu"
+        # compute buffers: a kept decode graph's allocator holds one; releasing the request drops
+        # its graphs (on the CPU their allocators are freed, not kept)
+        assert engine.compute_buffer_bytes() == 0
+        engine.forward(b"r", start_pos=0, tokens=[1, 504, 3458])
+        engine.forward(b"r", start_pos=3, tokens=[282])
+        held = engine.compute_buffer_bytes()
+        assert held > engine.spec.n_vocab * 4  # at least the logits row
+        engine.release(b"r")
+        assert engine.compute_buffer_bytes() == 0
     finally:
         engine.close()
 
