@@ -29,6 +29,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 PROMPTS = ["The capital of France is"]
 N_GENERATE = 6
+def _old_lavapipe() -> str:
+    """Why not to run several slices in one process here: Mesa's lavapipe before 25.0 (Debian 12
+    ships 22.3) crashed in its own queue thread on such runs; '' where that does not apply."""
+    import subprocess
+
+    if not GPUS or "llvmpipe" not in GPUS[0].description:
+        return ""
+    r = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "mesa-vulkan-drivers"], capture_output=True, text=True)
+    version = r.stdout.strip() if r.returncode == 0 else ""
+    major = int(version.split(".")[0]) if version[:1].isdigit() else None
+    if major is not None and major < 25:
+        return f"Mesa {version}'s lavapipe crashes on multi-slice runs; scripts/gpu-env.sh vulkan installs Mesa 25"
+    return ""
+
+
+OLD_LAVAPIPE = pytest.mark.skipif(bool(_old_lavapipe()), reason=_old_lavapipe() or "-")
+
+
 @pytest.fixture(scope="module")
 def device():
     return GPUS[0]
@@ -110,6 +128,7 @@ def test_weights_live_on_the_device(on_device, device):
     assert engine.weights.copied_bytes >= engine.weights.n_bytes
 
 
+@OLD_LAVAPIPE
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_device_slices_follow_the_oracle_rule(on_device, bundled_model, prompt, tmp_path):
     """As four slices on the device, against llama-cpp-python on the same device."""
@@ -120,6 +139,7 @@ def test_device_slices_follow_the_oracle_rule(on_device, bundled_model, prompt, 
     assert verdict.passes, verdict.explain()
 
 
+@OLD_LAVAPIPE
 def test_whole_model_on_the_device_follows_the_oracle_rule(on_device, bundled_model, tmp_path):
     (engine,) = on_device[0]
     ids, theirs, ref = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, True, tmp_path)
@@ -169,6 +189,7 @@ def test_partial_offload_follows_all_on_device(gguf, device, on_device):
         full.close()
 
 
+@OLD_LAVAPIPE
 def test_device_and_cpu_slices_mix(gguf, device, bundled_model, tmp_path):
     """Stages on the device and on the CPU in one chain, as a swarm with one GPU trunk and one CPU
     trunk runs it: the oracle rule against llama-cpp-python on the CPU."""
@@ -233,6 +254,7 @@ def _greedy_stepwise(engines: list[SliceEngine], prompt: list[int], n: int) -> l
             engine.release(rid)
 
 
+@OLD_LAVAPIPE
 def test_a_swarm_with_one_trunk_on_the_device_and_one_on_the_cpu(tmp_path_factory, gguf, device, bundled_model):
     """Real processes, as README's swarm runs: a host, a trunk computing on the device, a trunk on
     the CPU, an asker (head and tail on the CPU). The swarm's answer is the tokens of the same
