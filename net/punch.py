@@ -1,0 +1,238 @@
+"""UDP hole punching, from the very socket QUIC then uses.
+
+A NAT lets a datagram in only as the answer to one that went out: the router keeps a mapping
+(private ip:port → public ip:port) and lets in datagrams from the address the member sent to.
+Two members behind NATs therefore both send at once, each to the other's public address as the
+rendezvous saw it; the first datagrams open each side's mapping, the later ones get through.
+That only works from the socket whose mapping the rendezvous observed, so the same socket must
+carry QUIC afterwards: ``SharedSocket`` is one UDP socket that carries QUIC (a server, client
+connections, or both) and, beside it, these small control datagrams.
+
+Control datagrams start with a zero byte. Every QUIC packet has its top bit (long header) or its
+"fixed bit" 0x40 (short header) set, so no QUIC packet starts with 0x00 and the two never mix.
+
+    shared = await open_shared(sock)                 # sock: bound UDP socket, e.g. port 7471
+    public = await observe(shared, host_echo)        # net.rendezvous: how the host sees us
+    peer = await punch(shared, ticket)               # ticket from the rendezvous
+    server = serve_on(shared, creds, handler, client_check=...)   # and/or
+    conn = await connect_on(shared, peer, creds, "bob", handler)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from aioquic.asyncio.server import QuicServer
+from aioquic.quic.connection import QuicConnection
+
+from .endpoint import CONNECT_TIMEOUT, Address, no_answer
+from .identity import Credentials
+from .protocol import ConnectionHandler, SwarmProtocol
+from .tls import ALPN_SWARM, CertificateCheck, client_configuration, datagram_size_for, server_configuration
+from .wire import DEFAULT_MAX_FRAME
+
+CONTROL = b"\x00"  # first byte of every non-QUIC datagram on a shared socket
+PROBE = b"\x00swP"
+NONCE_BYTES = 16
+PROBE_INTERVAL = 0.05  # seconds between probes while punching: a few dozen datagrams per second, tiny
+PUNCH_TIMEOUT = 3.0
+# Home routers drop an idle UDP mapping after 30 s or more; a probe this often keeps it open
+# when the link is quiet (QUIC itself sends nothing on an idle connection).
+KEEPALIVE_INTERVAL = 10.0
+
+ControlHandler = Callable[[bytes, tuple], None]
+
+
+class PunchFailed(ConnectionError):
+    """No probe from the peer arrived in time: typically a NAT that gives each destination a new
+    port (symmetric), or a firewall that drops UDP. The link needs a relay."""
+
+
+@dataclass(frozen=True)
+class PunchTicket:
+    """What the rendezvous tells one end of a link: where the other end's probes come from, the
+    nonce both ends share (so stray or stale datagrams are ignored) and which end this is."""
+
+    peer: Address
+    nonce: bytes
+    side: int  # 0 or 1: tells our own probes (reflected back, say) from the peer's
+
+
+def _key(addr: tuple) -> tuple[str, int]:
+    """An address as asyncio reports it, without IPv6's extra fields or v4-mapped prefix."""
+    host, port = addr[0], int(addr[1])
+    if host.lower().startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return host, port
+
+
+class SharedSocket:
+    """One UDP socket: control datagrams go to the handler registered for their 4-byte prefix;
+    QUIC datagrams from a peer we connected to go to that connection; the rest to our QUIC
+    server, if any. Closing it closes the socket."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.DatagramTransport | None = None
+        self.server: QuicServer | None = None
+        self.clients: dict[tuple[str, int], SwarmProtocol] = {}
+        self.handlers: dict[bytes, ControlHandler] = {}
+        self.dropped = 0  # datagrams nobody wanted (stale probes, strangers)
+
+    # asyncio.DatagramProtocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        if data[:1] == CONTROL:
+            handler = self.handlers.get(data[:4])
+            if handler is None:
+                self.dropped += 1
+            else:
+                handler(data, _key(addr))
+            return
+        client = self.clients.get(_key(addr))
+        if client is not None:
+            client.datagram_received(data, addr)
+        elif self.server is not None:
+            self.server.datagram_received(data, addr)
+        else:
+            self.dropped += 1
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # an ICMP error for one destination says nothing about the others
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for client in list(self.clients.values()):
+            client.connection_lost(exc)
+
+    @property
+    def local_address(self) -> Address:
+        host, port = self.transport.get_extra_info("sockname")[:2]
+        return Address(host, port)
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(data, (addr.host, addr.port))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()  # closes its connections and the transport
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def open_shared(sock: socket.socket) -> SharedSocket:
+    """Wrap a bound UDP socket (made by the caller: its port, its network namespace)."""
+    sock.setblocking(False)
+    _, shared = await asyncio.get_running_loop().create_datagram_endpoint(SharedSocket, sock=sock)
+    return shared
+
+
+def serve_on(shared: SharedSocket, creds: Credentials, handler: ConnectionHandler, *,
+             client_check: CertificateCheck, max_frame: int = DEFAULT_MAX_FRAME,
+             max_datagram_size: int | None = None) -> QuicServer:
+    """Accept swarm connections (mTLS) on the shared socket, as net.endpoint.serve_member does on
+    a socket of its own."""
+    config = server_configuration(creds, alpns=[ALPN_SWARM],
+                                  max_datagram_size=max_datagram_size or datagram_size_for(shared.local_address.host))
+    create = functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame, client_check=client_check)
+    server = QuicServer(configuration=config, create_protocol=create)
+    server.connection_made(shared.transport)
+    shared.server = server
+    return server
+
+
+async def connect_on(shared: SharedSocket, address: Address, creds: Credentials, peer_name: str,
+                     handler: ConnectionHandler, *, max_frame: int = DEFAULT_MAX_FRAME,
+                     max_datagram_size: int | None = None, timeout: float = CONNECT_TIMEOUT) -> SwarmProtocol:
+    """A member-to-member connection (mTLS) from the shared socket to ``address`` (an IP
+    address: the punched peer, or a relay's port for the link). Close it with net.endpoint.close;
+    the socket stays open."""
+    config = client_configuration(creds, peer_name=peer_name,
+                                  max_datagram_size=max_datagram_size or datagram_size_for(address.host))
+    protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
+    protocol.connection_made(shared.transport)
+    key = (address.host, address.port)
+    shared.clients[key] = protocol
+    protocol.connect(key)
+    try:
+        await asyncio.wait_for(protocol.wait_connected(), timeout)
+    except (ConnectionError, asyncio.TimeoutError):
+        shared.clients.pop(key, None)
+        raise ConnectionError(no_answer(address)) from None
+    return protocol
+
+
+# --- punching ---
+
+
+def _probe(ticket: PunchTicket, heard: bool) -> bytes:
+    return PROBE + ticket.nonce + bytes([ticket.side, 1 if heard else 0])
+
+
+async def punch(shared: SharedSocket, ticket: PunchTicket, *, timeout: float = PUNCH_TIMEOUT,
+                interval: float = PROBE_INTERVAL) -> Address:
+    """Send probes to ``ticket.peer`` until we have heard the peer's probe and the peer says it
+    has heard ours, or ``timeout`` passes (PunchFailed). Returns the address the peer's probes
+    came from: where to reach it (its NAT may show a different port than the rendezvous saw)."""
+    loop = asyncio.get_running_loop()
+    heard: asyncio.Future[Address] = loop.create_future()
+    acked: asyncio.Future[None] = loop.create_future()
+
+    def on_probe(data: bytes, addr: tuple) -> None:
+        if len(data) != len(PROBE) + NONCE_BYTES + 2 or data[4:4 + NONCE_BYTES] != ticket.nonce:
+            shared.dropped += 1
+            return
+        side, peer_heard = data[-2], data[-1]
+        if side == ticket.side:
+            return  # our own probe, reflected
+        if not heard.done():
+            heard.set_result(Address(*addr))
+        if peer_heard and not acked.done():
+            acked.set_result(None)
+
+    previous = shared.handlers.get(PROBE)
+    shared.handlers[PROBE] = on_probe
+    start = time.monotonic()
+    try:
+        while not (heard.done() and acked.done()):
+            target = heard.result() if heard.done() else ticket.peer
+            shared.sendto(_probe(ticket, heard.done()), target)
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise PunchFailed(_failure(ticket, heard.done(), timeout))
+            # Wake early when the peer is first heard: the next probe tells it so at once.
+            pending = {f for f in (heard, acked) if not f.done()}
+            await asyncio.wait(pending, timeout=min(interval, left), return_when=asyncio.FIRST_COMPLETED)
+        # The peer may still wait for a probe that says we heard it: a few more, in case one is lost.
+        for _ in range(3):
+            shared.sendto(_probe(ticket, True), heard.result())
+            await asyncio.sleep(interval / 2)
+        return heard.result()
+    finally:
+        if previous is None:
+            shared.handlers.pop(PROBE, None)
+        else:
+            shared.handlers[PROBE] = previous
+
+
+def _failure(ticket: PunchTicket, heard: bool, timeout: float) -> str:
+    if heard:
+        return (f"hole punching with {ticket.peer}: its probes arrive but it does not hear ours after "
+                f"{timeout:g} s (a one-way path: its NAT or firewall drops our datagrams); use a relay")
+    return (f"hole punching with {ticket.peer}: no probe from it within {timeout:g} s (a NAT that maps each "
+            f"destination to a new port, or a firewall that drops UDP); use a relay")
+
+
+async def keep_open(shared: SharedSocket, peer: Address, ticket: PunchTicket,
+                    interval: float = KEEPALIVE_INTERVAL) -> None:
+    """Keep the NAT mappings of a punched link open while it is quiet: one probe per interval
+    (the peer drops it unless it is punching again). Run as a task; cancel to stop."""
+    while True:
+        shared.sendto(_probe(ticket, True), peer)
+        await asyncio.sleep(interval)

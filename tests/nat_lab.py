@@ -1,0 +1,143 @@
+"""Members behind home routers, as network namespaces: a "public" network (tests/netns.py's bridge)
+with the host and one router per member on it, and behind each router a private network with the
+member alone on it. Routers translate with iptables, as Linux home routers do:
+
+    cone       MASQUERADE: keeps the member's source port when it is free, so every destination
+               sees the same public ip:port (hole punching works);
+    symmetric  MASQUERADE --random-fully: a new random port for each destination (it does not).
+
+Each router also drops what comes in from the public side unasked, in INPUT and FORWARD, as home
+routers do: only answers to what the member sent get through, and the public side has no route
+to the private networks, which all use the same addresses (192.168.1.0/24, like most homes).
+
+Dropping in INPUT matters for punching: a router that answered a probe that came before its own
+member's first datagram (with an ICMP error) would keep a conntrack entry for it, and that entry
+would take the member's port, so the member's own datagrams would leave from another one.
+
+Sockets are made inside a namespace by a thread that enters it (setns), so one asyncio loop in
+the test process drives every machine; the sockets stay in their namespace. Needs root,
+iproute2 and iptables; conntrack-tools for ``renumber``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+from tests.netns import LabUnavailable, Machine, NetnsLab
+
+PUBLIC = "198.51.100"  # TEST-NET-2: documentation addresses, never routed anywhere
+HOST_IP = f"{PUBLIC}.1"
+PRIVATE_ROUTER = "192.168.1.1"
+PRIVATE_MEMBER = "192.168.1.2"
+CLONE_NEWNET = 0x40000000
+
+
+def _run(*argv: str) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {r.stderr.strip()}")
+    return r.stdout
+
+
+class NatLab:
+    """``members``: name → "cone" or "symmetric". ``lab.public_ip(name)`` is the router's public
+    address; ``lab.udp_socket(name, port)`` a UDP socket bound in that machine's namespace."""
+
+    def __init__(self, members: dict[str, str], root: Path) -> None:
+        if os.geteuid() == 0 and shutil.which("iptables") is None:
+            raise LabUnavailable("needs iptables (apt-get install -y iptables)")
+        routers = {f"nat-{name}": f"{PUBLIC}.{10 + i}" for i, name in enumerate(members)}
+        self.net = NetnsLab({"host": HOST_IP, **routers}, root)
+        self.kinds = dict(members)
+        self.members: dict[str, Machine] = {}
+        try:
+            for name, kind in members.items():
+                self._add_member(name, kind)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_member(self, name: str, kind: str) -> None:
+        if kind not in ("cone", "symmetric"):
+            raise ValueError(f"NAT kind {kind!r}: expected 'cone' or 'symmetric'")
+        router = self.net[f"nat-{name}"].netns
+        member = Machine(self.net, name, PRIVATE_MEMBER)
+        _run("ip", "netns", "add", member.netns)
+        self.net.created.append(member.netns)
+        _run("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", member.netns)
+        _run("ip", "-n", router, "addr", "add", f"{PRIVATE_ROUTER}/24", "dev", "lan0")
+        _run("ip", "-n", router, "link", "set", "lan0", "up")
+        for dev in ("eth0", "lo"):
+            _run("ip", "-n", member.netns, "link", "set", dev, "up")
+        _run("ip", "-n", member.netns, "addr", "add", f"{PRIVATE_MEMBER}/24", "dev", "eth0")
+        _run("ip", "-n", member.netns, "route", "add", "default", "via", PRIVATE_ROUTER)
+        _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self._iptables(name, "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE",
+                       *(["--random-fully"] if kind == "symmetric" else []))
+        for chain in ("INPUT", "FORWARD"):
+            self._iptables(name, "-A", chain, "-i", "eth0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                           "-j", "ACCEPT")
+            self._iptables(name, "-A", chain, "-i", "eth0", "-j", "DROP")
+        self.members[name] = member
+
+    def _iptables(self, member: str, *args: str) -> None:
+        _run("ip", "netns", "exec", self.net[f"nat-{member}"].netns, "iptables", *args)
+
+    def public_ip(self, member: str) -> str:
+        return self.net[f"nat-{member}"].ip
+
+    def netns(self, machine: str) -> str:
+        return self.members[machine].netns if machine in self.members else self.net[machine].netns
+
+    def udp_socket(self, machine: str, port: int = 0, host: str = "0.0.0.0") -> socket.socket:
+        """A UDP socket bound to host:port inside ``machine``'s namespace."""
+        return in_netns(self.netns(machine), lambda: _bound_udp(host, port))
+
+    def renumber(self, member: str, low: int = 40000, high: int = 40999) -> None:
+        """The router "reboots": its mappings are forgotten and new ones take ports in low-high,
+        so the member's public port changes."""
+        kind = ["--random-fully"] if self.kinds[member] == "symmetric" else []
+        self._iptables(member, "-t", "nat", "-R", "POSTROUTING", "1", "-o", "eth0", "-j", "MASQUERADE",
+                       "--to-ports", f"{low}-{high}", *kind)
+        _run("ip", "netns", "exec", self.net[f"nat-{member}"].netns, "conntrack", "-F")
+
+    def close(self) -> None:
+        self.net.close()
+
+
+def _bound_udp(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((host, port))
+    return sock
+
+
+def in_netns(netns: str, make):
+    """Call ``make()`` in a thread that has entered the named network namespace: sockets it
+    creates belong to that namespace for good. The thread ends after, so nothing else moves."""
+    result: dict = {}
+
+    def enter() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {netns}")
+            finally:
+                os.close(fd)
+            result["value"] = make()
+        except BaseException as e:  # handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=enter, name=f"netns {netns}")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
