@@ -195,9 +195,18 @@ def test_the_links_table_under_the_members():
     trunks = {"a": _trunk("10.0.0.1:7471", 4.0, {"b": Link(10.0, 80.0)}), "b": _trunk("10.0.0.2:7471", 6.0, {}),
               "c": _trunk("10.0.0.3:7471", 30.0, {})}
     lines = format_links(link_rows(_sources(trunks, {("a", "b")})))
-    assert lines[0] == "" and lines[1].split() == ["LINK", "PATH", "RTT", "THROUGHPUT", "BASIS"]
-    body = [line.split() for line in lines[2:]]
-    assert body[0] == ["asker", "→", "a", "direct", "4.0", "ms", "50", "MB/s", "(default)", "measured"]
-    assert body[1] == ["a", "→", "b", "direct", "10.0", "ms", "80", "MB/s", "measured"]
-    assert body[2][:3] == ["b", "→", "c"] and body[2][-2:] == ["estimated", "(bound)"]
+    assert lines[0].split() == ["HOP", "LINK", "PATH", "RTT", "THROUGHPUT", "BASIS"]
+    body = [line.split() for line in lines[1:]]
+    assert body[0] == ["1", "asker", "→", "a", "direct", "4.0", "ms", "50", "MB/s", "(default)", "measured"]
+    assert body[1] == ["2", "a", "→", "b", "direct", "10.0", "ms", "80", "MB/s", "measured"]
+    assert body[2][:4] == ["3", "b", "→", "c"] and body[2][-2:] == ["estimated", "(bound)"]
+    assert len(body) == 4
     assert format_links([]) == []
+
+
+def test_top_says_the_path_of_a_relayed_hop_and_nothing_extra_for_a_direct_one():
+    from swarmctl.tui.format import next_hop
+
+    assert next_hop("b", None, "direct") == next_hop("b", None) == "b ?"
+    assert next_hop("b", None, "relayed via host").startswith("b (relayed via host)")
+    assert next_hop("", 3.0, "relayed via host") == "-"

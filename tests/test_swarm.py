@@ -69,6 +69,27 @@ def test_status_lists_members_ranges_and_health(swarm):
     assert ranges[0][0] == 4 and ranges[-1][1] == 26 and ranges[0][1] == ranges[1][0]
 
 
+def test_status_shows_every_link_of_the_plan_measured(swarm):
+    """Trunks probe the plan's other stages and the host (the asker's side) once they serve, and
+    report round trip and throughput; status shows each link the plan uses, in order."""
+    deadline, links = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        status = json.loads(swarmctl(swarm.homes["asker"], "status", "--json", check=True).stdout)
+        links = status["links"]
+        if links and all(link["measured"] and link["bandwidth_measured"] for link in links):
+            break
+        time.sleep(0.5)
+    stages = [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
+    assert [(link["source"], link["target"]) for link in links] == \
+        [("asker", stages[0]), (stages[0], stages[1]), (stages[1], "asker")]
+    for link in links:
+        assert link["path"] == "direct" and link["basis"] == "measured", link
+        assert link["measured"] and link["bandwidth_measured"], link
+        assert 0 < link["rtt_ms"] < 1000 and link["bandwidth_mb_s"] > 0, link
+    table = swarmctl(swarm.homes["asker"], "status", check=True).stdout
+    assert f"{stages[0]} → {stages[1]}" in table and "THROUGHPUT" in table and "estimated" not in table
+
+
 def test_key_files_are_private(swarm):
     for home in [swarm.host_home, *swarm.homes.values()]:
         assert (home / "node.key").stat().st_mode & 0o777 == 0o600

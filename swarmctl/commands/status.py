@@ -67,16 +67,17 @@ def format_links(links: list[m.LinkStatus]) -> list[str]:
     figure was measured or is the planner's estimate (plans/links.py says how it estimates)."""
     if not links:
         return []
-    rows = [("LINK", "PATH", "RTT", "THROUGHPUT", "BASIS")]
-    for link in links:
+    # (numbered hops, no blank line: every line of the output starts with a word that is not a member's)
+    rows = [("HOP", "LINK", "PATH", "RTT", "THROUGHPUT", "BASIS")]
+    for i, link in enumerate(links, 1):
         rtt = f"{link.rtt_ms:.1f} ms" if link.rtt_ms is not None else "-"
         rate = f"{link.bandwidth_mb_s:.0f} MB/s" if link.bandwidth_mb_s is not None else "-"
         if link.measured and not link.bandwidth_measured and link.bandwidth_mb_s is not None:
             rate += " (default)"
         basis = "measured" if link.measured else f"estimated ({link.basis})"
-        rows.append((f"{link.source} → {link.target}", link.path, rtt, rate, basis))
+        rows.append((str(i), f"{link.source} → {link.target}", link.path, rtt, rate, basis))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["", *("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def _incomplete(status: m.Status) -> str:

@@ -77,7 +77,7 @@ class HostService:
         self.server = None
         self.address: Address | None = None
         self._handlers: dict[type[m.Message], Handler] = {
-            m.Register: self._register, m.Ready: self._ready, m.Refuse: self._refuse, m.Links: self._links,
+            m.Register: self._register, m.Ready: self._ready, m.Refuse: self._refuse, m.Links: self._links_report,
             m.Speed: self._speed, m.FetchSlice: self._fetch_slice, m.WatchPlan: self._watch_plan,
             m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
@@ -270,15 +270,20 @@ class HostService:
     def _links(self, conn: SwarmProtocol, stream_id: int, message: m.Links) -> None:
         """A trunk's measured links: planned with once they move past the noise band, re-planned on
         only when that makes the plan materially better (plans/hysteresis.py)."""
+        self.planning.consider_links(conn.peer_name, {
+            peer: Link(claim.rtt_ms, claim.bandwidth_mb_s or Link().bandwidth_mb_s)
+            for peer, claim in message.links.items()})
+        self._ok(conn, stream_id)
+
+    def _links_report(self, conn: SwarmProtocol, stream_id: int, message: m.Links) -> None:
+        """Which reported links came with a measured bandwidth (status says which figures are
+        defaults), then the report itself to ``_links``."""
         for peer, claim in message.links.items():
             if claim.bandwidth_mb_s is not None:
                 self.bandwidth_measured.add((conn.peer_name, peer))
             else:
                 self.bandwidth_measured.discard((conn.peer_name, peer))
-        self.planning.consider_links(conn.peer_name, {
-            peer: Link(claim.rtt_ms, claim.bandwidth_mb_s or Link().bandwidth_mb_s)
-            for peer, claim in message.links.items()})
-        self._ok(conn, stream_id)
+        self._links(conn, stream_id, message)
 
     def _probe(self, conn: SwarmProtocol, stream_id: int, message: m.Probe) -> None:
         """A member measuring its link to us: answered once its bytes arrived (net/probe.py)."""

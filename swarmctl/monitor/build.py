@@ -137,6 +137,7 @@ class SnapshotBuilder:
     def _nodes(self, members: list[MemberStatus], stages: list[MemberStatus], poll: RawPoll,
                batches: dict[str, _StageBatches]) -> tuple[NodeView, ...]:
         described = {n.name: n for n in poll.nodes or ()}
+        paths = {(r.source, r.target): r for r in (poll.status.links if poll.status is not None else ())}
         next_hop = {m.name: (stages[i + 1].name if i + 1 < len(stages) else "asker") for i, m in enumerate(stages)}
         by_name: dict[str, MemberStatus] = {}
         for m in members:
@@ -150,6 +151,9 @@ class SnapshotBuilder:
             stats, work, node = poll.stats.get(name), batches.get(name), described.get(name)
             hop = next_hop.get(name, "")
             link = node.links.get(hop) if node is not None and hop else None
+            row = paths.get((name, hop))  # the host's status row for this hop (path, and rtt if measured)
+            if link is None and row is not None and row.measured:
+                link = row
             views.append(NodeView(
                 name=name, role=m.role, address=m.address, layers=tuple(m.layers) if m.layers else None,
                 device=(node.device if node is not None else "") or ("cpu" if m.role == "trunk" else ""),
@@ -160,7 +164,8 @@ class SnapshotBuilder:
                 occupancy=work.busy_fraction(self.window_s) if work else None,
                 tok_s=work.steps_per_s(self.window_s) if work else None,
                 next_hop=hop, next_hop_ms=link.rtt_ms if link is not None else None,
-                ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, "")))
+                ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, ""),
+                next_hop_path=row.path if row is not None else ""))
         return tuple(views)
 
     def _lane(self, member: MemberStatus, work: _StageBatches | None) -> Lane:

@@ -48,6 +48,7 @@ class NodeView:
     next_hop_ms: float | None  # that link's round trip, as the node measured it for the planner
     ping_ms: float | None  # round trip from this monitor to the node, measured now (QUIC PING)
     stats_error: str  # why this poll has no stats from it ("" when it has)
+    next_hop_path: str = ""  # how that link goes: "direct", "relayed via X" ("": the host did not say)
 
 
 @dataclass(frozen=True, eq=False)

@@ -56,9 +56,11 @@ def layers(span: tuple[int, int] | None) -> str:
     return f"[{span[0]}, {span[1]})" if span else "-"
 
 
-def next_hop(name: str, rtt_ms: float | None) -> str:
+def next_hop(name: str, rtt_ms: float | None, path: str = "") -> str:
     if not name:
         return "-"
+    if path and path != "direct":  # a relayed hop says through whom
+        name = f"{name} ({path})"
     return f"{name} {ms(rtt_ms)}" if rtt_ms is not None else f"{name} ?"
 
 
