@@ -67,8 +67,8 @@ class PlanKeeper:
         nodes = []
         for name, t in ready:
             links = dict(t.links)
-            if t.rtt_ms is not None:
-                links[ASKER] = Link(t.rtt_ms, links.get(ASKER, Link()).bandwidth_mb_s)
+            if t.rtt_ms is not None and ASKER not in links:  # its own later measurements win over the join's
+                links[ASKER] = Link(t.rtt_ms)
             speed = self.speed_basis[name] if t.planning_speed else fallback
             nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links))
         return nodes
