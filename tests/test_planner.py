@@ -111,6 +111,20 @@ def brute_force(layout: ModelLayout, nodes: list[NodeDescriptor], c: Constraints
     return best
 
 
+def planned_like_brute_force(layout, nodes, c):
+    """The planner's plan, checked against brute force on the objective; None where neither has one."""
+    want = brute_force(layout, nodes, c)
+    if want[0] == math.inf:
+        with pytest.raises(PlanError):
+            plan_layers(layout, nodes, c)
+        return None
+    p = plan_layers(layout, nodes, c)
+    got_bottleneck = 1000.0 / p.tokens_per_s
+    got = (p.ms_per_token, got_bottleneck) if c.objective == "latency" else (got_bottleneck, p.ms_per_token)
+    assert got[0] == pytest.approx(want[0], rel=1e-9, abs=1e-9)
+    return p
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_planner_matches_brute_force(data):
@@ -130,15 +144,7 @@ def test_planner_matches_brute_force(data):
         nodes.append(NodeDescriptor(name, memory, speed, links=links))
     c = Constraints(head_layers=1, context_tokens=10, max_concurrent=1,
                     objective=data.draw(st.sampled_from(["latency", "throughput"])))
-    want = brute_force(layout, nodes, c)
-    if want[0] == math.inf:
-        with pytest.raises(PlanError):
-            plan_layers(layout, nodes, c)
-        return
-    p = plan_layers(layout, nodes, c)
-    got_bottleneck = 1000.0 / p.tokens_per_s
-    got = (p.ms_per_token, got_bottleneck) if c.objective == "latency" else (got_bottleneck, p.ms_per_token)
-    assert got[0] == pytest.approx(want[0], rel=1e-9, abs=1e-9)
+    planned_like_brute_force(layout, nodes, c)
 
 
 
@@ -166,15 +172,9 @@ def test_planner_matches_brute_force_with_unmeasured_relayed_and_site_links(data
                                     links=links, site=data.draw(st.sampled_from(["", "home", "lab"]))))
     c = Constraints(head_layers=1, context_tokens=10, max_concurrent=1,
                     objective=data.draw(st.sampled_from(["latency", "throughput"])))
-    want = brute_force(layout, nodes, c)
-    if want[0] == math.inf:
-        with pytest.raises(PlanError):
-            plan_layers(layout, nodes, c)
+    p = planned_like_brute_force(layout, nodes, c)
+    if p is None:
         return
-    p = plan_layers(layout, nodes, c)
-    got_bottleneck = 1000.0 / p.tokens_per_s
-    got = (p.ms_per_token, got_bottleneck) if c.objective == "latency" else (got_bottleneck, p.ms_per_token)
-    assert got[0] == pytest.approx(want[0], rel=1e-9, abs=1e-9)
     # a hop nobody measured is never charged less than the triangle inequality allows
     model = LinkModel(nodes)
     for hop in p.hops:
