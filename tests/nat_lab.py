@@ -103,8 +103,8 @@ class NatLab:
         """The router "reboots": its mappings are forgotten and new ones take ports in low-high,
         so the member's public port changes."""
         kind = ["--random-fully"] if self.kinds[member] == "symmetric" else []
-        self._iptables(member, "-t", "nat", "-R", "POSTROUTING", "1", "-o", "eth0", "-j", "MASQUERADE",
-                       "--to-ports", f"{low}-{high}", *kind)
+        self._iptables(member, "-t", "nat", "-R", "POSTROUTING", "1", "-o", "eth0", "-p", "udp", "-j", "MASQUERADE",
+                       "--to-ports", f"{low}-{high}", *kind)  # a port range needs a protocol
         _run("ip", "netns", "exec", self.net[f"nat-{member}"].netns, "conntrack", "-F")
 
     def close(self) -> None:
