@@ -31,12 +31,12 @@ class TrunkInfo:
     memory: int
     ms_per_layer_token: float | None = None  # measured at join; None until the trunk has the model
     device: str = "cpu"
-    placement: str = ""  # its stage's layers by device, as it said when ready (partial offload)
     rtt_ms: float | None = None  # to the host, which stands in for the asker when planning
     links: dict[str, Link] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.time)
     refused: str = ""  # why it cannot serve, if it said so
     served_bytes: int = 0  # slice bytes the host sent it
+    placement: str = ""  # its stage's layers by device, as it said when ready (partial offload)
     # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
     # the host has timed the trunk, and never faster than the host timed it.
     measured_ms_per_layer: float | None = None  # the fastest verified probe so far
