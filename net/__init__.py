@@ -12,4 +12,8 @@ Imports nothing from ``swarmctl``.
     liveness.py  ping interval, silence limit and timeouts, and a silence clock that ignores our own stalls
     ping.py      keepalive pings and round-trip times
     relay.py     a UDP relay that delays, drops or cuts a link (tests and benchmarks)
+    probe.py     a bounded throughput probe over a member connection (links the planner uses)
+    rendezvous.py  what a member's address looks like from outside its NAT; introducing two members
+    punch.py     UDP hole punching on the socket QUIC uses (not yet used by the swarm's roles)
+    turn.py      a relay of QUIC datagrams for links that cannot be punched (not yet used by the roles)
 """
