@@ -7,6 +7,7 @@ listening on every interface is reached at the address its host connection comes
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import time
@@ -106,7 +107,8 @@ def _wait(what: str, check, processes, timeout: float = 120):
 
 def _table(stdout: str) -> dict[str, str]:
     """`swarmctl status` rows by member name."""
-    return {line.split()[0]: line for line in stdout.splitlines()[2:] if line.strip()}
+    table = itertools.takewhile(str.strip, stdout.splitlines()[2:])  # the members, up to the blank line
+    return {line.split()[0]: line for line in table}
 
 
 def test_readme_across_machines(lab, tmp_path):

@@ -4,6 +4,7 @@ hostile traffic, and what a trunk gets to see."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 import struct
@@ -62,7 +63,7 @@ def test_status_lists_members_ranges_and_health(swarm):
     r = swarmctl(swarm.homes["asker"], "status")
     assert r.returncode == 0, r.stderr
     assert "complete" in r.stdout.splitlines()[0]
-    rows = {line.split()[0]: line for line in r.stdout.splitlines()[2:]}
+    rows = {line.split()[0]: line for line in itertools.takewhile(str.strip, r.stdout.splitlines()[2:])}
     assert "ready" in rows["trunk-a"] and "ready" in rows["trunk-b"] and "up (host)" in rows["host"]
     status = json.loads(swarmctl(swarm.homes["asker"], "status", "--json", check=True).stdout)
     ranges = sorted(tuple(m["layers"]) for m in status["members"] if m["layers"])

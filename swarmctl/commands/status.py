@@ -56,10 +56,11 @@ def format_table(status: m.Status) -> str:
              f"{status.head_layers} at each end), plan v{status.plan_version}, "
              + ("complete" if status.complete else _incomplete(status))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    # A stage split between a GPU and the CPU (partial offload) says which layers are where.
-    lines += [f"{member.name}: {member.placement}" for member in status.members if member.placement]
-    lines += format_links(status.links)
-    return "\n".join(lines)
+    # Under the table, after a blank line: stages split between a GPU and the CPU (partial offload)
+    # say which layers are where, then the plan's links.
+    extras = [f"{member.name}: {member.placement}" for member in status.members if member.placement]
+    extras += format_links(status.links)
+    return "\n".join(lines + ([""] + extras if extras else []))
 
 
 def format_links(links: list[m.LinkStatus]) -> list[str]:
@@ -67,7 +68,6 @@ def format_links(links: list[m.LinkStatus]) -> list[str]:
     figure was measured or is the planner's estimate (plans/links.py says how it estimates)."""
     if not links:
         return []
-    # (numbered hops, no blank line: every line of the output starts with a word that is not a member's)
     rows = [("HOP", "LINK", "PATH", "RTT", "THROUGHPUT", "BASIS")]
     for i, link in enumerate(links, 1):
         rtt = f"{link.rtt_ms:.1f} ms" if link.rtt_ms is not None else "-"
