@@ -108,18 +108,25 @@ def decide_on_speed(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
         return SpeedDecision(True, False, "no current assignment to compare with")
     updated = [replace(n, ms_per_layer_token=figure) if n.name == member else n for n in nodes]
     try:
-        proposal = plan_layers(layout, updated, constraints)
+        now, new, what = _replanning(layout, updated, constraints, current)
     except PlanError as e:
         return SpeedDecision(True, False, f"no plan with the new figure: {e}")
-    pick = 1 if constraints.objective == "throughput" else 0
-    now = assignment_cost(layout, updated, constraints, current)[pick]
-    new = assignment_cost(layout, updated, constraints, [(s.member, s.start, s.stop) for s in proposal.stages])[pick]
-    what = "the slowest stage" if pick else "a token"
     if new <= now * (1 - min_gain):
         return SpeedDecision(True, True, f"{member} now {figure:.3g} ms per layer (planned {planned:.3g}): a new "
                                          f"plan takes {what} {new:.1f} ms instead of {now:.1f}", now, new)
     return SpeedDecision(True, False, f"{member} now {figure:.3g} ms per layer (planned {planned:.3g}), but a new "
                                       f"plan would take {what} {new:.1f} ms against {now:.1f} now: kept", now, new)
+
+
+def _replanning(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
+                current: Sequence[tuple[str, int, int]]) -> tuple[float, float, str]:
+    """The objective's cost of the current assignment and of a fresh plan, both on ``nodes``'
+    figures, and its unit. Raises PlanError where no plan fits."""
+    proposal = plan_layers(layout, nodes, constraints)
+    pick = 1 if constraints.objective == "throughput" else 0
+    now = assignment_cost(layout, nodes, constraints, current)[pick]
+    new = assignment_cost(layout, nodes, constraints, [(s.member, s.start, s.stop) for s in proposal.stages])[pick]
+    return now, new, "the slowest stage" if pick else "a token"
 
 
 def link_moved(planned: Link | None, measured: Link, factor: float = LINK_FACTOR,
@@ -170,13 +177,9 @@ def decide_on_links(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
         return LinkDecision(links, False, f"{what}; no current assignment to compare with")
     updated = [replace(n, links={**n.links, **links}) if n.name == member else n for n in nodes]
     try:
-        proposal = plan_layers(layout, updated, constraints)
+        now, new, unit = _replanning(layout, updated, constraints, current)
     except PlanError as e:
         return LinkDecision(links, False, f"{what}; no plan with them: {e}")
-    pick = 1 if constraints.objective == "throughput" else 0
-    now = assignment_cost(layout, updated, constraints, current)[pick]
-    new = assignment_cost(layout, updated, constraints, [(s.member, s.start, s.stop) for s in proposal.stages])[pick]
-    unit = "the slowest stage" if pick else "a token"
     if new <= now * (1 - min_gain):
         return LinkDecision(links, True, f"{what}: a new plan takes {unit} {new:.1f} ms instead of {now:.1f}",
                             now, new)
