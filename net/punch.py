@@ -119,6 +119,32 @@ class SharedSocket:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.sendto(data, (addr.host, addr.port))
 
+    async def ask(self, request: bytes, to: Address, reply_tag: bytes, accept: Callable[[bytes], object],
+                  *, retry: float, timeout: float, who: str):
+        """Send ``request`` to ``to`` every ``retry`` seconds until a ``reply_tag`` datagram that
+        ``accept`` turns into something other than None arrives (UDP may lose either); returns it.
+        One ask per reply tag at a time: it holds that tag's handler while it waits."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def on_reply(data: bytes, addr: tuple) -> None:
+            value = accept(data[len(reply_tag):])
+            if value is not None and not answer.done():
+                answer.set_result(value)
+
+        self.handlers[reply_tag] = on_reply
+        try:
+            deadline = loop.time() + timeout
+            while not answer.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise ConnectionError(f"no answer from {who} at {to} within {timeout:g} s")
+                self.sendto(request, to)
+                await asyncio.wait({answer}, timeout=min(retry, left))
+            return answer.result()
+        finally:
+            self.handlers.pop(reply_tag, None)
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()  # closes its connections and the transport

@@ -72,24 +72,14 @@ class ObservedAddressEcho:
 async def observe(shared: SharedSocket, echo: Address, timeout: float = OBSERVE_TIMEOUT) -> Address:
     """Ask the echo how this socket's datagrams look from the public side."""
     query_id = secrets.token_bytes(QUERY_ID_BYTES)
-    answer: asyncio.Future[Address] = asyncio.get_running_loop().create_future()
 
-    def on_answer(data: bytes, addr: tuple) -> None:
-        if data[len(OBSERVED):len(OBSERVED) + QUERY_ID_BYTES] == query_id and not answer.done():
-            answer.set_result(Address.parse(data[len(OBSERVED) + QUERY_ID_BYTES:].decode(errors="replace")))
+    def accept(body: bytes) -> Address | None:
+        if body[:QUERY_ID_BYTES] != query_id:
+            return None
+        return Address.parse(body[QUERY_ID_BYTES:].decode(errors="replace"))
 
-    shared.handlers[OBSERVED] = on_answer
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not answer.done():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise ConnectionError(f"no answer from the rendezvous at {echo} within {timeout:g} s")
-            shared.sendto(OBSERVE + query_id, echo)
-            await asyncio.wait({answer}, timeout=min(OBSERVE_RETRY, left))
-        return answer.result()
-    finally:
-        shared.handlers.pop(OBSERVED, None)
+    return await shared.ask(OBSERVE + query_id, echo, OBSERVED, accept, retry=OBSERVE_RETRY, timeout=timeout,
+                            who="the rendezvous")
 
 
 def introduce(a: Address, b: Address) -> tuple[PunchTicket, PunchTicket]:

@@ -196,23 +196,8 @@ class NatRelay:
 
 async def register(shared: SharedSocket, relay: Address, token: bytes, timeout: float = REGISTER_TIMEOUT) -> None:
     """Register this end of a relayed link from its QUIC socket; returns once the relay confirms."""
-    confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def on_confirm(data: bytes, addr: tuple) -> None:
-        if data[len(REGISTERED):] == token and not confirmed.done():
-            confirmed.set_result(None)
-
-    shared.handlers[REGISTERED] = on_confirm
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not confirmed.done():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise ConnectionError(f"no answer from the relay at {relay} within {timeout:g} s")
-            shared.sendto(REGISTER + token, relay)
-            await asyncio.wait({confirmed}, timeout=min(REGISTER_RETRY, left))
-    finally:
-        shared.handlers.pop(REGISTERED, None)
+    await shared.ask(REGISTER + token, relay, REGISTERED, lambda body: True if body == token else None,
+                     retry=REGISTER_RETRY, timeout=timeout, who="the relay")
 
 
 async def keep_registered(shared: SharedSocket, relay: Address, token: bytes,
