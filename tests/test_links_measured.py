@@ -164,9 +164,12 @@ def test_status_rows_follow_the_plan_and_say_what_is_measured():
     rows = link_rows(_sources(trunks, {("a", "b"), ("a", ASKER)}))
     assert [(r.source, r.target) for r in rows] == [(ASKER, "a"), ("a", "b"), ("b", "c"), ("c", ASKER)]
     asker_a, a_b, b_c, c_asker = rows
-    # the asker's side: the round trip the trunk measured at join, the bandwidth its probe measured
+    # the asker's side as the planner takes it: the trunk's own later report (round trip and probe)
+    # wins over the round trip it measured at join
     assert (asker_a.rtt_ms, asker_a.bandwidth_mb_s, asker_a.measured, asker_a.bandwidth_measured) == \
-        (4.0, 120.0, True, True)
+        (4.2, 120.0, True, True)
+    assert trunks["a"].planned_links()[ASKER] == Link(4.2, 120.0)
+    assert trunks["b"].planned_links()[ASKER] == Link(trunks["b"].rtt_ms)  # no report yet: the join's
     assert (a_b.rtt_ms, a_b.bandwidth_mb_s, a_b.basis, a_b.measured, a_b.bandwidth_measured) == \
         (10.0, 80.0, "measured", True, True)
     assert all(r.path == "direct" for r in rows)

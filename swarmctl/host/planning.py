@@ -11,7 +11,7 @@ from net import messages as m
 from net.protocol import SwarmProtocol
 from plans.hysteresis import SpeedDecision, decide_on_links, decide_on_speed, sticky_links, sticky_speed
 from plans.layout import ModelLayout
-from plans.nodes import ASKER, Link, NodeDescriptor
+from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan
 from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
 from swarmctl.home import NodeConfig, SwarmHome
@@ -66,9 +66,7 @@ class PlanKeeper:
         fallback = statistics.median(known) if known else DEFAULT_MS_PER_LAYER
         nodes = []
         for name, t in ready:
-            links = dict(t.links)
-            if t.rtt_ms is not None and ASKER not in links:  # its own later measurements win over the join's
-                links[ASKER] = Link(t.rtt_ms)
+            links = t.planned_links()
             speed = self.speed_basis[name] if t.planning_speed else fallback
             nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links))
         return nodes

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from net.messages import LinkStatus, MemberStatus, RecoveryStatus, Status
 from plans.links import RELAYED, LinkModel
-from plans.nodes import ASKER, Link, NodeDescriptor
+from plans.nodes import ASKER, NodeDescriptor
 from plans.plan import Plan
 from swarmctl.home import SwarmHome
 
@@ -76,10 +76,7 @@ def link_rows(src: StatusSources) -> list[LinkStatus]:
         return []
     nodes = []
     for name, t in src.trunks.items():  # (as PlanKeeper.descriptors gives them to the planner)
-        links = dict(t.links)
-        if t.rtt_ms is not None:
-            links[ASKER] = Link(t.rtt_ms, links.get(ASKER, Link()).bandwidth_mb_s)
-        nodes.append(NodeDescriptor(name, t.memory, 1.0, t.device, t.listen, links))
+        nodes.append(NodeDescriptor(name, t.memory, 1.0, t.device, t.listen, t.planned_links()))
     model = LinkModel(nodes)
     rows = []
     for a, b in [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from net.endpoint import Address
 from net.protocol import SwarmProtocol
-from plans.nodes import Link
+from plans.nodes import ASKER, Link
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -45,6 +45,13 @@ class TrunkInfo:
     reprobes: int = 0
     excused: bool = False  # a late answer to a layer check was excused (the plan had moved meanwhile)
     proving: tuple[int, int, int] | None = None  # (plan version, start, stop) of a layer check in flight
+
+    def planned_links(self) -> dict[str, Link]:
+        """Its links as the host plans with them (and status shows them): what it reported, and
+        until it reports its link to the host, the round trip it measured at join."""
+        if self.rtt_ms is None or ASKER in self.links:
+            return dict(self.links)
+        return {**self.links, ASKER: Link(self.rtt_ms)}
 
     @property
     def planning_speed(self) -> float | None:
