@@ -109,6 +109,16 @@ async def connect_first(addresses: Iterable[str], connect: Callable[[Address], A
     raise NoAddressAnswered(tried)
 
 
+async def resolve(address: Address) -> Address:
+    """The address with its host name resolved to an IP address (the first the resolver gives)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as e:
+        raise ConnectionError(f"cannot resolve {address}: {e.strerror}") from None
+    host, port = infos[0][4][:2]
+    return Address(host, port)
+
+
 async def _connect(address: Address, config: QuicConfiguration, handler: ConnectionHandler,
                    max_frame: int) -> SwarmProtocol:
     loop = asyncio.get_running_loop()

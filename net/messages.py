@@ -15,6 +15,8 @@ Who sends what (the host's and the trunk's handlers list the ones they answer):
     trunk → host    proof, probe_done, probe_outputs
     member → trunk  subscribe, probe, stats  → ok, error, stats
     member → host   probe (a throughput probe of the link to the host, net/probe.py) → ok, error
+    member → host   reach (how to reach a trunk: direct, punch or relay) → route, error
+    host → trunk    punch_with, relay_end (on its plan stream: the other end of a reach)
 
 Structs decode with msgspec (typed structs, tagged unions, validating conversion); unknown extra
 fields are ignored, so a newer member can add one without breaking an older one.
@@ -73,6 +75,10 @@ class Register(Message, tag="register"):
     ms_per_layer_token: MsPerLayer | None = None  # None: it has no model file to measure with yet
     device: Name = "cpu"
     rtt_ms: RttMs | None = None  # to the host, which stands in for the asker when planning
+    # The trunk's own ip:port for its swarm socket as it sees it ("" when it advertises an address
+    # of its own). Where the host sees that socket elsewhere, a NAT is in between: peers reach it
+    # by hole punching or through a relay, not at an address it listens on.
+    local: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Ready(Message, tag="ready"):
@@ -91,6 +97,15 @@ class Refuse(Message, tag="refuse"):
 class LinkClaim(Part):
     rtt_ms: RttMs
     bandwidth_mb_s: Bandwidth | None = None
+
+
+class Reach(Message, tag="reach"):
+    """How do I reach this trunk from my swarm socket (this connection's)? ``relay``: hole
+    punching failed; give me a relayed link."""
+
+    member: Name
+    relay: bool = False
+    asking: bool = False  # for an ask (the asker's end of the plan), not a trunk's own link
 
 
 class Links(Message, tag="links"):
@@ -174,6 +189,44 @@ class Joined(Message, tag="joined"):
     host_name: str
     host_addresses: list[str]
     model_name: str
+
+
+Nonce = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+Token = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+
+
+class Route(Message, tag="route", omit_defaults=True):
+    """The host's answer to ``reach``: connect ``direct`` to ``address``; or ``punch`` (send probes
+    to ``address`` with ``nonce`` as end ``side`` while the trunk does the same, then connect to
+    where its probes came from); or ``relay``: register ``token`` at ``address`` and connect there."""
+
+    kind: Annotated[str, msgspec.Meta(pattern="^(direct|punch|relay)$")]
+    address: Text
+    nonce: Nonce | None = None
+    side: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
+    token: Token | None = None
+    via: Name = ""  # the relay's member name
+
+
+class PunchWith(Message, tag="punch_with"):
+    """Host → trunk, on its plan stream: a member is about to connect; send it probes now."""
+
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+    peer: Text  # where the member's probes come from
+    member: Name
+    nonce: Nonce
+    side: Annotated[int, msgspec.Meta(ge=0, le=1)]
+
+
+class RelayEnd(Message, tag="relay_end"):
+    """Host → trunk, on its plan stream: a member will reach you through the relay at
+    ``address``; register ``token`` there (and keep it registered while the link lives)."""
+
+    senders: ClassVar[tuple[str, ...]] = ("host",)
+    address: Text
+    member: Name
+    token: Token
+    via: Name
 
 
 class PlanPush(Message, tag="plan"):

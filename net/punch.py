@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import pull_quic_header
 
-from .endpoint import CONNECT_TIMEOUT, Address, no_answer
+from .endpoint import CONNECT_TIMEOUT, Address, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
 from .tls import ALPN_SWARM, CertificateCheck, client_configuration, datagram_size_for, server_configuration
@@ -44,6 +46,7 @@ PUNCH_TIMEOUT = 3.0
 # Home routers drop an idle UDP mapping after 30 s or more; a probe this often keeps it open
 # when the link is quiet (QUIC itself sends nothing on an idle connection).
 KEEPALIVE_INTERVAL = 10.0
+CID_LENGTH = 8  # aioquic's default connection ID length (QuicConfiguration.connection_id_length)
 
 ControlHandler = Callable[[bytes, tuple], None]
 
@@ -73,14 +76,17 @@ def _key(addr: tuple) -> tuple[str, int]:
 
 class SharedSocket:
     """One UDP socket: control datagrams go to the handler registered for their 4-byte prefix;
-    QUIC datagrams from a peer we connected to go to that connection; the rest to our QUIC
-    server, if any. Closing it closes the socket."""
+    QUIC datagrams go to the connection we opened whose connection ID they carry, the rest to our
+    QUIC server, if any. Routing by connection ID, not by address, lets two members hold
+    connections both ways between the same two sockets, and several to one peer. Closing it
+    closes the socket."""
 
     def __init__(self) -> None:
         self.transport: asyncio.DatagramTransport | None = None
         self.server: QuicServer | None = None
-        self.clients: dict[tuple[str, int], SwarmProtocol] = {}
-        self.handlers: dict[bytes, ControlHandler] = {}
+        self.clients: dict[bytes, SwarmProtocol] = {}  # connection ID → a connection we opened
+        self.handlers: dict[bytes, ControlHandler] = {PROBE: self._probe_received}
+        self.punches: dict[bytes, ControlHandler] = {}  # nonce → the punch waiting for its peer's probes
         self.dropped = 0  # datagrams nobody wanted (stale probes, strangers)
 
     # asyncio.DatagramProtocol
@@ -95,7 +101,7 @@ class SharedSocket:
             else:
                 handler(data, _key(addr))
             return
-        client = self.clients.get(_key(addr))
+        client = self._client_for(data) if self.clients else None
         if client is not None:
             client.datagram_received(data, addr)
         elif self.server is not None:
@@ -103,11 +109,39 @@ class SharedSocket:
         else:
             self.dropped += 1
 
+    def _client_for(self, data: bytes) -> SwarmProtocol | None:
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
+        except ValueError:
+            return None
+        return self.clients.get(header.destination_cid)
+
+    def _probe_received(self, data: bytes, addr: tuple) -> None:
+        punch = self.punches.get(data[len(PROBE):len(PROBE) + NONCE_BYTES])
+        if punch is None:
+            self.dropped += 1  # a stale probe, or a stranger's
+        else:
+            punch(data, addr)
+
+    def add_client(self, protocol: SwarmProtocol) -> None:
+        """Route the connection's datagrams to it: under its first connection ID now, and under
+        every one it issues later (a peer may switch to any of them)."""
+        for cid, old in list(self.clients.items()):  # forget connections that ended
+            if old._closed.is_set():
+                del self.clients[cid]
+        self.clients[protocol._quic.host_cid] = protocol
+        protocol._connection_id_issued_handler = lambda cid: self.clients.__setitem__(cid, protocol)
+        protocol._connection_id_retired_handler = lambda cid: self.clients.pop(cid, None)
+
+    def remove_client(self, protocol: SwarmProtocol) -> None:
+        for cid in [cid for cid, p in self.clients.items() if p is protocol]:
+            del self.clients[cid]
+
     def error_received(self, exc: Exception) -> None:
         pass  # an ICMP error for one destination says nothing about the others
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for client in list(self.clients.values()):
+        for client in set(self.clients.values()):
             client.connection_lost(exc)
 
     @property
@@ -179,17 +213,18 @@ async def connect_on(shared: SharedSocket, address: Address, creds: Credentials,
     """A member-to-member connection (mTLS) from the shared socket to ``address`` (an IP
     address: the punched peer, or a relay's port for the link). Close it with net.endpoint.close;
     the socket stays open."""
+    address = await resolve(address)
     config = client_configuration(creds, peer_name=peer_name,
                                   max_datagram_size=max_datagram_size or datagram_size_for(address.host))
     protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
     protocol.connection_made(shared.transport)
-    key = (address.host, address.port)
-    shared.clients[key] = protocol
-    protocol.connect(key)
+    shared.add_client(protocol)
+    protocol.connect((address.host, address.port))
     try:
         await asyncio.wait_for(protocol.wait_connected(), timeout)
     except (ConnectionError, asyncio.TimeoutError):
-        shared.clients.pop(key, None)
+        protocol.close()
+        shared.remove_client(protocol)
         raise ConnectionError(no_answer(address)) from None
     return protocol
 
@@ -222,8 +257,9 @@ async def punch(shared: SharedSocket, ticket: PunchTicket, *, timeout: float = P
         if peer_heard and not acked.done():
             acked.set_result(None)
 
-    previous = shared.handlers.get(PROBE)
-    shared.handlers[PROBE] = on_probe
+    if ticket.nonce in shared.punches:
+        raise PunchFailed(f"hole punching with {ticket.peer}: this socket already punches with that nonce")
+    shared.punches[ticket.nonce] = on_probe
     start = time.monotonic()
     try:
         while not (heard.done() and acked.done()):
@@ -241,10 +277,7 @@ async def punch(shared: SharedSocket, ticket: PunchTicket, *, timeout: float = P
             await asyncio.sleep(interval / 2)
         return heard.result()
     finally:
-        if previous is None:
-            shared.handlers.pop(PROBE, None)
-        else:
-            shared.handlers[PROBE] = previous
+        del shared.punches[ticket.nonce]
 
 
 def _failure(ticket: PunchTicket, heard: bool, timeout: float) -> str:

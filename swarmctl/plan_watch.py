@@ -5,7 +5,7 @@ the same connection."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Awaitable, Callable
 
 from kernels.errors import EngineError
 from net import messages as m
@@ -40,6 +40,9 @@ class PlanWatch:
         self.conn: SwarmProtocol | None = None
         self.stream: int | None = None  # the watch stream: every new plan arrives on it
         self.latest: Plan | None = None
+        # How to reach the host: from the asker's swarm socket once it has one (swarmctl/reach.py).
+        self.connect_with: Callable[[list[str]], Awaitable[SwarmProtocol]] = \
+            lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses)
         self._changed = asyncio.Event()
 
     @property
@@ -50,7 +53,7 @@ class PlanWatch:
         """Connect (to the first advertised address that answers, even on the host's own machine)
         and start watching; the current plan is the stream's first message, returned."""
         try:
-            self.conn = await connect_host(self.config, self.creds, self.handler, addresses=self.config.host_addresses)
+            self.conn = await self.connect_with(self.config.host_addresses)
         except NoAddressAnswered as e:
             raise SwarmError(f"cannot reach the swarm host: {e}") from None
         self.stream = self.conn.open_stream()
@@ -102,6 +105,12 @@ class PlanWatch:
             return Plan.from_dict(m.decode((await self.conn.request(m.encode(m.GetPlan()))).body, m.PlanPush).plan)
         except (m.Refused, WireError) as e:
             raise SwarmError(f"host: {e}") from None
+
+    async def route(self, message: m.Reach) -> m.Route:
+        """The host's answer to ``reach`` (m.Refused if it refused; ConnectionError if the link is down)."""
+        if not self.is_open:
+            raise ConnectionError("not connected to the host")
+        return m.decode((await self.conn.request(m.encode(message), timeout=10)).body, m.Route)
 
     async def tell(self, message: m.Message) -> None:
         """A control message to the host whose answer is not needed; a closed or slow host is ignored."""

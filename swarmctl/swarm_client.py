@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from net.endpoint import Address, close, connect_member
+from net.endpoint import close
 from net.identity import Credentials
 from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
 from net.ping import quiet_ping
@@ -36,6 +36,7 @@ from plans.plan import Plan
 from swarmctl.asker import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.plan_watch import PlanWatch, SwarmError, cannot_serve
+from swarmctl.reach import Dialer
 
 __all__ = ["SwarmError", "SwarmLink"]
 
@@ -85,6 +86,7 @@ class SwarmLink:
         self._reconnecting: asyncio.Lock | None = None
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
+        self.dialer: Dialer | None = None  # our swarm socket, and the path to each stage (swarmctl/reach.py)
 
     @classmethod
     async def open(cls, home: SwarmHome, *, ready_timeout: float = 60.0,
@@ -93,6 +95,10 @@ class SwarmLink:
         a local swarm knows how many trunks it started), connect to the first and last stage."""
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
+            link.dialer = await Dialer.open(link.creds)
+            link.dialer.ask_host = link.host.route
+            link.dialer.asking = True
+            link.host.connect_with = lambda addresses: link.dialer.connect_host(addresses, link.config.host_name, link)
             await link.host.connect()
             link.plan = await link.host.complete(ready_timeout, alive_check, min_stages)
             await link._connect_stages()
@@ -177,6 +183,8 @@ class SwarmLink:
             task.cancel()
         for conn in {self.host.conn, self.first_conn, self.last_conn} - {None}:
             await close(conn)
+        if self.dialer is not None:
+            self.dialer.close()
 
     # --- one step, and the route it travels ---
 
@@ -254,7 +262,7 @@ class SwarmLink:
         async def conn_to(member: str, address: str, current: SwarmProtocol | None) -> SwarmProtocol:
             if not fresh and current is not None and current.is_open and current.peer_name == member:
                 return current
-            return await connect_member(Address.parse(address), self.creds, member, self)
+            return await self.dialer.connect(member, address, self)
 
         self.first_conn = await conn_to(first.member, first.address, self.first_conn)
         self.last_conn = self.first_conn if last.member == first.member else \

@@ -85,6 +85,7 @@ class NatLab:
                            "-j", "ACCEPT")
             self._iptables(name, "-A", chain, "-i", "eth0", "-j", "DROP")
         self.members[name] = member
+        self.net.machines[name] = member  # so lab.net.swarmctl / lab.net.start run commands there
 
     def _iptables(self, member: str, *args: str) -> None:
         _run("ip", "netns", "exec", self.net[f"nat-{member}"].netns, "iptables", *args)

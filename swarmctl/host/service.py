@@ -18,6 +18,7 @@ from net.endpoint import Address, serve_member
 from net.identity import REVOKED_REASON, cert_pem, verify_member
 from net.probe import ProbeSink
 from net.protocol import SwarmProtocol
+from net.turn import NatRelay
 from net.tls import ALPN_JOIN
 from net import messages as m
 from net.wire import Frame, FrameType, WireError, decode_control
@@ -33,6 +34,7 @@ from swarmctl.models import resolve_model
 from .checks import ClaimChecks
 from .liveness import watch_trunks
 from .planning import PlanKeeper
+from .rendezvous import NoRoute, Rendezvous
 from .reports import AskerReports
 from .status import StatusSources, swarm_status
 from .trunks import TrunkInfo, Trunks, reachable_address
@@ -42,7 +44,8 @@ log = logging.getLogger("swarmctl.host")
 # What the host answers. Some only certain certificates may send (``Message.senders``): a trunk's
 # messages shape the plan; the host's own CLI announces revocations and new settings.
 ANSWERS = m.kinds(m.Register, m.Ready, m.Refuse, m.Links, m.Speed, m.FetchSlice, m.WatchPlan, m.GetPlan,
-                  m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure, m.Probe)
+                  m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure, m.Probe,
+                  m.Reach)
 JOINS = m.kinds(m.Join)
 
 Handler = Callable[[SwarmProtocol, int, m.Message], None]
@@ -82,8 +85,9 @@ class HostService:
             m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
-            m.Probe: self._probe,
+            m.Probe: self._probe, m.Reach: self._reach,
         }
+        self.rendezvous: Rendezvous | None = None  # once the host listens
 
     @property
     def plan(self) -> Plan:
@@ -95,6 +99,8 @@ class HostService:
                                          accept_joins=True)
         port = self.server._transport.get_extra_info("sockname")[1]
         self.address = Address(listen.host, port)
+        advertised = Address.parse(self.config.host_addresses[0]) if self.config.host_addresses else self.address
+        self.rendezvous = Rendezvous(self.config.name, NatRelay(listen.host), advertised.host)
         self._monitor = asyncio.ensure_future(watch_trunks(self.trunks, self.planning, self.reports.recovery))
         log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
                  self.plan.model_name, self.plan.n_layer)
@@ -104,6 +110,8 @@ class HostService:
         if self._monitor is not None:
             self._monitor.cancel()
         self.checks.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         for conn in list(self.connections):
             conn.close_with("host shutting down")
         if self.server is not None:
@@ -242,7 +250,8 @@ class HostService:
         listen = str(reachable_address(Address.parse(message.listen), conn))
         speed = message.ms_per_layer_token
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
-                                                        device=message.device, rtt_ms=message.rtt_ms)
+                                                        device=message.device, rtt_ms=message.rtt_ms,
+                                                        local=message.local)
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured")
         self.checks.at_registration(conn.peer_name, trunk)
@@ -288,6 +297,22 @@ class HostService:
     def _probe(self, conn: SwarmProtocol, stream_id: int, message: m.Probe) -> None:
         """A member measuring its link to us: answered once its bytes arrived (net/probe.py)."""
         self.probes.start(conn, stream_id, message)
+
+    def _reach(self, conn: SwarmProtocol, stream_id: int, message: m.Reach) -> None:
+        """How the sender reaches a trunk: direct, punch (the trunk is told too) or relay."""
+        trunk = self.trunks.get(message.member)
+        if trunk is None or not trunk.conn.is_open:
+            self._error(conn, stream_id, f"{message.member!r} is not a trunk of this swarm now")
+            return
+        asyncio.ensure_future(self._send_route(conn, stream_id, message, trunk))
+
+    async def _send_route(self, conn: SwarmProtocol, stream_id: int, message: m.Reach, trunk: TrunkInfo) -> None:
+        try:
+            route = await self.rendezvous.route(conn, message.member, trunk, message.relay, message.asking)
+        except NoRoute as e:
+            self._error(conn, stream_id, str(e))
+            return
+        self._reply(conn, stream_id, route, end=True)
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: m.Speed) -> None:
         """A trunk has a new figure: measured once its fetched layers arrived, measured again, or
@@ -350,7 +375,7 @@ class HostService:
         advertised = self.config.host_addresses[0] if self.config.host_addresses else str(self.address)
         return swarm_status(StatusSources(self.home, self.config.name, advertised, self.config.swarm_name,
                                           self.plan, self.trunks, self.online(), self.reports,
-                                          self.bandwidth_measured))
+                                          self.bandwidth_measured, self.rendezvous))
 
     def _recovered(self, conn: SwarmProtocol, stream_id: int, message: m.Recovered) -> None:
         self.reports.recovered(message.recovery_s, message.replayed_bytes)

@@ -12,6 +12,7 @@ from plans.nodes import ASKER, NodeDescriptor
 from plans.plan import Plan
 from swarmctl.home import SwarmHome
 
+from .rendezvous import Rendezvous
 from .reports import AskerReports
 from .trunks import Trunks
 
@@ -30,6 +31,7 @@ class StatusSources:
     reports: AskerReports
     # (trunk, peer) links whose last report carried a measured bandwidth (the others plan at a default)
     bandwidth_measured: set[tuple[str, str]] = field(default_factory=set)
+    rendezvous: Rendezvous | None = None  # the paths the host gave members to reach trunks
 
 
 def health(src: StatusSources, name: str, revoked: bool) -> str:
@@ -85,12 +87,30 @@ def link_rows(src: StatusSources) -> list[LinkStatus]:
         reporter = next(((x, y) for x, y in ((a, b), (b, a)) if y in (src.trunks[x].links if x in src.trunks
                                                                         else {})), None)
         rows.append(LinkStatus(
-            source=a, target=b, path=f"relayed via {estimate.through[0]}" if estimate.basis == RELAYED else "direct",
+            source=a, target=b, path=_path(src, a, b, estimate),
             rtt_ms=estimate.link.rtt_ms, basis=estimate.basis,
             bandwidth_mb_s=estimate.link.bandwidth_mb_s if math.isfinite(estimate.link.bandwidth_mb_s) else None,
             measured=estimate.measured,
             bandwidth_measured=estimate.measured and reporter is not None and reporter in src.bandwidth_measured))
     return rows
+
+
+def _path(src: StatusSources, a: str, b: str, estimate) -> str:
+    """How the link goes: as the host routed it (direct, punched, relayed via X), for the asker's
+    side as it routed the newest ask ("punched (dave)"); else as the planner charges it."""
+    if estimate.basis == RELAYED:
+        via = estimate.through[0]
+        return f"relayed via {src.host_name if via == ASKER else via}"
+    if src.rendezvous is not None:
+        if ASKER in (a, b):
+            seen = src.rendezvous.asker_path(b if a == ASKER else a)
+            if seen is not None:
+                return f"{seen[1]} ({seen[0]})"
+        else:
+            path = src.rendezvous.path(a, b)
+            if path is not None:
+                return path
+    return "direct"
 
 
 def swarm_status(src: StatusSources) -> Status:

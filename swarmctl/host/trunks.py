@@ -37,6 +37,7 @@ class TrunkInfo:
     refused: str = ""  # why it cannot serve, if it said so
     served_bytes: int = 0  # slice bytes the host sent it
     placement: str = ""  # its stage's layers by device, as it said when ready (partial offload)
+    local: str = ""  # its swarm socket as it sees itself ("": it advertises an address of its own)
     # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
     # the host has timed the trunk, and never faster than the host timed it.
     measured_ms_per_layer: float | None = None  # the fastest verified probe so far

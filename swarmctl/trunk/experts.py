@@ -17,10 +17,10 @@ import numpy as np
 
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine, rows_for
-from net.endpoint import Address, connect_member
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import ExpertCall, ExpertCallKind, Frame, WireError, decode_expert_call, encode_expert_call
+from swarmctl.reach import ConnectPeer, connect_direct
 from plans.plan import ExpertAssignment
 
 log = logging.getLogger("swarmctl.trunk")
@@ -38,6 +38,7 @@ class ExpertClient:
                  assignments: Callable[[], list[ExpertAssignment]]) -> None:
         self.creds = creds
         self.handler = handler
+        self.connect: ConnectPeer = connect_direct  # the trunk's dialer, once it runs
         self.conns: dict[str, SwarmProtocol] = {}  # expert node → our link to it
         self._assignments = assignments  # the current plan's expert nodes
         self.call_bytes = 0  # sent and answered
@@ -64,7 +65,7 @@ class ExpertClient:
             return
         conn = self.conns.get(assignment.member)
         if conn is None or not conn.is_open:
-            conn = await connect_member(Address.parse(assignment.address), self.creds, assignment.member, self.handler)
+            conn = await self.connect(assignment.member, assignment.address, self.handler)
             self.conns[assignment.member] = conn
         request = encode_expert_call(ExpertCall(ExpertCallKind.REQUEST, layer, x[rows], selected[rows, slots]))
         reply_frame = await conn.request(request, timeout=CALL_TIMEOUT_S)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 
@@ -28,13 +28,14 @@ log = logging.getLogger("swarmctl.trunk")
 
 RECONNECT_INTERVAL = 2.0
 REVOKED = "the host revoked this member's certificate; ask the host for a new invite to rejoin"
-FROM_HOST = m.kinds(m.PlanPush, m.Error)  # what the host sends on the plan stream
+FROM_HOST = m.kinds(m.PlanPush, m.Error, m.PunchWith, m.RelayEnd)  # what the host sends on the plan stream
 
 
 class HostLink:
     def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler, *,
                  on_plan: Callable[[Plan], None], on_fatal: Callable[[str], None],
-                 spawn: Callable) -> None:
+                 spawn: Callable, on_peer: Callable[[m.Message], None] = lambda message: None) -> None:
+        """``on_peer``: the host's word that a member is about to connect (punch_with, relay_end)."""
         self.config = config
         self.creds = creds
         self.handler = handler  # the trunk: frames on the host connection go to it first
@@ -43,6 +44,10 @@ class HostLink:
         self.rtt_ms: float | None = None
         self._on_plan = on_plan
         self._on_fatal = on_fatal
+        self._on_peer = on_peer
+        # How to reach the host: from the trunk's swarm socket once it has one (swarmctl/reach.py).
+        self.connect: Callable[[list[str]], Awaitable[SwarmProtocol]] = \
+            lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses)
         self._spawn = spawn
         self._fetches: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
 
@@ -82,7 +87,7 @@ class HostLink:
 
     async def _register(self, registration: Callable[[], m.Register]) -> None:
         # (the advertised addresses only, even on the host's own machine)
-        conn = await connect_host(self.config, self.creds, self.handler, addresses=self.config.host_addresses)
+        conn = await self.connect(self.config.host_addresses)
         self.conn = conn
         self.rtt_ms = await round_trip_ms(conn)
         self.plan_stream = conn.open_stream()
@@ -100,6 +105,8 @@ class HostLink:
             return
         if isinstance(parsed, m.PlanPush):
             self._on_plan(Plan.from_dict(parsed.plan))
+        elif isinstance(parsed, (m.PunchWith, m.RelayEnd)):
+            self._on_peer(parsed)
         elif fatal:
             self._on_fatal(f"the host refused this trunk: {parsed.message}")
         else:
@@ -117,6 +124,12 @@ class HostLink:
                 await self.conn.request(m.encode(message), timeout=10)
             except (ConnectionError, asyncio.TimeoutError) as e:
                 log.warning("host did not answer %s: %s", type(message).__name__, e)
+
+    async def route(self, message: m.Reach) -> m.Route:
+        """The host's answer to ``reach`` (m.Refused if it refused; ConnectionError if the link is down)."""
+        if not self.is_open:
+            raise ConnectionError("not connected to the host")
+        return m.decode((await self.conn.request(m.encode(message), timeout=10)).body, m.Route)
 
     # --- slice transfers (swarmctl/distribution.py) arrive on host streams we opened ---
 

@@ -19,13 +19,14 @@ import numpy as np
 
 from kernels.errors import EngineError, RequestStateError
 from kernels.slice import Step
-from net.endpoint import Address, close, connect_member
+from net.endpoint import close
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
 from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Hop, PacketKind, WireError, \
     decode_packet, encode_packet
 from swarmctl.batching import EngineClosedError
 from swarmctl.log_limit import LogLimit
+from swarmctl.reach import ConnectPeer, connect_direct
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.experts import RemoteExpertError
 from swarmctl.trunk.results import ResultStreams, results_key
@@ -49,6 +50,7 @@ class StageRequests:
         self.name = name
         self.creds = creds
         self.handler = handler  # for the connection we open to the next stage
+        self.connect: ConnectPeer = connect_direct  # how we open it (the trunk's dialer, once it runs)
         self.held = assignment  # the plan, the stage, its engine, runner and budget
         self.routes = RouteTable()
         self.results = results
@@ -240,7 +242,7 @@ class StageRequests:
             return self.next_conn
         if self.next_conn is not None:
             await close(self.next_conn, "plan changed")
-        self.next_conn = await connect_member(Address.parse(nxt.address), self.creds, nxt.member, self.handler)
+        self.next_conn = await self.connect(nxt.member, nxt.address, self.handler)
         self.next_member = nxt.member
         return self.next_conn
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from kernels.devices import Device, device_budget
-from net.endpoint import Address, close, connect_member, serve_member
+from net.endpoint import Address, close
+from net.punch import serve_on
 from net.identity import REVOKED_REASON, verify_member
 from net.protocol import StreamClosedError, SwarmProtocol
 from net import messages as m
@@ -29,6 +30,7 @@ from swarmctl.batching import compute_thread
 from swarmctl.home import SwarmHome
 from swarmctl.layer_proof import CHALLENGES, ProofError, Prover
 from swarmctl.models import resolve_model
+from swarmctl.reach import Dialer, local_ip_towards
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
@@ -73,8 +75,9 @@ class TrunkService:
         self._executor = compute_thread()  # steps, loading and unloading all happen on the compute thread
         self._capture_seq = 0
         self._server = None
+        self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers
         self.host = HostLink(self.config, self.creds, self, on_plan=self._plan_received, on_fatal=self._fail,
-                             spawn=self._spawn)
+                             spawn=self._spawn, on_peer=self._peer_coming)
         self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn,
                                  device=device)
         self.expert_client = ExpertClient(self.creds, self, lambda: self.held.plan.experts)
@@ -100,8 +103,12 @@ class TrunkService:
         else:
             log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
         listen = Address.parse(self.config.listen)
-        self._server = await serve_member(listen, self.creds, self, client_check=self._check_member)
-        self.address = Address(listen.host, self._server._transport.get_extra_info("sockname")[1])
+        self.dialer = await Dialer.open(self.creds, listen)
+        self.dialer.ask_host = self.host.route
+        self._server = serve_on(self.dialer.shared, self.creds, self, client_check=self._check_member)
+        self.address = Address(listen.host, self.dialer.shared.local_address.port)
+        self.host.connect = lambda addresses: self.dialer.connect_host(addresses, self.config.host_name, self)
+        self.requests.connect = self.expert_client.connect = self.dialer.connect
         log.info("trunk %s listening on %s", self.name, self.address)
         tasks = [asyncio.ensure_future(self.host.keep(stop, self._registration, self._own_links, self._tick)),
                  asyncio.ensure_future(self.requests.reap_idle(self.idle_timeout)),
@@ -116,8 +123,8 @@ class TrunkService:
     async def _shutdown(self) -> None:
         await self.host.close()
         await self.requests.close()
-        if self._server is not None:
-            self._server.close()
+        if self.dialer is not None:
+            self.dialer.close()  # (the server and every connection on the socket)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.held.unload)
 
     def _fail(self, reason: str) -> None:
@@ -146,7 +153,35 @@ class TrunkService:
         self.held.host_reconnected()
         return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
                           ms_per_layer_token=self.speed.ms_per_layer_token,
-                          device=self.device.label if self.device is not None else "cpu")
+                          device=self.device.label if self.device is not None else "cpu",
+                          local="" if self.advertise else self._local_address())
+
+    def _local_address(self) -> str:
+        """Our swarm socket as we see it on the route to the host (the host compares it with where
+        it sees the socket: a difference means a NAT)."""
+        if self.address.host not in ("0.0.0.0", "::"):
+            return str(self.address)
+        for text in self.config.host_addresses:
+            try:
+                ip = local_ip_towards(Address.parse(text))
+            except ValueError:
+                continue
+            if ip is not None:
+                return str(Address(ip, self.address.port))
+        return ""
+
+    def _peer_coming(self, message: m.Message) -> None:
+        """The host says a member is about to connect: punch towards it, or register at the relay
+        its link goes through."""
+        if self.dialer is None:
+            return
+        if isinstance(message, m.PunchWith):
+            self.dialer.punch_with(message)
+        elif isinstance(message, m.RelayEnd):
+            self.dialer.relay_end(message, self._connected_from)
+
+    def _connected_from(self, address: Address) -> bool:
+        return any(c.is_open and c.peer_address == (address.host, address.port) for c in self.connections)
 
     def _own_links(self) -> list[SwarmProtocol | None]:
         return [self.requests.next_conn, *self.expert_client.conns.values()]
@@ -196,7 +231,7 @@ class TrunkService:
         if conn is not None and conn.is_open and conn.peer_name == member:
             return await measure_or_none(conn)
         try:
-            conn = await connect_member(Address.parse(address), self.creds, member, self)
+            conn = await self.dialer.connect(member, address, self)
         except (ConnectionError, OSError, ValueError):
             return None
         try:

@@ -1,0 +1,192 @@
+"""How a member reaches another: one UDP socket for all its swarm connections, and the path to
+each trunk the host tells it to take (issue 17).
+
+A member behind a home router cannot be reached at an address it listens on. So every member
+(trunk or asker) keeps one swarm socket (``net.punch.SharedSocket``): its connection to the host
+leaves from it, so the host sees that socket's public ip:port (its NAT mapping) on the
+connection itself, and keeps seeing the current one (QUIC follows a peer whose address changed).
+A trunk also accepts connections on it. To connect to a trunk, a member asks the host (``reach``):
+
+    direct   the trunk is not behind a NAT (or both sit behind the same one: its LAN address)
+    punch    both ends send probes to each other's public address at once (net/punch.py); the
+             host tells the trunk on its plan stream (``punch_with``) as it answers the asker
+    relay    punching failed (a symmetric NAT, a strict firewall): the host allocates a relayed
+             link (net/turn.py); both ends register, and QUIC runs through it end to end
+
+Without a host answer (an older host, the host unreachable) the member connects directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+from net import messages as m
+from net.endpoint import Address, connect_first, connect_member, resolve
+from net.identity import Credentials
+from net.protocol import ConnectionHandler, SwarmProtocol
+from net.punch import KEEPALIVE_INTERVAL, PunchFailed, PunchTicket, SharedSocket, connect_on, open_shared, punch
+from net.turn import keep_registered, register
+from net.wire import WireError
+
+log = logging.getLogger("swarmctl.reach")
+
+ConnectPeer = Callable[[str, str, ConnectionHandler], Awaitable[SwarmProtocol]]  # (member, address, handler)
+AskHost = Callable[[m.Message], Awaitable[m.Route]]
+# A relayed link the trunk end registered for, but nobody connected through within this long, is
+# let go (the member that asked gave up, or connected another way).
+RELAY_GRACE_S = 3 * KEEPALIVE_INTERVAL
+
+
+@dataclass(frozen=True)
+class Path:
+    kind: str  # "direct", "punched" or "relayed"
+    via: str = ""  # the relay's member name
+
+    def __str__(self) -> str:
+        return f"relayed via {self.via}" if self.kind == "relayed" else self.kind
+
+
+DIRECT = Path("direct")
+
+
+def udp_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((host, port))
+    return sock
+
+
+def local_ip_towards(address: Address) -> str | None:
+    """This machine's own IP on the route to ``address`` (no datagram is sent)."""
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((address.host, address.port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+class Dialer:
+    """A member's swarm socket and the paths it took to each trunk. ``ask_host`` sends a
+    ``reach`` to the host over the connection that leaves from this socket."""
+
+    def __init__(self, shared: SharedSocket, creds: Credentials) -> None:
+        self.shared = shared
+        self.creds = creds
+        self.ask_host: AskHost | None = None
+        self.paths: dict[str, Path] = {}  # trunk → how we reached it last
+        self.asking = False  # an asker's dialer: the host tells its routes apart from trunks' own links
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    async def open(cls, creds: Credentials, listen: Address | None = None) -> "Dialer":
+        """A dialer on a new socket: ``listen`` for a trunk (its swarm port), else any port."""
+        host, port = (listen.host, listen.port) if listen is not None else ("0.0.0.0", 0)
+        return cls(await open_shared(udp_socket(host, port)), creds)
+
+    async def connect_host(self, addresses: Iterable[str], host_name: str, handler: ConnectionHandler) -> SwarmProtocol:
+        """The connection to the host, from this socket (so the host sees where it leads)."""
+        return await connect_first(addresses, lambda address: connect_on(self.shared, address, self.creds,
+                                                                          host_name, handler))
+
+    async def connect(self, member: str, address: str, handler: ConnectionHandler) -> SwarmProtocol:
+        """A connection to the trunk ``member`` (registered at ``address``) by the path the host
+        gives; ConnectionError (with the reason) if none works."""
+        route = await self._route(member, relay=False)
+        if route is None or route.kind == "direct":
+            target = Address.parse(route.address if route is not None else address)
+            conn = await connect_on(self.shared, target, self.creds, member, handler)
+            return self._reached(member, DIRECT, conn)
+        if route.kind == "punch":
+            ticket = PunchTicket(Address.parse(route.address), bytes.fromhex(route.nonce or ""), route.side)
+            try:
+                peer = await punch(self.shared, ticket)
+            except PunchFailed as e:
+                log.info("%s: %s", member, e)
+                route = await self._route(member, relay=True)
+                if route is None or route.kind != "relay":
+                    raise ConnectionError(f"cannot reach {member}: {e}, and the host has no relay") from None
+            else:
+                conn = await connect_on(self.shared, peer, self.creds, member, handler)
+                return self._reached(member, Path("punched"), conn)
+        relay = await resolve(Address.parse(route.address))
+        token = bytes.fromhex(route.token or "")
+        await register(self.shared, relay, token)
+        conn = await connect_on(self.shared, relay, self.creds, member, handler)
+        self._spawn(self._keep_registered(relay, token, lambda: conn.is_open))
+        return self._reached(member, Path("relayed", route.via), conn)
+
+    def _reached(self, member: str, path: Path, conn: SwarmProtocol) -> SwarmProtocol:
+        if self.paths.get(member) != path or path != DIRECT:
+            log.info("reached %s (%s)", member, path)
+        self.paths[member] = path
+        return conn
+
+    async def _route(self, member: str, relay: bool) -> m.Route | None:
+        if self.ask_host is None:
+            return None
+        try:
+            return await self.ask_host(m.Reach(member=member, relay=relay, asking=self.asking))
+        except m.Refused as e:
+            raise ConnectionError(f"cannot reach {member}: {e}") from None
+        except (ConnectionError, asyncio.TimeoutError, WireError) as e:
+            if relay:
+                raise ConnectionError(f"cannot reach {member}: the host did not answer ({e})") from None
+            log.info("the host did not say how to reach %s (%s): connecting directly", member, e)
+            return None
+
+    # --- the trunk's end: what the host asks of it on its plan stream ---
+
+    def punch_with(self, message: m.PunchWith) -> None:
+        ticket = PunchTicket(Address.parse(message.peer), bytes.fromhex(message.nonce), message.side)
+        self._spawn(self._punch_quietly(message.member, ticket))
+
+    async def _punch_quietly(self, member: str, ticket: PunchTicket) -> None:
+        try:
+            await punch(self.shared, ticket)
+        except PunchFailed as e:  # the member asks for a relay; nothing to do here
+            log.info("%s: %s", member, e)
+
+    def relay_end(self, message: m.RelayEnd, held: Callable[[Address], bool]) -> None:
+        """Register at the relay; keep registered while ``held(relay)`` (a connection through it
+        is open) or, until one is, for RELAY_GRACE_S."""
+        self._spawn(self._register_end(message, held))
+
+    async def _register_end(self, message: m.RelayEnd, held: Callable[[Address], bool]) -> None:
+        relay = await resolve(Address.parse(message.address))
+        token = bytes.fromhex(message.token)
+        try:
+            await register(self.shared, relay, token)
+        except ConnectionError as e:
+            log.warning("relay %s for %s: %s", message.via, message.member, e)
+            return
+        loop = asyncio.get_running_loop()
+        grace = loop.time() + RELAY_GRACE_S
+        await self._keep_registered(relay, token, lambda: held(relay) or loop.time() < grace)
+
+    async def _keep_registered(self, relay: Address, token: bytes, alive: Callable[[], bool]) -> None:
+        keep = asyncio.ensure_future(keep_registered(self.shared, relay, token))
+        try:
+            while alive():
+                await asyncio.sleep(1.0)
+        finally:
+            keep.cancel()
+
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self.shared.close()
+
+
+async def connect_direct(member: str, address: str, creds: Credentials, handler: ConnectionHandler) -> SwarmProtocol:
+    """A connection on a socket of its own, with no rendezvous (a member without a dialer)."""
+    return await connect_member(Address.parse(address), creds, member, handler)

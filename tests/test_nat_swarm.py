@@ -1,0 +1,162 @@
+"""The swarm across home routers, as a user runs it (issue 17): only the host is reachable, every
+other member sits behind a NAT of its own with nothing forwarded, and `swarmctl` does the rest.
+
+tests/nat_lab.py builds the machines: the host on the "public" network (198.51.100.1), alice and
+bob behind port-preserving NATs (MASQUERADE), carol behind a symmetric one (--random-fully),
+dave (who only asks) behind a fourth. Real processes, real iptables NAT, the real swarm.
+
+Checked: the swarm forms with no port forwarding and answers exactly as one process does; links
+between cone NATs are punched, every link to or from carol goes through the host's relay;
+`status` says so per link; a trunk whose router forgets its mappings and renumbers its ports
+comes back without a restart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import time
+
+import pytest
+
+from tests.nat_lab import HOST_IP, NatLab
+from tests.netns import LabUnavailable
+
+pytestmark = pytest.mark.netns
+
+PROMPT = "Give me three tips for staying healthy."
+GREEDY = ("--max-tokens", "8", "--temperature", "0")
+TRUNKS = ("alice", "bob", "carol")
+NATS = {"alice": "cone", "bob": "cone", "carol": "symmetric", "dave": "cone"}
+
+
+class NatSwarm:
+    def __init__(self, lab: NatLab, root) -> None:
+        self.lab, self.root = lab, root
+        self.homes = {name: root / name for name in ("host", *NATS)}
+        self.nodes = {}
+
+    def swarmctl(self, machine: str, *args: str, check: bool = True, timeout: float = 180):
+        r = self.lab.net.swarmctl(machine, self.homes[machine], *args, timeout=timeout)
+        if check:
+            assert r.returncode == 0, f"{machine}: swarmctl {' '.join(args)} failed ({r.returncode}):\n{r.stderr}\n{self.logs()}"
+        return r
+
+    def status(self) -> dict | None:
+        r = self.swarmctl("host", "status", "--json", check=False)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def logs(self, tail: int = 2500) -> str:
+        return "\n".join(f"--- {name}:\n{p.log()[-tail:]}" for name, p in self.nodes.items())
+
+    def wait(self, what: str, check, timeout: float = 150):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            for name, process in self.nodes.items():
+                assert process.alive, f"{name} exited while waiting for {what}:\n{process.log()}"
+            last = check()
+            if last:
+                return last
+            time.sleep(0.5)
+        raise AssertionError(f"gave up waiting for {what}; last: {last}\n{self.logs()}")
+
+    def complete(self) -> dict | None:
+        """The status once every trunk serves a stage of a complete plan and all are ready."""
+        status = self.status()
+        if status is None or not status["complete"]:
+            return None
+        staged = [m for m in status["members"] if m["layers"]]
+        if {m["name"] for m in staged} != set(TRUNKS) or any(m["health"] != "ready" for m in staged):
+            return None
+        return status
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    if shutil.which("iptables") is None:
+        pytest.skip("the NAT lab needs iptables (apt-get install -y iptables conntrack)")
+    root = tmp_path_factory.mktemp("nat-swarm")
+    try:
+        lab = NatLab(NATS, root)
+    except LabUnavailable as e:
+        pytest.skip(f"the NAT lab needs network namespaces: {e}")
+    s = NatSwarm(lab, root)
+    try:
+        # The answer to compare with: every slice in one process, nothing joined.
+        inproc = lab.net.swarmctl("dave", root / "nobody", "ask", "--transport", "inproc", *GREEDY, PROMPT)
+        assert inproc.returncode == 0 and inproc.stdout.strip(), inproc.stderr
+        s.inproc = inproc.stdout
+        # "even" puts a stage on every trunk, so every kind of link is in the plan.
+        s.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even")
+        s.nodes["host"] = lab.net.start("host", s.homes["host"], "run", "--role", "host")
+        s.wait("the host", s.status)
+        for name in NATS:
+            code = s.swarmctl("host", "invite", "--role", "trunk" if name in TRUNKS else "asker").stdout.strip()
+            s.swarmctl(name, "join", code, "--name", name)
+        for name in TRUNKS:
+            s.nodes[name] = lab.net.start(name, s.homes[name], "run", "--role", "trunk", "--memory", "12G")
+        s.wait("every trunk serving, behind its NAT", s.complete)
+        yield s
+    finally:
+        lab.close()
+
+
+def _members_table(out: str) -> dict[str, str]:
+    return {line.split()[0]: line for line in itertools.takewhile(str.strip, out.splitlines()[2:])}
+
+
+def _links_table(out: str) -> list[str]:
+    """`swarmctl status`'s link rows ("1  asker → alice  punched (dave)  …")."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "→" in line)
+    return [line for line in lines[start:] if "→" in line]
+
+
+def _expected_path(a: str, b: str) -> str:
+    if "carol" in (a, b):
+        return "relayed via host"  # a symmetric NAT: punching cannot work
+    return "punched"
+
+
+def test_the_swarm_forms_behind_nats_and_answers_as_one_process_does(swarm):
+    # alice (a trunk that also asks) and dave (behind a NAT, asks only) get the one-process answer.
+    # (status shows the asker's side of the plan as the newest ask went: dave's)
+    for machine in ("alice", "dave"):
+        assert swarm.swarmctl(machine, "ask", *GREEDY, PROMPT).stdout == swarm.inproc, machine
+    status = swarm.wait("a complete plan", swarm.complete)
+    members = {m["name"]: m for m in status["members"]}
+    for name in TRUNKS:  # where the host sees each trunk: its router's public address, not 192.168.1.2
+        assert members[name]["address"].startswith("198.51.100."), members[name]
+    order = [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
+    links = {(row["source"], row["target"]): row for row in status["links"]}
+    for a, b in zip(order, order[1:]):
+        assert links[(a, b)]["path"] == _expected_path(a, b), (a, b, status["links"])
+        assert links[(a, b)]["measured"], links[(a, b)]  # measured over that very path
+    first, last = order[0], order[-1]
+    assert links[("asker", first)]["path"] == f"{_expected_path('dave', first)} (dave)", status["links"]
+    assert links[(last, "asker")]["path"] == f"{_expected_path('dave', last)} (dave)", status["links"]
+    # The same, as a user reads it.
+    out = swarm.swarmctl("host", "status").stdout
+    print(out)
+    rows = _links_table(out)
+    assert any("relayed via host" in row for row in rows), out
+    assert any("punched" in row for row in rows), out
+
+
+def test_a_trunk_whose_router_renumbers_its_ports_comes_back(swarm):
+    """A trunk's router "reboots": it forgets every mapping and gives new ones other ports. The
+    punched link from the stage before it dies; that stage reaches it again (the host sees its new
+    public port on its own connection, and the new punch gets through), and the asker's next
+    request is answered as before. No process restarts."""
+    status = swarm.wait("a complete plan", swarm.complete)
+    order = [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
+    sender, renumbered = next((a, b) for a, b in zip(order, order[1:]) if "carol" not in (a, b))  # a punched link
+    reached = swarm.nodes[sender].log().count(f"reached {renumbered} (punched)")
+    swarm.lab.renumber(renumbered)
+    answer = swarm.swarmctl("dave", "ask", *GREEDY, PROMPT, timeout=240).stdout
+    assert answer == swarm.inproc
+    swarm.wait("a complete plan", swarm.complete)
+    assert all(p.alive for p in swarm.nodes.values())
+    assert swarm.nodes[sender].log().count(f"reached {renumbered} (punched)") > reached, swarm.logs()
