@@ -17,6 +17,7 @@ Who sends what (the host's and the trunk's handlers list the ones they answer):
     member → host   probe (a throughput probe of the link to the host, net/probe.py) → ok, error
     member → host   reach (how to reach a trunk: direct, punch or relay) → route, error
     host → trunk    punch_with, relay_end (on its plan stream: the other end of a reach)
+    host → trunk    allocate_relay (to a trunk that runs --relay) → relay_allocated, error
 
 Structs decode with msgspec (typed structs, tagged unions, validating conversion); unknown extra
 fields are ignored, so a newer member can add one without breaking an older one.
@@ -79,6 +80,7 @@ class Register(Message, tag="register"):
     # of its own). Where the host sees that socket elsewhere, a NAT is in between: peers reach it
     # by hole punching or through a relay, not at an address it listens on.
     local: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    relay: bool = False  # it offers to relay links (run --relay)
 
 
 class Ready(Message, tag="ready"):
@@ -227,6 +229,16 @@ class RelayEnd(Message, tag="relay_end"):
     member: Name
     token: Token
     via: Name
+
+
+class AllocateRelay(Message, tag="allocate_relay"):
+    """Host → a trunk that offered to relay (on a stream of its own): a relayed link, please."""
+
+
+class RelayAllocated(Message, tag="relay_allocated"):
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    token_a: Token
+    token_b: Token
 
 
 class PlanPush(Message, tag="plan"):

@@ -46,14 +46,17 @@ def _run(*argv: str) -> str:
 
 
 class NatLab:
-    """``members``: name → "cone" or "symmetric". ``lab.public_ip(name)`` is the router's public
-    address; ``lab.udp_socket(name, port)`` a UDP socket bound in that machine's namespace."""
+    """``members``: name → "cone" or "symmetric". ``public``: machines on the public network beside
+    the host, with no NAT (their address is ``lab.net[name].ip``). ``lab.public_ip(name)`` is the
+    router's public address; ``lab.udp_socket(name, port)`` a UDP socket bound in that machine's
+    namespace."""
 
-    def __init__(self, members: dict[str, str], root: Path) -> None:
+    def __init__(self, members: dict[str, str], root: Path, public: tuple[str, ...] = ()) -> None:
         if os.geteuid() == 0 and shutil.which("iptables") is None:
             raise LabUnavailable("needs iptables (apt-get install -y iptables)")
         routers = {f"nat-{name}": f"{PUBLIC}.{10 + i}" for i, name in enumerate(members)}
-        self.net = NetnsLab({"host": HOST_IP, **routers}, root)
+        reachable = {name: f"{PUBLIC}.{2 + i}" for i, name in enumerate(public)}
+        self.net = NetnsLab({"host": HOST_IP, **reachable, **routers}, root)
         self.kinds = dict(members)
         self.members: dict[str, Machine] = {}
         try:

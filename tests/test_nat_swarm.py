@@ -1,14 +1,16 @@
 """The swarm across home routers, as a user runs it (issue 17): only the host is reachable, every
 other member sits behind a NAT of its own with nothing forwarded, and `swarmctl` does the rest.
 
-tests/nat_lab.py builds the machines: the host on the "public" network (198.51.100.1), alice and
-bob behind port-preserving NATs (MASQUERADE), carol behind a symmetric one (--random-fully),
-dave (who only asks) behind a fourth. Real processes, real iptables NAT, the real swarm.
+tests/nat_lab.py builds the machines: the host and erin on the "public" network (erin is a
+trunk that also relays: `run --relay`), alice and bob behind port-preserving NATs (MASQUERADE),
+carol behind a symmetric one (--random-fully), dave (who only asks) behind a fourth. Real
+processes, real iptables NAT, the real swarm.
 
 Checked: the swarm forms with no port forwarding and answers exactly as one process does; links
-between cone NATs are punched, every link to or from carol goes through the host's relay;
-`status` says so per link; a trunk whose router forgets its mappings and renumbers its ports
-comes back without a restart.
+between cone NATs are punched, links that punching cannot open (carol's, from behind another
+NAT) go through erin's relay; `status` says so per link; a trunk whose router forgets its
+mappings and renumbers its ports comes back without a restart; killing the relay moves its links
+to the host's relay.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ pytestmark = pytest.mark.netns
 
 PROMPT = "Give me three tips for staying healthy."
 GREEDY = ("--max-tokens", "8", "--temperature", "0")
-TRUNKS = ("alice", "bob", "carol")
+TRUNKS = ("alice", "bob", "carol", "erin")
 NATS = {"alice": "cone", "bob": "cone", "carol": "symmetric", "dave": "cone"}
+PUBLIC = ("erin",)  # reachable with no NAT; relays
 
 
 class NatSwarm:
     def __init__(self, lab: NatLab, root) -> None:
         self.lab, self.root = lab, root
-        self.homes = {name: root / name for name in ("host", *NATS)}
+        self.homes = {name: root / name for name in ("host", *NATS, *PUBLIC)}
+        self.trunks = set(TRUNKS)  # the trunks expected to serve
         self.nodes = {}
 
     def swarmctl(self, machine: str, *args: str, check: bool = True, timeout: float = 180):
@@ -68,7 +72,7 @@ class NatSwarm:
         if status is None or not status["complete"]:
             return None
         staged = [m for m in status["members"] if m["layers"]]
-        if {m["name"] for m in staged} != set(TRUNKS) or any(m["health"] != "ready" for m in staged):
+        if {m["name"] for m in staged} != self.trunks or any(m["health"] != "ready" for m in staged):
             return None
         return status
 
@@ -79,7 +83,7 @@ def swarm(tmp_path_factory):
         pytest.skip("the NAT lab needs iptables (apt-get install -y iptables conntrack)")
     root = tmp_path_factory.mktemp("nat-swarm")
     try:
-        lab = NatLab(NATS, root)
+        lab = NatLab(NATS, root, public=PUBLIC)
     except LabUnavailable as e:
         pytest.skip(f"the NAT lab needs network namespaces: {e}")
     s = NatSwarm(lab, root)
@@ -92,11 +96,12 @@ def swarm(tmp_path_factory):
         s.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even")
         s.nodes["host"] = lab.net.start("host", s.homes["host"], "run", "--role", "host")
         s.wait("the host", s.status)
-        for name in NATS:
+        for name in (*NATS, *PUBLIC):
             code = s.swarmctl("host", "invite", "--role", "trunk" if name in TRUNKS else "asker").stdout.strip()
             s.swarmctl(name, "join", code, "--name", name)
         for name in TRUNKS:
-            s.nodes[name] = lab.net.start(name, s.homes[name], "run", "--role", "trunk", "--memory", "12G")
+            s.nodes[name] = lab.net.start(name, s.homes[name], "run", "--role", "trunk", "--memory", "12G",
+                                          *(["--relay"] if name in PUBLIC else []))
         s.wait("every trunk serving, behind its NAT", s.complete)
         yield s
     finally:
@@ -114,10 +119,19 @@ def _links_table(out: str) -> list[str]:
     return [line for line in lines[start:] if "→" in line]
 
 
-def _expected_path(a: str, b: str) -> str:
-    if "carol" in (a, b):
-        return "relayed via host"  # a symmetric NAT: punching cannot work
-    return "punched"
+def _expected_path(a: str, b: str, relay: str = "erin") -> str:
+    """How ``a`` reaches ``b`` in this lab."""
+    nat_a, nat_b = NATS.get(a), NATS.get(b)
+    if nat_b is None:
+        return "direct"  # b can be reached unasked
+    if nat_a is not None and "symmetric" in (nat_a, nat_b):
+        # each end's probes aim at a port the other's NAT did not open for them: a relay, never one of the ends
+        return f"relayed via {relay if relay not in (a, b) else 'host'}"
+    return "punched"  # (from a public machine, towards any NAT: its probes answer the ones that arrive)
+
+
+def _order(status: dict) -> list[str]:
+    return [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
 
 
 def test_the_swarm_forms_behind_nats_and_answers_as_one_process_does(swarm):
@@ -129,7 +143,7 @@ def test_the_swarm_forms_behind_nats_and_answers_as_one_process_does(swarm):
     members = {m["name"]: m for m in status["members"]}
     for name in TRUNKS:  # where the host sees each trunk: its router's public address, not 192.168.1.2
         assert members[name]["address"].startswith("198.51.100."), members[name]
-    order = [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
+    order = _order(status)
     links = {(row["source"], row["target"]): row for row in status["links"]}
     for a, b in zip(order, order[1:]):
         assert links[(a, b)]["path"] == _expected_path(a, b), (a, b, status["links"])
@@ -139,9 +153,9 @@ def test_the_swarm_forms_behind_nats_and_answers_as_one_process_does(swarm):
     assert links[(last, "asker")]["path"] == f"{_expected_path('dave', last)} (dave)", status["links"]
     # The same, as a user reads it.
     out = swarm.swarmctl("host", "status").stdout
-    print(out)
+
     rows = _links_table(out)
-    assert any("relayed via host" in row for row in rows), out
+    assert any("relayed via erin" in row for row in rows), out
     assert any("punched" in row for row in rows), out
 
 
@@ -150,9 +164,8 @@ def test_a_trunk_whose_router_renumbers_its_ports_comes_back(swarm):
     punched link from the stage before it dies; that stage reaches it again (the host sees its new
     public port on its own connection, and the new punch gets through), and the asker's next
     request is answered as before. No process restarts."""
-    status = swarm.wait("a complete plan", swarm.complete)
-    order = [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
-    sender, renumbered = next((a, b) for a, b in zip(order, order[1:]) if "carol" not in (a, b))  # a punched link
+    order = _order(swarm.wait("a complete plan", swarm.complete))
+    sender, renumbered = next((a, b) for a, b in zip(order, order[1:]) if _expected_path(a, b) == "punched")
     reached = swarm.nodes[sender].log().count(f"reached {renumbered} (punched)")
     swarm.lab.renumber(renumbered)
     answer = swarm.swarmctl("dave", "ask", *GREEDY, PROMPT, timeout=240).stdout
@@ -160,3 +173,17 @@ def test_a_trunk_whose_router_renumbers_its_ports_comes_back(swarm):
     swarm.wait("a complete plan", swarm.complete)
     assert all(p.alive for p in swarm.nodes.values())
     assert swarm.nodes[sender].log().count(f"reached {renumbered} (punched)") > reached, swarm.logs()
+
+
+def test_killing_the_relay_moves_its_links_to_the_hosts_relay(swarm):
+    swarm.wait("a complete plan", swarm.complete)
+    swarm.nodes.pop("erin").popen.kill()  # SIGKILL: no goodbye
+    swarm.trunks.discard("erin")
+    status = swarm.wait("a complete plan without erin", swarm.complete)
+    assert swarm.swarmctl("dave", "ask", *GREEDY, PROMPT, timeout=240).stdout == swarm.inproc
+    status = swarm.wait("a complete plan without erin", swarm.complete)
+    order = _order(status)
+    links = {(row["source"], row["target"]): row["path"] for row in status["links"]}
+    for a, b in zip(order, order[1:]):
+        assert links[(a, b)] == _expected_path(a, b, relay="host"), (a, b, status["links"])
+    assert links[("asker", order[0])] == f"{_expected_path('dave', order[0], relay='host')} (dave)", status["links"]

@@ -5,6 +5,7 @@ examples:
   swarmctl run --role host
   swarmctl run --role trunk --memory 12G
   swarmctl run --role trunk --device cuda:0 --gpu-memory 20G
+  swarmctl run --role trunk --relay        (a reachable machine that also relays for NATed ones)
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "free, less max(512 MiB, 5%%) for compute buffers and the driver)")
     parser.add_argument("--advertise", metavar="HOST:PORT",
                         help="trunk: the address others should use to reach it (default: where it listens)")
+    parser.add_argument("--relay", action="store_true",
+                        help="trunk: also relay links that hole punching cannot open (symmetric NATs); "
+                             "for a machine others can reach: it forwards their encrypted datagrams")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
 
 
@@ -95,7 +99,8 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
                     "(--gpu-memory)", args.memory, device.label)
     memory = parse_size(offered) if offered else None
     service = TrunkService(home, memory=memory, n_threads=args.threads, device=device,
-                           capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise)
+                           capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise,
+                           relay=args.relay)
     log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
              f", offering {service.memory / 1e9:.1f} GB of its memory" if not device.is_cpu else "")
     service.on_fatal = stop.set

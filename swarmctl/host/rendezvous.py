@@ -10,6 +10,7 @@ address, through which QUIC runs end to end.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from net import messages as m
@@ -17,8 +18,9 @@ from net.endpoint import Address
 from net.protocol import SwarmProtocol
 from net.rendezvous import introduce
 from net.turn import NatRelay, RelayFull, RelayLink
+from net.wire import WireError
 
-from .trunks import TrunkInfo
+from .trunks import TrunkInfo, Trunks
 
 log = logging.getLogger("swarmctl.host")
 
@@ -33,9 +35,11 @@ class NoRoute(Exception):
 
 
 class Rendezvous:
-    def __init__(self, host_name: str, relay: NatRelay | None, relay_host: str | None) -> None:
+    def __init__(self, host_name: str, trunks: Trunks, relay: NatRelay | None, relay_host: str | None) -> None:
         """``relay_host``: the address members reach the relay's ports at (the host's advertised one)."""
         self.host_name = host_name
+        self.trunks = trunks
+        self.given: dict[str, int] = {}  # relay member → links it was asked for
         self.relay = relay
         self.relay_host = relay_host
         self.introduced = 0
@@ -75,9 +79,8 @@ class Rendezvous:
         if not relay:
             if not trunk.local or seen is None:
                 return m.Route(kind="direct", address=trunk.listen)  # advertised, or an older trunk
-            local = Address.parse(trunk.local)
-            if local.host == seen[0]:
-                return m.Route(kind="direct", address=trunk.listen)  # no NAT in front of it
+            if not trunk.behind_nat:
+                return m.Route(kind="direct", address=trunk.listen)
             mine = requester.peer_address
             if mine is None:
                 raise NoRoute("the host does not see where your connection comes from")
@@ -90,8 +93,27 @@ class Rendezvous:
             self.introduced += 1
             return m.Route(kind="punch", address=str(ticket_requester.peer), nonce=ticket_requester.nonce.hex(),
                            side=ticket_requester.side)
+        return await self._relayed(requester, trunk_name, trunk)
+
+    async def _relayed(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo) -> m.Route:
+        """A relayed link: through a reachable member that offers to relay (the one that was given
+        fewest links so far), else through the host's own relay."""
+        for name in self._relay_members(requester.peer_name, trunk_name):
+            candidate = self.trunks[name]
+            try:
+                reply = m.decode((await candidate.conn.request(m.encode(m.AllocateRelay()), timeout=5)).body,
+                                 m.RelayAllocated)
+            except (m.Refused, WireError, ConnectionError, asyncio.TimeoutError) as e:
+                log.warning("relay %s could not take a link: %s", name, e)
+                continue
+            seen = candidate.conn.peer_address
+            if seen is None:
+                continue
+            self.given[name] = self.given.get(name, 0) + 1
+            return self._relay_route(requester, trunk_name, trunk, Address(seen[0], reply.port),
+                                     reply.token_a, reply.token_b, name)
         if self.relay is None or self.relay_host is None:
-            raise NoRoute(f"hole punching to {trunk_name} failed and this host runs no relay")
+            raise NoRoute(f"hole punching to {trunk_name} failed and no relay is available")
         held = [link for link in self._held.get(requester.peer_name, []) if link.address in self.relay.ports]
         while len(held) >= MAX_RELAYED_PER_MEMBER:
             self.relay.release(held.pop(0))
@@ -100,12 +122,23 @@ class Rendezvous:
         except RelayFull as e:
             raise NoRoute(str(e)) from None
         self._held[requester.peer_name] = [*held, link]
-        address = Address(self.relay_host, link.address.port)
+        return self._relay_route(requester, trunk_name, trunk, Address(self.relay_host, link.address.port),
+                                 link.token_a.hex(), link.token_b.hex(), self.host_name)
+
+    def _relay_members(self, *ends: str) -> list[str]:
+        """Trunks that offered to relay, can be reached unasked, and are neither end of the link."""
+        names = [name for name, t in self.trunks.items()
+                 if t.relay and t.conn.is_open and not t.behind_nat and name not in ends]
+        return sorted(names, key=lambda name: self.given.get(name, 0))
+
+    def _relay_route(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo, address: Address,
+                     token_a: str, token_b: str, via: str) -> m.Route:
+        """Tell the trunk its end of the relayed link (on its plan stream), and answer the requester."""
         trunk.conn.send(trunk.plan_stream, m.encode(m.RelayEnd(
-            address=str(address), member=requester.peer_name, token=link.token_b.hex(), via=self.host_name)))
+            address=str(address), member=requester.peer_name, token=token_b, via=via)))
         self.relayed += 1
-        log.info("relaying %s → %s through %s", requester.peer_name, trunk_name, address)
-        return m.Route(kind="relay", address=str(address), token=link.token_a.hex(), via=self.host_name)
+        log.info("relaying %s → %s through %s at %s", requester.peer_name, trunk_name, via, address)
+        return m.Route(kind="relay", address=str(address), token=token_a, via=via)
 
     def close(self) -> None:
         if self.relay is not None:

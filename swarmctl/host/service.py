@@ -100,7 +100,7 @@ class HostService:
         port = self.server._transport.get_extra_info("sockname")[1]
         self.address = Address(listen.host, port)
         advertised = Address.parse(self.config.host_addresses[0]) if self.config.host_addresses else self.address
-        self.rendezvous = Rendezvous(self.config.name, NatRelay(listen.host), advertised.host)
+        self.rendezvous = Rendezvous(self.config.name, self.trunks, NatRelay(listen.host), advertised.host)
         self._monitor = asyncio.ensure_future(watch_trunks(self.trunks, self.planning, self.reports.recovery))
         log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
                  self.plan.model_name, self.plan.n_layer)
@@ -251,7 +251,7 @@ class HostService:
         speed = message.ms_per_layer_token
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
                                                         device=message.device, rtt_ms=message.rtt_ms,
-                                                        local=message.local)
+                                                        local=message.local, relay=message.relay)
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured")
         self.checks.at_registration(conn.peer_name, trunk)

@@ -38,6 +38,13 @@ class TrunkInfo:
     served_bytes: int = 0  # slice bytes the host sent it
     placement: str = ""  # its stage's layers by device, as it said when ready (partial offload)
     local: str = ""  # its swarm socket as it sees itself ("": it advertises an address of its own)
+    relay: bool = False  # it offers to relay links (run --relay)
+
+    @property
+    def behind_nat(self) -> bool:
+        """Seen by the host at another IP than its own: nobody can connect to it unasked."""
+        seen = self.conn.peer_address
+        return bool(self.local) and seen is not None and Address.parse(self.local).host != seen[0]
     # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
     # the host has timed the trunk, and never faster than the host timed it.
     measured_ms_per_layer: float | None = None  # the fastest verified probe so far

@@ -19,6 +19,7 @@ from typing import Callable
 from kernels.devices import Device, device_budget
 from net.endpoint import Address, close
 from net.punch import serve_on
+from net.turn import NatRelay, RelayFull
 from net.identity import REVOKED_REASON, verify_member
 from net.protocol import StreamClosedError, SwarmProtocol
 from net import messages as m
@@ -42,7 +43,7 @@ from swarmctl.trunk.stats import available_memory, batch_window, proc_status
 log = logging.getLogger("swarmctl.trunk")
 
 # What a trunk answers on streams other than the host's plan stream.
-ANSWERS = m.kinds(m.Subscribe, m.Probe, m.GetStats, *CHALLENGES.values())
+ANSWERS = m.kinds(m.Subscribe, m.Probe, m.GetStats, m.AllocateRelay, *CHALLENGES.values())
 
 # Links are measured again in the background, this often (jittered, so trunks that started
 # together do not probe together), and only while no request passed for IDLE_BEFORE_PROBE_S: a probe
@@ -54,9 +55,10 @@ IDLE_BEFORE_PROBE_S = 10.0
 class TrunkService:
     def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
                  idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None,
-                 device: Device | None = None) -> None:
+                 device: Device | None = None, relay: bool = False) -> None:
         """``device``: where the slices compute (default the CPU); on a GPU, ``memory`` is what
-        the device may hold (default: what it reports free, less a reserve)."""
+        the device may hold (default: what it reports free, less a reserve). ``relay``: also
+        relay links for members that cannot punch one (net/turn.py), when the host asks."""
         self.config = home.load_config()
         self.creds = home.credentials()
         self.name = self.creds.name
@@ -76,6 +78,8 @@ class TrunkService:
         self._capture_seq = 0
         self._server = None
         self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers
+        self.offers_relay = relay
+        self.relay: NatRelay | None = None  # once we listen, with --relay
         self.host = HostLink(self.config, self.creds, self, on_plan=self._plan_received, on_fatal=self._fail,
                              spawn=self._spawn, on_peer=self._peer_coming)
         self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn,
@@ -105,6 +109,8 @@ class TrunkService:
         listen = Address.parse(self.config.listen)
         self.dialer = await Dialer.open(self.creds, listen)
         self.dialer.ask_host = self.host.route
+        if self.offers_relay:
+            self.relay = NatRelay(listen.host)
         self._server = serve_on(self.dialer.shared, self.creds, self, client_check=self._check_member)
         self.address = Address(listen.host, self.dialer.shared.local_address.port)
         self.host.connect = lambda addresses: self.dialer.connect_host(addresses, self.config.host_name, self)
@@ -125,6 +131,8 @@ class TrunkService:
         await self.requests.close()
         if self.dialer is not None:
             self.dialer.close()  # (the server and every connection on the socket)
+        if self.relay is not None:
+            self.relay.close()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.held.unload)
 
     def _fail(self, reason: str) -> None:
@@ -154,7 +162,7 @@ class TrunkService:
         return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
                           ms_per_layer_token=self.speed.ms_per_layer_token,
                           device=self.device.label if self.device is not None else "cpu",
-                          local="" if self.advertise else self._local_address())
+                          local="" if self.advertise else self._local_address(), relay=self.relay is not None)
 
     def _local_address(self) -> str:
         """Our swarm socket as we see it on the route to the host (the host compares it with where
@@ -303,8 +311,26 @@ class TrunkService:
             conn.send(stream_id, m.encode(m.Ok()))
         elif isinstance(request, m.Probe):  # a peer measuring our link (net/probe.py)
             self.probes.start(conn, stream_id, request)
+        elif isinstance(request, m.AllocateRelay):
+            self._spawn(self._allocate_relay(conn, stream_id))
         elif isinstance(request, m.GetStats):
             conn.send(stream_id, m.encode(self.stats()), end=True)
+
+    async def _allocate_relay(self, conn: SwarmProtocol, stream_id: int) -> None:
+        """A relayed link for two other members; only our host may ask (net/turn.py bounds how many)."""
+        reply: m.Message
+        if not self.host.is_host(conn):
+            reply = m.Error(message="only the host allocates relayed links")
+        elif self.relay is None:
+            reply = m.Error(message=f"{self.name} does not relay (run --relay)")
+        else:
+            try:
+                link = await self.relay.allocate()
+                reply = m.RelayAllocated(port=link.address.port, token_a=link.token_a.hex(), token_b=link.token_b.hex())
+            except (RelayFull, OSError) as e:
+                reply = m.Error(message=str(e))
+        if conn.is_open:
+            conn.send(stream_id, m.encode(reply), end=True)
 
     async def _answer_challenge(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
         """Only our host may ask (anyone else could use us to time or read the model); the answer
