@@ -154,10 +154,14 @@ class Dialer:
     def relay_end(self, message: m.RelayEnd, held: Callable[[Address], bool]) -> None:
         """Register at the relay; keep registered while ``held(relay)`` (a connection through it
         is open) or, until one is, for RELAY_GRACE_S."""
-        self._spawn(self._register_end(message, held))
+        self._spawn(self._register_end(message, Address.parse(message.address), held))
 
-    async def _register_end(self, message: m.RelayEnd, held: Callable[[Address], bool]) -> None:
-        relay = await resolve(Address.parse(message.address))
+    async def _register_end(self, message: m.RelayEnd, relay: Address, held: Callable[[Address], bool]) -> None:
+        try:
+            relay = await resolve(relay)
+        except ConnectionError as e:
+            log.warning("relay %s for %s: %s", message.via, message.member, e)
+            return
         token = bytes.fromhex(message.token)
         try:
             await register(self.shared, relay, token)

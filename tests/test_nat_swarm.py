@@ -18,6 +18,8 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -122,7 +124,7 @@ def _links_table(out: str) -> list[str]:
 def _expected_path(a: str, b: str, relay: str = "erin") -> str:
     """How ``a`` reaches ``b`` in this lab."""
     nat_a, nat_b = NATS.get(a), NATS.get(b)
-    if nat_b is None:
+    if nat_b is None or a == b:
         return "direct"  # b can be reached unasked
     if nat_a is not None and "symmetric" in (nat_a, nat_b):
         # each end's probes aim at a port the other's NAT did not open for them: a relay, never one of the ends
@@ -175,15 +177,63 @@ def test_a_trunk_whose_router_renumbers_its_ports_comes_back(swarm):
     assert swarm.nodes[sender].log().count(f"reached {renumbered} (punched)") > reached, swarm.logs()
 
 
+# A member asking the host for relayed links as fast as it can, and a relay asked by a member.
+GREEDY_MEMBER = """
+import asyncio, json
+from net import messages as m
+from net.endpoint import Address, close, connect_member
+from net.protocol import RequestOnlyHandler
+from net.wire import decode_control
+from swarmctl.home import SwarmHome
+from swarmctl.host_addresses import connect_host
+
+async def main():
+    home = SwarmHome()
+    config, creds = home.load_config(), home.credentials()
+    conn = await connect_host(config, creds, RequestOnlyHandler(), addresses=config.host_addresses)
+    replies = [decode_control((await conn.request(m.encode(m.Reach(member="carol", relay=True)))).body)
+               for _ in range(12)]
+    replies.append(decode_control((await conn.request(m.encode(m.Reach(member="nobody")))).body))
+    await close(conn)
+    relay = await connect_member(Address.parse("ERIN"), creds, "erin", RequestOnlyHandler())
+    replies.append(decode_control((await relay.request(m.encode(m.AllocateRelay()))).body))
+    await close(relay)
+    print(json.dumps(replies))
+
+asyncio.run(main())
+"""
+
+
+def test_a_member_gets_only_its_share_of_relays_and_cannot_drive_one_itself(swarm):
+    status = swarm.wait("a complete plan", swarm.complete)
+    erin = next(m["address"] for m in status["members"] if m["name"] == "erin")
+    r = subprocess.run(swarm.lab.net["dave"].command(sys.executable, "-c", GREEDY_MEMBER.replace("ERIN", erin)),
+                       env=swarm.lab.net._env(swarm.homes["dave"]), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    replies = json.loads(r.stdout)
+    # (dave's own asks before may have used some of his share already)
+    given = [x for x in replies[:12] if x["type"] == "route"]
+    assert 1 <= len(given) <= 8 and replies[:len(given)] == given, replies
+    assert all(x["kind"] == "relay" and x["via"] == "erin" for x in given), given
+    refused = replies[len(given):12]
+    assert all(x["type"] == "error" and "the most a member may" in x["message"] for x in refused), refused
+    assert replies[12] == {"type": "error", "message": "'nobody' is not a trunk of this swarm now"}
+    assert replies[13] == {"type": "error", "message": "only the host allocates relayed links"}
+    # The others are not disturbed: alice (a trunk that also asks) gets her answer.
+    assert swarm.swarmctl("alice", "ask", *GREEDY, PROMPT).stdout == swarm.inproc
+    assert all(p.alive for p in swarm.nodes.values())
+
+
 def test_killing_the_relay_moves_its_links_to_the_hosts_relay(swarm):
+    """(alice asks here: dave used up his relayed links in the test before)"""
     swarm.wait("a complete plan", swarm.complete)
     swarm.nodes.pop("erin").popen.kill()  # SIGKILL: no goodbye
     swarm.trunks.discard("erin")
     status = swarm.wait("a complete plan without erin", swarm.complete)
-    assert swarm.swarmctl("dave", "ask", *GREEDY, PROMPT, timeout=240).stdout == swarm.inproc
+    assert swarm.swarmctl("alice", "ask", *GREEDY, PROMPT, timeout=240).stdout == swarm.inproc
     status = swarm.wait("a complete plan without erin", swarm.complete)
     order = _order(status)
     links = {(row["source"], row["target"]): row["path"] for row in status["links"]}
     for a, b in zip(order, order[1:]):
         assert links[(a, b)] == _expected_path(a, b, relay="host"), (a, b, status["links"])
-    assert links[("asker", order[0])] == f"{_expected_path('dave', order[0], relay='host')} (dave)", status["links"]
+    assert links[("asker", order[0])] == f"{_expected_path('alice', order[0], relay='host')} (alice)", status["links"]

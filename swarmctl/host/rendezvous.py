@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from net import messages as m
 from net.endpoint import Address
 from net.protocol import SwarmProtocol
 from net.rendezvous import introduce
-from net.turn import NatRelay, RelayFull, RelayLink
+from net.turn import IDLE_TIMEOUT, NatRelay, RelayFull, RelayLink
 from net.wire import WireError
 
 from .trunks import TrunkInfo, Trunks
 
 log = logging.getLogger("swarmctl.host")
 
-# Relayed links one member may hold at once: asking for more lets its oldest go (a member cannot
-# take the relay's every port; a member needs one per trunk it talks to, and few trunks at once).
+# Relayed links one member may hold at once on the host's relay: asking for more lets its oldest
+# go (a member cannot take the relay's every port; it needs one per trunk it talks to, and talks
+# to few at once). And relayed links one member may be given per RELAY_WINDOW_S, on any relay:
+# more is refused until the window moves (member relays bound their links but not per member).
 MAX_RELAYED_PER_MEMBER = 8
+RELAY_WINDOW_S = IDLE_TIMEOUT
 ASKING = "ask:"  # (in ``paths``) a route given for an ask, not for a trunk's own link
 
 
@@ -40,6 +44,7 @@ class Rendezvous:
         self.host_name = host_name
         self.trunks = trunks
         self.given: dict[str, int] = {}  # relay member → links it was asked for
+        self._asked: dict[str, list[float]] = {}  # requester → when it was given relayed links (this window)
         self.relay = relay
         self.relay_host = relay_host
         self.introduced = 0
@@ -98,6 +103,12 @@ class Rendezvous:
     async def _relayed(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo) -> m.Route:
         """A relayed link: through a reachable member that offers to relay (the one that was given
         fewest links so far), else through the host's own relay."""
+        now = time.monotonic()
+        asked = [t for t in self._asked.get(requester.peer_name, []) if now - t < RELAY_WINDOW_S]
+        if len(asked) >= MAX_RELAYED_PER_MEMBER:
+            raise NoRoute(f"{requester.peer_name} was given {len(asked)} relayed links in the last "
+                          f"{RELAY_WINDOW_S:g} s, the most a member may; try again later")
+        self._asked[requester.peer_name] = [*asked, now]
         for name in self._relay_members(requester.peer_name, trunk_name):
             candidate = self.trunks[name]
             try:

@@ -183,10 +183,13 @@ class TrunkService:
         its link goes through."""
         if self.dialer is None:
             return
-        if isinstance(message, m.PunchWith):
-            self.dialer.punch_with(message)
-        elif isinstance(message, m.RelayEnd):
-            self.dialer.relay_end(message, self._connected_from)
+        try:
+            if isinstance(message, m.PunchWith):
+                self.dialer.punch_with(message)
+            elif isinstance(message, m.RelayEnd):
+                self.dialer.relay_end(message, self._connected_from)
+        except ValueError as e:  # (an address that does not parse)
+            log.error("host sent a malformed %s: %s", type(message).__struct_config__.tag, e)
 
     def _connected_from(self, address: Address) -> bool:
         return any(c.is_open and c.peer_address == (address.host, address.port) for c in self.connections)
