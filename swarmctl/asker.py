@@ -25,11 +25,12 @@ from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Sampler, SamplingParams
-from kernels.slice import SliceEngine, Step
+from kernels.slice import Outputs, SliceEngine, Step
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import Hop
 from swarmctl.batching import BatchRunner, StepTiming
+from swarmctl.speculate import Speculation
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
 DEFAULT_MAX_IN_FLIGHT = 16
@@ -151,7 +152,7 @@ class Generation:
     request_id: bytes
     prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
-    timings: list[TokenTiming] = field(default_factory=list)
+    timings: list[TokenTiming] = field(default_factory=list)  # one per step (a speculative step yields several tokens)
     finish_reason: str | None = None  # "stop" (end of generation), "length" (max tokens), "context"
     started: float = field(default_factory=time.perf_counter)
 
@@ -188,10 +189,13 @@ class Asker:
 
     async def generate(self, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
                        sampling: SamplingParams, timeout: float | None = None,
-                       generation: Generation | None = None, ignore_eos: bool = False) -> AsyncIterator[int]:
+                       generation: Generation | None = None, ignore_eos: bool = False,
+                       speculation: Speculation | None = None) -> AsyncIterator[int]:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
         included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
-        past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos)."""
+        past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos);
+        ``speculation`` drafts tokens to check several per step (greedy decoding only:
+        swarmctl/speculate.py), and counts what it drafted and kept."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")
         if not prompt:
@@ -211,7 +215,9 @@ class Asker:
         gen.request_id = gen.request_id or secrets.token_bytes(16)
         self.in_flight[gen.request_id] = gen
         try:
-            steps = self._steps(list(prompt), trunk, max_tokens, Sampler(sampling), gen, ignore_eos)
+            sampler = Sampler(sampling)
+            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos,
+                                speculation if sampling.greedy else None)
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -230,7 +236,7 @@ class Asker:
             await self._release(gen.request_id, trunk)
 
     async def _steps(self, prompt: list[int], trunk: Trunk | None, max_tokens: int, sample: Sampler,
-                     gen: Generation, ignore_eos: bool):
+                     gen: Generation, ignore_eos: bool, speculation: Speculation | None = None):
         rid = gen.request_id
         start = 0
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
@@ -238,23 +244,43 @@ class Asker:
             await self._step(rid, start, chunk, trunk)
             start += len(chunk)
         new_tokens = chunks[-1]
-        for _ in range(max_tokens):
-            logits, timing = await self._step(rid, start, new_tokens, trunk)
-            token = sample(logits[-1])
-            start += len(new_tokens)
+        context = list(prompt)
+        while len(gen.tokens) < max_tokens:
+            # Drafts ride along after the step's own tokens; each row of logits then says what
+            # follows its position. No room past the context or max_tokens.
+            room = min(max_tokens - len(gen.tokens) - 1, self.max_context - start - len(new_tokens) - 1)
+            drafts = speculation.propose(context, room) if speculation is not None and room > 0 else []
+            logits, timing = await self._step(rid, start, new_tokens + drafts, trunk,
+                                              outputs="all" if drafts else "last")
             gen.timings.append(timing)
-            if not ignore_eos and self.tokenizer.is_end_of_generation(token):
-                gen.finish_reason = "stop"
-                return
-            gen.tokens.append(token)
-            yield token
+            rows = logits[len(logits) - len(drafts) - 1:]
+            start += len(new_tokens)
+            kept = 0
+            for i, row in enumerate(rows):
+                token = sample(row)
+                if not ignore_eos and self.tokenizer.is_end_of_generation(token):
+                    gen.finish_reason = "stop"
+                    if speculation is not None:
+                        speculation.record(len(drafts), kept)
+                    return
+                gen.tokens.append(token)
+                context.append(token)
+                yield token
+                if i < len(drafts) and token == drafts[i]:
+                    kept += 1  # the model agrees: the next row follows this token
+                    continue
+                break  # a draft differs (or none is left): this token is the step's last
+            if speculation is not None:
+                speculation.record(len(drafts), kept)
+            start += kept  # the next step starts after the last kept token: later cells are rewound
             if start + 1 > self.max_context:
                 gen.finish_reason = "context"
                 return
-            new_tokens = [token]
+            new_tokens = [gen.tokens[-1]]
         gen.finish_reason = "length"
 
-    async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None):
+    async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
+                    outputs: Outputs = "last"):
         t0 = time.perf_counter()
         hidden, head_timing = await self.head_runner.run(Step(rid, start, tokens=tokens))
         trunk_result = None
@@ -263,7 +289,7 @@ class Asker:
                 hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
             trunk_result = await trunk.forward(rid, hidden, start)
             hidden = trunk_result.hidden
-        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden))
+        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs))
         return logits, TokenTiming(head_timing, trunk_result, tail_timing, time.perf_counter() - t0)
 
     async def _release(self, rid: bytes, trunk: Trunk | None) -> None:
@@ -289,10 +315,11 @@ class Asker:
 
 
 async def generate_all(asker: Asker, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
-                       sampling: SamplingParams, timeout: float | None = None, ignore_eos: bool = False) -> Generation:
+                       sampling: SamplingParams, timeout: float | None = None, ignore_eos: bool = False,
+                       speculation: Speculation | None = None) -> Generation:
     """Run one request to the end; returns its Generation (tokens, finish reason, timings)."""
     gen = Generation(secrets.token_bytes(16), len(prompt))
     async for _ in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
-                                  generation=gen, ignore_eos=ignore_eos):
+                                  generation=gen, ignore_eos=ignore_eos, speculation=speculation):
         pass
     return gen
