@@ -49,9 +49,11 @@ class NatLab:
     """``members``: name → "cone" or "symmetric". ``public``: machines on the public network beside
     the host, with no NAT (their address is ``lab.net[name].ip``). ``lab.public_ip(name)`` is the
     router's public address; ``lab.udp_socket(name, port)`` a UDP socket bound in that machine's
-    namespace."""
+    namespace. ``wan_delay_ms``: each crossing of the public network takes that much longer (a
+    userspace hub in place of the bridge, tests/wan_delay.py); 0, the default, keeps the bridge."""
 
-    def __init__(self, members: dict[str, str], root: Path, public: tuple[str, ...] = ()) -> None:
+    def __init__(self, members: dict[str, str], root: Path, public: tuple[str, ...] = (),
+                 wan_delay_ms: float = 0) -> None:
         if os.geteuid() == 0 and shutil.which("iptables") is None:
             raise LabUnavailable("needs iptables (apt-get install -y iptables)")
         routers = {f"nat-{name}": f"{PUBLIC}.{10 + i}" for i, name in enumerate(members)}
@@ -59,7 +61,10 @@ class NatLab:
         self.net = NetnsLab({"host": HOST_IP, **reachable, **routers}, root)
         self.kinds = dict(members)
         self.members: dict[str, Machine] = {}
+        self.wan_delay = None
         try:
+            if wan_delay_ms > 0:
+                self._delay_public_network(wan_delay_ms)
             for name, kind in members.items():
                 self._add_member(name, kind)
         except BaseException:
@@ -90,6 +95,19 @@ class NatLab:
         self.members[name] = member
         self.net.machines[name] = member  # so lab.net.swarmctl / lab.net.start run commands there
 
+    def _delay_public_network(self, delay_ms: float) -> None:
+        """Every crossing of the public network takes ``delay_ms`` more (tests/wan_delay.py): the
+        bridge lets go of its ports and a userspace hub forwards between them instead."""
+        from tests.wan_delay import WanDelay, tx_checksum_off
+
+        ports = [f"port{i}" for i in range(len(self.net.machines))]  # tests/netns.py's names, in order
+        for machine in self.net.machines.values():
+            in_netns(machine.netns, lambda: tx_checksum_off("eth0"))
+        for port in ports:
+            _run("ip", "-n", self.net.bridge_ns, "link", "set", port, "nomaster")
+            _run("ip", "-n", self.net.bridge_ns, "link", "set", port, "promisc", "on", "up")
+        self.wan_delay = WanDelay(self.net.bridge_ns, ports, delay_ms, self.net.root / "wan_delay.log")
+
     def _iptables(self, member: str, *args: str) -> None:
         _run("ip", "netns", "exec", self.net[f"nat-{member}"].netns, "iptables", *args)
 
@@ -112,6 +130,9 @@ class NatLab:
         _run("ip", "netns", "exec", self.net[f"nat-{member}"].netns, "conntrack", "-F")
 
     def close(self) -> None:
+        if self.wan_delay is not None:
+            self.wan_delay.stop()
+            self.wan_delay = None
         self.net.close()
 
 
