@@ -1,0 +1,232 @@
+"""Decode speed of a real swarm across home routers, with a WAN delay (issue 17); prints JSON.
+
+    sudo .venv/bin/python benchmarks/bench_nat.py [--delay-ms 20] [--repeats 5] [--out FILE]
+
+Needs root (network namespaces, iptables): tests/nat_lab.py builds the machines and
+tests/wan_delay.py holds every frame that crosses the "public" network for --delay-ms (one
+crossing one way, so a round trip between two machines is twice that). Where namespaces are not
+permitted it prints one line and exits 0.
+
+Three layouts, each a fresh lab with a host, two trunks (alice, bob) and an asker (dave), the
+bundled model, `swarmctl init --objective even` (a stage on each trunk):
+
+    a  no NATs: every machine on the public network (links "direct");
+    b  alice, bob and dave each behind a port-preserving ("cone") NAT: every link punched;
+    c  like b, but bob behind a symmetric NAT: his links are relayed through the host.
+
+Measured per layout: dave runs greedy `swarmctl ask -v --raw --temperature 0` with a fixed prompt
+for --short and for --long tokens, --repeats times. `ask -v` logs the generation's own time
+(from the first request to the last token; connecting and loading the model excluded, printed
+to 10 ms). The decode time per token is (long time - short time) / (long tokens - short tokens),
+so the prompt's pass and the first token cancel out; tok/s is its inverse. Medians over the
+repeats. The paths and round trips are the host's `status --json` after the last ask.
+
+Compared: b / a decode tok/s (issue 17's target: at least 0.9), and c's extra ms per token next
+to the extra public-network crossings its relayed hops add (the relay's round trip to the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import emit_json  # noqa: E402
+from tests.nat_lab import HOST_IP, NatLab  # noqa: E402
+from tests.netns import LabUnavailable  # noqa: E402
+
+PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
+TRUNKS = ("alice", "bob")
+ASKER = "dave"
+LAYOUTS = {
+    "a_no_nat": {"nats": {}, "public": (*TRUNKS, ASKER)},
+    "b_cone_punched": {"nats": {"alice": "cone", "bob": "cone", ASKER: "cone"}, "public": ()},
+    "c_symmetric_relayed": {"nats": {"alice": "cone", "bob": "symmetric", ASKER: "cone"}, "public": ()},
+}
+ASK_LOG = re.compile(r"(\d+) prompt tokens, (\d+) generated in ([\d.]+)s \(([\d.]+) tok/s\), finish: (\w+)")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+class Swarm:
+    def __init__(self, lab: NatLab, root: Path, threads: int) -> None:
+        self.lab, self.root, self.threads = lab, root, threads
+        self.homes = {name: root / name for name in ("host", *TRUNKS, ASKER)}
+        self.nodes = {}
+
+    def swarmctl(self, machine: str, *args: str, timeout: float = 180):
+        r = self.lab.net.swarmctl(machine, self.homes[machine], *args, timeout=timeout)
+        if r.returncode != 0:
+            raise BenchError(f"{machine}: swarmctl {' '.join(args)} failed ({r.returncode}): "
+                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        return r
+
+    def status(self) -> dict | None:
+        r = self.lab.net.swarmctl("host", self.homes["host"], "status", "--json", timeout=60)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def wait_complete(self, timeout: float = 180) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, process in self.nodes.items():
+                if not process.alive:
+                    raise BenchError(f"{name} exited: {process.log()[-500:]}")
+            status = self.status()
+            if status and status["complete"]:
+                staged = [m for m in status["members"] if m["layers"]]
+                if {m["name"] for m in staged} == set(TRUNKS) and all(m["health"] == "ready" for m in staged):
+                    return status
+            time.sleep(0.5)
+        raise BenchError("the swarm did not become complete with a stage on every trunk")
+
+    def form(self) -> None:
+        self.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even")
+        self.nodes["host"] = self.lab.net.start("host", self.homes["host"], "run", "--role", "host")
+        deadline = time.monotonic() + 60
+        while self.status() is None:
+            if time.monotonic() > deadline:
+                raise BenchError("the host did not answer status")
+            time.sleep(0.5)
+        for name in (*TRUNKS, ASKER):
+            code = self.swarmctl("host", "invite", "--role", "trunk" if name in TRUNKS else "asker").stdout.strip()
+            self.swarmctl(name, "join", code, "--name", name)
+        for name in TRUNKS:
+            self.nodes[name] = self.lab.net.start(name, self.homes[name], "run", "--role", "trunk", "--memory", "12G",
+                                                  "--threads", str(self.threads))
+        self.wait_complete()
+
+    def ask(self, max_tokens: int) -> dict:
+        r = self.swarmctl(ASKER, "ask", "-v", "--raw", "--temperature", "0", "--max-tokens", str(max_tokens),
+                          "--threads", str(self.threads), PROMPT, timeout=300)
+        found = ASK_LOG.search(r.stderr)
+        if not found:
+            raise BenchError(f"no timing line in `ask -v` output: {r.stderr.strip()[-300:]}")
+        prompt, n, elapsed, rate, finish = found.groups()
+        return {"prompt_tokens": int(prompt), "tokens": int(n), "elapsed_s": float(elapsed),
+                "cli_tok_s": float(rate), "finish": finish, "text": r.stdout.strip()}
+
+
+def _paths(status: dict) -> list[dict]:
+    return [{"link": f"{row['source']} → {row['target']}", "path": row["path"],
+             "rtt_ms": round(row["rtt_ms"], 2) if row.get("rtt_ms") is not None else None,
+             "measured": row.get("measured")} for row in status["links"]]
+
+
+def _expected(layout: str, paths: list[dict]) -> bool:
+    kinds = [p["path"] for p in paths]
+    if layout == "a_no_nat":
+        return all(k.startswith("direct") for k in kinds)
+    if layout == "b_cone_punched":
+        return all(k.startswith("punched") for k in kinds)
+    return any(k.startswith("relayed via host") for k in kinds)
+
+
+def run_layout(name: str, spec: dict, args, root: Path) -> dict:
+    lab = NatLab(spec["nats"], root, public=spec["public"], wan_delay_ms=args.delay_ms)
+    try:
+        swarm = Swarm(lab, root, args.threads)
+        swarm.form()
+        swarm.ask(args.short)  # warm-up: first punches, page cache
+        runs = []
+        for _ in range(args.repeats):
+            short, long = swarm.ask(args.short), swarm.ask(args.long)
+            if short["text"] != long["text"][:len(short["text"])]:
+                raise BenchError("the short answer is not a prefix of the long one (not greedy?)")
+            if long["tokens"] <= short["tokens"]:
+                raise BenchError(f"generation stopped early ({long['finish']}): pick a longer-running prompt")
+            per_token_s = (long["elapsed_s"] - short["elapsed_s"]) / (long["tokens"] - short["tokens"])
+            runs.append({"short": {k: short[k] for k in ("tokens", "elapsed_s")},
+                         "long": {k: long[k] for k in ("tokens", "elapsed_s", "cli_tok_s", "finish")},
+                         "decode_ms_per_token": round(per_token_s * 1e3, 2)})
+        status = swarm.wait_complete()
+        paths = _paths(status)
+        ms = statistics.median(r["decode_ms_per_token"] for r in runs)
+        return {"decode_tok_s_median": round(1e3 / ms, 3), "decode_ms_per_token_median": round(ms, 2),
+                "decode_ms_per_token_runs": [r["decode_ms_per_token"] for r in runs],
+                "cli_tok_s_long_median": statistics.median(r["long"]["cli_tok_s"] for r in runs),
+                "prompt_tokens": long["prompt_tokens"],
+                "order": [m["name"] for m in sorted((m for m in status["members"] if m["layers"]),
+                                                    key=lambda m: m["layers"][0])],
+                "paths": paths, "paths_as_expected": _expected(name, paths), "runs": runs,
+                "answer": long["text"]}
+    finally:
+        lab.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay per public-network crossing")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--short", type=int, default=8, help="tokens of the short generation")
+    p.add_argument("--long", type=int, default=40, help="tokens of the long generation")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per process (2 cores: 1)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    args = p.parse_args()
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        print(f"bench_nat: unknown layout {bad[0] if bad else '(none)'}; choose from {', '.join(LAYOUTS)}",
+              file=sys.stderr)
+        return 2
+    if args.delay_ms < 0 or args.repeats < 1 or not 0 < args.short < args.long or args.threads < 1:
+        print("bench_nat: need --delay-ms >= 0, --repeats >= 1, 0 < --short < --long, --threads >= 1",
+              file=sys.stderr)
+        return 2
+    result: dict = {"delay_ms_one_way": args.delay_ms, "short_tokens": args.short, "long_tokens": args.long,
+                    "repeats": args.repeats, "threads_per_process": args.threads, "prompt": PROMPT,
+                    "measured": "decode ms/token = (ask -v time for --long tokens - for --short) / token difference",
+                    "layouts": {}}
+    try:
+        for name in layouts:
+            with tempfile.TemporaryDirectory(prefix=f"bench-nat-{name}-") as tmp:
+                result["layouts"][name] = run_layout(name, LAYOUTS[name], args, Path(tmp))
+                hub_log = Path(tmp) / "wan_delay.log"  # the hub's frame counters, written as it stops
+                if hub_log.exists():
+                    result["layouts"][name]["wan_delay_hub"] = hub_log.read_text().strip()
+    except LabUnavailable as e:
+        print(f"bench_nat: skipped: {e}")
+        return 0
+    except BenchError as e:
+        print(f"bench_nat: {e}", file=sys.stderr)
+        return 1
+    got = result["layouts"]
+    if "a_no_nat" in got and "b_cone_punched" in got:
+        result["punched_over_no_nat"] = round(got["b_cone_punched"]["decode_tok_s_median"]
+                                              / got["a_no_nat"]["decode_tok_s_median"], 3)
+        result["punched_over_no_nat_target"] = 0.9
+    if "b_cone_punched" in got and "c_symmetric_relayed" in got:
+        c, b = got["c_symmetric_relayed"], got["b_cone_punched"]
+        relayed = [p for p in c["paths"] if p["path"].startswith("relayed")]
+
+        def rtts(paths, asker_rows: bool) -> float | None:
+            values = [p["rtt_ms"] for p in paths if p["rtt_ms"] is not None and ("asker" in p["link"]) == asker_rows]
+            return statistics.median(values) if values else None
+
+        result["relayed"] = {
+            "extra_ms_per_token": round(c["decode_ms_per_token_median"] - b["decode_ms_per_token_median"], 2),
+            "relayed_hops_per_token": len(relayed),
+            # each relayed hop crosses the public network twice (member → host → member) instead of once
+            "extra_crossings_ms": len(relayed) * args.delay_ms,
+            # status's rows between two trunks carry their own measurement over the path they use;
+            # the asker's rows carry the trunk's round trip to the host (the planner's stand-in for
+            # the asker), i.e. the round trip of the relay hop through the host
+            "relayed_trunk_link_rtt_ms": rtts(relayed, asker_rows=False),
+            "punched_trunk_link_rtt_ms": rtts(b["paths"], asker_rows=False),
+            "trunk_to_host_rtt_ms_median": rtts(c["paths"], asker_rows=True),
+        }
+    emit_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
