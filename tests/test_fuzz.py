@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from net.endpoint import Address, _connect, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.tls import join_configuration
-from net.wire import ActivationPacket, DType, FrameType, PacketKind, encode_control, encode_packet
+from net.wire import ActivationPacket, DType, FrameType, PacketKind, encode_packet
 from swarmctl.home import SwarmHome
 from tests.swarm_harness import Swarm, swarmctl
 
