@@ -135,7 +135,8 @@ class _LinkPort:
         pass
 
 
-def _udp_socket(host: str, port: int) -> socket.socket:
+def udp_socket(host: str, port: int) -> socket.socket:
+    """A UDP socket bound to host:port (port 0: any free one), in this process's namespace."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind((host, port))
     return sock
@@ -147,7 +148,7 @@ class NatRelay:
 
     def __init__(self, host: str, *, max_links: int = MAX_LINKS, max_bytes_per_s: int = MAX_BYTES_PER_S,
                  idle_timeout: float = IDLE_TIMEOUT,
-                 make_socket: Callable[[str, int], socket.socket] = _udp_socket) -> None:
+                 make_socket: Callable[[str, int], socket.socket] = udp_socket) -> None:
         self.host = host
         self.max_links = max_links
         self.max_bytes_per_s = max_bytes_per_s

@@ -106,12 +106,6 @@ class PlanWatch:
         except (m.Refused, WireError) as e:
             raise SwarmError(f"host: {e}") from None
 
-    async def route(self, message: m.Reach) -> m.Route:
-        """The host's answer to ``reach`` (m.Refused if it refused; ConnectionError if the link is down)."""
-        if not self.is_open:
-            raise ConnectionError("not connected to the host")
-        return m.decode((await self.conn.request(m.encode(message), timeout=10)).body, m.Route)
-
     async def tell(self, message: m.Message) -> None:
         """A control message to the host whose answer is not needed; a closed or slow host is ignored."""
         if self.is_open:

@@ -29,7 +29,7 @@ from net.endpoint import Address, connect_first, connect_member, resolve
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.punch import KEEPALIVE_INTERVAL, PunchFailed, PunchTicket, SharedSocket, connect_on, open_shared, punch
-from net.turn import keep_registered, register
+from net.turn import keep_registered, register, udp_socket
 from net.wire import WireError
 
 log = logging.getLogger("swarmctl.reach")
@@ -51,12 +51,6 @@ class Path:
 
 
 DIRECT = Path("direct")
-
-
-def udp_socket(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((host, port))
-    return sock
 
 
 def local_ip_towards(address: Address) -> str | None:
@@ -189,6 +183,14 @@ class Dialer:
         for task in list(self._tasks):
             task.cancel()
         self.shared.close()
+
+
+async def ask_route(conn: SwarmProtocol | None, message: m.Reach) -> m.Route:
+    """The host's answer to ``reach`` over ``conn`` (m.Refused if it refused; ConnectionError if
+    the connection is down)."""
+    if conn is None or not conn.is_open:
+        raise ConnectionError("not connected to the host")
+    return m.decode((await conn.request(m.encode(message), timeout=10)).body, m.Route)
 
 
 async def connect_direct(member: str, address: str, creds: Credentials, handler: ConnectionHandler) -> SwarmProtocol:

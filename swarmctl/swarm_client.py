@@ -36,7 +36,7 @@ from plans.plan import Plan
 from swarmctl.asker import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.plan_watch import PlanWatch, SwarmError, cannot_serve
-from swarmctl.reach import Dialer
+from swarmctl.reach import Dialer, ask_route
 
 __all__ = ["SwarmError", "SwarmLink"]
 
@@ -96,7 +96,7 @@ class SwarmLink:
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
             link.dialer = await Dialer.open(link.creds)
-            link.dialer.ask_host = link.host.route
+            link.dialer.ask_host = lambda message: ask_route(link.host.conn, message)
             link.dialer.asking = True
             link.host.connect_with = lambda addresses: link.dialer.connect_host(addresses, link.config.host_name, link)
             await link.host.connect()

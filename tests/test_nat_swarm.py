@@ -132,6 +132,12 @@ def _expected_path(a: str, b: str, relay: str = "erin") -> str:
     return "punched"  # (from a public machine, towards any NAT: its probes answer the ones that arrive)
 
 
+def _asker_row(asker: str, trunk: str, relay: str = "erin") -> str:
+    """The path `status` shows for the asker's side (the newest ask's)."""
+    path = _expected_path(asker, trunk, relay)
+    return path if path == "direct" else f"{path} ({asker})"
+
+
 def _order(status: dict) -> list[str]:
     return [m["name"] for m in sorted((m for m in status["members"] if m["layers"]), key=lambda m: m["layers"][0])]
 
@@ -151,8 +157,8 @@ def test_the_swarm_forms_behind_nats_and_answers_as_one_process_does(swarm):
         assert links[(a, b)]["path"] == _expected_path(a, b), (a, b, status["links"])
         assert links[(a, b)]["measured"], links[(a, b)]  # measured over that very path
     first, last = order[0], order[-1]
-    assert links[("asker", first)]["path"] == f"{_expected_path('dave', first)} (dave)", status["links"]
-    assert links[(last, "asker")]["path"] == f"{_expected_path('dave', last)} (dave)", status["links"]
+    assert links[("asker", first)]["path"] == _asker_row("dave", first), status["links"]
+    assert links[(last, "asker")]["path"] == _asker_row("dave", last), status["links"]
     # The same, as a user reads it.
     out = swarm.swarmctl("host", "status").stdout
 
@@ -236,4 +242,4 @@ def test_killing_the_relay_moves_its_links_to_the_hosts_relay(swarm):
     links = {(row["source"], row["target"]): row["path"] for row in status["links"]}
     for a, b in zip(order, order[1:]):
         assert links[(a, b)] == _expected_path(a, b, relay="host"), (a, b, status["links"])
-    assert links[("asker", order[0])] == f"{_expected_path('alice', order[0], relay='host')} (alice)", status["links"]
+    assert links[("asker", order[0])] == _asker_row("alice", order[0], relay="host"), status["links"]

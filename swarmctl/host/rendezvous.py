@@ -47,8 +47,6 @@ class Rendezvous:
         self._asked: dict[str, list[float]] = {}  # requester → when it was given relayed links (this window)
         self.relay = relay
         self.relay_host = relay_host
-        self.introduced = 0
-        self.relayed = 0
         self._held: dict[str, list[RelayLink]] = {}  # requester → its relayed links, oldest first
         # (requester, trunk) → the path the host last gave: "direct", "punched" or "relayed via X",
         # most recent last. (A punch that failed is followed by a relay request, which replaces it.)
@@ -95,7 +93,6 @@ class Rendezvous:
             trunk.conn.send(trunk.plan_stream, m.encode(m.PunchWith(
                 peer=str(ticket_trunk.peer), member=requester.peer_name, nonce=ticket_trunk.nonce.hex(),
                 side=ticket_trunk.side)))
-            self.introduced += 1
             return m.Route(kind="punch", address=str(ticket_requester.peer), nonce=ticket_requester.nonce.hex(),
                            side=ticket_requester.side)
         return await self._relayed(requester, trunk_name, trunk)
@@ -147,7 +144,6 @@ class Rendezvous:
         """Tell the trunk its end of the relayed link (on its plan stream), and answer the requester."""
         trunk.conn.send(trunk.plan_stream, m.encode(m.RelayEnd(
             address=str(address), member=requester.peer_name, token=token_b, via=via)))
-        self.relayed += 1
         log.info("relaying %s → %s through %s at %s", requester.peer_name, trunk_name, via, address)
         return m.Route(kind="relay", address=str(address), token=token_a, via=via)
 

@@ -97,7 +97,8 @@ def link_rows(src: StatusSources) -> list[LinkStatus]:
 
 def _path(src: StatusSources, a: str, b: str, estimate) -> str:
     """How the link goes: as the host routed it (direct, punched, relayed via X), for the asker's
-    side as it routed the newest ask ("punched (dave)"); else as the planner charges it."""
+    side as it routed the newest ask, naming the asker where it was not direct ("punched (dave)");
+    else as the planner charges it."""
     if estimate.basis == RELAYED:
         via = estimate.through[0]
         return f"relayed via {src.host_name if via == ASKER else via}"
@@ -105,7 +106,7 @@ def _path(src: StatusSources, a: str, b: str, estimate) -> str:
         if ASKER in (a, b):
             seen = src.rendezvous.asker_path(b if a == ASKER else a)
             if seen is not None:
-                return f"{seen[1]} ({seen[0]})"
+                return seen[1] if seen[1] == "direct" else f"{seen[1]} ({seen[0]})"
         else:
             path = src.rendezvous.path(a, b)
             if path is not None:

@@ -125,12 +125,6 @@ class HostLink:
             except (ConnectionError, asyncio.TimeoutError) as e:
                 log.warning("host did not answer %s: %s", type(message).__name__, e)
 
-    async def route(self, message: m.Reach) -> m.Route:
-        """The host's answer to ``reach`` (m.Refused if it refused; ConnectionError if the link is down)."""
-        if not self.is_open:
-            raise ConnectionError("not connected to the host")
-        return m.decode((await self.conn.request(m.encode(message), timeout=10)).body, m.Route)
-
     # --- slice transfers (swarmctl/distribution.py) arrive on host streams we opened ---
 
     def open_fetch(self) -> tuple[int, asyncio.Queue]:

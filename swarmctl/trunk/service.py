@@ -31,7 +31,7 @@ from swarmctl.batching import compute_thread
 from swarmctl.home import SwarmHome
 from swarmctl.layer_proof import CHALLENGES, ProofError, Prover
 from swarmctl.models import resolve_model
-from swarmctl.reach import Dialer, local_ip_towards
+from swarmctl.reach import Dialer, ask_route, local_ip_towards
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
@@ -108,7 +108,7 @@ class TrunkService:
             log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
         listen = Address.parse(self.config.listen)
         self.dialer = await Dialer.open(self.creds, listen)
-        self.dialer.ask_host = self.host.route
+        self.dialer.ask_host = lambda message: ask_route(self.host.conn, message)
         if self.offers_relay:
             self.relay = NatRelay(listen.host)
         self._server = serve_on(self.dialer.shared, self.creds, self, client_check=self._check_member)
