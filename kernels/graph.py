@@ -35,6 +35,7 @@ class RequestShape:
     n_kv: int  # cells attended (padded like llama.cpp's n_kv); 0 for a slice without layers
     n_outputs: int  # rows kept after the model's last layer
     kv_generation: int  # the cache tensors it reads and writes
+    rowwise: bool = False  # attention one row at a time (a speculative check: GraphBuilder._attend)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ class GraphShape:
     @property
     def n_outputs(self) -> int:
         return sum(r.n_outputs for r in self.requests)
+
+    @property
+    def attention_units(self) -> int:
+        """Separate attention computations per layer: one per request, one per row when rowwise."""
+        return sum(r.n_tokens if r.rowwise else 1 for r in self.requests)
 
 
 @dataclass
@@ -141,7 +147,11 @@ class GraphBuilder:
         for m, (cache, inp) in enumerate(zip(self.caches, self.inputs.attention)):
             q_m, k_m, v_m = (self._rows(t, m) for t in (q, k, v))
             self._store_kv(cache, inp, k_m, v_m, il)
-            outs.append(self._attend(cache, inp, q_m, il))
+            if self.shape.requests[m].rowwise:
+                outs.append(_concat_rows(self.ctx, [self._attend(cache, inp, self._row(q_m, j), il, j)
+                                                    for j in range(ggml.tensor_shape(q_m)[2])]))
+            else:
+                outs.append(self._attend(cache, inp, q_m, il))
         cur = _concat_rows(self.ctx, outs)
         self.name(cur, "kqv_out", il)
         return self.linear(w.wo, cur, w.bo)
@@ -155,6 +165,12 @@ class GraphBuilder:
         a, b = self.row_starts[m], self.row_starts[m + 1]
         return ggml.view_3d(self.ctx, t, ne0, ne1, b - a, nb[1], nb[2], a * nb[2])
 
+    def _row(self, t: int, j: int) -> int:
+        """Row j [head_dim, heads, 1] of a [head_dim, heads, n] tensor."""
+        ne0, ne1, _, _ = ggml.tensor_shape(t)
+        nb = ggml.tensor_strides(t)
+        return ggml.view_3d(self.ctx, t, ne0, ne1, 1, nb[1], nb[2], j * nb[2])
+
     def _store_kv(self, cache: KVCache, inp: AttentionInputs, k: int, v: int, il: int) -> None:
         ctx, n_embd_kv = self.ctx, self.spec.n_embd_kv
         n = ggml.tensor_shape(k)[2]
@@ -165,17 +181,26 @@ class GraphBuilder:
         v_cells = ggml.reshape_2d(ctx, cache.v[il], 1, n_embd_kv * cache.capacity)
         ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, v_cells, v_elems, inp.v_idxs))
 
-    def _attend(self, cache: KVCache, inp: AttentionInputs, q: int, il: int) -> int:
+    def _attend(self, cache: KVCache, inp: AttentionInputs, q: int, il: int, row: int | None = None) -> int:
+        """Attention of q's rows over the request's cells. ``row``: q is that one row of the step,
+        attending with its own mask row. Why rows one at a time for a speculative check: ggml's CPU
+        matmul hands a product with two or more columns to llamafile's sgemm and a single column
+        to ggml_vec_dot_f16, and the two add the F16 products of KQ and KQV in a different order,
+        so a position checked in a step of n rows could get other bits than the same position in
+        a one-token step (seen: logits 0.85 apart after 30 layers of SmolLM2, an argmax flip)."""
         s, ctx = self.spec, self.ctx
         n = ggml.tensor_shape(q)[2]
-        n_kv = ggml.tensor_shape(inp.kq_mask)[0]
+        mask = inp.kq_mask
+        n_kv = ggml.tensor_shape(mask)[0]
+        if row is not None:
+            mask = ggml.view_2d(ctx, mask, n_kv, 1, ggml.tensor_strides(mask)[1], row * ggml.tensor_strides(mask)[1])
         k_all, v_all = self._cached_kv(cache, n_kv, il)
         q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
         k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
         v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
         kq = self.name(ggml.mul_mat(ctx, k_all, q), "kq", il)  # [n_kv, n, n_head]
         ggml.prec_set_acc(kq, ggml.PREC_F32)
-        kq = self.name(ggml.soft_max_ext(ctx, kq, inp.kq_mask, s.attention_scale, 0.0), "kq_soft_max", il)
+        kq = self.name(ggml.soft_max_ext(ctx, kq, mask, s.attention_scale, 0.0), "kq_soft_max", il)
         kqv = self.name(ggml.mul_mat(ctx, v_all, kq), "kqv", il)  # [head_dim, n, n_head]
         return ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), s.n_embd_q, n)
 
@@ -276,7 +301,7 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
                       caches: list[KVCache | None], shape: GraphShape) -> SliceGraph:
     """The whole slice as one graph: [embedding] → layers [start, stop) → [output norm → LM head]."""
     n_layers = slice_spec.stop - slice_spec.start
-    size = graph_size_for(n_layers, len(shape.requests), spec.n_expert_used)
+    size = graph_size_for(n_layers, shape.attention_units, spec.n_expert_used)
     ctx = ggml.new_context(size + 16, graph_nodes=size)
     graph = ggml.new_graph_custom(ctx, size, False)
     inputs = _new_inputs(ctx, spec, slice_spec, shape)
@@ -304,7 +329,7 @@ def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceW
     nodes. Input: the layer's input activations. Outputs: ``output`` = the residual (ffn_inp),
     and ``ffn_in`` (normed, what the experts take), ``selected`` (I32 [k, N] expert per slot) and
     ``weights`` (F32 [1, k, N]), computed exactly as the whole-layer graph computes them."""
-    size = graph_size_for(1, len(shape.requests), spec.n_expert_used)
+    size = graph_size_for(1, shape.attention_units, spec.n_expert_used)
     ctx = ggml.new_context(size + 16, graph_nodes=size)
     graph = ggml.new_graph_custom(ctx, size, False)
     inputs = _new_inputs(ctx, spec, SliceSpec(il, il + 1), shape)

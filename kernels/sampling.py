@@ -22,6 +22,23 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The distribution a sampler draws the next token from: token ids and their probabilities
+    (after top-k, top-p and temperature), most likely first. Greedy: the argmax with probability 1."""
+
+    ids: np.ndarray  # int64 [m]
+    probs: np.ndarray  # float64 [m], sums to 1
+
+    def prob(self, token: int) -> float:
+        hit = np.flatnonzero(self.ids == token)
+        return float(self.probs[hit[0]]) if len(hit) else 0.0
+
+    @staticmethod
+    def only(token: int) -> "Candidates":
+        return Candidates(np.array([token], np.int64), np.array([1.0]))
+
+
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -29,9 +46,21 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits: float32 [n_vocab] for the next position."""
+        return self.draw(self.candidates(logits))
+
+    def draw(self, c: Candidates) -> int:
+        if self.params.greedy:
+            return int(c.ids[0])
+        return int(c.ids[self._rng.choice(len(c.ids), p=c.probs)])
+
+    def uniform(self) -> float:
+        """A draw in [0, 1) from this sampler's generator (speculative acceptance)."""
+        return float(self._rng.random())
+
+    def candidates(self, logits: np.ndarray) -> Candidates:
         p = self.params
         if p.greedy:
-            return int(np.argmax(logits))
+            return Candidates.only(int(np.argmax(logits)))
         ids = np.arange(logits.shape[0])
         values = logits.astype(np.float64)
         if 0 < p.top_k < values.shape[0]:
@@ -43,8 +72,7 @@ class Sampler:
         if p.top_p < 1.0:
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1  # smallest prefix reaching top_p
             ids, values = ids[:cut], values[:cut]
-        probs = _softmax(values / p.temperature)
-        return int(ids[self._rng.choice(len(ids), p=probs)])
+        return Candidates(ids, _softmax(values / p.temperature))
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -52,6 +52,12 @@ class Step:
     tokens: Sequence[int] | np.ndarray | None = None  # slices with the embedding
     hidden: np.ndarray | None = None  # [n, n_embd] float32, slices fed by activations
     outputs: Outputs = "last"
+    # Cells from start_pos on are dropped first (a speculative step's rejected positions); a step
+    # that starts before the request's filled length must say so, so a stray packet cannot.
+    rewind: bool = False
+    # A speculative check: each row attends on its own, with the kernels a one-token step uses, so
+    # row i's output is the bits that i + 1 single steps give (see GraphBuilder._attend).
+    verify: bool = False
 
     @property
     def key(self) -> bytes:
@@ -163,7 +169,7 @@ class SliceEngine:
         return sum(r.kv.n_bytes for r in list(self._requests.values()) if r.kv is not None)
 
     def forward(self, request_id: bytes | str, *, start_pos: int, tokens: Sequence[int] | np.ndarray | None = None,
-                hidden: np.ndarray | None = None, outputs: Outputs = "last") -> np.ndarray:
+                hidden: np.ndarray | None = None, outputs: Outputs = "last", rewind: bool = False) -> np.ndarray:
         """Run the slice on ``n`` new tokens at positions [start_pos, start_pos + n).
 
         Input: token ids (slices with the embedding) or activations ``[n, n_embd]`` float32.
@@ -171,7 +177,7 @@ class SliceEngine:
         with the LM head. Rows are all ``n`` tokens, except after the model's last layer, where
         ``outputs="last"`` keeps only the final token (as llama.cpp does without logits_all).
         """
-        return self.forward_batch([Step(request_id, start_pos, tokens, hidden, outputs)])[0]
+        return self.forward_batch([Step(request_id, start_pos, tokens, hidden, outputs, rewind=rewind)])[0]
 
     def forward_batch(self, steps: Sequence[Step]) -> list[np.ndarray]:
         """One pass for several requests (distinct ids). Every step is checked before any state
@@ -224,7 +230,10 @@ class SliceEngine:
         elif step.start_pos < 0 or step.start_pos > request.n_filled:
             raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; "
                                     f"cannot continue at {step.start_pos}")
-        # start_pos < n_filled rewinds: later cells are masked out and then overwritten.
+        elif 0 < step.start_pos < request.n_filled and not step.rewind:
+            raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; a step at "
+                                    f"{step.start_pos} would drop the rest and does not say rewind")
+        # A rewind (or a restart at 0) masks the later cells out; the step then overwrites them.
         n_total = step.start_pos + len(x)
         if n_total > self.max_context:
             raise ContextOverflowError(f"request needs {n_total} positions but the context length is "
@@ -399,7 +408,7 @@ def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[n
             shapes.append(RequestShape(n, 0, n_outputs, 0))
         else:
             n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
-            shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation))
+            shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation, rowwise=step.verify and n > 1))
     return GraphShape(tuple(shapes), tuple(step.key for step in steps))
 
 

@@ -192,7 +192,7 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
             while True:
                 pos = 20 + len(times) % 8  # rewinding keeps every repeat at the same few positions
                 t = time.perf_counter()
-                engine.forward(rid, start_pos=pos, hidden=x)
+                engine.forward(rid, start_pos=pos, hidden=x, rewind=True)
                 times.append(time.perf_counter() - t)
                 elapsed = time.perf_counter() - wall0
                 if (len(times) >= 5 and elapsed >= min_repeat_s) or (len(times) >= 3 and elapsed >= 4 * min_repeat_s):

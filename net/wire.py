@@ -8,7 +8,8 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
     type 3     := raw data (a chunk of a file being transferred; its meaning comes from the stream)
     type 2     := activation packet:
 
-      version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s     (flags bit 0 on ERROR: RETRY)
+      version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s     (flags: bit 0 on ERROR: RETRY;
+                                                                 bit 1 REWIND, bit 2 VERIFY on steps)
       plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
       reply_to_len:u8  reply_to:utf-8[reply_to_len]
       n_hops:u8  n_hops × (name_len:u8 name:utf-8 queued_us:u32 compute_us:u32 batch:u16)
@@ -37,6 +38,8 @@ PACKET_VERSION = 1
 _PACKET_FIXED = struct.Struct("<BBBB16sIIIIIB")
 _HOP = struct.Struct("<IIH")
 FLAG_RETRY = 1
+FLAG_REWIND = 2  # the step starts before the request's filled length: drop the cells from start_pos on
+FLAG_VERIFY = 4  # a speculative check: every row attends on its own, as a one-token step (kernels/slice.Step)
 MAX_HOPS = 64
 
 
@@ -90,6 +93,8 @@ class ActivationPacket:
     message: str = ""  # ERROR only
     hops: tuple[Hop, ...] = ()
     retry: bool = False  # ERROR only: the route failed, not the request; resend it under a new plan
+    rewind: bool = False  # steps: FLAG_REWIND
+    verify: bool = False  # steps: FLAG_VERIFY
 
     @property
     def n_tokens(self) -> int:
@@ -160,7 +165,10 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
     reply = p.reply_to.encode("utf-8")
     if len(reply) > 255 or len(p.request_id) != 16 or len(p.hops) > MAX_HOPS:
         raise WireError("reply_to longer than 255 bytes, request_id not 16 bytes, or too many hops")
-    flags = FLAG_RETRY if (p.kind == PacketKind.ERROR and p.retry) else 0
+    if p.kind == PacketKind.ERROR:
+        flags = FLAG_RETRY if p.retry else 0
+    else:
+        flags = (FLAG_REWIND if p.rewind else 0) | (FLAG_VERIFY if p.verify else 0)
     header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, flags, p.request_id, p.plan_version, p.layer_index,
                                 p.start_pos, n_tokens, n_embd, len(reply))
     hops = [bytes([len(p.hops)])]
@@ -198,7 +206,8 @@ def decode_packet(body: bytes) -> ActivationPacket:
     if kind in (PacketKind.PREFILL, PacketKind.DECODE, PacketKind.RESULT) and n_tokens == 0:
         raise WireError("activation packet carries no tokens")
     data = np.frombuffer(payload, dtype=dtype.numpy).reshape(n_tokens, n_embd)
-    return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops)
+    return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops,
+                            rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY))
 
 
 def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:

@@ -30,7 +30,7 @@ from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import Hop
 from swarmctl.batching import BatchRunner, StepTiming
-from swarmctl.speculate import Speculation
+from swarmctl.speculate import Draft, Speculation, accept
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
 DEFAULT_MAX_IN_FLIGHT = 16
@@ -50,7 +50,11 @@ class TrunkResult:
 class Trunk(Protocol):
     """The middle of the U: whatever runs layers [K, L-K) (in-process stages, or a swarm)."""
 
-    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult: ...
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
+                      verify: bool = False) -> TrunkResult:
+        """``rewind``: the step starts before the positions already sent (rejected drafts are
+        dropped); ``verify``: a speculative check (kernels.slice.Step)."""
+        ...
 
     async def release(self, request_id: bytes) -> None: ...
 
@@ -99,11 +103,12 @@ class InprocTrunk:
             raise
         self.runners = [BatchRunner(e) for e in self.engines]
 
-    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
+                      verify: bool = False) -> TrunkResult:
         t0 = time.perf_counter()
         hops = []
         for i, runner in enumerate(self.runners):
-            hidden, timing = await runner.run(Step(request_id, start_pos, hidden=hidden))
+            hidden, timing = await runner.run(Step(request_id, start_pos, hidden=hidden, rewind=rewind, verify=verify))
             hops.append(Hop(f"stage-{i + 1}", int(timing.queued_s * 1e6), int(timing.compute_s * 1e6),
                             timing.batch_requests))
         return TrunkResult(hidden, tuple(hops), time.perf_counter() - t0)
@@ -154,6 +159,8 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     timings: list[TokenTiming] = field(default_factory=list)  # one per step (a speculative step yields several tokens)
     finish_reason: str | None = None  # "stop" (end of generation), "length" (max tokens), "context"
+    drafted: int = 0  # speculative tokens drafted, and of those kept (swarmctl/speculate.py)
+    accepted: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -194,8 +201,8 @@ class Asker:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
         included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
         past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos);
-        ``speculation`` drafts tokens to check several per step (greedy decoding only:
-        swarmctl/speculate.py), and counts what it drafted and kept."""
+        ``speculation`` drafts tokens to check several per step (swarmctl/speculate.py), and
+        counts what it drafted and kept."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")
         if not prompt:
@@ -216,8 +223,7 @@ class Asker:
         self.in_flight[gen.request_id] = gen
         try:
             sampler = Sampler(sampling)
-            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos,
-                                speculation if sampling.greedy else None)
+            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation)
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -231,6 +237,8 @@ class Asker:
                 yield token
         finally:
             await steps.aclose()
+            if speculation is not None:
+                await speculation.release(gen.request_id)
             del self.in_flight[gen.request_id]
             self._admission.release()
             await self._release(gen.request_id, trunk)
@@ -245,34 +253,34 @@ class Asker:
             start += len(chunk)
         new_tokens = chunks[-1]
         context = list(prompt)
+        filled = start  # positions every stage holds
         while len(gen.tokens) < max_tokens:
-            # Drafts ride along after the step's own tokens; each row of logits then says what
-            # follows its position. No room past the context or max_tokens.
+            # Drafts ride along after the last token (never with a prompt chunk, which must stay
+            # the prefill a plain run does); each row of logits then says what follows its
+            # position. No room past the context or max_tokens.
             room = min(max_tokens - len(gen.tokens) - 1, self.max_context - start - len(new_tokens) - 1)
-            drafts = speculation.propose(context, room) if speculation is not None and room > 0 else []
-            logits, timing = await self._step(rid, start, new_tokens + drafts, trunk,
-                                              outputs="all" if drafts else "last")
+            draft = Draft()
+            if speculation is not None and len(new_tokens) == 1 and room > 0:
+                draft = await speculation.propose(rid, context, room, sample.params)
+            verify = bool(draft.tokens)
+            logits, timing = await self._step(rid, start, new_tokens + draft.tokens, trunk,
+                                              outputs="all" if verify else "last", rewind=start < filled,
+                                              verify=verify)
             gen.timings.append(timing)
-            rows = logits[len(logits) - len(drafts) - 1:]
+            filled = start + len(new_tokens) + len(draft.tokens)
             start += len(new_tokens)
-            kept = 0
-            for i, row in enumerate(rows):
-                token = sample(row)
+            tokens, kept = accept(sample, logits[len(logits) - len(draft.tokens) - 1:], draft)
+            if speculation is not None:
+                speculation.record(len(draft.tokens), kept)
+                gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
+            for token in tokens:
                 if not ignore_eos and self.tokenizer.is_end_of_generation(token):
                     gen.finish_reason = "stop"
-                    if speculation is not None:
-                        speculation.record(len(drafts), kept)
                     return
                 gen.tokens.append(token)
                 context.append(token)
                 yield token
-                if i < len(drafts) and token == drafts[i]:
-                    kept += 1  # the model agrees: the next row follows this token
-                    continue
-                break  # a draft differs (or none is left): this token is the step's last
-            if speculation is not None:
-                speculation.record(len(drafts), kept)
-            start += kept  # the next step starts after the last kept token: later cells are rewound
+            start += kept  # the next step starts after the last kept draft: later cells are dropped
             if start + 1 > self.max_context:
                 gen.finish_reason = "context"
                 return
@@ -280,16 +288,17 @@ class Asker:
         gen.finish_reason = "length"
 
     async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
-                    outputs: Outputs = "last"):
+                    outputs: Outputs = "last", rewind: bool = False, verify: bool = False):
         t0 = time.perf_counter()
-        hidden, head_timing = await self.head_runner.run(Step(rid, start, tokens=tokens))
+        hidden, head_timing = await self.head_runner.run(Step(rid, start, tokens=tokens, rewind=rewind, verify=verify))
         trunk_result = None
         if trunk is not None:
             if self.uplink_transform is not None:
                 hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
-            trunk_result = await trunk.forward(rid, hidden, start)
+            trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
             hidden = trunk_result.hidden
-        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs))
+        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
+                                                              rewind=rewind, verify=verify))
         return logits, TokenTiming(head_timing, trunk_result, tail_timing, time.perf_counter() - t0)
 
     async def _release(self, rid: bytes, trunk: Trunk | None) -> None:

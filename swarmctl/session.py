@@ -11,13 +11,14 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
 from kernels.devices import choose_device
 from kernels.errors import EngineError
 from swarmctl.asker import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
+from swarmctl.speculate import MAX_DRAFT, Drafting, open_drafting
 
 log = logging.getLogger("swarmctl.session")
 
@@ -36,6 +37,9 @@ class SessionOptions:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     verify: float = 0.0  # share of trunk steps recomputed here and compared (swarmctl/verify.py); 0: none
     device: str = "auto"  # where this process's slices compute (kernels.devices)
+    speculate: str = "off"  # drafting: off, ngram or draft (swarmctl/speculate.py)
+    draft_model: str | None = None  # with speculate "draft": a GGUF with the model's vocabulary
+    draft_tokens: int = MAX_DRAFT  # drafted tokens per step at most
 
 
 @dataclass
@@ -43,6 +47,16 @@ class Session:
     asker: Asker
     trunk: Trunk | None  # None when the asker's head and tail are the whole model
     model: Path
+    drafting: Drafting = field(default_factory=Drafting)  # each request's speculation (--speculate)
+
+
+def _drafting(options: SessionOptions, model: Path, threads: int | None) -> Drafting:
+    drafting = open_drafting(options.speculate, options.draft_model, model, k_max=options.draft_tokens,
+                             n_threads=threads, max_context=options.ctx)
+    if drafting.mode != "off":
+        log.info("speculative steps: %s, up to %d drafted tokens per step%s", drafting.mode, drafting.k_max,
+                 f" (draft model {Path(options.draft_model).name})" if options.draft_model else "")
+    return drafting
 
 
 @asynccontextmanager
@@ -64,8 +78,13 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
     head_layers = DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers
     device = choose_device(options.device)
     t0 = time.perf_counter()
-    asker = Asker(model, head_layers, n_threads=options.threads, max_context=options.ctx,
-                  max_in_flight=options.max_in_flight, device=device)
+    drafting = _drafting(options, model, options.threads)
+    try:
+        asker = Asker(model, head_layers, n_threads=options.threads, max_context=options.ctx,
+                      max_in_flight=options.max_in_flight, device=device)
+    except BaseException:
+        drafting.close()
+        raise
     trunk = None
     try:
         split = u_split(asker.spec.n_layer, head_layers, options.stages)
@@ -75,11 +94,12 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
         log.info("loaded %s: %s | %s | %s on %s in %.2fs", model.name, split.head.describe(),
                  ", ".join(s.describe() for s in split.trunk) or "no trunk", split.tail.describe(),
                  device.label, time.perf_counter() - t0)
-        yield Session(asker, trunk, model)
+        yield Session(asker, trunk, model, drafting)
     finally:
         if trunk is not None:
             trunk.close()
         asker.close()
+        drafting.close()
 
 
 @asynccontextmanager
@@ -91,6 +111,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
 
     home = SwarmHome()
     local = link = asker = verifier = None
+    drafting = Drafting()
     threads = options.threads
     try:
         device = choose_device(options.device)  # a device this build lacks: one line, before anything starts
@@ -101,6 +122,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             swarm_home = home
         else:
             model = checked_model(options.model)
+            drafting = _drafting(options, model, threads)  # a draft that cannot serve: one line, before nodes start
             log.info("no swarm joined: starting a local one (host + %d trunks)", options.trunk_nodes)
             # The local trunks and this process share this machine's cores: split them, or OpenMP
             # teams oversubscribe the cores whenever several processes compute at once.
@@ -109,6 +131,8 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
                                head_layers=DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers,
                                threads=threads)
             swarm_home = local.asker_home
+        if home.exists:
+            drafting = _drafting(options, model, threads)
         link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None,
                                     min_stages=min(local.n_trunks, 22) if local else 1)
         if options.head_layers is not None and options.head_layers != link.head_layers:
@@ -122,7 +146,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
 
             verifier = VerifyingTrunk(link, asker.gguf, share=options.verify, n_threads=threads,
                                       max_context=asker.max_context)
-        yield Session(asker, verifier or link, model)
+        yield Session(asker, verifier or link, model, drafting)
     finally:
         if verifier is not None:
             await verifier.flush()  # a mismatch's report reaches the host before the link closes
@@ -133,3 +157,4 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             asker.close()
         if local is not None:
             local.close()
+        drafting.close()

@@ -1,34 +1,63 @@
-"""Speculative steps on the asker (issue 18): draft a few tokens cheaply, run them through the
-swarm in one step, keep the prefix the model agrees with.
+"""Speculative steps on the asker (issue 18): draft a few tokens cheaply, check them all in one
+step through the swarm, keep the prefix the model agrees with.
 
 Over a WAN every token pays every link's round trip; a step that carries the last token plus k
-drafted ones pays it once for up to k + 1 tokens. The asker drafts, checks and samples, so nothing
-changes for the trunk: a step is n positions from a start position, as a prefill is, and the next
-step starts right after the last kept token, which rewinds every stage's KV cache over the rejected
-positions (kernels/slice.py masks cells past a step's start and overwrites them).
+drafted ones pays it once for up to k + 1 tokens. The asker drafts, checks and samples; the trunk
+only sees a step of k + 1 positions marked ``verify``, and the next step marked ``rewind`` when
+some drafts were rejected (every stage then drops those positions' keys and values).
 
-Exactness, as found so far (CPU, SmolLM2 Q4_1, whole model in one engine): a step of n positions
-does NOT always give each position the bits that n single steps give. After a 37-token prompt, a
-step of 9 gave rows 0-5 identical logits and rows 6-8 logits up to 0.25-0.30 apart; after a
-30-token prompt only row 0 matched, after 60 rows 0-2. The KV length (padded to 256) and cache
-capacity are not the cause (reserving 256 cells up front changes nothing). Through a 2-trunk
-swarm, greedy ngram speculation on a repetitive prompt diverged from plain decoding at token 21.
-Until that is understood and made identical, nothing turns speculation on (no CLI option).
-Only greedy decoding would speculate; with sampling the asker decodes one token per step.
+Exactness. A step of n positions does not by itself give each position the bits that n one-token
+steps give: ggml's CPU matmul sends a product with two or more columns to llamafile's sgemm and a
+single column to ``ggml_vec_dot_f16``, which add attention's F16 products in another order. Found
+on SmolLM2 Q4_1: 53 of 96 checked rows differed, logits up to 0.85 apart, and greedy speculation
+left plain decoding after 21 tokens. A ``verify`` step therefore runs attention one row at a time
+(kernels/graph.py, ``GraphBuilder._attend``): the same 96 rows are then bit-identical, and greedy
+speculative output equals plain output token for token (tests/test_speculate.py).
+
+Sampling follows speculative sampling (Leviathan et al. 2023; Chen et al. 2023): a drafted token
+d is kept with probability min(1, p(d) / q(d)), where p is the target's distribution (after
+top-k, top-p, temperature) and q the draft's; at the first rejection the token is drawn from
+the residual max(0, p − q) renormalised; when every draft is kept, one more token is drawn from
+the last row. The output distribution is exactly the target's. Seeded runs are reproducible but
+are not the same draws as a plain run with that seed.
 
     ngram   prompt lookup: the longest recent n-gram of the context that occurred before
-            proposes what followed it then (code edits, extraction, quoting chat)
+            proposes what followed it then (code edits, extraction, quoting chat); q is a point
+            mass on the proposed token
+    draft   a small GGUF with the same vocabulary, run whole on the asker (``ModelDraft``)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
-MODES = ("off", "ngram")
+import numpy as np
+
+from kernels.errors import EngineError
+from kernels.gguf_file import GGUFFile
+from kernels.sampling import Candidates, Sampler, SamplingParams
+from kernels.slice import SliceEngine, Step
+from kernels.spec import ModelSpec, SliceSpec
+from swarmctl.batching import BatchRunner
+from swarmctl.models import checked_model
+
+MODES = ("off", "ngram", "draft")
 MAX_DRAFT = 8  # drafted tokens per step at most
 MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
+
+
+@dataclass
+class Draft:
+    """Drafted tokens and, per token, the distribution it was drawn from (None: a point mass)."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: list[Candidates | None] = field(default_factory=list)
+
+    def q_of(self, i: int) -> Candidates:
+        return self.q[i] if i < len(self.q) and self.q[i] is not None else Candidates.only(self.tokens[i])
 
 
 @dataclass
@@ -51,6 +80,88 @@ class NgramDraft:
                 if window[start:start + n] == suffix:
                     return window[start + n:start + n + k]
         return []
+
+    async def draft(self, rid: bytes, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft:
+        return Draft(self.propose(context, k))
+
+    async def release(self, rid: bytes) -> None:
+        pass
+
+
+class ModelDraft:
+    """A small model with the target's vocabulary, run whole on the asker (``--draft-model``). It
+    keeps a KV cache per request and catches up on the tokens the target kept since its last
+    draft (rewinding over the ones it drafted and the target did not keep)."""
+
+    def __init__(self, path: str | Path, target: GGUFFile, *, n_threads: int | None = None,
+                 max_context: int | None = None) -> None:
+        self.gguf = GGUFFile(path)
+        try:
+            check_same_vocabulary(self.gguf, target, Path(path).name)
+            spec = ModelSpec.from_gguf(self.gguf)
+            self.engine = SliceEngine(self.gguf, SliceSpec(0, spec.n_layer, True, True), n_threads=n_threads,
+                                      max_context=max_context)
+        except BaseException:
+            self.gguf.close()
+            raise
+        self.runner = BatchRunner(self.engine)
+        self._held: dict[bytes, list[int]] = {}  # per request: the tokens its cache holds, in order
+        self._samplers: dict[bytes, Sampler] = {}
+
+    async def draft(self, rid: bytes, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft:
+        k = min(k, self.engine.max_context - len(context))
+        if k <= 0:
+            return Draft()
+        held = self._held.setdefault(rid, [])
+        common = 0
+        for a, b in zip(held, context):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(context) - 1)  # the last context token is fed to get the next row
+        sampler = self._samplers.setdefault(rid, Sampler(_draft_params(sampling)))
+        new = list(context[common:])
+        # A catch-up of several tokens after the prompt runs as a check does, so the draft's rows
+        # are the bits its one-token steps would give (kernels.slice.Step.verify).
+        logits, _ = await self.runner.run(Step(rid, common, tokens=new, rewind=common < len(held),
+                                               verify=common > 0))
+        held[common:] = new
+        out = Draft()
+        for i in range(k):
+            q = sampler.candidates(logits[-1])
+            token = sampler.draw(q)
+            out.tokens.append(token)
+            out.q.append(None if sampling.greedy else q)
+            if i + 1 < k:
+                logits, _ = await self.runner.run(Step(rid, len(held), tokens=[token]))
+                held.append(token)
+        return out
+
+    async def release(self, rid: bytes) -> None:
+        self._held.pop(rid, None)
+        self._samplers.pop(rid, None)
+        await self.runner.call(self.engine.release, rid)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.engine.close()
+        self.gguf.close()
+
+
+def _draft_params(sampling: SamplingParams) -> SamplingParams:
+    """The draft samples with the request's settings but its own random stream."""
+    seed = None if sampling.seed is None else (sampling.seed * 1_000_003 + 17) % 2**63
+    return SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed)
+
+
+def check_same_vocabulary(draft: GGUFFile, target: GGUFFile, name: str) -> None:
+    """A draft proposes token ids: they must mean what they mean to the target."""
+    d, t = draft.get("tokenizer.ggml.tokens"), target.get("tokenizer.ggml.tokens")
+    if d is None or t is None or len(d) != len(t) or list(d) != list(t):
+        n_d = "no" if d is None else len(d)
+        n_t = "no" if t is None else len(t)
+        raise EngineError(f"--draft-model {name}: its vocabulary differs from the model's ({n_d} tokens vs "
+                          f"{n_t}{'' if n_d != n_t else ', not the same ones'}); a draft must share the tokenizer")
 
 
 @dataclass
@@ -87,28 +198,105 @@ class DraftLength:
 class Speculation:
     """A request's drafting: the source, the adaptive length, and what it achieved."""
 
-    source: NgramDraft
+    source: NgramDraft | ModelDraft
     length: DraftLength = field(default_factory=DraftLength)
     drafted: int = 0
     accepted: int = 0
-    steps: int = 0
+    steps: int = 0  # steps that carried drafts
 
-    def propose(self, context: Sequence[int], room: int) -> list[int]:
+    async def propose(self, rid: bytes, context: Sequence[int], room: int, sampling: SamplingParams) -> Draft:
         """Drafts for the next step; ``room``: how many tokens may still be generated after the
         one the step is sure to produce."""
-        return self.source.propose(context, min(self.length.next(), room))
+        k = min(self.length.next(), room)
+        return await self.source.draft(rid, context, k, sampling) if k > 0 else Draft()
 
     def record(self, drafted: int, accepted: int) -> None:
         self.length.update(drafted, accepted)
-        self.drafted += drafted
-        self.accepted += accepted
-        self.steps += 1
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            self.steps += 1
+
+    async def release(self, rid: bytes) -> None:
+        await self.source.release(rid)
 
 
-def speculation_for(mode: str) -> Speculation | None:
-    """The drafting for ``--speculate MODE`` (None: off)."""
+def accept(sample: Sampler, rows: np.ndarray, draft: Draft) -> tuple[list[int], int]:
+    """The tokens a checked step yields: the drafts kept, then one token the target chose (a
+    correction at the first rejection, or one more after the last draft). ``rows``: the target's
+    logits for the step's last ``len(draft.tokens) + 1`` positions. Returns (tokens, drafts kept)."""
+    out: list[int] = []
+    for i, d in enumerate(draft.tokens):
+        p = sample.candidates(rows[i])
+        if sample.params.greedy:
+            token = int(p.ids[0])
+            if token == d:
+                out.append(d)
+                continue
+            return out + [token], i
+        q = draft.q_of(i)
+        p_d, q_d = p.prob(d), q.prob(d)
+        if q_d > 0 and sample.uniform() < min(1.0, p_d / q_d):
+            out.append(d)
+            continue
+        return out + [sample.draw(_residual(p, q))], i
+    return out + [sample(rows[len(draft.tokens)])], len(draft.tokens)
+
+
+def _residual(p: Candidates, q: Candidates) -> Candidates:
+    """max(0, p − q), renormalised: what p has that the draft under-proposed."""
+    q_of = dict(zip(q.ids.tolist(), q.probs.tolist()))
+    rest = np.array([max(0.0, pp - q_of.get(int(i), 0.0)) for i, pp in zip(p.ids, p.probs)])
+    total = rest.sum()
+    if total <= 0.0:  # p == q on p's support: any draw from p is right
+        return p
+    return Candidates(p.ids, rest / total)
+
+
+class Drafting:
+    """A process's ``--speculate`` choice: it makes each request's ``Speculation`` and owns the
+    draft model that requests share."""
+
+    def __init__(self, mode: str = "off", draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT) -> None:
+        speculation_for(mode, draft_model, k_max)  # a bad mode or a missing draft: one line now
+        self.mode, self.draft_model, self.k_max = mode, draft_model, k_max
+
+    def for_request(self) -> Speculation | None:
+        return speculation_for(self.mode, self.draft_model, self.k_max)
+
+    def close(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.close()
+            self.draft_model = None
+
+
+def open_drafting(mode: str, draft_path: str | None, model_path: str | Path, *, k_max: int = MAX_DRAFT,
+                  n_threads: int | None = None, max_context: int | None = None) -> Drafting:
+    """The drafting for ``--speculate MODE [--draft-model PATH] [--draft-tokens K]``; a draft model
+    whose vocabulary differs from the model's is refused here, in one line."""
+    if mode not in MODES:
+        raise EngineError(f"--speculate {mode!r}: expected one of {', '.join(MODES)}")
+    if not 1 <= k_max <= 32:
+        raise EngineError(f"--draft-tokens must be between 1 and 32, not {k_max}")
+    if draft_path is not None and mode != "draft":
+        raise EngineError("--draft-model is used only with --speculate draft")
+    if mode != "draft":
+        return Drafting(mode, None, k_max)
+    if draft_path is None:
+        raise EngineError("--speculate draft needs --draft-model PATH (a small GGUF with the same vocabulary)")
+    with GGUFFile(model_path) as target:
+        draft = ModelDraft(checked_model(draft_path), target, n_threads=n_threads, max_context=max_context)
+    return Drafting(mode, draft, k_max)
+
+
+def speculation_for(mode: str, draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT) -> Speculation | None:
+    """A request's drafting for ``--speculate MODE`` (None: off); ``draft`` needs ``draft_model``."""
     if mode == "off":
         return None
     if mode == "ngram":
-        return Speculation(NgramDraft())
-    raise ValueError(f"--speculate {mode!r}: expected one of {', '.join(MODES)}")
+        return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max))
+    if mode == "draft":
+        if draft_model is None:
+            raise EngineError("--speculate draft needs --draft-model PATH (a small GGUF with the same vocabulary)")
+        return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max))
+    raise EngineError(f"--speculate {mode!r}: expected one of {', '.join(MODES)}")

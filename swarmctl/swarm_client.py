@@ -51,8 +51,15 @@ class _RouteFailed(Exception):
 
 
 @dataclass
+class _SentStep:
+    start_pos: int
+    hidden: np.ndarray  # the activations as sent
+    verify: bool  # a speculative check (replayed as one, so the cells get the same bits)
+
+
+@dataclass
 class _Request:
-    history: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (start_pos, activations) sent
+    history: list[_SentStep] = field(default_factory=list)  # what the swarm holds, oldest first
     stream_id: int | None = None  # on conn (the first stage's connection when the route opened), under plan_version
     conn: SwarmProtocol | None = None
     plan_version: int = -1
@@ -124,9 +131,12 @@ class SwarmLink:
 
     # --- the Trunk interface ---
 
-    async def forward(self, rid: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+    async def forward(self, rid: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
+                      verify: bool = False) -> TrunkResult:
         request = self._requests.setdefault(rid, _Request())
-        request.history = [(p, h) for p, h in request.history if p < start_pos]  # a restart or rewind
+        # A restart or a rewind: the stages drop the cells from start_pos on, so does the record.
+        request.history = [_SentStep(s.start_pos, s.hidden[:start_pos - s.start_pos], s.verify)
+                           for s in request.history if s.start_pos < start_pos]
         deadline = time.monotonic() + self.request_timeout
         failed_at: float | None = None
         replayed = 0
@@ -135,8 +145,8 @@ class SwarmLink:
                 if request.stream_id is None or request.plan_version != self.plan.version:
                     replayed += await self._open_route(rid, request)
                 t0 = time.perf_counter()
-                result = await self._step(rid, request, hidden, start_pos, deadline)
-                request.history.append((start_pos, np.array(hidden, dtype=np.float32, copy=True)))
+                result = await self._step(rid, request, hidden, start_pos, deadline, rewind, verify)
+                request.history.append(_SentStep(start_pos, np.array(hidden, dtype=np.float32, copy=True), verify))
                 if failed_at is not None:
                     self._recovered(time.monotonic() - failed_at, replayed)
                 return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, time.perf_counter() - t0)
@@ -168,7 +178,7 @@ class SwarmLink:
         """The request's steps the swarm answered, oldest first: (start position, the activations
         as the head computed them). The same record a failover replays."""
         request = self._requests.get(rid)
-        return list(request.history) if request is not None else []
+        return [(s.start_pos, s.hidden) for s in request.history] if request is not None else []
 
     def route_members(self, rid: bytes) -> list[str]:
         """The members whose stages run the request's steps now: the current plan's route."""
@@ -189,10 +199,10 @@ class SwarmLink:
     # --- one step, and the route it travels ---
 
     async def _step(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int,
-                    deadline: float) -> ActivationPacket:
+                    deadline: float, rewind: bool = False, verify: bool = False) -> ActivationPacket:
         request.expect_pos = start_pos
         request.result = asyncio.get_running_loop().create_future()
-        self._send(rid, request, hidden, start_pos)
+        self._send(rid, request, hidden, start_pos, rewind, verify)
         await request.conn.drain(request.stream_id, SEND_BACKLOG)
         try:
             result = await asyncio.wait_for(asyncio.shield(request.result), max(0.1, deadline - time.monotonic()))
@@ -204,10 +214,11 @@ class SwarmLink:
             raise SwarmError(f"the swarm refused the request: {result.message}")
         return result
 
-    def _send(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int) -> None:
+    def _send(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int, rewind: bool = False,
+              verify: bool = False) -> None:
         kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
-                                  self.dtype, self.session)
+                                  self.dtype, self.session, rewind=rewind, verify=verify)
         conn = request.conn
         if conn is None or not conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
@@ -226,9 +237,9 @@ class SwarmLink:
         request.plan_version = self.plan.version
         request.expect_pos = -1
         replayed = 0
-        for pos, h in request.history:
-            self._send(rid, request, h, pos)
-            replayed += h.nbytes
+        for sent in request.history:
+            self._send(rid, request, sent.hidden, sent.start_pos, verify=sent.verify)
+            replayed += sent.hidden.nbytes
             await request.conn.drain(request.stream_id, SEND_BACKLOG)
         return replayed
 

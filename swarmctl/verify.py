@@ -127,7 +127,8 @@ class VerifiableLink(Protocol):
     plan: object
     dtype: DType
 
-    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult: ...
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
+                      verify: bool = False) -> TrunkResult: ...
 
     async def release(self, request_id: bytes) -> None: ...
 
@@ -186,13 +187,14 @@ class VerifyingTrunk:
 
     # --- the Trunk interface ---
 
-    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
+                      verify: bool = False) -> TrunkResult:
         state = self._requests.setdefault(request_id, _State())
         if not state.local and self.suspects.intersection(self.link.route_members(request_id)):
             await self._move_here(request_id, state, start_pos)  # its route passes a trunk caught lying
         if state.local:
-            return await self._local_step(request_id, hidden, start_pos)
-        result = await self.link.forward(request_id, hidden, start_pos)
+            return await self._local_step(request_id, hidden, start_pos, verify)
+        result = await self.link.forward(request_id, hidden, start_pos, rewind=rewind, verify=verify)
         self.stats.steps += 1
         if self._draw.random() >= self.share:
             return result
@@ -203,7 +205,7 @@ class VerifyingTrunk:
             return result
         self._accuse(members, verdict)
         await self._move_here(request_id, state, start_pos)
-        return await self._local_step(request_id, hidden, start_pos)
+        return await self._local_step(request_id, hidden, start_pos, verify)
 
     async def release(self, request_id: bytes) -> None:
         self._requests.pop(request_id, None)
@@ -236,7 +238,8 @@ class VerifyingTrunk:
         t0 = time.perf_counter()
         outs = []
         for a in range(0, len(x), CATCH_UP_CHUNK):
-            out, _ = await self.runner.run(Step(_check_key(rid), begin + a, hidden=x[a:a + CATCH_UP_CHUNK]))
+            out, _ = await self.runner.run(Step(_check_key(rid), begin + a, hidden=x[a:a + CATCH_UP_CHUNK],
+                                                rewind=True))
             outs.append(out)
         state.checked_pos = begin + len(x)
         local = np.concatenate(outs)[-n:]
@@ -274,9 +277,10 @@ class VerifyingTrunk:
         state.local = True
         await self.link.release(rid)
 
-    async def _local_step(self, rid: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+    async def _local_step(self, rid: bytes, hidden: np.ndarray, start_pos: int, verify: bool = False) -> TrunkResult:
         t0 = time.perf_counter()
-        out, timing = await self.runner.run(Step(_local_key(rid), start_pos, hidden=np.asarray(hidden, np.float32)))
+        out, timing = await self.runner.run(Step(_local_key(rid), start_pos, hidden=np.asarray(hidden, np.float32),
+                                                 rewind=True, verify=verify))
         self.stats.local_steps += 1
         hop = Hop(LOCAL_STAGE, int(timing.queued_s * 1e6), int(timing.compute_s * 1e6), timing.batch_requests)
         return TrunkResult(out, (hop,), time.perf_counter() - t0)

@@ -175,3 +175,51 @@ def test_one_link_serves_more_requests_than_quic_has_streams(local_swarm, bundle
             asker.close()
 
     assert asyncio.run(many()) == [1] * 140
+
+
+SPECULATION_PROMPTS = [
+    # drafts mostly kept: the answer repeats the prompt
+    "Repeat this code exactly, with x renamed to y:\ndef area(x):\n    return 3.14159 * x * x\n",
+    # drafts mostly rejected: little in the answer repeats the prompt
+    "Write a two-sentence story about a lighthouse keeper and a whale.",
+    "Count from 1 to 15, separated by commas.",
+]
+
+
+def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm, bundled_model):
+    """ngram and draft speculation (the bundled model drafting for itself) through 2 trunk
+    processes, concurrently with plain requests so that checks share batches: every request's
+    tokens equal its plain greedy run, drafts were both kept and rejected (rewinds happened), and
+    every stage is idle afterwards."""
+    from swarmctl.speculate import ModelDraft, speculation_for
+
+    async def scenario():
+        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, max_in_flight=32)
+        draft = ModelDraft(bundled_model, asker.gguf, n_threads=N_THREADS)
+        try:
+            prompts = [asker.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in SPECULATION_PROMPTS]
+            runs = [(mode, p) for mode in ("off", "ngram", "draft") for p in range(len(prompts))]
+            gens = await asyncio.wait_for(asyncio.gather(*[
+                generate_all(asker, prompts[p], link, max_tokens=40, sampling=GREEDY,
+                             speculation=speculation_for(mode, draft, k_max=6)) for mode, p in runs]), 300)
+            stats = await settled_stats(local_swarm, link)
+            return dict(zip(runs, gens)), stats
+        finally:
+            await link.close()
+            draft.close()
+            asker.close()
+
+    gens, stats = asyncio.run(scenario())
+    for (mode, p), gen in gens.items():
+        assert gen.tokens == gens["off", p].tokens, f"{mode} speculation changed the answer to prompt {p}"
+    ngram = [gens["ngram", p] for p in range(len(SPECULATION_PROMPTS))]
+    assert ngram[0].accepted >= 10  # the repeated code was drafted and kept
+    assert ngram[0].drafted > ngram[0].accepted or ngram[1].drafted > ngram[1].accepted  # and some drafts failed
+    assert len(ngram[0].timings) < len(ngram[0].tokens)  # fewer trips than tokens
+    for p in range(len(SPECULATION_PROMPTS)):
+        d = gens["draft", p]
+        assert d.accepted == d.drafted > 0  # the model drafting for itself is always right
+        assert len(d.timings) <= len(d.tokens) // 2
+    for s in stats:
+        assert _idle(s), s

@@ -1,14 +1,26 @@
-"""Speculative steps (issue 18, in progress): the asker's draft sources and draft length.
-
-Not yet here: the identity test through a swarm. A step of several positions does not always give
-each position the bits that single steps give (swarmctl/speculate.py says what was found), so
-greedy speculation is not yet token-identical to plain decoding, and no command turns it on."""
+"""Speculative steps (issue 18): draft sources, draft length, exact checks, rewinds, speculative
+sampling's distribution, and a draft with another vocabulary refused. The greedy identity through a
+real swarm is in tests/test_pipelining.py (it shares that file's local swarm)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 import pytest
 
-from swarmctl.speculate import DraftLength, NgramDraft, speculation_for
+from kernels.errors import EngineError, RequestStateError
+from kernels.gguf_file import GGUFFile
+from kernels.sampling import SamplingParams
+from kernels.slice import SliceEngine, Step
+from kernels.spec import ModelSpec, SliceSpec
+from net.wire import ActivationPacket, FrameDecoder, PacketKind, decode_packet, encode_packet
+from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
+from swarmctl.speculate import Draft, DraftLength, ModelDraft, NgramDraft, open_drafting, speculation_for
+from tests.conftest import N_THREADS
+from tests.swarm_harness import swarmctl
+from tests.tiny_models import TinyConfig, write_tiny_model
+
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     draft = NgramDraft(max_ngram=3)
@@ -31,5 +43,199 @@ def test_draft_length_grows_on_success_and_backs_off_to_plain_steps():
     length.update(1, 0)
     assert length.k == 0
     assert [length.next() for _ in range(3)] == [0, 0, 1]  # plain steps, then one draft to try again
-    with pytest.raises(ValueError, match="--speculate 'magic'"):
+    with pytest.raises(EngineError, match="--speculate 'magic'"):
         speculation_for("magic")
+
+
+@pytest.fixture(scope="module")
+def whole_engine(bundled_model):
+    gguf = GGUFFile(bundled_model)
+    engine = SliceEngine(gguf, SliceSpec(0, ModelSpec.from_gguf(gguf).n_layer, True, True), n_threads=N_THREADS)
+    yield engine
+    engine.close()
+    gguf.close()
+
+
+def _single_steps(engine, rid, prompt, n):
+    """Greedy tokens one step at a time after the prompt, and each step's logits."""
+    logits = engine.forward(rid, start_pos=0, tokens=prompt)
+    tokens, rows = [int(np.argmax(logits[-1]))], []
+    for i in range(n):
+        row = engine.forward(rid, start_pos=len(prompt) + i, tokens=[tokens[-1]])[-1]
+        rows.append(row.copy())
+        tokens.append(int(np.argmax(row)))
+    engine.release(rid)
+    return tokens, np.array(rows)
+
+
+def test_a_checked_step_gives_each_row_the_bits_of_single_steps(whole_engine, bundled_model):
+    """A step of 8 positions marked verify equals 8 one-token steps bit for bit (a plain step of 8
+    need not: its attention products are summed in another order; swarmctl/speculate.py)."""
+    from kernels.tokenizer import Tokenizer
+
+    text = Tokenizer(bundled_model).encode_prompt("Once upon a time, in a land far away, a dragon read books. " * 8)
+    plain_differs = 0
+    for n_prompt in (30, 60, 97):
+        prompt = text[:n_prompt]
+        tokens, single = _single_steps(whole_engine, "single", prompt, 8)
+        for verify in (True, False):
+            whole_engine.forward("multi", start_pos=0, tokens=prompt)
+            multi = whole_engine.forward_batch([Step("multi", n_prompt, tokens=tokens[:8], outputs="all",
+                                                     verify=verify)])[0]
+            whole_engine.release("multi")
+            if verify:
+                assert np.array_equal(multi, single), f"prompt of {n_prompt}: a checked row differs"
+            else:
+                plain_differs += sum(not np.array_equal(a, b) for a, b in zip(multi, single))
+    print(f"rows of a plain 8-row step that differ from single steps: {plain_differs} of 24")
+
+
+def test_rejected_positions_never_influence_later_tokens(whole_engine):
+    """Drafts that were rejected leave cells behind; a rewind drops them: what follows is the bits of
+    a request that never saw them. A step that would drop cells without saying rewind is refused."""
+    prompt = list(range(300, 340))
+    x, y = 1000, 2000
+    whole_engine.forward("a", start_pos=0, tokens=prompt)
+    whole_engine.forward_batch([Step("a", 40, tokens=[x, 7, 8, 9, 10], outputs="all", verify=True)])
+    with pytest.raises(RequestStateError, match="does not say rewind"):
+        whole_engine.forward("a", start_pos=41, tokens=[y])
+    got = whole_engine.forward_batch([Step("a", 41, tokens=[y, 5], outputs="all", rewind=True, verify=True)])[0]
+    whole_engine.forward("b", start_pos=0, tokens=prompt)
+    whole_engine.forward("b", start_pos=40, tokens=[x])
+    want = [whole_engine.forward("b", start_pos=41, tokens=[y])[-1], whole_engine.forward("b", start_pos=42, tokens=[5])[-1]]
+    for rid in ("a", "b"):
+        whole_engine.release(rid)
+    assert np.array_equal(got, np.array(want))
+
+
+def test_rewind_and_verify_cross_the_wire():
+    data = np.ones((3, 8), np.float32)
+    for rewind in (False, True):
+        for verify in (False, True):
+            packet = ActivationPacket(PacketKind.PREFILL, b"r" * 16, 1, 4, 40, data, rewind=rewind, verify=verify)
+            (frame,) = FrameDecoder().feed(encode_packet(packet))
+            back = decode_packet(frame.body)
+            assert (back.rewind, back.verify) == (rewind, verify)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, bundled_model):
+    """A tiny target and a tiny draft (the same random weights, quantized coarser), same vocabulary:
+    the draft is sometimes right."""
+    folder = tmp_path_factory.mktemp("spec-models")
+    target = write_tiny_model(folder / "target.gguf", TinyConfig(qtype="Q8_0", seed=11), bundled_model)
+    draft = write_tiny_model(folder / "draft.gguf", TinyConfig(qtype="Q4_0", seed=11), bundled_model)
+    return target, draft
+
+
+RUNS = 1200
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tiny_pair):
+    """Chi-square: the first three sampled tokens (top-k 3, temperature 1; the second and third come
+    from checked drafts) of many seeded runs with a draft model that is sometimes wrong, against the
+    target's exact joint distribution computed from its logits; and the statistic has the power to
+    tell a distribution that is off."""
+    target_path, draft_path = tiny_pair
+    sampling = dict(temperature=1.0, top_k=3, top_p=1.0)
+    asker = Asker(target_path, 1, n_threads=N_THREADS)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 1).trunk, n_threads=N_THREADS,
+                        max_context=asker.max_context)
+    draft = ModelDraft(draft_path, asker.gguf, n_threads=N_THREADS)
+    prompt = [400, 401, 402, 403]
+    try:
+        exact = _exact_joint(target_path, prompt, SamplingParams(**sampling))
+
+        async def runs(n, spec_mode):
+            counts, kept = {}, 0
+            for seed in range(n):
+                spec = speculation_for(spec_mode, draft, k_max=2)
+                g = await generate_all(asker, prompt, trunk, max_tokens=3, ignore_eos=True,
+                                       sampling=SamplingParams(**sampling, seed=seed), speculation=spec)
+                counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+                kept += g.accepted
+            return counts, kept
+
+        counts, kept = asyncio.run(runs(RUNS, "draft"))
+    finally:
+        draft.close()
+        trunk.close()
+        asker.close()
+    assert set(counts) <= set(exact), "a sequence the target cannot produce"
+    # Sequences the target makes rarely are pooled into one cell, so that every cell expects >= 5.
+    cells = sorted(exact, key=exact.get, reverse=True)
+    common = [c for c in cells if exact[c] * RUNS >= 5]
+    observed = np.array([counts.get(c, 0) for c in common] + [sum(counts.get(c, 0) for c in cells[len(common):])])
+    expected = np.array([exact[c] for c in common] + [sum(exact[c] for c in cells[len(common):])]) * RUNS
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    cells = common
+    limit = _chi2_critical(len(cells) - 1)
+    assert 0 < kept < RUNS * 2, "the draft was never or always right: the residual path was not exercised"
+    print(f"speculative sampling: {RUNS} runs, {kept} drafts kept, chi2 {_chi2(observed, expected):.1f} "
+          f"over {len(observed)} cells (limit {limit:.1f})")
+    assert _chi2(observed, expected) < limit, \
+        f"speculative samples do not follow the target: {dict(zip(cells, observed))} vs {dict(zip(cells, expected))}"
+    # The test has power: the same counts against the target's distribution with its likeliest and
+    # least likely pair of tokens swapped fail it.
+    swapped = expected.copy()
+    hi, lo = int(np.argmax(expected)), int(np.argmin(expected))
+    swapped[hi], swapped[lo] = expected[lo], expected[hi]
+    assert _chi2(observed, swapped) > limit
+
+
+def _chi2(observed: np.ndarray, expected: np.ndarray) -> float:
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square statistic's 0.999 quantile (Wilson-Hilferty; z of 0.999 = 3.09): a true
+    distribution fails this test one time in a thousand."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _exact_joint(path, prompt, params: SamplingParams, depth: int = 3) -> dict[tuple[int, ...], float]:
+    """P(first ``depth`` tokens) under the model and the sampler's top-k/temperature, from its logits."""
+    from kernels.sampling import Sampler
+
+    sampler = Sampler(params)
+    with GGUFFile(path) as gguf:
+        engine = SliceEngine(gguf, SliceSpec(0, ModelSpec.from_gguf(gguf).n_layer, True, True), n_threads=N_THREADS)
+        try:
+            joint = {(): 1.0}
+            for _ in range(depth):
+                longer = {}
+                for seq, p_seq in joint.items():
+                    nxt = sampler.candidates(engine.forward("p", start_pos=0, tokens=list(prompt) + list(seq))[-1])
+                    engine.release("p")
+                    for t, p_t in zip(nxt.ids.tolist(), nxt.probs.tolist()):
+                        longer[seq + (t,)] = p_seq * p_t
+                joint = longer
+        finally:
+            engine.close()
+    return joint
+
+
+def test_a_draft_with_another_vocabulary_is_refused_in_one_line(tmp_path, bundled_model, tiny_pair):
+    other = write_tiny_model(tmp_path / "other-vocab.gguf", TinyConfig(qtype="Q8_0", vocab_limit=1000), bundled_model)
+    with pytest.raises(EngineError, match="vocabulary differs"):
+        open_drafting("draft", str(other), tiny_pair[0])
+    result = swarmctl(None, "ask", "--transport", "inproc", "--model", str(tiny_pair[0]), "--head-layers", "1",
+                      "--speculate", "draft", "--draft-model", str(other), "hi")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vocabulary differs from the model's (1000 tokens vs 49152)" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    drafting = open_drafting("draft", str(tiny_pair[1]), tiny_pair[0])  # same vocabulary: accepted
+    drafting.close()
+
+
+def test_a_draft_only_proposes_within_the_context_left(tiny_pair):
+    target, draft_path = tiny_pair
+    with GGUFFile(target) as gguf:
+        draft = ModelDraft(draft_path, gguf, n_threads=N_THREADS, max_context=16)
+    try:
+        out = asyncio.run(draft.draft(b"r", list(range(500, 514)), 8, SamplingParams(temperature=0)))
+        assert len(out.tokens) == 2 and isinstance(out, Draft)
+    finally:
+        draft.close()

@@ -31,6 +31,7 @@ class TinyConfig:
     n_expert: int = 0  # > 0: mixture-of-experts FFNs (llama-MoE, or arch "qwen3moe")
     n_expert_used: int = 2
     omit: tuple[str, ...] = ()  # GGUF tensor names left out (a model missing a tensor, for error tests)
+    vocab_limit: int = 0  # > 0: only the tokenizer's first N tokens (another vocabulary, for error tests)
 
     @property
     def head_dim(self) -> int:
@@ -43,13 +44,13 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
                   "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, limit: int = 0) -> int:
     with GGUFFile(source) as src:
-        tokens = src.get("tokenizer.ggml.tokens")
+        tokens = list(src.get("tokenizer.ggml.tokens"))[:limit or None]
         writer.add_tokenizer_model(src.get("tokenizer.ggml.model"))
         writer.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
         writer.add_token_list(tokens)
-        writer.add_token_types([int(t) for t in src.get("tokenizer.ggml.token_type")])
+        writer.add_token_types([int(t) for t in src.get("tokenizer.ggml.token_type")][:len(tokens)])
         writer.add_token_merges(src.get("tokenizer.ggml.merges"))
         writer.add_bos_token_id(int(src.get("tokenizer.ggml.bos_token_id")))
         writer.add_eos_token_id(int(src.get("tokenizer.ggml.eos_token_id")))
@@ -64,7 +65,7 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     rng = np.random.default_rng(cfg.seed)
     writer = gguf.GGUFWriter(str(path), cfg.arch)
     writer.add_name(f"tiny-{cfg.arch}-{cfg.qtype}")
-    n_vocab = _copy_tokenizer(writer, tokenizer_source)
+    n_vocab = _copy_tokenizer(writer, tokenizer_source, cfg.vocab_limit)
     writer.add_context_length(cfg.n_ctx)
     writer.add_embedding_length(cfg.n_embd)
     writer.add_block_count(cfg.n_layer)

@@ -9,15 +9,18 @@ from kernels.sampling import SamplingParams
 from swarmctl.api.shapes import FINISH_REASONS, Usage
 from swarmctl.api.stops import StopScanner
 from swarmctl.asker import Asker, Generation, Trunk
+from swarmctl.speculate import Speculation
 
 
 class TextGeneration:
     def __init__(self, asker: Asker, trunk: Trunk | None, prompt: Sequence[int], *, max_tokens: int,
-                 sampling: SamplingParams, stops: Sequence[str], timeout: float | None) -> None:
+                 sampling: SamplingParams, stops: Sequence[str], timeout: float | None,
+                 speculation: Speculation | None = None) -> None:
         self.generation = Generation(secrets.token_bytes(16), len(prompt))
+        self.speculates = speculation is not None
         self.finish_reason: str | None = None  # OpenAI's: "stop" or "length", once the text has ended
         self._tokens = asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
-                                      generation=self.generation)
+                                      generation=self.generation, speculation=speculation)
         self._decoder = asker.tokenizer.stream_decoder()
         self._stops = StopScanner(stops)
         self._first: int | None = None
@@ -46,7 +49,8 @@ class TextGeneration:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.generation.prompt_tokens, len(self.generation.tokens))
+        g = self.generation
+        return Usage(g.prompt_tokens, len(g.tokens), g.drafted if self.speculates else None, g.accepted)
 
     async def aclose(self) -> None:
         """Stop generating (a stop string, an error, a client gone): the asker frees the request."""

@@ -26,6 +26,7 @@ from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request,
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, model_list, model_object
 from swarmctl.asker import Asker, Trunk
+from swarmctl.speculate import Drafting
 
 log = logging.getLogger("swarmctl.serve")
 
@@ -34,8 +35,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0  # the whole request, the wait for a free slot
 
 class ApiServer:
     def __init__(self, asker: Asker, trunk: Trunk | None, *, model_id: str, api_key: str | None = None,
-                 created: int = 0, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 created: int = 0, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+                 drafting: Drafting | None = None) -> None:
+        """``drafting``: speculative steps for every request (serve --speculate; default off)."""
         self.asker = asker
+        self.drafting = drafting or Drafting()
         self.trunk = trunk
         self.model_id = model_id
         self.api_key = api_key or None
@@ -163,7 +167,8 @@ class ApiServer:
         # Like llama.cpp's server (and `swarmctl ask`), a completion that reaches the end of the
         # context stops there with finish_reason "length" rather than being refused up front.
         generation = TextGeneration(self.asker, self.trunk, prompt, max_tokens=params.max_tokens or context,
-                                    sampling=params.sampling, stops=params.stop, timeout=self.request_timeout)
+                                    sampling=params.sampling, stops=params.stop, timeout=self.request_timeout,
+                                    speculation=self.drafting.for_request())
         try:
             await generation.start()
             if params.stream:

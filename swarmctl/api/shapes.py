@@ -15,10 +15,16 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    drafted: int | None = None  # with speculative steps (serve --speculate): tokens drafted, and kept
+    accepted: int = 0
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.drafted is not None:  # OpenAI's names for predicted tokens kept and thrown away
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted,
+                                                  "rejected_prediction_tokens": self.drafted - self.accepted}
+        return usage
 
 
 @dataclass(frozen=True)

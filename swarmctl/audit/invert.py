@@ -132,7 +132,7 @@ class UplinkInverter:
         scale = float(np.linalg.norm(target)) or 1.0
         best, best_d, tried = -1, np.inf, 0
         for token in order:
-            state = self.head.forward(rid, start_pos=pos, tokens=[int(token)])[0]
+            state = self.head.forward(rid, start_pos=pos, tokens=[int(token)], rewind=True)[0]
             tried += 1
             d = float(np.linalg.norm(state * w - target)) / scale
             if d < best_d:
@@ -140,7 +140,7 @@ class UplinkInverter:
             if d <= EXACT_MATCH:
                 break
         if int(order[tried - 1]) != best:  # the cache holds the last one tried: put the kept token back
-            self.head.forward(rid, start_pos=pos, tokens=[best])
+            self.head.forward(rid, start_pos=pos, tokens=[best], rewind=True)
         return TokenGuess(best, best_d, tried)
 
     def close(self) -> None:

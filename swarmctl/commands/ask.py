@@ -58,7 +58,8 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             verify=args.verify, device=args.device)
+                             verify=args.verify, device=args.device, speculate=args.speculate,
+                             draft_model=args.draft_model, draft_tokens=args.draft_tokens)
     async with open_session(options) as session:
         if args.uplink_noise:
             from swarmctl.audit.noise import UplinkNoise
@@ -66,7 +67,7 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
             session.asker.uplink_transform = UplinkNoise.calibrated(session.model, session.asker.head.slice.stop,
                                                                     args.uplink_noise, n_threads=args.threads)
         return await _stream(session.asker, session.trunk, _prompt_tokens(session.asker, args), args.max_tokens,
-                             sampling)
+                             sampling, session.drafting.for_request())
 
 
 def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
@@ -76,14 +77,16 @@ def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
     return asker.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
 
 
-async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> int:
+async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                  speculation=None) -> int:
     from swarmctl.asker import Generation
 
     decoder = asker.tokenizer.stream_decoder()
     gen = Generation(b"", len(prompt))
     gen.request_id = __import__("secrets").token_bytes(16)
     t0 = time.perf_counter()
-    async for token in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, generation=gen):
+    async for token in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, generation=gen,
+                                      speculation=speculation):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
@@ -92,6 +95,9 @@ async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: Sa
     n = len(gen.tokens)
     log.info("%d prompt tokens, %d generated in %.2fs (%.1f tok/s), finish: %s", len(prompt), n, elapsed,
              n / elapsed if elapsed else 0.0, gen.finish_reason)
+    if speculation is not None:
+        log.info("speculation: %d steps for %d tokens; %d drafted, %d accepted (%.0f%%)", len(gen.timings), n,
+                 gen.drafted, gen.accepted, 100.0 * gen.accepted / gen.drafted if gen.drafted else 0.0)
     if gen.finish_reason == "context":
         print(f"swarmctl: stopped: the context length ({asker.max_context} tokens) is full", file=sys.stderr)
     return 0

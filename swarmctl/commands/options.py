@@ -31,7 +31,8 @@ def verify_share(text: str) -> float:
 
 def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) -> None:
     """The options of a command that runs the asker's side of the U: --transport, --trunk-nodes,
-    --model, --head-layers, --stages, --threads, --ctx, --verify, --device."""
+    --model, --head-layers, --stages, --threads, --ctx, --verify, --device, --speculate,
+    --draft-model, --draft-tokens."""
     parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
                         help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
     parser.add_argument("--trunk-nodes", type=positive_int, default=2, metavar="N",
@@ -47,6 +48,14 @@ def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) ->
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
     add_device_option(parser, "this machine's slices (embedding, head, tail, LM head; with --transport inproc, all)")
+    parser.add_argument("--speculate", choices=["off", "ngram", "draft"], default="off",
+                        help="check several tokens per trip through the swarm: ngram (drafts from repeats in the "
+                             "prompt and answer; no model), draft (a small model, --draft-model), off (default). "
+                             "Greedy output is unchanged; sampled output keeps the model's distribution")
+    parser.add_argument("--draft-model", metavar="PATH",
+                        help="with --speculate draft: a small GGUF with the model's vocabulary, run on this machine")
+    parser.add_argument("--draft-tokens", type=positive_int, default=8, metavar="K",
+                        help="drafted tokens per step at most (default 8; adapts down when drafts fail)")
 
 
 def add_device_option(parser: argparse.ArgumentParser, what: str) -> None:

@@ -110,7 +110,8 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             max_in_flight=args.max_in_flight, verify=args.verify, device=args.device)
+                             max_in_flight=args.max_in_flight, verify=args.verify, device=args.device,
+                             speculate=args.speculate, draft_model=args.draft_model, draft_tokens=args.draft_tokens)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down
@@ -118,7 +119,8 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
     async with open_session(options) as session:
         model_id = session.model.name.removesuffix(".gguf")
         server = ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
-                           created=int(session.model.stat().st_mtime), request_timeout=args.timeout)
+                           created=int(session.model.stat().st_mtime), request_timeout=args.timeout,
+                           drafting=session.drafting)
         http_server = await server.start(sock=listener, max_connections=args.max_connections, tls=tls)
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host

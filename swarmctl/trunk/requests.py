@@ -157,7 +157,8 @@ class StageRequests:
             runner, engine, budget = held.runner, held.engine, held.budget
             try:
                 out, timing = await runner.run(Step(rid, packet.start_pos,
-                                                    hidden=np.asarray(packet.data, dtype=np.float32)))
+                                                    hidden=np.asarray(packet.data, dtype=np.float32),
+                                                    rewind=packet.rewind, verify=packet.verify))
             except EngineError as e:
                 budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))
                 if held.runner is runner and engine.has_request(rid) and rid not in self.routes \
@@ -216,7 +217,7 @@ class StageRequests:
         is_last = stage.stop == plan.trunk_range[1]
         onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, plan.version,
                                   stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
-                                  hops=(*packet.hops, hop))
+                                  hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify)
         if is_last:
             results = self.results.stream_for(route.reply_to)
             if results is None:
