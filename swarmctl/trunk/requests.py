@@ -174,6 +174,7 @@ class StageRequests:
                 # the request's cache. The sender starts it over on the new route.
                 self._refuse(conn, stream_id, rid, f"the plan changed (now v{held.plan.version})", retry=True)
                 return
+            route.checks.step(packet.start_pos, int(packet.data.shape[0]), packet.verify)
             self.routes.commit(rid, route)
             self.peak_kv_bytes = max(self.peak_kv_bytes, engine.kv_bytes)
             if self._test_corrupt:  # test-only (SWARMCTL_TEST_CORRUPT, in __init__): lie about the result

@@ -26,6 +26,24 @@ Conn = Any  # a net.protocol.SwarmProtocol; only identity and peer_name are read
 MAX_FAILED_STREAMS = 10_000  # a bound, not a policy: refused streams older than this are long dead
 
 
+@dataclass
+class DraftChecks:
+    """A request's speculative steps as a stage sees them: a VERIFY step of n positions carries
+    n - 1 drafts, and where the next step starts says how many the asker kept (the asker's own
+    count is the true one; this is what ``top`` can show without asking it)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    _open: tuple[int, int] | None = None  # (start, positions) of the last VERIFY step
+
+    def step(self, start_pos: int, n_positions: int, verify: bool) -> None:
+        if self._open is not None:
+            checked_start, n = self._open
+            self.drafted += n - 1
+            self.accepted += min(n - 1, max(0, start_pos - checked_start - 1))
+        self._open = (start_pos, n_positions) if verify and n_positions > 1 else None
+
+
 @dataclass(eq=False)
 class Route:
     """One request as this stage sees it: where its packets come from, and its stream onward."""
@@ -36,6 +54,7 @@ class Route:
     out_conn: Conn | None = None  # the next stage's connection when out_stream was opened
     out_stream: int | None = None
     last_active: float = field(default_factory=time.monotonic)
+    checks: DraftChecks = field(default_factory=DraftChecks)
 
     def arrives_on(self, conn: Conn, stream_id: int) -> bool:
         return self.in_conn is conn and self.in_stream == stream_id
