@@ -9,10 +9,15 @@ c. per-hop breakdown of a token's latency (compute per stage, queueing, transfer
 d. WAN emulation: every link through an impairing relay (20 ms ± 5 ms one way, 0.5 % loss), next to
    the limit 1 / (sum of one-way link latencies + compute per token);
 e. each trunk process's peak RSS next to its tensors' bytes plus its peak KV cache;
-f. transport alone: one 16 KB / 1 MB / 16 MB frame between two processes, QUIC vs TCP + TLS.
+f. transport alone: one 16 KB / 1 MB / 16 MB frame between two processes, QUIC vs TCP + TLS;
+g. speculative steps over the same WAN (``--speculative`` runs only this section): single-stream
+   tok/s of --speculate off, ngram and draft (the bundled model drafting for itself, the ceiling)
+   on held-back tasks (a code rename, a log extraction: answers that repeat the prompt; a story:
+   one that does not), with acceptance; and aggregate tok/s of 8 concurrent requests, off vs ngram.
 
 Targets: a ≥ 0.8 × llama-cpp-python; b at 8 ≥ 3 × single-stream; d ≥ 0.85 × the limit;
-e ≤ tensor bytes + KV + 200 MB. Medians; this machine is shared and noisy.
+e ≤ tensor bytes + KV + 200 MB; g: ngram ≥ 2.5 × off on the repetitive tasks, ≥ 0.95 × on the story,
+draft (k = 4) ≥ 3 × off, 8 concurrent with ngram ≥ 0.9 × off. Medians; this machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +49,10 @@ WAN = {"delay_s": 0.020, "jitter_s": 0.005, "loss": 0.005}
 
 
 def decode_rate(gen: Generation) -> float:
-    """Tokens per second after the first token (the prefill excluded)."""
+    """Tokens per second after the first token (the prefill excluded; a speculative step may
+    yield several tokens, so tokens are counted, not steps)."""
     steps = gen.timings[1:]
-    return len(steps) / sum(t.total_s for t in steps) if steps else 0.0
+    return (len(gen.tokens) - 1) / sum(t.total_s for t in steps) if steps else 0.0
 
 
 def llama_cpp_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
@@ -131,9 +138,12 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
     return out
 
 
-async def wan_run(model: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
-    """Relays run in a process of their own: in the asker's process their per-datagram work would
-    share its interpreter and cores and inflate its compute (measured: head + tail 27 ms instead of 7)."""
+@asynccontextmanager
+async def wan_swarm(model: Path, threads: int):
+    """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
+    link to it. Relays run in a process of their own: in the asker's process their per-datagram
+    work would share its interpreter and cores and inflate its compute (measured: head + tail
+    27 ms instead of 7)."""
     import subprocess
 
     host_port, trunk_ports = free_udp_port(), [free_udp_port(), free_udp_port()]
@@ -150,23 +160,96 @@ async def wan_run(model: Path, prompt: list[int], n_decode: int, threads: int) -
                         trunk_advertise=[f"127.0.0.1:{p}" for p in relay_ports[1:]]) as swarm:
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
                                         min_stages=2)
-            asker = Asker(model, link.head_layers, n_threads=threads)
             try:
-                await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=4, sampling=GREEDY)
-                gens = [await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=n_decode, sampling=GREEDY)
-                        for _ in range(2)]
-                t0 = time.perf_counter()
-                conc = await asyncio.gather(*[generate_all(asker, prompt, link, ignore_eos=True, max_tokens=32,
-                                                           sampling=GREEDY) for _ in range(8)])
-                aggregate8 = sum(len(g.tokens) for g in conc) / (time.perf_counter() - t0)
+                yield link
             finally:
                 await link.close()
-                asker.close()
-        return {"single_stream_decode_tok_s": statistics.median(decode_rate(g) for g in gens),
-                "concurrency_8_aggregate_tok_s": aggregate8, "breakdown": breakdown(gens)}
     finally:
         relays.kill()
         relays.wait()
+
+
+async def wan_run(model: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
+    async with wan_swarm(model, threads) as link:
+        asker = Asker(model, link.head_layers, n_threads=threads)
+        try:
+            await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=4, sampling=GREEDY)
+            gens = [await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=n_decode, sampling=GREEDY)
+                    for _ in range(2)]
+            t0 = time.perf_counter()
+            conc = await asyncio.gather(*[generate_all(asker, prompt, link, ignore_eos=True, max_tokens=32,
+                                                       sampling=GREEDY) for _ in range(8)])
+            aggregate8 = sum(len(g.tokens) for g in conc) / (time.perf_counter() - t0)
+        finally:
+            asker.close()
+    return {"single_stream_decode_tok_s": statistics.median(decode_rate(g) for g in gens),
+            "concurrency_8_aggregate_tok_s": aggregate8, "breakdown": breakdown(gens)}
+
+
+# Held-back tasks for speculation (no test uses them): two whose answers repeat the prompt, one
+# whose answer does not.
+SPECULATIVE_TASKS = {
+    "code_rename": "Rewrite this function with the variable `items` renamed to `values`. Output only the code.\n\n"
+                   "def total(items, limit):\n    result = 0\n    for item in items:\n        if item > limit:\n"
+                   "            result += item * 2\n        else:\n            result -= item\n    return result\n",
+    "log_extract": "Copy every line of this log that mentions ERROR, unchanged, one per line.\n\n"
+                   "09:14:02 INFO  server started on port 8080\n09:14:07 ERROR disk /dev/sdb1 is 97% full\n"
+                   "09:15:11 INFO  user alice logged in\n09:15:40 ERROR connection to db-2 timed out after 30s\n"
+                   "09:16:03 WARN  slow query on table orders (2.3s)\n09:16:59 ERROR disk /dev/sdb1 is 99% full\n"
+                   "09:17:20 INFO  backup finished\n",
+    "story": "Write a short story about a fox who finds a brass key in the snow.",
+}
+
+
+async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: int) -> dict:
+    """Section g: single-stream tok/s per task and --speculate mode, and 8 concurrent requests."""
+    from swarmctl.speculate import ModelDraft, speculation_for
+
+    out: dict = {"links": WAN, "one_way_links_per_token": 3, "threads_per_process": threads,
+                 "max_tokens": max_tokens, "repeats": repeats, "tasks": {}}
+    async with wan_swarm(model, threads) as link:
+        asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=16)
+        draft = ModelDraft(model, asker.gguf, n_threads=threads)
+        try:
+            modes = {"off": lambda: None, "ngram": lambda: speculation_for("ngram"),
+                     "draft_self_k4": lambda: speculation_for("draft", draft, k_max=4)}
+            for task, text in SPECULATIVE_TASKS.items():
+                prompt = asker.tokenizer.encode_chat([{"role": "user", "content": text}])
+                await generate_all(asker, prompt, link, max_tokens=4, sampling=GREEDY)  # warm-up
+                row: dict = {"prompt_tokens": len(prompt)}
+                answers = {}
+                for mode, make in modes.items():
+                    gens = [await generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY,
+                                               speculation=make()) for _ in range(repeats)]
+                    answers[mode] = gens[0].tokens
+                    g = gens[0]
+                    row[mode] = {"tok_s": round(statistics.median(decode_rate(x) for x in gens), 3),
+                                 "tokens": len(g.tokens), "steps": len(g.timings), "drafted": g.drafted,
+                                 "accepted": g.accepted,
+                                 "acceptance": round(g.accepted / g.drafted, 3) if g.drafted else None}
+                for mode in modes:
+                    if mode != "off":
+                        row[mode]["over_off"] = round(row[mode]["tok_s"] / row["off"]["tok_s"], 3)
+                        row[mode]["same_tokens_as_off"] = answers[mode] == answers["off"]
+                out["tasks"][task] = row
+            prompts = [asker.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in SPECULATIVE_TASKS.values()]
+            batch = [prompts[i % len(prompts)] for i in range(8)]
+            aggregate = {}
+            for mode in ("off", "ngram"):
+                rates = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    gens = await asyncio.gather(*[generate_all(asker, p, link, max_tokens=max_tokens, sampling=GREEDY,
+                                                               speculation=modes[mode]()) for p in batch])
+                    rates.append(sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0))
+                aggregate[mode] = round(statistics.median(rates), 3)
+            out["concurrency_8_aggregate_tok_s"] = {**aggregate, "ngram_over_off": round(aggregate["ngram"] / aggregate["off"], 3)}
+        finally:
+            draft.close()
+            asker.close()
+    out["targets"] = {"ngram_repetitive_over_off": 2.5, "ngram_story_over_off": 0.95, "draft_self_k4_over_off": 3.0,
+                      "concurrency_8_ngram_over_off": 0.9}
+    return out
 
 
 async def inproc_run(model: Path, prompt: list[int], n_decode: int, threads: int) -> float:
@@ -196,8 +279,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--skip-transport", action="store_true")
     p.add_argument("--skip-wan", action="store_true")
+    p.add_argument("--speculative", action="store_true", help="run only section g (speculative steps over the WAN)")
+    p.add_argument("--spec-tokens", type=int, default=96, help="max tokens per request in section g")
+    p.add_argument("--spec-repeats", type=int, default=3)
     args = p.parse_args()
     model = default_model_path()
+    if args.speculative:
+        threads = max(1, args.threads // 3)
+        print(json.dumps({"model": model.name, "g_speculative": asyncio.run(
+            speculative_run(model, threads, args.spec_tokens, args.spec_repeats))}, indent=2))
+        return
     from kernels.tokenizer import Tokenizer
 
     prompt = Tokenizer(model).encode_prompt(PROMPT)

@@ -282,7 +282,8 @@ class CueTrunk:
         self.fail_after: int | None = None
         self.calls = 0
 
-    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int) -> TrunkResult:
+    async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
+                      verify: bool = False) -> TrunkResult:
         self.calls += 1
         if self.fail_after is not None and self.calls > self.fail_after:
             raise SwarmError("lost the connection to trunk-1")

@@ -120,9 +120,9 @@ class FakeLink:
         self.forwarded = 0
         self.released: list[bytes] = []
 
-    async def forward(self, rid, hidden, start_pos):
+    async def forward(self, rid, hidden, start_pos, *, rewind=False, verify=False):
         self.forwarded += 1
-        result = await self.trunk.forward(rid, hidden, start_pos)
+        result = await self.trunk.forward(rid, hidden, start_pos, rewind=rewind, verify=verify)
         steps = [(p, h) for p, h in self.history.get(rid, []) if p < start_pos]
         self.history[rid] = steps + [(start_pos, np.array(hidden, dtype=np.float32))]
         if self.corrupt:
@@ -237,9 +237,9 @@ def test_a_wrong_result_later_in_a_request_is_replayed_here_bit_for_bit(asker, h
     link = FakeLink(asker.gguf, _plan(asker.gguf, asker.spec.n_layer))
     honest_forward = link.forward
 
-    async def lies_later(rid, hidden, start_pos):
+    async def lies_later(rid, hidden, start_pos, **flags):
         link.corrupt = 0.3 if link.forwarded >= 4 else 0.0
-        return await honest_forward(rid, hidden, start_pos)
+        return await honest_forward(rid, hidden, start_pos, **flags)
 
     link.forward = lies_later
     verifier = VerifyingTrunk(link, asker.gguf, share=1.0, n_threads=N_THREADS, max_context=512)
