@@ -730,3 +730,24 @@ def test_open_address_without_a_key_warns_loudly(tmp_path):
     assert r.returncode == 1
     assert "WARNING: serving on 0.0.0.0 WITHOUT AN API KEY" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("swarmctl: error: model file not found")
+
+
+def test_speculative_steps_report_predictions_in_usage_and_keep_the_text(inproc, trunk):
+    """serve --speculate ngram: the same greedy text, and usage says how many drafted tokens were
+    kept and thrown away (OpenAI's completion_tokens_details names for predicted outputs)."""
+    from swarmctl.speculate import Drafting
+
+    prompt = "Repeat after me: red green blue, red green blue, red green blue, red green blue,"
+    client = inproc.client()
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert plain.usage.completion_tokens_details is None
+    inproc.api.drafting = Drafting("ngram")
+    try:
+        spec = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    finally:
+        inproc.api.drafting = Drafting()
+    assert spec.choices[0].text == plain.choices[0].text
+    details = spec.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens >= 0
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
