@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarmctl.trunk.routes import (EndOnward, FinishStream, FreeRequest, PassBack, Release, RouteTable,
-                                   SendError)
+from swarmctl.trunk.routes import (DraftChecks, EndOnward, FinishStream, FreeRequest, PassBack, Release,
+                                   RouteTable, SendError)
 
 
 @dataclass(eq=False)
@@ -165,3 +165,22 @@ def test_the_idle_reap_frees_only_idle_requests_and_tells_their_senders():
     assert [(r.request_id, r.route) for r in actions if isinstance(r, Release)] == [(A, a)]
     assert ends(table.take(A, a), FinishStream) == [("next", 8)]  # its stream onward ends with it
     assert B in table
+
+
+def test_draft_checks_count_drafts_and_kept_drafts_from_where_the_next_step_starts():
+    checks = DraftChecks()
+    checks.step(40, 5, verify=True)  # the last token and 4 drafts at positions 40-44
+    assert (checks.drafted, checks.accepted) == (0, 0)  # counted once the next step says what was kept
+    checks.step(43, 1, verify=False)  # 41 and 42 kept, 43 is the asker's correction
+    assert (checks.drafted, checks.accepted) == (4, 2)
+    checks.step(44, 1, verify=False)  # a plain step after a plain step: nothing drafted
+    assert (checks.drafted, checks.accepted) == (4, 2)
+
+
+def test_draft_checks_count_every_draft_kept_when_the_next_step_starts_past_them():
+    checks = DraftChecks()
+    checks.step(10, 4, verify=True)  # 3 drafts at 11-13
+    checks.step(14, 4, verify=True)  # all kept (the bonus token is 14), and 3 drafts more
+    assert (checks.drafted, checks.accepted) == (3, 3)
+    checks.step(18, 1, verify=False)
+    assert (checks.drafted, checks.accepted) == (6, 6)

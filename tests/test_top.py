@@ -249,6 +249,28 @@ def test_one_stage_and_a_node_the_host_calls_down_that_answers_our_ping():
     assert rows["amy"].rstrip().endswith("ready"), rows["amy"]
 
 
+def test_requests_show_the_drafts_their_asker_kept():
+    """A request whose trunks counted drafts shows kept/drafted and the share; one without (not
+    speculating, or a trunk from before drafts were counted: no fields at all) shows none."""
+    clock = 1000.0
+    a = _stats(clock, [[clock - 0.5, 0.1, 2, ["spec0001", "plain002"]]], steps=2,
+               requests=({"id": "spec0001", "position": 60, "idle_s": 0.1, "drafted": 15, "accepted": 12},
+                         {"id": "plain002", "position": 30, "idle_s": 0.1}))
+    b = _stats(clock, [], steps=2,  # downstream: the last VERIFY step not counted yet
+               requests=({"id": "spec0001", "position": 60, "idle_s": 0.05, "drafted": 11, "accepted": 9},
+                         {"id": "plain002", "position": 30, "idle_s": 0.3, "drafted": 0, "accepted": 0}))
+    poll = RawPoll(time.time(), 0.01, _status(("a", 4, 10), ("b", 10, 26)), stats={"a": a, "b": b})
+    requests = {r.request_id: r for r in SnapshotBuilder().add(poll).requests}
+    assert (requests["spec0001"].drafted, requests["spec0001"].accepted) == (15, 12)  # the furthest count
+    assert (requests["plain002"].drafted, requests["plain002"].accepted) == (0, 0)
+
+    text, _ = asyncio.run(_render(ReplayFeed([poll], realtime=False), []))
+    rows = {cells[1]: cells for cells in (line.split("│")[1].split() for line in text.splitlines()
+                                          if "spec0001" in line or "plain002" in line)}
+    assert rows["spec0001"][4:7] == ["12/15", "80%", "b"], rows["spec0001"]  # DRAFT, then LAST AT
+    assert rows["plain002"][4:6] == ["-", "a"], rows["plain002"]
+
+
 def test_golden_screen_when_the_host_stops_answering():
     polls = read_recording(FEED)
     polls.append(RawPoll(polls[-1].taken_at + 2, 2.0, None, host_error="no answer in time", retry_in_s=2.0))

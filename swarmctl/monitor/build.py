@@ -56,6 +56,8 @@ class _Held(msgspec.Struct, frozen=True):
     id: str
     position: int
     idle_s: float
+    drafted: int = 0  # drafted tokens its VERIFY steps carried here (trunks before drafts send none)
+    accepted: int = 0  # of those, how many the asker kept
 
 
 @dataclass(frozen=True)
@@ -178,16 +180,20 @@ class SnapshotBuilder:
 
     def _requests(self, stages: list[MemberStatus], held: dict[str, tuple[_Held, ...]],
                   reference: _StageBatches | None) -> tuple[RequestView, ...]:
-        places: dict[str, list[tuple[str, int, float]]] = {}  # id → (stage, position, idle seconds)
+        places: dict[str, list[tuple[str, _Held]]] = {}  # id → (stage, what it holds of the request)
         for m in stages:
             for r in held.get(m.name, ()):
-                places.setdefault(r.id, []).append((m.name, r.position, r.idle_s))
+                places.setdefault(r.id, []).append((m.name, r))
         views = []
         for rid, seen in sorted(places.items()):
-            latest = min(seen, key=lambda p: p[2])
-            views.append(RequestView(rid, self._letters.get(rid, OVERFLOW_LETTER), max(p[1] for p in seen),
+            stage, latest = min(seen, key=lambda p: p[1].idle_s)
+            # every stage sees the same steps, but a stage counts a VERIFY step only when the next
+            # step arrives (later downstream), and one that took the request over in a replan saw
+            # fewer: the furthest count, taken from one stage so that accepted ≤ drafted holds
+            drafts = max((r for _, r in seen), key=lambda r: (r.drafted, r.accepted))
+            views.append(RequestView(rid, self._letters.get(rid, OVERFLOW_LETTER), max(p[1].position for p in seen),
                                      reference.request_rate(rid, self.window_s) if reference else 0.0,
-                                     latest[0], latest[2]))
+                                     stage, latest.idle_s, drafts.drafted, drafts.accepted))
         return tuple(views)
 
     def _rate(self, reference: str | None, stats: Stats | None, work: _StageBatches | None,

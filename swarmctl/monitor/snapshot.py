@@ -61,6 +61,8 @@ class RequestView:
     tok_s: float  # steps per second at the first stage over the window
     stage: str  # the stage that last worked on it
     idle_s: float  # since any stage last worked on it
+    drafted: int = 0  # speculative tokens its steps carried through the trunks (0: none, or an older trunk)
+    accepted: int = 0  # of those, how many the asker kept
 
 
 @dataclass(frozen=True, eq=False)

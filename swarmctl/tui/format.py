@@ -52,6 +52,14 @@ def ms(value: float | None) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
+def acceptance(drafted: int, accepted: int) -> str:
+    """Speculative drafts kept of drafted, and the share: '12/15 80%'; '-' for a request with no
+    drafts (not speculating, or a trunk too old to count them)."""
+    if drafted <= 0:
+        return "-"
+    return f"{accepted}/{drafted} {accepted / drafted * 100:.0f}%"
+
+
 def layers(span: tuple[int, int] | None) -> str:
     return f"[{span[0]}, {span[1]})" if span else "-"
 

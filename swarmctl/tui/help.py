@@ -39,6 +39,7 @@ HELP = """\
 [b]requests in flight[/b] (as the trunks hold them)
   TOKENS      tokens in the request's cache at the stage furthest along (prompt too)
   TOK/S       its steps per second at the first stage
+  DRAFT       speculative decoding: drafts the asker kept / drafted, "-" for none
   LAST AT     the stage that last worked on it; IDLE s since then (a long idle:
               waiting at the asker, or stalled)
 

@@ -56,7 +56,7 @@ CSS = """
 }
 
 #requests {
-    width: 54;
+    width: 60;  /* its columns with a DRAFT cell of 11 ("312/420 74%"), two borders and padding */
     height: 100%;
     padding: 0 1;
 }
@@ -82,7 +82,7 @@ HelpScreen {
 
 #help {
     width: 90;
-    height: 36;
+    height: 37;  /* every line of the help in view on a 40-line screen (DRAFT made it one longer) */
     border: round $accent;
     background: $surface;
     padding: 0 1;

@@ -138,7 +138,7 @@ class RequestTable(Static):
 
     snapshot: reactive[SwarmSnapshot] = reactive(_NOTHING)
 
-    COLUMNS = (" ", "REQUEST", "TOKENS", "TOK/S", "LAST AT", "IDLE s")
+    COLUMNS = (" ", "REQUEST", "TOKENS", "TOK/S", "DRAFT", "LAST AT", "IDLE s")
 
     def watch_snapshot(self, snapshot: SwarmSnapshot) -> None:
         self.border_title = f"requests in flight · {len(snapshot.requests)}"
@@ -146,7 +146,7 @@ class RequestTable(Static):
     def render(self) -> Text:
         return fmt.text_table(self.COLUMNS, [
             (Text(r.letter, style=f"bold {letter_style(r.letter)}"), r.request_id, str(r.tokens), fmt.rate(r.tok_s),
-             r.stage, f"{r.idle_s:.1f}") for r in self.snapshot.requests],
+             fmt.acceptance(r.drafted, r.accepted), r.stage, f"{r.idle_s:.1f}") for r in self.snapshot.requests],
             max_rows=max(1, self.content_size.height - 1))
 
 
