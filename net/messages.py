@@ -397,7 +397,7 @@ class Stats(Message, tag="stats", kw_only=True):
     time: float  # unix time of this snapshot
     # [started (unix time), seconds, tokens, [request id prefixes]] of the batches in the window
     recent_batches: list[list[Any]]
-    requests_detail: list[dict[str, Any]]  # {"id", "position", "idle_s"} of each request held now
+    requests_detail: list[dict[str, Any]]  # {"id", "position", "idle_s", "drafted", "accepted"} per request held
     requests: int
     routes: int
     kv_bytes: int
