@@ -109,6 +109,6 @@ def _run_all(head: SliceEngine, ids: list[bytes], pos: int, tokens: range) -> np
     out = np.empty((len(tokens), head.spec.n_embd), np.float32)
     for start in range(0, len(tokens), len(ids)):
         chunk = tokens[start:start + len(ids)]
-        rows = head.forward_batch([Step(rid, pos, tokens=[t]) for rid, t in zip(ids, chunk)])
+        rows = head.forward_batch([Step(rid, pos, tokens=[t], rewind=True) for rid, t in zip(ids, chunk)])
         out[start:start + len(rows)] = np.concatenate(rows)
     return out
