@@ -143,6 +143,11 @@ class TokenTiming:
         return sum(h.queued_us for h in self.trunk.hops) / 1e6 if self.trunk else 0.0
 
     @property
+    def compute_s(self) -> float:
+        """Compute on the asker and every stage (what more rows make longer)."""
+        return self.head.compute_s + self.tail.compute_s + self.trunk_compute_s
+
+    @property
     def transfer_s(self) -> float:
         """The trunk round trip minus what the stages spent queueing and computing: the wire."""
         if self.trunk is None:
@@ -271,7 +276,7 @@ class Asker:
             start += len(new_tokens)
             tokens, kept = accept(sample, logits[len(logits) - len(draft.tokens) - 1:], draft)
             if speculation is not None:
-                speculation.record(len(draft.tokens), kept)
+                speculation.record(len(draft.tokens), kept, timing, len(new_tokens) + len(draft.tokens))
                 gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
             for token in tokens:
                 if not ignore_eos and self.tokenizer.is_end_of_generation(token):

@@ -47,6 +47,7 @@ MODES = ("off", "ngram", "draft")
 MAX_DRAFT = 8  # drafted tokens per step at most
 MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
+RHO_PRIOR = 0.25  # a row's cost against a one-row step, until a step has measured it
 
 
 @dataclass
@@ -68,17 +69,26 @@ class NgramDraft:
     lookback: int = LOOKBACK
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens: what followed the latest earlier occurrence of the context's longest
-        matching suffix (of ``max_ngram`` tokens down to one); [] when nothing matches."""
+        """Up to ``k`` tokens: what followed an earlier occurrence of the context's longest matching
+        suffix (of ``max_ngram`` tokens down to one) — the latest occurrence with k tokens after
+        it, else the one with the most (a recent match inside the answer being written is often
+        cut short by the end of the context); [] when nothing matches."""
         if k <= 0:
             return []
         window = list(context[-self.lookback:])
         n_ctx = len(window)
         for n in range(min(self.max_ngram, n_ctx - 1), 0, -1):
             suffix = window[-n:]
-            for start in range(n_ctx - n - 1, -1, -1):  # the latest occurrence before the suffix itself
+            best: list[int] = []
+            for start in range(n_ctx - n - 1, -1, -1):  # latest first, before the suffix itself
                 if window[start:start + n] == suffix:
-                    return window[start + n:start + n + k]
+                    follows = window[start + n:start + n + k]
+                    if len(follows) > len(best):
+                        best = follows
+                    if len(best) == k:
+                        break
+            if best:
+                return best
         return []
 
     async def draft(self, rid: bytes, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft:
@@ -166,14 +176,28 @@ def check_same_vocabulary(draft: GGUFFile, target: GGUFFile, name: str) -> None:
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft next, from how the recent drafts fared: one more after a step that
-    kept every draft, half after one that kept none; at 0 (plain steps), try one draft again after
-    ``retry_after`` plain steps, so a request that turns repetitive later gets its speed back."""
+    """How many tokens to draft next: the k that maximises expected tokens per unit of step time,
+    (1 - a^(k+1)) / (1 - a) / (1 + rho * k), from two running estimates: ``a``, the chance that a
+    draft is kept (kept drafts against first rejections, recent steps weighted most), and ``rho``,
+    what one more row costs against a one-row step (its compute against the round trip). Over a
+    WAN a row is cheap against the round trip and drafts pay even when half fail; on one machine
+    a row costs about a step and only well-kept drafts pay. At 0 (plain steps), one draft is tried
+    again after ``retry_after`` plain steps, so a request that turns repetitive later gets its
+    speed back."""
 
     k: int = 4
     k_max: int = MAX_DRAFT
     retry_after: int = 8
+    decay: float = 0.8  # weight of the previous estimates at each step
+    kept: float = 1.0  # decayed counts behind ``a`` (a prior of one each)
+    failed: float = 1.0
+    rho: float | None = None  # unknown until a step with drafts has been timed
+    one_row_compute_s: float | None = None  # a plain step's compute (what every step pays once)
     _plain_steps: int = field(default=0, repr=False)
+
+    @property
+    def a(self) -> float:
+        return self.kept / (self.kept + self.failed)
 
     def next(self) -> int:
         if self.k == 0:
@@ -183,15 +207,34 @@ class DraftLength:
                 return 1
         return self.k
 
+    def observe(self, rows: int, compute_s: float, total_s: float) -> None:
+        """A step's timing: a one-row step's compute is the fixed cost; a step of more rows tells
+        what each further row adds, against the time of a one-row step (its round trip)."""
+        def ewma(old: float | None, new: float) -> float:
+            return new if old is None else self.decay * old + (1 - self.decay) * new
+
+        if rows == 1:
+            self.one_row_compute_s = ewma(self.one_row_compute_s, compute_s)
+            return
+        if self.one_row_compute_s is None:
+            return  # no plain step seen yet: nothing to tell the extra rows' share by
+        per_row = max(0.0, compute_s - self.one_row_compute_s) / (rows - 1)
+        one_row = total_s - (rows - 1) * per_row
+        if one_row > 0:
+            self.rho = ewma(self.rho, per_row / one_row)
+
     def update(self, drafted: int, accepted: int) -> None:
+        """After a step: ``drafted`` tokens, ``accepted`` of them kept."""
         if drafted == 0:
             return
-        if accepted == drafted:
-            self.k = min(self.k_max, max(self.k, drafted) + 1)
-        elif accepted == 0:
-            self.k //= 2
-        else:
-            self.k = max(1, accepted)
+        self.kept = self.decay * self.kept + accepted
+        self.failed = self.decay * self.failed + (1 if accepted < drafted else 0)
+        self.k = self.best_k()
+
+    def best_k(self) -> int:
+        a, rho = min(self.a, 0.999), RHO_PRIOR if self.rho is None else self.rho
+        gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + rho * k) for k in range(self.k_max + 1)]
+        return max(range(self.k_max + 1), key=lambda k: (gain[k] > gain[0] * 1.02 or k == 0) and gain[k])
 
 
 @dataclass
@@ -210,7 +253,11 @@ class Speculation:
         k = min(self.length.next(), room)
         return await self.source.draft(rid, context, k, sampling) if k > 0 else Draft()
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, timing=None, rows: int = 1) -> None:
+        """After a step of ``rows`` rows: what it drafted and kept; ``timing`` (a
+        swarmctl.asker.TokenTiming) of a decode step (one token and its drafts) feeds the cost model."""
+        if timing is not None and rows == 1 + drafted:
+            self.length.observe(rows, timing.compute_s, timing.total_s)
         self.length.update(drafted, accepted)
         if drafted:
             self.drafted += drafted

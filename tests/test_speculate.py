@@ -31,18 +31,26 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert draft.propose([7, 3, 7], 5) == [3, 7]  # as much as there is
 
 
-def test_draft_length_grows_on_success_and_backs_off_to_plain_steps():
-    length = DraftLength(k=2, k_max=4, retry_after=3)
-    length.update(2, 2)
-    assert length.k == 3
-    length.update(3, 3)
-    length.update(4, 4)
-    assert length.k == 4  # capped
-    length.update(4, 0)
-    length.update(2, 0)
-    length.update(1, 0)
-    assert length.k == 0
-    assert [length.next() for _ in range(3)] == [0, 0, 1]  # plain steps, then one draft to try again
+def test_draft_length_follows_acceptance_and_what_a_row_costs():
+    """Over a WAN (a row costs 5 % of a step) drafts pay even when half fail; on one machine (a row
+    costs as much as a step) the same acceptance means plain steps, with a single draft retried
+    after retry_after of them; drafts that keep failing bring k down everywhere."""
+    wan, local = DraftLength(k=4, k_max=8, retry_after=3), DraftLength(k=4, k_max=8, retry_after=3)
+    for length, compute_s, total_s in ((wan, 0.010, 0.080), (local, 0.010, 0.011)):
+        length.observe(1, compute_s, total_s)  # a plain step
+        length.observe(5, compute_s * 5, total_s + compute_s * 4)  # four more rows, each as costly
+        for _ in range(4):
+            length.update(4, 2)  # half the drafts kept
+    assert wan.rho < 0.2 and local.rho > 0.8
+    assert wan.k >= 3
+    assert local.k == 0
+    assert [local.next() for _ in range(3)] == [0, 0, 1]  # plain steps, then one draft to try again
+    for _ in range(12):
+        wan.update(max(wan.k, 1), 0)  # nothing kept, again and again
+    assert wan.k == 0
+    for _ in range(6):
+        wan.update(4, 4)  # and all kept: back up
+    assert wan.k == 8
     with pytest.raises(EngineError, match="--speculate 'magic'"):
         speculation_for("magic")
 
