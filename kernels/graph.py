@@ -148,7 +148,7 @@ class GraphBuilder:
             q_m, k_m, v_m = (self._rows(t, m) for t in (q, k, v))
             self._store_kv(cache, inp, k_m, v_m, il)
             if self.shape.requests[m].rowwise:
-                outs.append(_concat_rows(self.ctx, [self._attend(cache, inp, self._row(q_m, j), il, j)
+                outs.append(_concat_rows(self.ctx, [self._attend(cache, inp, self._row_range(q_m, j, j + 1), il, j)
                                                     for j in range(ggml.tensor_shape(q_m)[2])]))
             else:
                 outs.append(self._attend(cache, inp, q_m, il))
@@ -160,16 +160,13 @@ class GraphBuilder:
         """Request m's slice [head_dim, heads, n_m] of a stacked [head_dim, heads, N] tensor."""
         if len(self.caches) == 1:
             return t
-        ne0, ne1, _, _ = ggml.tensor_shape(t)
-        nb = ggml.tensor_strides(t)
-        a, b = self.row_starts[m], self.row_starts[m + 1]
-        return ggml.view_3d(self.ctx, t, ne0, ne1, b - a, nb[1], nb[2], a * nb[2])
+        return self._row_range(t, self.row_starts[m], self.row_starts[m + 1])
 
-    def _row(self, t: int, j: int) -> int:
-        """Row j [head_dim, heads, 1] of a [head_dim, heads, n] tensor."""
+    def _row_range(self, t: int, a: int, b: int) -> int:
+        """Rows [a, b) [head_dim, heads, b - a] of a [head_dim, heads, n] tensor."""
         ne0, ne1, _, _ = ggml.tensor_shape(t)
         nb = ggml.tensor_strides(t)
-        return ggml.view_3d(self.ctx, t, ne0, ne1, 1, nb[1], nb[2], j * nb[2])
+        return ggml.view_3d(self.ctx, t, ne0, ne1, b - a, nb[1], nb[2], a * nb[2])
 
     def _store_kv(self, cache: KVCache, inp: AttentionInputs, k: int, v: int, il: int) -> None:
         ctx, n_embd_kv = self.ctx, self.spec.n_embd_kv
