@@ -1,9 +1,11 @@
 """Expert parallelism vs pipeline-only placement of the same mixture-of-experts model; prints JSON.
 
-    python benchmarks/bench_moe.py [--decode 32] [--threads 1] [--out FILE]
+    python benchmarks/bench_moe.py [--arch qwen3moe|deepseek2] [--decode 32] [--threads 1] [--out FILE]
 
-The model is a random-weight qwen3moe GGUF written for the run (12 layers, n_embd 512, 16 experts,
-top-2, Q8_0; the bundled model's tokenizer), small enough for this machine. Side by side:
+The model is a random-weight GGUF written for the run (12 layers, n_embd 512, 16 experts, top-2,
+Q8_0; the bundled model's tokenizer), small enough for this machine: qwen3moe, or deepseek2
+(DeepSeek-V3's shape in small: latent attention with a Q rank, one dense leading layer, a shared
+expert, sigmoid gating with a routing bias and 4 expert groups). Side by side:
 
 a. llama-cpp-python on the whole file (decode tok/s), our in-process engine (asker + one trunk
    slice) with the experts local, and the same trunk slice with its experts run by two in-process
@@ -11,7 +13,8 @@ a. llama-cpp-python on the whole file (decode tok/s), our in-process engine (ask
 b. local swarms over QUIC + mTLS on loopback: pipeline-only (2 trunk stages holding their own
    experts) and expert parallelism (2 stages + 2 expert nodes), single-stream decode, with the bytes
    each placement moves per token (activations between stages and asker; expert calls, both ways)
-   measured from the trunks' own counters, next to the bytes the layout predicts.
+   measured from the trunks' own counters, next to the bytes the layout (plans.layout, read from
+   the GGUF) predicts: per MoE layer a stage runs, its top-k rows and ids out and k rows back.
 
 Medians; this machine has 2 cores shared by up to 6 processes here, so the swarm figures say more
 about the extra round trips than about what separate machines would see.
@@ -39,6 +42,7 @@ from kernels.sampling import SamplingParams  # noqa: E402
 from kernels.slice import SliceEngine  # noqa: E402
 from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
+from plans.layout import ModelLayout  # noqa: E402
 from swarmctl.asker import Asker, InprocTrunk, generate_all  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
@@ -48,8 +52,14 @@ from tests.tiny_models import TinyConfig, write_tiny_model  # noqa: E402  (the G
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
 HEAD_LAYERS = 2
-MODEL = TinyConfig(arch="qwen3moe", qtype="Q8_0", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=768,
-                   n_expert=16, n_expert_used=2, n_ctx=1024, seed=11)
+MODELS = {
+    "qwen3moe": TinyConfig(arch="qwen3moe", qtype="Q8_0", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=768,
+                           n_expert=16, n_expert_used=2, n_ctx=1024, seed=11),
+    "deepseek2": TinyConfig(arch="deepseek2", qtype="Q8_0", n_layer=12, n_embd=512, n_head=8, n_ff=768, n_ctx=1024,
+                            q_rank=192, kv_rank=128, qk_nope=64, qk_rope=32, v_head=64, n_ff_exp=384,
+                            n_expert=16, n_expert_used=2, n_dense_lead=1, n_shared=1, sigmoid_gating=True,
+                            n_groups=4, n_group_used=2, weights_scale=2.5, seed=11),
+}
 
 
 async def inproc_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:
@@ -144,17 +154,19 @@ async def swarm_run(model: Path, prompt: list[int], n: int, threads: int, expert
     }
 
 
-def predicted_bytes(spec: ModelSpec) -> dict:
+def predicted_bytes(model: Path) -> dict:
     """Payload bytes per token from the layout alone (frame and packet headers not counted)."""
-    trunk_layers = spec.n_layer - 2 * HEAD_LAYERS
-    row = 4 * spec.n_embd
-    return {"activation_payload_per_hop": row,
-            "expert_payload_per_token": trunk_layers * spec.n_expert_used * (row + 4 + row)}  # rows+ids out, rows back
+    layout = ModelLayout.from_gguf(model)
+    trunk = range(HEAD_LAYERS, layout.n_layer - HEAD_LAYERS)
+    moe_layers = sum(1 for il in trunk if layout.expert_bytes[il])  # a dense leading layer calls no experts
+    row = layout.activation_bytes_per_token
+    return {"activation_payload_per_hop": row, "trunk_moe_layers": moe_layers,
+            "expert_payload_per_token": moe_layers * layout.n_expert_used * (row + 4 + row)}  # rows+ids out, rows back
 
 
 async def main_async(args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="bench-moe-"))
-    model = write_tiny_model(root / "bench-qwen3moe.gguf", MODEL, default_model_path())
+    model = write_tiny_model(root / f"bench-{args.arch}.gguf", MODELS[args.arch], default_model_path())
     with GGUFFile(model) as gguf:
         spec = ModelSpec.from_gguf(gguf)
     asker = Asker(model, HEAD_LAYERS, n_threads=args.threads)
@@ -162,12 +174,14 @@ async def main_async(args: argparse.Namespace) -> dict:
     asker.close()
     result = {
         "model": {"arch": spec.architecture, "n_layer": spec.n_layer, "n_embd": spec.n_embd, "n_expert": spec.n_expert,
-                  "n_expert_used": spec.n_expert_used, "file_bytes": model.stat().st_size},
+                  "n_expert_used": spec.n_expert_used, "moe_layers": list(spec.moe_layers),
+                  "kv_bytes_per_token_per_layer": spec.kv_bytes_per_token_per_layer,
+                  "file_bytes": model.stat().st_size},
         "decode_tokens": args.decode, "threads_per_process": args.threads, "prompt_tokens": len(prompt),
         "llama_cpp_python_decode_tok_s": round(llama_cpp_decode(model, prompt, args.decode, args.threads), 2),
         "inproc_decode_tok_s": round(await inproc_decode(model, prompt, args.decode, args.threads), 2),
         "trunk_slice": trunk_slice_ms(model, args.decode, args.threads),
-        "predicted": predicted_bytes(spec),
+        "predicted": predicted_bytes(model),
         "pipeline_only": await swarm_run(model, prompt, args.decode, args.threads, expert_nodes=0),
         "expert_parallel": await swarm_run(model, prompt, args.decode, args.threads, expert_nodes=2),
     }
@@ -177,6 +191,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         "ep_vs_pipeline_bytes_per_token": round(
             (e["stage_activation_bytes_per_token"] + e["expert_call_bytes_per_token"])
             / p["stage_activation_bytes_per_token"], 1),
+        "inproc_vs_llama_cpp_python_decode": round(result["inproc_decode_tok_s"]
+                                                   / result["llama_cpp_python_decode_tok_s"], 3),
+        "expert_bytes_measured_vs_layout": round(e["expert_call_bytes_per_token"]
+                                                 / result["predicted"]["expert_payload_per_token"], 4),
         "split_in_process_vs_local_trunk_ms": round(result["trunk_slice"]["experts_split_in_process"]["ms_per_token"]
                                                     / result["trunk_slice"]["experts_local"]["ms_per_token"], 2),
     }
@@ -185,6 +203,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(MODELS), default="qwen3moe")
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")

@@ -36,12 +36,16 @@ class ExpertEngine:
         if not 0 <= first < last <= self.spec.n_expert:
             raise UnsupportedModelError(f"experts [{first}, {last}) are outside the model's {self.spec.n_expert}")
         self.layers, self.first, self.last = layers, first, last
+        # the MoE layers among them: a model whose first layers are dense (DeepSeek) has no experts there
+        self.moe_layers = tuple(il for il in layers if self.spec.is_moe_layer(il))
         self.backend = Backend(n_threads)
         self.tensors: dict[tuple[int, str], int] = {}
         self.n_bytes = 0
         self.rows_served = 0
         infos = []
-        for il in layers:
+        if not self.moe_layers:
+            raise UnsupportedModelError(f"layers [{layers.start}, {layers.stop}) have no experts")
+        for il in self.moe_layers:
             for stem in _EXPERT_TENSORS:
                 info = gguf.tensors.get(f"blk.{il}.{stem}.weight")
                 if info is None:
@@ -69,7 +73,7 @@ class ExpertEngine:
         """Rows ``x`` [m, n_embd] through experts ``expert_ids`` [m] (model-wide ids): [m, n_embd]."""
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if layer not in self.layers:
+        if layer not in self.moe_layers:
             raise InputShapeError(f"this node holds no experts of layer {layer}")
         if x.ndim != 2 or x.shape[1] != self.spec.n_embd or x.shape[0] != ids.size or ids.size == 0:
             raise InputShapeError(f"expert rows of shape {list(x.shape)} with {ids.size} ids do not fit")

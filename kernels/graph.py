@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from . import ggml
 from .kv_cache import KVCache
-from .spec import ModelSpec, SliceSpec
+from .spec import GATING_SIGMOID, ModelSpec, SliceSpec
 from .weights import LayerWeights, SliceWeights
 
 
@@ -65,7 +65,8 @@ class AttentionInputs:
 
     kq_mask: int  # F32 [n_kv, n_tokens]: 0 where a token may attend a cell, -inf elsewhere
     k_idxs: int  # I64 [n_tokens]: cell each token's K is written to
-    v_idxs: int  # I64 [n_tokens * n_embd_kv]: element of the transposed V each value goes to
+    v_idxs: int | None  # I64 [n_tokens * v_width]: element of the transposed V each value goes to
+    # (None: a cache without V, latent attention)
 
 
 @dataclass
@@ -141,17 +142,19 @@ class GraphBuilder:
                           r.freq_base, r.freq_scale, r.ext_factor, r.attn_factor, r.beta_fast, r.beta_slow)
         return self.name(y, label, il)
 
-    def attention(self, w: LayerWeights, q: int, k: int, v: int, il: int) -> int:
-        """Per request: store its K/V in its cache, attend over its cells. Then project out."""
+    def attention(self, w: LayerWeights, q: int, k: int, v: int, il: int, v_mla: int | None = None) -> int:
+        """Per request: store its K/V in its cache, attend over its cells. Then project out.
+        ``v_mla`` (latent attention): the per-head matrices that turn attended latents into values."""
         outs = []
         for m, (cache, inp) in enumerate(zip(self.caches, self.inputs.attention)):
             q_m, k_m, v_m = (self._rows(t, m) for t in (q, k, v))
             self._store_kv(cache, inp, k_m, v_m, il)
             if self.shape.requests[m].rowwise:
-                outs.append(_concat_rows(self.ctx, [self._attend(cache, inp, self._row_range(q_m, j, j + 1), il, j)
-                                                    for j in range(ggml.tensor_shape(q_m)[2])]))
+                outs.append(_concat_rows(self.ctx, [
+                    self._attend(cache, inp, self._row_range(q_m, j, j + 1), il, v_m, v_mla, row=j)
+                    for j in range(ggml.tensor_shape(q_m)[2])]))
             else:
-                outs.append(self._attend(cache, inp, q_m, il))
+                outs.append(self._attend(cache, inp, q_m, il, v_m, v_mla))
         cur = _concat_rows(self.ctx, outs)
         self.name(cur, "kqv_out", il)
         return self.linear(w.wo, cur, w.bo)
@@ -169,16 +172,19 @@ class GraphBuilder:
         return ggml.view_3d(self.ctx, t, ne0, ne1, b - a, nb[1], nb[2], a * nb[2])
 
     def _store_kv(self, cache: KVCache, inp: AttentionInputs, k: int, v: int, il: int) -> None:
-        ctx, n_embd_kv = self.ctx, self.spec.n_embd_kv
+        ctx = self.ctx
         n = ggml.tensor_shape(k)[2]
-        k_rows = ggml.view_2d(ctx, k, n_embd_kv, n, ggml.tensor_strides(k)[2], 0)
+        k_rows = ggml.view_2d(ctx, k, cache.k_width, n, ggml.tensor_strides(k)[2], 0)
         ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, cache.k[il], k_rows, inp.k_idxs))
+        if not cache.v_width:  # latent attention: the values are read from the K rows
+            return
         # V is stored transposed: scatter single elements, as llama.cpp's cpy_v does.
-        v_elems = ggml.reshape_2d(ctx, v, 1, n_embd_kv * n)
-        v_cells = ggml.reshape_2d(ctx, cache.v[il], 1, n_embd_kv * cache.capacity)
+        v_elems = ggml.reshape_2d(ctx, v, 1, cache.v_width * n)
+        v_cells = ggml.reshape_2d(ctx, cache.v[il], 1, cache.v_width * cache.capacity)
         ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, v_cells, v_elems, inp.v_idxs))
 
-    def _attend(self, cache: KVCache, inp: AttentionInputs, q: int, il: int, row: int | None = None) -> int:
+    def _attend(self, cache: KVCache, inp: AttentionInputs, q: int, il: int, v_cur: int,
+                v_mla: int | None = None, row: int | None = None) -> int:
         """Attention of q's rows over the request's cells. ``row``: q is that one row of the step,
         attending with its own mask row. Why rows one at a time for a speculative check: ggml's CPU
         matmul hands a product with two or more columns to llamafile's sgemm and a single column
@@ -191,42 +197,90 @@ class GraphBuilder:
         n_kv = ggml.tensor_shape(mask)[0]
         if row is not None:
             mask = ggml.view_2d(ctx, mask, n_kv, 1, ggml.tensor_strides(mask)[1], row * ggml.tensor_strides(mask)[1])
-        k_all, v_all = self._cached_kv(cache, n_kv, il)
+        k_all, v_all = self._cached_kv(cache, n_kv, il, v_cur)
         q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
         k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
         v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
+        if not cache.v_width:  # values read from the K rows are not transposed: llama.cpp copies them so
+            v_all = self.name(ggml.cont(ctx, ggml.transpose(ctx, v_all)), "v_cont", il)
         kq = self.name(ggml.mul_mat(ctx, k_all, q), "kq", il)  # [n_kv, n, n_head]
         ggml.prec_set_acc(kq, ggml.PREC_F32)
         kq = self.name(ggml.soft_max_ext(ctx, kq, mask, s.attention_scale, 0.0), "kq_soft_max", il)
         kqv = self.name(ggml.mul_mat(ctx, v_all, kq), "kqv", il)  # [head_dim, n, n_head]
-        return ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), s.n_embd_q, n)
+        if v_mla is not None:  # latent → each head's values
+            kqv = self.name(ggml.mul_mat(ctx, v_mla, kqv), "kqv_mla", il)  # [v_head, n, n_head]
+        width, _, heads, _ = ggml.tensor_shape(kqv)
+        return ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), width * heads, n)
 
-    def _cached_kv(self, cache: KVCache, n_kv: int, il: int) -> tuple[int, int]:
+    def _cached_kv(self, cache: KVCache, n_kv: int, il: int, v_cur: int) -> tuple[int, int]:
+        """Views of the cache's first ``n_kv`` cells: K [head_dim, n_head_kv, n_kv] and V
+        [n_kv, n_head_kv, head_dim] transposed, or, for a cache without V, the first
+        ``v_cur``-width values of each K row [v_width, n_head_kv, n_kv] (llama.cpp's MLA)."""
         s, cap, f16 = self.spec, cache.capacity, ggml.TYPE_F16
         row = ggml.row_size
         k = ggml.view_4d(self.ctx, cache.k[il], s.head_dim, s.n_head_kv, n_kv, 1,
                          row(f16, s.head_dim), row(f16, s.n_embd_kv), row(f16, s.n_embd_kv * cap), 0)
+        if not cache.v_width:
+            nb = ggml.tensor_strides(k)
+            v = ggml.view_4d(self.ctx, k, ggml.tensor_shape(v_cur)[0], s.n_head_kv, n_kv, 1, nb[1], nb[2], nb[3], 0)
+            return k, v
         v = ggml.view_4d(self.ctx, cache.v[il], n_kv, s.n_head_kv, s.head_dim, 1,
                          row(f16, cap * s.head_dim), row(f16, cap), row(f16, cap * s.n_embd_kv), 0)
         return k, v
 
+    def swiglu(self, gate: int, up: int, down: int, x: int, il: int, label: str = "ffn_out") -> int:
+        """down(silu(gate(x)) * up(x)) (llama.cpp's build_ffn with LLM_FFN_SILU, LLM_FFN_PAR)."""
+        ctx = self.ctx
+        u = self.name(ggml.mul_mat(ctx, up, x), "ffn_up", il)
+        g = self.name(ggml.mul_mat(ctx, gate, x), "ffn_gate", il)
+        act = self.name(ggml.swiglu_split(ctx, g, u), "ffn_swiglu", il)
+        return self.name(ggml.mul_mat(ctx, down, act), label, il)
+
+    def shared_experts(self, w: LayerWeights, x: int, il: int) -> int:
+        """The shared experts every token runs through (DeepSeek): one SwiGLU FFN."""
+        return self.swiglu(w.ffn_gate_shexp, w.ffn_up_shexp, w.ffn_down_shexp, x, il, "ffn_shexp")
+
     def route(self, w: LayerWeights, x: int, il: int) -> tuple[int, int]:
-        """The router: top-k experts per token (I32 [k, n]) and their normalised weights (F32 [1, k, n])."""
+        """The router (llama.cpp's build_moe_ffn): top-k experts per token (I32 [k, n]) and their
+        weights (F32 [1, k, n]). Softmax or sigmoid gating; a routing bias and expert groups only
+        choose the experts, the weights come from the unbiased probabilities."""
         s, ctx = self.spec, self.ctx
         n = ggml.tensor_shape(x)[1]
         k = s.n_expert_used
         logits = self.name(ggml.mul_mat(ctx, w.ffn_gate_inp, x), "ffn_moe_logits", il)  # [n_expert, n]
-        probs = self.name(ggml.soft_max(ctx, logits), "ffn_moe_probs", il)
-        selected = self.name(ggml.argsort_top_k(ctx, probs, k), "ffn_moe_topk", il)  # I32 [k, n]
-        weights = ggml.get_rows(ctx, ggml.reshape_3d(ctx, probs, 1, s.n_expert, n), selected)  # [1, k, n]
-        weights = ggml.reshape_2d(ctx, weights, k, n)
-        total = ggml.clamp(ctx, ggml.sum_rows(ctx, weights), 6.103515625e-5, float("inf"))
-        weights = ggml.reshape_3d(ctx, ggml.div(ctx, weights, total), 1, k, n)
+        gate = ggml.sigmoid if s.expert_gating == GATING_SIGMOID else ggml.soft_max
+        probs = self.name(gate(ctx, logits), "ffn_moe_probs", il)
+        choice = probs
+        if w.ffn_exp_probs_b is not None:
+            choice = self.name(ggml.add(ctx, probs, w.ffn_exp_probs_b), "ffn_moe_probs_biased", il)
+        if s.n_expert_groups > 1 and n > 0:
+            choice = self._best_groups(choice, n, il)
+        selected = self.name(ggml.argsort_top_k(ctx, choice, k), "ffn_moe_topk", il)  # I32 [k, n]
+        weights = self.name(ggml.get_rows(ctx, ggml.reshape_3d(ctx, probs, 1, s.n_expert, n), selected),
+                            "ffn_moe_weights", il)  # [1, k, n]
+        if s.expert_weights_norm:
+            weights = ggml.reshape_2d(ctx, weights, k, n)
+            total = ggml.clamp(ctx, ggml.sum_rows(ctx, weights), 6.103515625e-5, float("inf"))
+            weights = ggml.reshape_3d(ctx, self.name(ggml.div(ctx, weights, total), "ffn_moe_weights_norm", il), 1, k, n)
         if s.expert_weights_scale not in (0.0, 1.0):
-            weights = ggml.scale(ctx, weights, s.expert_weights_scale)
-        self.name(weights, "ffn_moe_weights_norm", il)
+            weights = self.name(ggml.scale(ctx, weights, s.expert_weights_scale), "ffn_moe_weights_scaled", il)
         ggml.build_forward_expand(self.graph, weights)
         return selected, weights
+
+    def _best_groups(self, choice: int, n: int, il: int) -> int:
+        """Group-limited routing (DeepSeek-V3): a group scores the sum of its two best experts,
+        and experts outside the best ``n_group_used`` groups are set to -inf."""
+        s, ctx = self.spec, self.ctx
+        groups, per = s.n_expert_groups, s.n_expert // s.n_expert_groups
+        by_group = ggml.reshape_3d(ctx, choice, per, groups, n)  # [per, groups, n]
+        best_two = ggml.argsort_top_k(ctx, by_group, 2)  # [2, groups, n]
+        scores = ggml.get_rows(ctx, ggml.reshape_4d(ctx, by_group, 1, per, groups, n), best_two)  # [1, 2, groups, n]
+        scores = ggml.sum_rows(ctx, ggml.reshape_3d(ctx, scores, 2, groups, n))  # [1, groups, n]
+        scores = ggml.reshape_2d(ctx, scores, groups, n)
+        kept = self.name(ggml.argsort_top_k(ctx, scores, s.n_group_used), "ffn_moe_group_topk", il)
+        chosen = ggml.get_rows(ctx, by_group, kept)  # [per, n_group_used, n]
+        masked = ggml.set_rows(ctx, ggml.fill(ctx, by_group, float("-inf")), chosen, kept)
+        return self.name(ggml.reshape_2d(ctx, masked, s.n_expert, n), "ffn_moe_probs_masked", il)
 
     def experts(self, w: LayerWeights, x: int, selected: int, il: int) -> int:
         """Each token through its selected experts: [n_embd, 1|k, n] rows → [n_embd, k, n]."""
@@ -279,7 +333,7 @@ def attention_half(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
 
 def ffn_half(b: GraphBuilder, w: LayerWeights, ffn_inp: int, il: int) -> int:
     """l_out = ffn_inp + ffn(ffn_norm(ffn_inp)), with the model's FFN (dense or mixture of experts)."""
-    cur = b.spec.ffn.build(b, w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
+    cur = b.spec.ffn_for(il).build(b, w, b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il), il)
     return b.name(ggml.add(b.ctx, cur, ffn_inp), "l_out", il)
 
 
@@ -288,10 +342,11 @@ def transformer_layer(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
 
 
 def graph_size_for(n_layers: int, n_requests: int, n_expert_used: int = 0) -> int:
-    """Graph nodes to reserve: a dense block makes about 25 shared tensors and 20 per request;
-    a mixture-of-experts FFN some 20 more, plus two per selected expert."""
-    moe = 24 + 3 * n_expert_used if n_expert_used else 0
-    return (32 + moe + 24 * n_requests) * max(n_layers, 1) + 64 + 4 * n_requests
+    """Graph nodes to reserve: a block makes up to about 50 shared tensors (latent attention's
+    the most) and 20 per request; a mixture-of-experts FFN some 40 more (group routing, shared
+    experts), plus two per selected expert."""
+    moe = 40 + 3 * n_expert_used if n_expert_used else 0
+    return (56 + moe + 28 * n_requests) * max(n_layers, 1) + 64 + 4 * n_requests
 
 
 def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights,
@@ -337,6 +392,8 @@ def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceW
     selected, routing = b.route(w, ffn_in, il)
     # argsort_top_k is a strided view of the full ranking: copy it contiguous to read it out
     outputs = {"ffn_in": ffn_in, "selected": ggml.cont(ctx, selected), "weights": routing}
+    if w.ffn_up_shexp is not None:  # shared experts stay with the stage
+        outputs["shared"] = b.shared_experts(w, ffn_in, il)
     for t in (ffn_inp, *outputs.values()):
         ggml.set_output(t)
         ggml.build_forward_expand(graph, t)
@@ -357,7 +414,8 @@ def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> G
         inputs.attention = [AttentionInputs(
             kq_mask=placeholder("attn_inp_kq_mask", ggml.TYPE_F32, r.n_kv, r.n_tokens),
             k_idxs=placeholder("attn_inp_k_idxs", ggml.TYPE_I64, r.n_tokens),
-            v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, r.n_tokens * spec.n_embd_kv),
+            v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, r.n_tokens * spec.kv_widths[1])
+            if spec.kv_widths[1] else None,
         ) for r in shape.requests]
     if s.has_embedding:
         inputs.tokens = placeholder("inp_tokens", ggml.TYPE_I32, n)

@@ -14,8 +14,9 @@ class InputHost:
     """Host-side arrays for one graph's inputs, allocated with the graph and refilled per step, so a
     steady decode step costs a few in-place writes and one copy per input (no allocation)."""
 
-    def __init__(self, graph: SliceGraph, n_embd_kv: int, capacities: list[int]) -> None:
-        """``capacities``: the KV cells of each request's cache, in the graph's order."""
+    def __init__(self, graph: SliceGraph, v_width: int, capacities: list[int]) -> None:
+        """``v_width``: V values per cell (0: a cache without V, latent attention);
+        ``capacities``: the KV cells of each request's cache, in the graph's order."""
         self.graph = graph
         shape = graph.shape
         self.pos = np.empty(shape.n_tokens, dtype=np.int32)
@@ -27,11 +28,13 @@ class InputHost:
                 "mask": np.empty((r.n_tokens, r.n_kv), dtype=np.float32),
                 "cells": np.arange(r.n_kv, dtype=np.int32),
                 "k_idxs": np.empty(r.n_tokens, dtype=np.int64),
-                "v_idxs": np.empty((r.n_tokens, n_embd_kv), dtype=np.int64),
-                "v_base": np.arange(n_embd_kv, dtype=np.int64) * cap,  # V is transposed
+                "v_idxs": np.empty((r.n_tokens, v_width), dtype=np.int64),
+                "v_base": np.arange(v_width, dtype=np.int64) * cap,  # V is transposed
             }
             self.members.append(member)
-            copies += [(inp.kq_mask, member["mask"]), (inp.k_idxs, member["k_idxs"]), (inp.v_idxs, member["v_idxs"])]
+            copies += [(inp.kq_mask, member["mask"]), (inp.k_idxs, member["k_idxs"])]
+            if inp.v_idxs is not None:
+                copies.append((inp.v_idxs, member["v_idxs"]))
         self.out_ids = output_rows(shape)
         if graph.inputs.pos is not None:
             copies.append((graph.inputs.pos, self.pos))

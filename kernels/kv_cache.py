@@ -3,8 +3,11 @@
 Layout mirrors llama.cpp's cache without flash attention, so that attention runs the same ggml
 operations on the same data layout and gives the same bits:
 
-    K per layer: [n_embd_kv, capacity] f16, one row per cell (cell i holds position i)
-    V per layer: [capacity, n_embd_kv] f16, transposed: one row per channel
+    K per layer: [k_width, capacity] f16, one row per cell (cell i holds position i)
+    V per layer: [capacity, v_width] f16, transposed: one row per channel
+
+Latent attention (deepseek2's MLA) keeps no V (``v_width`` 0): a K row is the token's compressed
+latent plus its RoPE part, and attention reads the values from the latent, as llama.cpp does.
 
 Capacity grows in steps of ``KV_CELL_PAD`` cells up to the request's context bound; growing copies
 the filled cells into the larger tensors (a handful of times per request, never per token).
@@ -33,10 +36,11 @@ def grown_capacity(capacity: int, n_tokens: int, max_tokens: int) -> int:
 
 
 class KVCache:
-    def __init__(self, backend: Backend, layers: range, n_embd_kv: int, max_tokens: int) -> None:
+    def __init__(self, backend: Backend, layers: range, widths: tuple[int, int], max_tokens: int) -> None:
+        """``widths``: (K, V) values per cell per layer (ModelSpec.kv_widths); V 0: no V tensors."""
         self.backend = backend
         self.layers = layers
-        self.n_embd_kv = n_embd_kv
+        self.k_width, self.v_width = widths
         self.max_tokens = max_tokens  # the context bound: positions [0, max_tokens)
         self.n_filled = 0  # positions [0, n_filled) hold valid keys and values
         self.capacity = 0  # cells allocated per layer (a multiple of KV_CELL_PAD)
@@ -47,7 +51,7 @@ class KVCache:
 
     @property
     def n_bytes(self) -> int:
-        return 2 * 2 * self.n_embd_kv * self.capacity * len(self.layers)
+        return 2 * (self.k_width + self.v_width) * self.capacity * len(self.layers)
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for positions [0, n_tokens), or raise if that exceeds the context bound."""
@@ -74,10 +78,11 @@ class KVCache:
                 ctx = ggml.new_context(2 * len(layers) + 1)
                 allocations.append((ctx, 0))
                 for il in layers:
-                    k[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, self.n_embd_kv, capacity)
-                    v[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, capacity, self.n_embd_kv)
+                    k[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, self.k_width, capacity)
                     ggml.set_name(k[il], f"cache_k_l{il}".encode())
-                    ggml.set_name(v[il], f"cache_v_l{il}".encode())
+                    if self.v_width:
+                        v[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, capacity, self.v_width)
+                        ggml.set_name(v[il], f"cache_v_l{il}".encode())
                 buffer = ggml.backend_alloc_ctx_tensors_from_buft(ctx, buft)
                 if not buffer:
                     raise MemoryError(f"cannot allocate the KV cache ({ggml.backend_buft_name(buft).decode()})")
@@ -98,14 +103,16 @@ class KVCache:
     def _copy_cells(self, old_k: dict, old_v: dict, old_capacity: int, new_k: dict, new_v: dict,
                     new_capacity: int) -> None:
         n = self.n_filled
-        row = self.n_embd_kv * 2
+        row = self.k_width * 2
         for il in self.layers:
             k_bytes = np.empty(n * row, dtype=np.uint8)
             ggml.backend_tensor_get(old_k[il], k_bytes.ctypes.data, 0, k_bytes.nbytes)
             ggml.backend_tensor_set(new_k[il], k_bytes.ctypes.data, 0, k_bytes.nbytes)
-            v_old = np.empty((self.n_embd_kv, old_capacity), dtype=np.float16)
+            if not self.v_width:
+                continue
+            v_old = np.empty((self.v_width, old_capacity), dtype=np.float16)
             ggml.backend_tensor_get(old_v[il], v_old.ctypes.data, 0, v_old.nbytes)
-            v_new = np.zeros((self.n_embd_kv, new_capacity), dtype=np.float16)
+            v_new = np.zeros((self.v_width, new_capacity), dtype=np.float16)
             v_new[:, :n] = v_old[:, :n]
             ggml.backend_tensor_set(new_v[il], v_new.ctypes.data, 0, v_new.nbytes)
 

@@ -289,7 +289,7 @@ class SliceEngine:
     def _new_request(self, key: bytes) -> _Request:
         kv = None
         if self.slice.stop > self.slice.start:
-            kv = KVCache(self.backend, self.slice.layers, self.spec.n_embd_kv, self.max_context)
+            kv = KVCache(self.backend, self.slice.layers, self.spec.kv_widths, self.max_context)
         request = self._requests[key] = _Request(kv)
         return request
 
@@ -307,7 +307,7 @@ class SliceEngine:
         return entry
 
     def _place(self, graph: SliceGraph, caches: list[KVCache]) -> PlacedGraph:
-        host = InputHost(graph, self.spec.n_embd_kv, [c.capacity for c in caches])
+        host = InputHost(graph, self.spec.kv_widths[1], [c.capacity for c in caches])
         entry = place(graph, host, self.backend)  # frees the graph if it does not fit
         self.stats.graph_builds += 1
         return entry
@@ -332,10 +332,12 @@ class SliceEngine:
             ffn_in = _read(graph.extra_outputs["ffn_in"], (shape.n_tokens, self.spec.n_embd), np.float32)
             selected = _read(graph.extra_outputs["selected"], (shape.n_tokens, k), np.int32)
             weights = _read(graph.extra_outputs["weights"], (shape.n_tokens, k), np.float32)
+            shared = graph.extra_outputs.get("shared")  # shared experts run here, with the stage
+            shared = _read(shared, (shape.n_tokens, self.spec.n_embd), np.float32) if shared else None
             experts = np.asarray(self.remote_experts(il, ffn_in, selected), dtype=np.float32)
             if experts.shape != (shape.n_tokens, k, self.spec.n_embd):
                 raise InputShapeError(f"expert outputs of shape {list(experts.shape)} do not fit")
-            x = _combine_experts(experts, weights, residual)
+            x = _combine_experts(experts, weights, residual, shared)
         bounds = np.cumsum([0] + [r.n_tokens for r in shape.requests])
         return [x[a:b] for a, b in zip(bounds, bounds[1:])]
 
@@ -412,14 +414,18 @@ def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[n
     return GraphShape(tuple(shapes), tuple(step.key for step in steps))
 
 
-def _combine_experts(experts: np.ndarray, weights: np.ndarray, residual: np.ndarray) -> np.ndarray:
+def _combine_experts(experts: np.ndarray, weights: np.ndarray, residual: np.ndarray,
+                     shared: np.ndarray | None = None) -> np.ndarray:
     """l_out = residual + the experts' outputs [n, k, n_embd] weighted [n, k] and added in slot
-    order, with the float32 operations the whole-layer graph performs (GraphBuilder.combine_experts)."""
+    order (+ the shared experts' output), with the float32 operations the whole-layer graph
+    performs (GraphBuilder.combine_experts, then the architecture's FFN)."""
     weighted = experts * weights[:, :, None]  # ggml_mul(experts, weights)
     out = weighted[:, 0]
     for slot in range(1, weighted.shape[1]):
         out = out + weighted[:, slot]  # the views added in slot order
-    return np.ascontiguousarray(out + residual, dtype=np.float32)  # l_out = moe_out + ffn_inp
+    if shared is not None:
+        out = out + shared  # ffn_out = ffn_moe_out + ffn_shexp
+    return np.ascontiguousarray(out + residual, dtype=np.float32)  # l_out = ffn_out + ffn_inp
 
 
 def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -431,7 +437,7 @@ def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
 def layers_that_fit(spec: ModelSpec, slice_spec: SliceSpec, budget: int, max_context: int) -> range | None:
     """The slice's first layers whose weights and KV cache (one request at ``max_context``) fit in
     ``budget`` bytes; None when the whole slice fits, its embedding and LM head included."""
-    kv_per_layer = 2 * 2 * spec.n_embd_kv * max_context  # K and V, F16
+    kv_per_layer = spec.kv_bytes_per_token_per_layer * max_context
     globals_bytes = (spec.embedding_bytes if slice_spec.has_embedding else 0) + \
         (spec.lm_head_bytes if slice_spec.has_lm_head else 0)
     used, fit = 0, 0

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .archs import Architecture, Block, architecture_for
+from .archs import Architecture, Block, LayerTensor, architecture_for
+from .cmath import f32, get_mscale, logf
 from .errors import ModelFileError, SliceRangeError, UnsupportedModelError
 from .gguf_file import GGUFFile
 
 KV_CELL_PAD = 256  # llama.cpp pads the attended KV length to this; we mirror it for identical bits
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama.cpp's llama_expert_gating_func_type values
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,24 @@ class RopeConfig:
     attn_factor: float
     beta_fast: float
     beta_slow: float
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; llama.cpp's MLA with the absorption
+    optimisation). K and V are projected down to one shared latent of ``kv_rank`` values per token
+    (plus ``n_rot`` RoPE values); the cache keeps only that latent, and each head's keys and values
+    are recovered from it through ``attn_k_b`` / ``attn_v_b`` inside attention."""
+
+    q_rank: int  # Q's low rank (attn_q_a → attn_q_b); 0: one plain attn_q
+    kv_rank: int  # the compressed latent's width
+    k_head: int  # a head's key width: the no-RoPE part + the RoPE part (192 in DeepSeek-V3)
+    v_head: int  # a head's value width (128)
+    n_rot: int  # the decoupled RoPE part (64)
+
+    @property
+    def qk_nope(self) -> int:
+        return self.k_head - self.n_rot
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,13 @@ class ModelSpec:
     n_expert_used: int = 0  # experts each token goes to (top-k)
     n_ff_exp: int = 0  # an expert's FFN width
     expert_weights_scale: float = 0.0  # 0 or 1: the router weights are used as they are
+    expert_gating: int = GATING_SOFTMAX  # GATING_SOFTMAX or GATING_SIGMOID (llama.cpp's expert_gating_func)
+    expert_weights_norm: bool = True  # the top-k weights are divided by their sum
+    n_expert_groups: int = 0  # > 1: experts come in groups and only the best n_group_used groups compete
+    n_group_used: int = 0
+    n_expert_shared: int = 0  # shared experts every token runs through (they stay with the stage)
+    n_layer_dense_lead: int = 0  # the first layers have a dense FFN, the rest experts (DeepSeek)
+    mla: LatentAttention | None = None  # latent attention: the KV cache holds the latent, no V
 
     @property
     def n_embd_q(self) -> int:
@@ -59,18 +86,34 @@ class ModelSpec:
         return self.n_head_kv * self.head_dim
 
     @property
+    def kv_widths(self) -> tuple[int, int]:
+        """(K, V) values per token per layer in the cache. Latent attention keeps no V: its values
+        are the first ``kv_rank`` values of each K row, as llama.cpp's MLA cache does."""
+        return (self.n_embd_kv, 0) if self.mla else (self.n_embd_kv, self.n_embd_kv)
+
+    @property
     def kv_bytes_per_token_per_layer(self) -> int:
-        return 2 * self.n_embd_kv * 2  # K and V, f16
+        return 2 * sum(self.kv_widths)  # f16
+
+    def is_moe_layer(self, il: int) -> bool:
+        return self.n_expert > 0 and il >= self.n_layer_dense_lead
+
+    @property
+    def moe_layers(self) -> range:
+        return range(self.n_layer_dense_lead, self.n_layer) if self.n_expert else range(0)
+
+    def ffn_for(self, il: int) -> Block:
+        """Layer ``il``'s feed-forward half: dense, or a mixture of experts."""
+        return self.arch.feed_forward(self.n_expert if self.is_moe_layer(il) else 0)
+
+    def layer_tensors(self, il: int) -> tuple[LayerTensor, ...]:
+        """Every tensor layer ``il`` has, attention half first."""
+        return self.arch.attention.tensors + self.ffn_for(il).tensors
 
     @property
     def arch(self) -> Architecture:
         """The architecture's record (kernels.archs): its tensors and builders."""
         return architecture_for(self.architecture)
-
-    @property
-    def ffn(self) -> Block:
-        """This model's feed-forward half: dense, or a mixture of experts when it has experts."""
-        return self.arch.feed_forward(self.n_expert)
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> "ModelSpec":
@@ -98,7 +141,7 @@ class ModelSpec:
         n_ctx_train = int(key("context_length", 4096))
         n_expert = int(key("expert_count", 0) or 0)
         record.feed_forward(n_expert)  # refuses experts the architecture has no layers for, or their absence
-        rope = _rope_config(gguf, arch, record.rope_mode, head_dim, n_ctx_train)
+        rope = _rope_config(gguf, record, head_dim, n_ctx_train)
         attention_scale = float(key("attention.scale", 0.0) or 0.0) or 1.0 / math.sqrt(head_dim)
 
         layer_bytes = [0] * n_layer
@@ -117,7 +160,7 @@ class ModelSpec:
         norm = gguf.tensors.get("output_norm.weight")
         lm_head_bytes = (out.n_bytes if out else 0) + (norm.n_bytes if norm else 0)
 
-        return cls(
+        spec = cls(
             architecture=arch,
             n_layer=n_layer,
             n_embd=n_embd,
@@ -138,7 +181,15 @@ class ModelSpec:
             n_expert_used=int(key("expert_used_count", 0) or 0),
             n_ff_exp=int(key("expert_feed_forward_length", 0) or 0),
             expert_weights_scale=float(key("expert_weights_scale", 0.0) or 0.0),
+            n_expert_groups=int(key("expert_group_count", 0) or 0),
+            n_group_used=int(key("expert_group_used_count", 0) or 0),
         )
+        if n_expert and spec.n_expert_groups > 1 and not (
+                n_expert % spec.n_expert_groups == 0 and 0 < spec.n_group_used < spec.n_expert_groups):
+            raise ModelFileError(f"{gguf.path}: {n_expert} experts do not split into {spec.n_expert_groups} groups "
+                                 f"of which {spec.n_group_used} are used")
+        # What only this architecture has (latent attention, shared experts, its own gating...).
+        return replace(spec, **record.read_hparams(key, spec)) if record.read_hparams else spec
 
 
 def layer_of(tensor_name: str) -> int | None:
@@ -149,29 +200,40 @@ def layer_of(tensor_name: str) -> int | None:
     return int(index) if index.isdigit() else None
 
 
-def _rope_config(gguf: GGUFFile, arch: str, mode: int, head_dim: int, n_ctx_train: int) -> RopeConfig:
+def _rope_config(gguf: GGUFFile, arch: Architecture, head_dim: int, n_ctx_train: int) -> RopeConfig:
+    """RoPE's arguments as llama.cpp's context resolves them (llama-context.cpp), in float32."""
     def key(name: str, default):
-        value = gguf.get(f"{arch}.rope.{name}", default)
+        value = gguf.get(f"{arch.name}.rope.{name}", default)
         return default if value is None else value
 
     scaling_type = str(key("scaling.type", "none"))
     factor = float(key("scaling.factor", 0.0))
     # llama.cpp: a scaling type of "none" never scales; otherwise freq_scale = 1 / factor.
-    freq_scale = 1.0 / factor if scaling_type != "none" and factor > 0 else 1.0
-    ext_factor = 1.0 if scaling_type == "yarn" else 0.0
-    # For YaRN llama.cpp multiplies by get_mscale(f) and then by its reciprocal (llama-context.cpp),
-    # so with no yarn_log_multiplier the net attention factor is the model's rope attn_factor.
-    if scaling_type == "yarn" and float(key("scaling.yarn_log_multiplier", 0.0)):
-        raise UnsupportedModelError("YaRN with a log multiplier (DeepSeek-style) is not supported")
-    attn_factor = float(key("scaling.attn_factor", 1.0))
+    freq_scale = f32(1.0) / f32(factor) if scaling_type != "none" and factor > 0 else f32(1.0)
+    yarn = scaling_type == "yarn"
+    log_mul = f32(float(key("scaling.yarn_log_multiplier", 0.0)))
+    if yarn and log_mul and not arch.yarn_log_multiplier:
+        raise UnsupportedModelError(f"YaRN with a log multiplier is not supported for '{arch.name}'")
+    attn_factor = f32(1.0)
+    if yarn:
+        scale = f32(1.0) / freq_scale
+        if log_mul:
+            # DeepSeek's converter writes 0.1 × mscale_all_dim; llama.cpp divides the 0.1 back out,
+            # and with mscale = mscale_all_dim the two get_mscale factors cancel.
+            mscale_all = log_mul / f32(0.1)
+            attn_factor = get_mscale(scale, mscale_all) / get_mscale(scale, mscale_all)
+        else:
+            attn_factor = get_mscale(scale, f32(1.0))
+        attn_factor = attn_factor * (f32(1.0) / (f32(1.0) + f32(0.1) * logf(scale)))
+    attn_factor = attn_factor * f32(float(key("scaling.attn_factor", 1.0)))
     return RopeConfig(
-        mode=mode,
+        mode=arch.rope_mode,
         n_dims=int(key("dimension_count", head_dim)),
         freq_base=float(key("freq_base", 10000.0)),
-        freq_scale=freq_scale,
+        freq_scale=float(freq_scale),
         n_ctx_orig=int(key("scaling.original_context_length", n_ctx_train)),
-        ext_factor=ext_factor,
-        attn_factor=attn_factor,
+        ext_factor=1.0 if yarn else 0.0,
+        attn_factor=float(attn_factor),
         beta_fast=float(key("scaling.yarn_beta_fast", 32.0)),
         beta_slow=float(key("scaling.yarn_beta_slow", 1.0)),
     )

@@ -33,11 +33,11 @@ class LayerWeights:
     The fields are the union of the records' LayerTensor fields (kernels.archs)."""
 
     attn_norm: int
-    wq: int  # [n_embd, n_head * head_dim]
-    wk: int  # [n_embd, n_head_kv * head_dim]
-    wv: int  # [n_embd, n_head_kv * head_dim]
     wo: int  # [n_head * head_dim, n_embd]
     ffn_norm: int
+    wq: int | None = None  # [n_embd, n_head * head_dim]
+    wk: int | None = None  # [n_embd, n_head_kv * head_dim]
+    wv: int | None = None  # [n_embd, n_head_kv * head_dim]
     bq: int | None = None
     bk: int | None = None
     bv: int | None = None
@@ -51,6 +51,18 @@ class LayerWeights:
     ffn_gate_exps: int | None = None  # [n_embd, n_ff, n_expert]
     ffn_up_exps: int | None = None
     ffn_down_exps: int | None = None  # [n_ff, n_embd, n_expert]
+    ffn_exp_probs_b: int | None = None  # [n_expert]: routing bias, for choosing experts only (DeepSeek-V3)
+    ffn_gate_shexp: int | None = None  # shared experts [n_embd, n_ff_shexp]
+    ffn_up_shexp: int | None = None
+    ffn_down_shexp: int | None = None  # [n_ff_shexp, n_embd]
+    # latent attention (deepseek2): Q through a low rank (or plain wq), K/V through one latent
+    wq_a: int | None = None  # [n_embd, q_rank]
+    q_a_norm: int | None = None  # [q_rank]
+    wq_b: int | None = None  # [q_rank, n_head * k_head]
+    wkv_a_mqa: int | None = None  # [n_embd, kv_rank + n_rot]
+    kv_a_norm: int | None = None  # [kv_rank]
+    wk_b: int | None = None  # [qk_nope, kv_rank, n_head]: absorbed into Q
+    wv_b: int | None = None  # [kv_rank, v_head, n_head]: turns attended latents into values
 
     @property
     def is_moe(self) -> bool:
@@ -135,14 +147,14 @@ class SliceWeights:
     def _tensor_names(self, gguf: GGUFFile, spec: ModelSpec, s: SliceSpec) -> dict[tuple[str, int], str]:
         """(field, layer) → GGUF tensor name, for every tensor this slice needs; layer -1 = global.
         Exactly the tensors the architecture's record lists, in its order."""
-        tensors = spec.arch.layer_tensors(spec.n_expert)
         names: dict[tuple[str, int], str] = {}
         if s.stop > s.start and spec.n_expert and not 0 < spec.n_expert_used <= spec.n_expert:
             raise UnsupportedModelError(f"{spec.n_expert_used} experts used per token of {spec.n_expert}")
         for il in s.layers:
+            tensors = spec.layer_tensors(il)
             present = {t.field: t.gguf_name(il) for t in tensors if t.gguf_name(il) in gguf.tensors}
             for t in tensors:
-                if t.required and t.field not in present and (self.with_experts or not t.expert):
+                if t.is_required(spec) and t.field not in present and (self.with_experts or not t.expert):
                     raise UnsupportedModelError(f"tensor {t.gguf_name(il)} is missing from the model")
             _check_layer_shapes(gguf, spec, tensors, present)
             # A stage whose experts live on other nodes leaves their slabs unmapped.
@@ -200,7 +212,11 @@ def _check_layer_shapes(gguf: GGUFFile, spec: ModelSpec, tensors: tuple[LayerTen
     Dimensions come from the spec; one the metadata does not fix (an FFN's width) is read from the
     first of the layer's tensors that has it, and every later tensor must agree."""
     dims: dict[str, int] = {"n_embd": spec.n_embd, "n_embd_q": spec.n_embd_q, "n_embd_kv": spec.n_embd_kv,
-                            "head_dim": spec.head_dim, "n_expert": spec.n_expert}
+                            "head_dim": spec.head_dim, "n_expert": spec.n_expert, "n_head": spec.n_head}
+    if spec.mla:
+        m = spec.mla
+        dims.update(q_rank=m.q_rank, kv_rank=m.kv_rank, kv_a=m.kv_rank + m.n_rot, qk_nope=m.qk_nope,
+                    v_head=m.v_head, n_embd_q_mla=spec.n_head * m.k_head, n_embd_v_mla=spec.n_head * m.v_head)
     for t in tensors:
         name = present.get(t.field)
         if name is None:
@@ -228,7 +244,8 @@ def _matmul_only(wanted: dict[tuple[str, int], str], matmul_fields: set[str]) ->
 def _matmul_fields(spec: ModelSpec) -> set[str]:
     """Fields whose tensor only ever feeds ggml_mul_mat as its weight, as the record marks them
     ("output" too: unless the slice also looks rows up in it, as a tied LM head with the embedding)."""
-    tensors = (*spec.arch.layer_tensors(spec.n_expert), *spec.arch.model_tensors)
+    tensors = (*spec.arch.attention.tensors, *(spec.arch.dense_ffn.tensors if spec.arch.dense_ffn else ()),
+               *(spec.arch.moe_ffn.tensors if spec.arch.moe_ffn else ()), *spec.arch.model_tensors)
     return {t.field for t in tensors if t.matmul_only}
 
 

@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kernels import ggml
@@ -23,7 +24,7 @@ from kernels.weights import LayerWeights, SliceWeights, _check_layer_shapes
 from swarmctl.models import default_model_path
 from tests.tiny_models import TinyConfig, write_tiny_model
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe", "deepseek2")
 
 
 def _tiny(tmp_path: Path, name: str, **config) -> Path:
@@ -40,7 +41,7 @@ def _fields(tensors) -> dict[str, LayerTensor]:
 def test_each_supported_architecture_resolves_to_its_record(name):
     arch = architecture_for(name)
     assert arch.name == name
-    assert arch.rope_mode == (ggml.ROPE_TYPE_NORM if name == "llama" else ggml.ROPE_TYPE_NEOX)
+    assert arch.rope_mode == (ggml.ROPE_TYPE_NORM if name in ("llama", "deepseek2") else ggml.ROPE_TYPE_NEOX)
 
 
 def test_the_supported_set_is_exactly_the_records():
@@ -50,7 +51,7 @@ def test_the_supported_set_is_exactly_the_records():
 def test_an_unsupported_architecture_is_one_line_naming_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as err:
         architecture_for("bert")
-    assert str(err.value) == "architecture 'bert' is not supported (supported: llama, qwen2, qwen3, qwen3moe)"
+    assert str(err.value) == "architecture 'bert' is not supported (supported: llama, qwen2, qwen3, qwen3moe, deepseek2)"
 
 
 def test_required_and_optional_tensors_per_architecture():
@@ -73,7 +74,8 @@ def test_model_tensors_required_optional_and_the_tied_head():
 
 def test_qwen3_attention_is_llamas_builder_not_a_copy():
     for name in SUPPORTED:
-        assert architecture_for(name).attention.build is llama_attention
+        if name != "deepseek2":  # latent attention is its own builder
+            assert architecture_for(name).attention.build is llama_attention
 
 
 def test_feed_forward_kind_follows_the_expert_count():
@@ -116,7 +118,7 @@ def test_record_building_blocks_refuse_mistakes():
 # --- shapes: dimensions from the spec, an FFN's width from the first tensor that has it ----------
 
 def _shape_check(shapes: dict[str, tuple[int, ...]], n_expert: int = 0) -> None:
-    spec = SimpleNamespace(n_embd=8, n_embd_q=8, n_embd_kv=4, head_dim=2, n_expert=n_expert)
+    spec = SimpleNamespace(n_embd=8, n_embd_q=8, n_embd_kv=4, head_dim=2, n_expert=n_expert, n_head=4, mla=None)
     tensors = architecture_for("llama").layer_tensors(n_expert)
     present = {t.field: t.gguf_name(0) for t in tensors if t.field in shapes}
     gguf = SimpleNamespace(tensors={present[f]: SimpleNamespace(shape=s) for f, s in shapes.items()})
@@ -205,3 +207,64 @@ def test_a_record_with_experts_maps_the_whole_mixture(tmp_path):
                      "blk.0.attn_v.weight", "blk.0.attn_output.weight", "blk.0.ffn_norm.weight",
                      "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight",
                      "blk.0.ffn_down_exps.weight")
+
+
+# --- deepseek2: latent attention's variants, dense leading layers, shared experts ---------------
+
+DEEPSEEK2 = dict(arch="deepseek2", n_expert=4, n_expert_used=2)
+
+
+def test_deepseek2_spec_reads_latent_attention_and_routing(tmp_path):
+    path = _tiny(tmp_path, "ds", **DEEPSEEK2, n_dense_lead=2, sigmoid_gating=True, n_groups=2, n_group_used=1)
+    with GGUFFile(path) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+    assert (spec.mla.q_rank, spec.mla.kv_rank, spec.mla.k_head, spec.mla.v_head, spec.mla.n_rot) == (32, 32, 48, 32, 16)
+    # the cache holds the latent and the RoPE part: one K row of 48 f16 values, no V
+    assert spec.kv_widths == (48, 0) and spec.kv_bytes_per_token_per_layer == 96
+    assert [spec.is_moe_layer(il) for il in range(4)] == [False, False, True, True]
+    assert list(spec.moe_layers) == [2, 3] and spec.n_expert_shared == 1
+    assert spec.expert_weights_norm and spec.expert_gating == 2 and (spec.n_expert_groups, spec.n_group_used) == (2, 1)
+    assert spec.attention_scale == pytest.approx(48 ** -0.5)  # 1/sqrt(the key's width), not the cached row's
+
+
+def test_deepseek2_layers_map_their_own_ffn_and_q_variant(tmp_path):
+    with_rank = _load(_tiny(tmp_path, "rank", **DEEPSEEK2))
+    assert "blk.0.attn_q_a.weight" in with_rank and "blk.0.attn_q.weight" not in with_rank
+    assert "blk.0.ffn_gate.weight" in with_rank and not any(n.startswith("blk.0.ffn_") and "exp" in n for n in with_rank)
+    assert {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_shexp.weight"} <= set(with_rank)
+    plain = _load(_tiny(tmp_path, "plain", **DEEPSEEK2, q_rank=0))
+    assert "blk.0.attn_q.weight" in plain and not any("attn_q_a" in n for n in plain)
+    # a stage whose experts live elsewhere keeps the router and the shared experts
+    stage = _load(_tiny(tmp_path, "rank", **DEEPSEEK2), SliceSpec(1, 3), with_experts=False)
+    assert "blk.1.ffn_gate_inp.weight" in stage and "blk.1.ffn_down_shexp.weight" in stage
+    assert not any("_exps" in n for n in stage)
+
+
+@pytest.mark.parametrize("name, config, missing", [
+    ("q_b", dict(omit=("blk.1.attn_q_b.weight",)), "blk.1.attn_q_b.weight"),
+    ("q", dict(q_rank=0, omit=("blk.2.attn_q.weight",)), "blk.2.attn_q.weight"),
+    ("shexp", dict(omit=("blk.3.ffn_up_shexp.weight",)), "blk.3.ffn_up_shexp.weight"),
+    ("v_b", dict(omit=("blk.0.attn_v_b.weight",)), "blk.0.attn_v_b.weight"),
+])
+def test_a_deepseek2_missing_a_tensor_of_its_variant_is_refused_in_one_line(tmp_path, name, config, missing):
+    with pytest.raises(UnsupportedModelError) as err:
+        _load(_tiny(tmp_path, name, **DEEPSEEK2, **config))
+    assert str(err.value) == f"tensor {missing} is missing from the model"
+
+
+def test_an_unsplit_deepseek2_conversion_is_refused_in_one_line(tmp_path):
+    import gguf as gguf_lib
+
+    path = tmp_path / "legacy.gguf"
+    writer = gguf_lib.GGUFWriter(str(path), "deepseek2")
+    for key, value in (("block_count", 2), ("embedding_length", 8), ("attention.head_count", 2),
+                       ("attention.kv_lora_rank", 4)):
+        writer.add_uint32(f"deepseek2.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with GGUFFile(path) as gguf, pytest.raises(UnsupportedModelError) as err:
+        ModelSpec.from_gguf(gguf)
+    assert "no attention.key_length_mla" in str(err.value) and "\n" not in str(err.value)

@@ -59,7 +59,7 @@ def batched(engine: SliceEngine) -> dict[bytes, list[np.ndarray]]:
 
 
 @pytest.mark.parametrize("model", ["bundled", "llama-f32", "qwen2-q4_1", "qwen3-q8_0", "llama-moe-q8_0",
-                                   "qwen3moe-q8_0"])
+                                   "qwen3moe-q8_0", "deepseek2-q8_0", "deepseek2-q4_1"])
 def test_batched_logits_equal_solo_logits(bundled_model, tiny_model, model):
     path = bundled_model if model == "bundled" else tiny_model(model)
     with GGUFFile(path) as gguf:

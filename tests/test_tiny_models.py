@@ -42,7 +42,8 @@ def test_tiny_model_matches_oracle(tiny_model, name):
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["qwen2-q4_1", "qwen3-q8_0", "llama-moe-q8_0", "qwen3moe-q8_0"])
+@pytest.mark.parametrize("name", ["qwen2-q4_1", "qwen3-q8_0", "llama-moe-q8_0", "qwen3moe-q8_0", "deepseek2-q8_0",
+                                  "deepseek2-q4_1"])
 def test_tiny_model_split_invariance(tiny_model, name):
     path = tiny_model(name)
     with GGUFFile(path) as gguf:

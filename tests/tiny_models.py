@@ -2,7 +2,9 @@
 
 They carry the bundled model's tokenizer (vocabulary, merges, chat template) so that
 llama-cpp-python loads them and stays the oracle. Architectures: llama, qwen2 (Q/K/V biases,
-separate output matrix with a bias), qwen3 (per-head Q/K norms); F32 or a quantized type.
+separate output matrix with a bias), qwen3 (per-head Q/K norms), llama-MoE, qwen3moe and deepseek2
+(latent attention with or without a Q rank, dense leading layers, shared experts, softmax or
+sigmoid gating, a routing bias, expert groups, YaRN); F32 or a quantized type.
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ class TinyConfig:
     n_expert_used: int = 2
     omit: tuple[str, ...] = ()  # GGUF tensor names left out (a model missing a tensor, for error tests)
     vocab_limit: int = 0  # > 0: only the tokenizer's first N tokens (another vocabulary, for error tests)
+    # deepseek2 only (widths are multiples of 32, the quantized types' block size)
+    q_rank: int = 32  # 0: one plain attn_q (DeepSeek-V2-Lite style)
+    kv_rank: int = 32
+    qk_nope: int = 32
+    qk_rope: int = 16
+    v_head: int = 32
+    n_ff_exp: int = 64
+    n_dense_lead: int = 1
+    n_shared: int = 1
+    sigmoid_gating: bool = False  # DeepSeek-V3 / Kimi K2: sigmoid, a routing bias, normalised weights
+    n_groups: int = 0  # > 1: group-limited routing
+    n_group_used: int = 0
+    weights_scale: float = 0.0
+    yarn: bool = False  # YaRN RoPE scaling with DeepSeek's log multiplier
 
     @property
     def head_dim(self) -> int:
@@ -71,14 +87,16 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     writer.add_block_count(cfg.n_layer)
     writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
-    writer.add_head_count_kv(cfg.n_head_kv)
+    writer.add_head_count_kv(1 if cfg.arch == "deepseek2" else cfg.n_head_kv)  # MLA: one shared latent
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(n_vocab)
     if cfg.arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
-    if cfg.n_expert:
+    if cfg.arch == "deepseek2":
+        _add_deepseek2_metadata(writer, cfg)
+    elif cfg.n_expert:
         writer.add_expert_count(cfg.n_expert)
         writer.add_expert_used_count(cfg.n_expert_used)
         if cfg.arch == "qwen3moe":
@@ -108,7 +126,9 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
         matrix("output.weight", n_vocab, e, scale=0.5)
         if cfg.arch == "qwen2":
             vector("output.bias", n_vocab, 0.0, 0.1)
-    for il in range(cfg.n_layer):
+    if cfg.arch == "deepseek2":
+        _add_deepseek2_layers(cfg, matrix, vector, add, rng)
+    for il in range(cfg.n_layer if cfg.arch != "deepseek2" else 0):
         p = f"blk.{il}."
         vector(p + "attn_norm.weight", e, 1.0, 0.1)
         matrix(p + "attn_q.weight", q, e)
@@ -138,6 +158,69 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_deepseek2_metadata(writer: gguf.GGUFWriter, cfg: TinyConfig) -> None:
+    """DeepSeek-V3-style keys, as llama.cpp's converter writes them (MLA with split k_b/v_b)."""
+    writer.add_key_length(cfg.kv_rank + cfg.qk_rope)
+    writer.add_value_length(cfg.kv_rank)
+    writer.add_key_length_mla(cfg.qk_nope + cfg.qk_rope)
+    writer.add_value_length_mla(cfg.v_head)
+    writer.add_rope_dimension_count(cfg.qk_rope)
+    writer.add_q_lora_rank(cfg.q_rank)
+    writer.add_kv_lora_rank(cfg.kv_rank)
+    writer.add_leading_dense_block_count(cfg.n_dense_lead)
+    writer.add_expert_count(cfg.n_expert)
+    writer.add_expert_used_count(cfg.n_expert_used)
+    writer.add_expert_feed_forward_length(cfg.n_ff_exp)
+    writer.add_expert_shared_count(cfg.n_shared)
+    writer.add_expert_weights_scale(cfg.weights_scale)
+    writer.add_expert_weights_norm(cfg.sigmoid_gating)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg.sigmoid_gating
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    if cfg.n_groups:
+        writer.add_expert_group_count(cfg.n_groups)
+        writer.add_expert_group_used_count(cfg.n_group_used)
+    if cfg.yarn:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(128)
+        writer.add_rope_scaling_yarn_log_mul(0.1)  # 0.1 × mscale_all_dim, as the converter writes it
+
+
+def _add_deepseek2_layers(cfg: TinyConfig, matrix, vector, add, rng: np.random.Generator) -> None:
+    e, heads = cfg.n_embd, cfg.n_head
+    k_head = cfg.qk_nope + cfg.qk_rope
+    for il in range(cfg.n_layer):
+        p = f"blk.{il}."
+        vector(p + "attn_norm.weight", e, 1.0, 0.1)
+        if cfg.q_rank:
+            matrix(p + "attn_q_a.weight", cfg.q_rank, e)
+            vector(p + "attn_q_a_norm.weight", cfg.q_rank, 1.0, 0.1)
+            matrix(p + "attn_q_b.weight", heads * k_head, cfg.q_rank)
+        else:
+            matrix(p + "attn_q.weight", heads * k_head, e)
+        matrix(p + "attn_kv_a_mqa.weight", cfg.kv_rank + cfg.qk_rope, e)
+        vector(p + "attn_kv_a_norm.weight", cfg.kv_rank, 1.0, 0.1)
+        matrix(p + "attn_k_b.weight", cfg.kv_rank, cfg.qk_nope, experts=heads)  # ggml [qk_nope, kv_rank, heads]
+        matrix(p + "attn_v_b.weight", cfg.v_head, cfg.kv_rank, experts=heads)  # ggml [kv_rank, v_head, heads]
+        matrix(p + "attn_output.weight", e, heads * cfg.v_head)
+        vector(p + "ffn_norm.weight", e, 1.0, 0.1)
+        if il < cfg.n_dense_lead:
+            matrix(p + "ffn_gate.weight", cfg.n_ff, e)
+            matrix(p + "ffn_up.weight", cfg.n_ff, e)
+            matrix(p + "ffn_down.weight", e, cfg.n_ff)
+            continue
+        add(p + "ffn_gate_inp.weight", (rng.standard_normal((cfg.n_expert, e)) * e ** -0.5).astype(np.float32))
+        if cfg.sigmoid_gating:
+            vector(p + "exp_probs_b.bias", cfg.n_expert, 0.0, 0.05)
+        matrix(p + "ffn_gate_exps.weight", cfg.n_ff_exp, e, experts=cfg.n_expert)
+        matrix(p + "ffn_up_exps.weight", cfg.n_ff_exp, e, experts=cfg.n_expert)
+        matrix(p + "ffn_down_exps.weight", e, cfg.n_ff_exp, experts=cfg.n_expert)
+        shared = cfg.n_ff_exp * cfg.n_shared
+        matrix(p + "ffn_gate_shexp.weight", shared, e)
+        matrix(p + "ffn_up_shexp.weight", shared, e)
+        matrix(p + "ffn_down_shexp.weight", e, shared)
 
 
 def write_unsupported_model(path: Path, arch: str = "bert") -> Path:

@@ -3,6 +3,7 @@
     record.py  Architecture, Block, LayerTensor, ModelTensor: what a record holds
     llama.py   llama (and llama-MoE): the tensors and builders the others reuse
     qwen.py    qwen2, qwen3, qwen3moe
+    deepseek2.py  DeepSeek-V2/V3 and Kimi K2: latent attention, dense leading layers, shared experts
 
 The spec (kernels.spec), the weight loader (kernels.weights) and the graph builder
 (kernels.graph) all read the record; none of them branches on the architecture's name. Adding an
@@ -13,11 +14,12 @@ architecture means a record here, its builders if llama's do not fit, and a tiny
 from __future__ import annotations
 
 from ..errors import UnsupportedModelError
+from .deepseek2 import DEEPSEEK2
 from .llama import LLAMA
 from .qwen import QWEN2, QWEN3, QWEN3MOE
 from .record import Architecture, Block, LayerTensor, ModelTensor
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, QWEN3MOE)}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, QWEN3MOE, DEEPSEEK2)}
 
 __all__ = ["ARCHITECTURES", "Architecture", "Block", "LayerTensor", "ModelTensor", "architecture_for"]
 

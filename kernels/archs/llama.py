@@ -65,10 +65,7 @@ def llama_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
 
 def swiglu_ffn(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     """down(silu(gate(x)) * up(x)) (llama.cpp's build_ffn with LLM_FFN_SILU, LLM_FFN_PAR)."""
-    up = b.name(ggml.mul_mat(b.ctx, w.ffn_up, x), "ffn_up", il)
-    gate = b.name(ggml.mul_mat(b.ctx, w.ffn_gate, x), "ffn_gate", il)
-    act = b.name(ggml.swiglu_split(b.ctx, gate, up), "ffn_swiglu", il)
-    return b.name(ggml.mul_mat(b.ctx, w.ffn_down, act), "ffn_out", il)
+    return b.swiglu(w.ffn_gate, w.ffn_up, w.ffn_down, x, il)
 
 
 def moe_ffn(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:

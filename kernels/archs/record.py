@@ -20,12 +20,16 @@ from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from ..graph import GraphBuilder
+    from ..spec import ModelSpec
     from ..weights import LayerWeights
 
 # Names a tensor's shape is written in (ggml order, ne0 first); the loader resolves them from the
 # spec, and "n_ff" (which the metadata does not always give per layer) from the first of the
 # layer's tensors that has it: every later tensor must then agree.
-DIMENSIONS = frozenset({"n_embd", "n_embd_q", "n_embd_kv", "head_dim", "n_ff", "n_expert"})
+DIMENSIONS = frozenset({"n_embd", "n_embd_q", "n_embd_kv", "head_dim", "n_ff", "n_expert", "n_head",
+                        # latent attention (kernels.spec.LatentAttention) and shared experts
+                        "q_rank", "kv_rank", "kv_a", "qk_nope", "v_head", "n_embd_q_mla", "n_embd_v_mla",
+                        "n_ff_shexp"})
 
 # (graph builder, the layer's weights, input tensor [n_embd, N], layer index) → output tensor [n_embd, N]
 BlockBuilder = Callable[["GraphBuilder", "LayerWeights", int, int], int]
@@ -41,6 +45,7 @@ class LayerTensor:
     required: bool = True  # False: used when the file has it (a bias, say), skipped otherwise
     matmul_only: bool = False  # feeds nothing but ggml_mul_mat, so it may be repacked (kernels.weights)
     expert: bool = False  # one slab per expert: a stage whose experts live elsewhere leaves it unmapped
+    required_if: Callable[["ModelSpec"], bool] | None = None  # required exactly when this holds (a variant's tensor)
 
     def __post_init__(self) -> None:
         unknown = set(self.shape) - DIMENSIONS
@@ -49,6 +54,9 @@ class LayerTensor:
 
     def gguf_name(self, il: int) -> str:
         return f"blk.{il}.{self.suffix}"
+
+    def is_required(self, spec: "ModelSpec") -> bool:
+        return self.required_if(spec) if self.required_if is not None else self.required
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,10 @@ class Architecture:
     dense_ffn: Block | None  # None: every layer is a mixture of experts
     moe_ffn: Block | None  # None: the architecture has no mixture-of-experts layers
     model_tensors: tuple[ModelTensor, ...]
+    # Metadata only this architecture has, read into ModelSpec fields: (key reader, the spec read so
+    # far) → {field: value}. None: the common keys say everything.
+    read_hparams: Callable[[Callable, "ModelSpec"], dict] | None = None
+    yarn_log_multiplier: bool = False  # reads rope.scaling.yarn_log_multiplier (DeepSeek's YaRN)
 
     def feed_forward(self, n_expert: int) -> Block:
         """The FFN of a model with ``n_expert`` experts per layer (0: dense)."""
@@ -94,7 +106,8 @@ class Architecture:
         return block
 
     def layer_tensors(self, n_expert: int) -> tuple[LayerTensor, ...]:
-        """Every tensor one layer of such a model has, attention half first."""
+        """Every tensor one layer of such a model has, attention half first (a model whose first
+        layers are dense: ModelSpec.layer_tensors(il))."""
         return self.attention.tensors + self.feed_forward(n_expert).tensors
 
 
