@@ -16,7 +16,7 @@ import asyncio
 
 from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, TINY_CONFIGS, make_oracle, run_split
-from tests.oracle import judge, oracle_greedy
+from tests.oracle import judge, oracle_greedy, oracle_logits
 
 PROMPTS = ["Hello, my name is", "The weather today", "import numpy as np"]
 
@@ -56,6 +56,20 @@ def test_tiny_model_split_invariance(tiny_model, name):
         finally:
             for e in [whole, *parts]:
                 e.close()
+
+
+@pytest.mark.parametrize("name", ["deepseek2-f32", "deepseek2-q8_0", "deepseek2-q4_1"])
+def test_deepseek2_logits_are_llama_cpps_bit_for_bit(tiny_model, name):
+    """Beyond the oracle rule: latent attention, group routing, shared experts and YaRN mirror
+    llama.cpp's graph op for op, so a prefill's logits are its exact bits (measured: max |diff| 0)."""
+    path = tiny_model(name)
+    llm = make_oracle(path)
+    try:
+        with GGUFFile(path) as gguf, SliceEngine(gguf, SliceSpec(0, 4, True, True), n_threads=N_THREADS) as engine:
+            tokens = [1, 504, 3000, 200, 17, 900, 33]
+            np.testing.assert_array_equal(run_split([engine], tokens), oracle_logits(llm, tokens))
+    finally:
+        llm.close()
 
 
 # --- numpy float32 reference of one llama block ---------------------------------------------
