@@ -116,17 +116,24 @@ async def swarm_run(model: Path, prompt: list[int], n: int, threads: int, expert
                     expert_nodes=expert_nodes) as swarm:
         link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
         asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=8, max_context=1024)
-        members = [(s.member, s.address) for s in link.plan.stages] + [(e.member, e.address) for e in link.plan.experts]
-
-        async def counters() -> dict[str, dict]:
-            return {m: await member_stats(swarm.asker_home, a, m) for m, a in members}
-
+        replans = 0
         try:
-            await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=4, sampling=GREEDY)  # warm-up
-            before = await counters()
-            runs = [await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=n, sampling=GREEDY)
-                    for _ in range(3)]
-            after = await counters()
+            for _ in range(3):  # the host may re-plan on a re-measured speed (plans/hysteresis.py): measure again
+                version = link.plan.version
+                members = [(s.member, s.address) for s in link.plan.stages] + \
+                    [(e.member, e.address) for e in link.plan.experts]
+
+                async def counters() -> dict[str, dict]:
+                    return {m: await member_stats(swarm.asker_home, a, m) for m, a in members}
+
+                await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=4, sampling=GREEDY)  # warm-up
+                before = await counters()
+                runs = [await generate_all(asker, prompt, link, ignore_eos=True, max_tokens=n, sampling=GREEDY)
+                        for _ in range(3)]
+                after = await counters()
+                if link.plan.version == version:
+                    break
+                replans += 1
             recoveries = link.stats.recoveries
         finally:
             await link.close()
@@ -148,6 +155,7 @@ async def swarm_run(model: Path, prompt: list[int], n: int, threads: int, expert
         "stage_activation_bytes_per_token": per_token("activation_bytes_sent", stage_names),
         "expert_call_bytes_per_token": per_token("expert_call_bytes", stage_names),
         "recoveries": recoveries,  # requests replayed after a route failed (0 on a healthy run)
+        "replans_during_measurement": replans,  # measurements repeated because the plan changed
         "expert_rows_served": {m: after[m]["expert_rows_served"] - before[m]["expert_rows_served"]
                                for m, _ in members if m not in stage_names},
         "tensor_bytes_per_member": {m: after[m]["tensor_bytes"] for m, _ in members},

@@ -224,8 +224,9 @@ class GraphBuilder:
             nb = ggml.tensor_strides(k)
             v = ggml.view_4d(self.ctx, k, ggml.tensor_shape(v_cur)[0], s.n_head_kv, n_kv, 1, nb[1], nb[2], nb[3], 0)
             return k, v
-        v = ggml.view_4d(self.ctx, cache.v[il], n_kv, s.n_head_kv, s.head_dim, 1,
-                         row(f16, cap * s.head_dim), row(f16, cap), row(f16, cap * s.n_embd_kv), 0)
+        head_v = s.head_dim_v or s.head_dim
+        v = ggml.view_4d(self.ctx, cache.v[il], n_kv, s.n_head_kv, head_v, 1,
+                         row(f16, cap * head_v), row(f16, cap), row(f16, cap * cache.v_width), 0)
         return k, v
 
     def swiglu(self, gate: int, up: int, down: int, x: int, il: int, label: str = "ffn_out") -> int:

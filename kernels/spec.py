@@ -41,6 +41,8 @@ class LatentAttention:
     k_head: int  # a head's key width: the no-RoPE part + the RoPE part (192 in DeepSeek-V3)
     v_head: int  # a head's value width (128)
     n_rot: int  # the decoupled RoPE part (64)
+    absorbed: bool = True  # split attn_k_b / attn_v_b: the cache holds the latent. False: an older
+    # conversion's unsplit attn_kv_b, decompressed into full heads of K and V before the cache
 
     @property
     def qk_nope(self) -> int:
@@ -76,6 +78,7 @@ class ModelSpec:
     n_expert_shared: int = 0  # shared experts every token runs through (they stay with the stage)
     n_layer_dense_lead: int = 0  # the first layers have a dense FFN, the rest experts (DeepSeek)
     mla: LatentAttention | None = None  # latent attention: the KV cache holds the latent, no V
+    head_dim_v: int = 0  # a value head's width where it differs from a key head's (0: the same)
 
     @property
     def n_embd_q(self) -> int:
@@ -89,7 +92,9 @@ class ModelSpec:
     def kv_widths(self) -> tuple[int, int]:
         """(K, V) values per token per layer in the cache. Latent attention keeps no V: its values
         are the first ``kv_rank`` values of each K row, as llama.cpp's MLA cache does."""
-        return (self.n_embd_kv, 0) if self.mla else (self.n_embd_kv, self.n_embd_kv)
+        if self.mla and self.mla.absorbed:
+            return self.n_embd_kv, 0
+        return self.n_embd_kv, self.n_head_kv * (self.head_dim_v or self.head_dim)
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
@@ -168,6 +173,7 @@ class ModelSpec:
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
+            head_dim_v=int(key("attention.value_length", head_dim) or head_dim),
             n_vocab=int(n_vocab),
             n_ctx_train=n_ctx_train,
             norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),

@@ -63,6 +63,7 @@ class LayerWeights:
     kv_a_norm: int | None = None  # [kv_rank]
     wk_b: int | None = None  # [qk_nope, kv_rank, n_head]: absorbed into Q
     wv_b: int | None = None  # [kv_rank, v_head, n_head]: turns attended latents into values
+    wkv_b: int | None = None  # [kv_rank, n_head * (qk_nope + v_head)]: an older conversion's unsplit form
 
     @property
     def is_moe(self) -> bool:
@@ -216,7 +217,8 @@ def _check_layer_shapes(gguf: GGUFFile, spec: ModelSpec, tensors: tuple[LayerTen
     if spec.mla:
         m = spec.mla
         dims.update(q_rank=m.q_rank, kv_rank=m.kv_rank, kv_a=m.kv_rank + m.n_rot, qk_nope=m.qk_nope,
-                    v_head=m.v_head, n_embd_q_mla=spec.n_head * m.k_head, n_embd_v_mla=spec.n_head * m.v_head)
+                    v_head=m.v_head, n_embd_q_mla=spec.n_head * m.k_head, n_embd_v_mla=spec.n_head * m.v_head,
+                    n_embd_kv_b=spec.n_head * (m.qk_nope + m.v_head))
     for t in tensors:
         name = present.get(t.field)
         if name is None:

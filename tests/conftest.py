@@ -93,6 +93,8 @@ TINY_CONFIGS = {
                                  seed=12),  # V2-Lite's plain attn_q with V3's routing and YaRN
     "deepseek2-q4_1": TinyConfig(arch="deepseek2", qtype="Q4_1", n_expert=8, n_expert_used=2, sigmoid_gating=True,
                                  n_groups=4, n_group_used=2, seed=13),  # V3 / Kimi K2
+    "deepseek2-unsplit-q8_0": TinyConfig(arch="deepseek2", qtype="Q8_0", n_expert=8, n_expert_used=2,
+                                         unsplit_kv_b=True, seed=14),  # an older conversion's attn_kv_b
 }
 
 

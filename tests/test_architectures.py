@@ -235,6 +235,8 @@ def test_deepseek2_layers_map_their_own_ffn_and_q_variant(tmp_path):
     plain = _load(_tiny(tmp_path, "plain", **DEEPSEEK2, q_rank=0))
     assert "blk.0.attn_q.weight" in plain and not any("attn_q_a" in n for n in plain)
     # a stage whose experts live elsewhere keeps the router and the shared experts
+    unsplit = _load(_tiny(tmp_path, "unsplit", **DEEPSEEK2, unsplit_kv_b=True))
+    assert "blk.0.attn_kv_b.weight" in unsplit and not any("attn_k_b" in n or "attn_v_b" in n for n in unsplit)
     stage = _load(_tiny(tmp_path, "rank", **DEEPSEEK2), SliceSpec(1, 3), with_experts=False)
     assert "blk.1.ffn_gate_inp.weight" in stage and "blk.1.ffn_down_shexp.weight" in stage
     assert not any("_exps" in n for n in stage)
@@ -245,6 +247,7 @@ def test_deepseek2_layers_map_their_own_ffn_and_q_variant(tmp_path):
     ("q", dict(q_rank=0, omit=("blk.2.attn_q.weight",)), "blk.2.attn_q.weight"),
     ("shexp", dict(omit=("blk.3.ffn_up_shexp.weight",)), "blk.3.ffn_up_shexp.weight"),
     ("v_b", dict(omit=("blk.0.attn_v_b.weight",)), "blk.0.attn_v_b.weight"),
+    ("kv_b", dict(unsplit_kv_b=True, omit=("blk.1.attn_kv_b.weight",)), "blk.1.attn_kv_b.weight"),
 ])
 def test_a_deepseek2_missing_a_tensor_of_its_variant_is_refused_in_one_line(tmp_path, name, config, missing):
     with pytest.raises(UnsupportedModelError) as err:
@@ -252,7 +255,7 @@ def test_a_deepseek2_missing_a_tensor_of_its_variant_is_refused_in_one_line(tmp_
     assert str(err.value) == f"tensor {missing} is missing from the model"
 
 
-def test_an_unsplit_deepseek2_conversion_is_refused_in_one_line(tmp_path):
+def test_a_deepseek2_whose_heads_do_not_fit_its_latent_is_refused_in_one_line(tmp_path):
     import gguf as gguf_lib
 
     path = tmp_path / "legacy.gguf"
@@ -267,4 +270,5 @@ def test_an_unsplit_deepseek2_conversion_is_refused_in_one_line(tmp_path):
     writer.close()
     with GGUFFile(path) as gguf, pytest.raises(UnsupportedModelError) as err:
         ModelSpec.from_gguf(gguf)
-    assert "no attention.key_length_mla" in str(err.value) and "\n" not in str(err.value)
+    # (no key_length_mla: the unsplit form, whose rope part must be smaller than a key head)
+    assert "does not fit kv_lora_rank 4" in str(err.value) and "\n" not in str(err.value)

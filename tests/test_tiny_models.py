@@ -58,8 +58,9 @@ def test_tiny_model_split_invariance(tiny_model, name):
                 e.close()
 
 
-@pytest.mark.parametrize("name", ["deepseek2-f32", "deepseek2-q8_0", "deepseek2-q4_1"])
-def test_deepseek2_logits_are_llama_cpps_bit_for_bit(tiny_model, name):
+@pytest.mark.parametrize("name, kv_row", [("deepseek2-f32", 32 + 16), ("deepseek2-q8_0", 32 + 16),
+                                          ("deepseek2-q4_1", 32 + 16), ("deepseek2-unsplit-q8_0", 4 * (48 + 32))])
+def test_deepseek2_logits_are_llama_cpps_bit_for_bit(tiny_model, name, kv_row):
     """Beyond the oracle rule: latent attention, group routing, shared experts and YaRN mirror
     llama.cpp's graph op for op, so a prefill's logits are its exact bits (measured: max |diff| 0)."""
     path = tiny_model(name)
@@ -68,6 +69,11 @@ def test_deepseek2_logits_are_llama_cpps_bit_for_bit(tiny_model, name):
         with GGUFFile(path) as gguf, SliceEngine(gguf, SliceSpec(0, 4, True, True), n_threads=N_THREADS) as engine:
             tokens = [1, 504, 3000, 200, 17, 900, 33]
             np.testing.assert_array_equal(run_split([engine], tokens), oracle_logits(llm, tokens))
+            # the cache holds each token's latent + RoPE part (32 + 16 f16 values) per layer, no V; the
+            # unsplit form 4 heads of K (48) and V (32)
+            engine.forward(b"k" * 16, start_pos=0, tokens=tokens)
+            assert engine.kv_bytes == 256 * kv_row * 2 * 4  # one padded block of 256 cells, 4 layers
+            engine.release(b"k" * 16)
     finally:
         llm.close()
 

@@ -48,6 +48,7 @@ class TinyConfig:
     n_group_used: int = 0
     weights_scale: float = 0.0
     yarn: bool = False  # YaRN RoPE scaling with DeepSeek's log multiplier
+    unsplit_kv_b: bool = False  # an older conversion: one attn_kv_b, full K/V heads in the cache
 
     @property
     def head_dim(self) -> int:
@@ -87,7 +88,8 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     writer.add_block_count(cfg.n_layer)
     writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
-    writer.add_head_count_kv(1 if cfg.arch == "deepseek2" else cfg.n_head_kv)  # MLA: one shared latent
+    # deepseek2's split MLA caches one shared latent "head"; its unsplit form full heads
+    writer.add_head_count_kv((cfg.n_head if cfg.unsplit_kv_b else 1) if cfg.arch == "deepseek2" else cfg.n_head_kv)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(n_vocab)
@@ -162,10 +164,14 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
 
 def _add_deepseek2_metadata(writer: gguf.GGUFWriter, cfg: TinyConfig) -> None:
     """DeepSeek-V3-style keys, as llama.cpp's converter writes them (MLA with split k_b/v_b)."""
-    writer.add_key_length(cfg.kv_rank + cfg.qk_rope)
-    writer.add_value_length(cfg.kv_rank)
-    writer.add_key_length_mla(cfg.qk_nope + cfg.qk_rope)
-    writer.add_value_length_mla(cfg.v_head)
+    if cfg.unsplit_kv_b:  # full heads: key = no-RoPE part + RoPE part, value = v_head
+        writer.add_key_length(cfg.qk_nope + cfg.qk_rope)
+        writer.add_value_length(cfg.v_head)
+    else:
+        writer.add_key_length(cfg.kv_rank + cfg.qk_rope)
+        writer.add_value_length(cfg.kv_rank)
+        writer.add_key_length_mla(cfg.qk_nope + cfg.qk_rope)
+        writer.add_value_length_mla(cfg.v_head)
     writer.add_rope_dimension_count(cfg.qk_rope)
     writer.add_q_lora_rank(cfg.q_rank)
     writer.add_kv_lora_rank(cfg.kv_rank)
@@ -202,8 +208,11 @@ def _add_deepseek2_layers(cfg: TinyConfig, matrix, vector, add, rng: np.random.G
             matrix(p + "attn_q.weight", heads * k_head, e)
         matrix(p + "attn_kv_a_mqa.weight", cfg.kv_rank + cfg.qk_rope, e)
         vector(p + "attn_kv_a_norm.weight", cfg.kv_rank, 1.0, 0.1)
-        matrix(p + "attn_k_b.weight", cfg.kv_rank, cfg.qk_nope, experts=heads)  # ggml [qk_nope, kv_rank, heads]
-        matrix(p + "attn_v_b.weight", cfg.v_head, cfg.kv_rank, experts=heads)  # ggml [kv_rank, v_head, heads]
+        if cfg.unsplit_kv_b:
+            matrix(p + "attn_kv_b.weight", heads * (cfg.qk_nope + cfg.v_head), cfg.kv_rank)
+        else:
+            matrix(p + "attn_k_b.weight", cfg.kv_rank, cfg.qk_nope, experts=heads)  # ggml [qk_nope, kv_rank, heads]
+            matrix(p + "attn_v_b.weight", cfg.v_head, cfg.kv_rank, experts=heads)  # ggml [kv_rank, v_head, heads]
         matrix(p + "attn_output.weight", e, heads * cfg.v_head)
         vector(p + "ffn_norm.weight", e, 1.0, 0.1)
         if il < cfg.n_dense_lead:

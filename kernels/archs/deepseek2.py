@@ -12,8 +12,9 @@ step for step, with MLA's absorption optimisation (the GGUF's split ``attn_k_b``
   softmax or sigmoid gating, an optional routing bias (``exp_probs_b``), group-limited top-k,
   optional weight normalisation and scale, plus shared experts every token runs through.
 
-An old conversion with the unsplit ``attn_kv_b`` (no ``attention.key_length_mla``) is refused in
-one line: re-converting it with llama.cpp's converter writes the split tensors.
+An older conversion with the unsplit ``attn_kv_b`` (no ``attention.key_length_mla``) runs as
+llama.cpp runs it: the latent is decompressed into full heads of K and V, which the cache holds
+(``n_head`` × (k_head + v_head) values per token instead of kv_rank + n_rot).
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def _no_q_rank(spec: ModelSpec) -> bool:
     return not _has_q_rank(spec)
 
 
+def _absorbed(spec: ModelSpec) -> bool:
+    return bool(spec.mla and spec.mla.absorbed)
+
+
+def _unsplit(spec: ModelSpec) -> bool:
+    return bool(spec.mla and not spec.mla.absorbed)
+
+
 LATENT_ATTENTION_TENSORS = (
     LayerTensor("attn_norm", "attn_norm.weight", ("n_embd",)),
     LayerTensor("wq", "attn_q.weight", ("n_embd", "n_embd_q_mla"), required=False, required_if=_no_q_rank,
@@ -51,8 +60,10 @@ LATENT_ATTENTION_TENSORS = (
                 matmul_only=True),
     LayerTensor("wkv_a_mqa", "attn_kv_a_mqa.weight", ("n_embd", "kv_a"), matmul_only=True),
     LayerTensor("kv_a_norm", "attn_kv_a_norm.weight", ("kv_rank",)),
-    LayerTensor("wk_b", "attn_k_b.weight", ("qk_nope", "kv_rank", "n_head")),
-    LayerTensor("wv_b", "attn_v_b.weight", ("kv_rank", "v_head", "n_head")),
+    LayerTensor("wk_b", "attn_k_b.weight", ("qk_nope", "kv_rank", "n_head"), required=False, required_if=_absorbed),
+    LayerTensor("wv_b", "attn_v_b.weight", ("kv_rank", "v_head", "n_head"), required=False, required_if=_absorbed),
+    LayerTensor("wkv_b", "attn_kv_b.weight", ("kv_rank", "n_embd_kv_b"), required=False, required_if=_unsplit,
+                matmul_only=True),
     LayerTensor("wo", "attn_output.weight", ("n_embd_v_mla", "n_embd"), matmul_only=True),
 )
 SHARED_EXPERT_TENSORS = (
@@ -80,6 +91,8 @@ def latent_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     k_pe = ggml.view_3d(ctx, kv_cmpr_pe, m.n_rot, 1, n, row, row, ggml.row_size(ggml.TYPE_F32, m.kv_rank))
     k_pe = b.rope(k_pe, "k_pe", il)  # [n_rot, 1, n]
     kv_cmpr = b.norm(kv_cmpr, w.kv_a_norm, "kv_cmpr", il)
+    if not m.absorbed:
+        return _unsplit_attention(b, w, q, kv_cmpr, k_pe, il)
 
     nb = ggml.tensor_strides(q)
     q_nope = b.name(ggml.view_3d(ctx, q, m.qk_nope, s.n_head, n, nb[1], nb[2], 0), "q_nope", il)
@@ -95,6 +108,22 @@ def latent_attention(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     return b.name(b.attention(w, q_cur, k_cur, kv_cmpr, il, v_mla=w.wv_b), "attn_out", il)
 
 
+def _unsplit_attention(b: GraphBuilder, w: LayerWeights, q: int, kv_cmpr: int, k_pe: int, il: int) -> int:
+    """An older conversion's attn_kv_b: decompress the latent into each head's K (no-RoPE part)
+    and V, share the RoPE part across heads, and attend as ordinary multi-head attention."""
+    s, ctx, m, n = b.spec, b.ctx, b.spec.mla, b.n_tokens
+    kv = b.name(ggml.mul_mat(ctx, w.wkv_b, kv_cmpr), "kv", il)  # [n_head * (qk_nope + v_head), n]
+    row = ggml.row_size(ggml.TYPE_F32, m.qk_nope + m.v_head)
+    k_nope = b.name(ggml.view_3d(ctx, kv, m.qk_nope, s.n_head, n, row, row * s.n_head, 0), "k_nope_view", il)
+    v = ggml.view_3d(ctx, kv, m.v_head, s.n_head, n, row, row * s.n_head, ggml.row_size(ggml.TYPE_F32, m.qk_nope))
+    v = b.name(ggml.cont(ctx, v), "Vcur_cont", il)
+    q_cur = b.rope(q, "Qcur", il)
+    q_cur = ggml.rope_set_offset(q_cur, m.qk_nope)  # RoPE on each head's trailing n_rot values only
+    k_cur = ggml.concat(ctx, k_nope, ggml.repeat_4d(ctx, k_pe, m.n_rot, s.n_head, n, 1), 0)
+    k_cur = b.name(k_cur, "Kcur", il)  # [k_head, n_head, n]
+    return b.name(b.attention(w, q_cur, k_cur, v, il), "attn_out", il)
+
+
 def shared_expert_moe_ffn(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> int:
     """The routed experts (llama's mixture, with this model's gating) plus the shared experts."""
     moe_out = moe_ffn(b, w, x, il)
@@ -107,17 +136,17 @@ def read_hparams(key: Callable, spec: ModelSpec) -> dict:
     from ..spec import GATING_SIGMOID, GATING_SOFTMAX, LatentAttention
 
     k_head, v_head = int(key("attention.key_length_mla", 0) or 0), int(key("attention.value_length_mla", 0) or 0)
-    if not (k_head and v_head):
-        raise UnsupportedModelError("this deepseek2 GGUF has no attention.key_length_mla: an old conversion with an "
-                                    "unsplit attn_kv_b; re-convert it with llama.cpp's convert_hf_to_gguf.py")
-    mla = LatentAttention(q_rank=int(key("attention.q_lora_rank", 0) or 0),
-                          kv_rank=int(key("attention.kv_lora_rank", 0) or 0),
-                          k_head=k_head, v_head=v_head, n_rot=spec.rope.n_dims)
-    if spec.n_head_kv != 1 or spec.head_dim != mla.kv_rank + mla.n_rot or not 0 < mla.n_rot < k_head:
+    q_rank, kv_rank = int(key("attention.q_lora_rank", 0) or 0), int(key("attention.kv_lora_rank", 0) or 0)
+    if k_head and v_head:  # split attn_k_b / attn_v_b: one latent "head" of kv_rank + n_rot values is cached
+        mla = LatentAttention(q_rank, kv_rank, k_head, v_head, spec.rope.n_dims)
+        heads_ok = spec.n_head_kv == 1 and spec.head_dim == kv_rank + mla.n_rot
+    else:  # an unsplit attn_kv_b: full heads are cached
+        mla = LatentAttention(q_rank, kv_rank, spec.head_dim, spec.head_dim_v, spec.rope.n_dims, absorbed=False)
+        heads_ok = spec.n_head_kv == spec.n_head
+    if not (heads_ok and kv_rank > 0 and 0 < mla.n_rot < mla.k_head):
         raise UnsupportedModelError(
-            f"deepseek2 latent attention needs one KV head of kv_lora_rank + rope dimensions "
-            f"({mla.kv_rank} + {mla.n_rot}) values, and a rope part smaller than the key ({k_head}); the file "
-            f"has {spec.n_head_kv} heads of {spec.head_dim}")
+            f"deepseek2 attention of {spec.n_head_kv} KV heads of {spec.head_dim} values does not fit kv_lora_rank "
+            f"{kv_rank} with {mla.n_rot} rope dimensions and keys of {mla.k_head}")
     gating = int(key("expert_gating_func", 0) or GATING_SOFTMAX)
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         raise UnsupportedModelError(f"expert gating function {gating} is not supported (1 softmax, 2 sigmoid)")
@@ -128,7 +157,7 @@ def read_hparams(key: Callable, spec: ModelSpec) -> dict:
     mscale = attn_factor_org * (f32(1.0) + f32(0.1) * log_mul * logf(inv_scale))
     return dict(
         mla=mla,
-        attention_scale=float(f32(1.0) * mscale * mscale / sqrtf(f32(k_head))),
+        attention_scale=float(f32(1.0) * mscale * mscale / sqrtf(f32(mla.k_head))),
         n_layer_dense_lead=int(key("leading_dense_block_count", 0) or 0),
         n_expert_shared=int(key("expert_shared_count", 0) or 0),
         expert_gating=gating,

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # layer's tensors that has it: every later tensor must then agree.
 DIMENSIONS = frozenset({"n_embd", "n_embd_q", "n_embd_kv", "head_dim", "n_ff", "n_expert", "n_head",
                         # latent attention (kernels.spec.LatentAttention) and shared experts
-                        "q_rank", "kv_rank", "kv_a", "qk_nope", "v_head", "n_embd_q_mla", "n_embd_v_mla",
+                        "q_rank", "kv_rank", "kv_a", "qk_nope", "v_head", "n_embd_q_mla", "n_embd_v_mla", "n_embd_kv_b",
                         "n_ff_shexp"})
 
 # (graph builder, the layer's weights, input tensor [n_embd, N], layer index) → output tensor [n_embd, N]
