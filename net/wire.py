@@ -9,15 +9,25 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
     type 2     := activation packet:
 
       version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s     (flags: bit 0 on ERROR: RETRY;
-                                                                 bit 1 REWIND, bit 2 VERIFY on steps)
+                                                                 bit 1 REWIND, bit 2 VERIFY on steps;
+                                                                 bit 3 TRACE on any kind)
       plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
       reply_to_len:u8  reply_to:utf-8[reply_to_len]
       n_hops:u8  n_hops × (name_len:u8 name:utf-8 queued_us:u32 compute_us:u32 batch:u16)
+      with TRACE only, for each hop in order:
+        n_calls:u16  n_calls × (node_len:u8 node:utf-8 layer:u32 offset_us:u32 duration_us:u32
+                                rows:u32 bytes:u32)
       data: n_tokens * n_embd little-endian IEEE 754 values (f32 or f16); for ERROR, UTF-8 text
 
 Each stage a packet passes appends one hop record (how long the packet queued there, the compute
 of the batch it ran in, and that batch's size), so the asker can split a token's latency into
 compute per stage, queueing, and transfer (what is left of the round trip).
+
+TRACE (``swarmctl ask --trace``) asks the stages for more: each hop also lists the expert calls
+(expert parallelism) its stage made while computing that batch, each timed from the start of the
+batch's compute on the stage's own clock, so no clocks need to agree. A packet without TRACE is
+byte for byte what it was before the flag existed; the extra section costs bytes on every hop,
+which is why only a traced request carries it.
 
 All integers in packets are little-endian; the frame length is big-endian (network order).
 """
@@ -27,7 +37,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +50,10 @@ _HOP = struct.Struct("<IIH")
 FLAG_RETRY = 1
 FLAG_REWIND = 2  # the step starts before the request's filled length: drop the cells from start_pos on
 FLAG_VERIFY = 4  # a speculative check: every row attends on its own, as a one-token step (kernels/slice.Step)
+FLAG_TRACE = 8  # the hop records carry their expert calls (see the module docstring)
 MAX_HOPS = 64
+MAX_HOP_CALLS = 4096  # expert calls one hop may list (a 64-layer MoE step over 64 expert nodes)
+_HOP_CALL = struct.Struct("<IIIII")
 
 
 class WireError(Exception):
@@ -71,6 +84,20 @@ class DType(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class HopCall:
+    """An expert call a stage made while computing a batch: to which node, for which layer, when
+    (from the start of the batch's compute, on the stage's clock) and for how long (the stage's
+    wait: both crossings and the expert node's compute), with the rows and bytes it carried."""
+
+    node: str  # the expert node's member name
+    layer: int
+    offset_us: int
+    duration_us: int
+    rows: int
+    bytes: int  # request and reply frames together
+
+
+@dataclass(frozen=True)
 class Hop:
     """What one stage did with a packet."""
 
@@ -78,6 +105,7 @@ class Hop:
     queued_us: int
     compute_us: int
     batch: int  # requests in the batch it ran in
+    calls: tuple[HopCall, ...] = ()  # only on traced packets (FLAG_TRACE)
 
 
 @dataclass
@@ -95,6 +123,7 @@ class ActivationPacket:
     retry: bool = False  # ERROR only: the route failed, not the request; resend it under a new plan
     rewind: bool = False  # steps: FLAG_REWIND
     verify: bool = False  # steps: FLAG_VERIFY
+    trace: bool = False  # FLAG_TRACE: stages list their expert calls in their hop records
 
     @property
     def n_tokens(self) -> int:
@@ -169,6 +198,10 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
         flags = FLAG_RETRY if p.retry else 0
     else:
         flags = (FLAG_REWIND if p.rewind else 0) | (FLAG_VERIFY if p.verify else 0)
+    if p.trace:
+        flags |= FLAG_TRACE
+    elif any(hop.calls for hop in p.hops):
+        raise WireError("expert-call records ride only on traced packets")
     header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, flags, p.request_id, p.plan_version, p.layer_index,
                                 p.start_pos, n_tokens, n_embd, len(reply))
     hops = [bytes([len(p.hops)])]
@@ -176,7 +209,20 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
         name = hop.stage.encode("utf-8")[:255]
         hops += [bytes([len(name)]), name, _HOP.pack(min(hop.queued_us, 2**32 - 1), min(hop.compute_us, 2**32 - 1),
                                                       min(hop.batch, 2**16 - 1))]
+    if p.trace:
+        hops += [_encode_calls(hop.calls) for hop in p.hops]
     return encode_frame(FrameType.ACTIVATION, header + reply + b"".join(hops) + payload, max_frame)
+
+
+def _encode_calls(calls: tuple[HopCall, ...]) -> bytes:
+    if len(calls) > MAX_HOP_CALLS:
+        raise WireError(f"a hop lists {len(calls)} expert calls; at most {MAX_HOP_CALLS} fit")
+    parts = [struct.pack("<H", len(calls))]
+    for call in calls:
+        node = call.node.encode("utf-8")[:255]
+        parts += [bytes([len(node)]), node, _HOP_CALL.pack(*(min(max(v, 0), 2**32 - 1) for v in (
+            call.layer, call.offset_us, call.duration_us, call.rows, call.bytes)))]
+    return b"".join(parts)
 
 
 def decode_packet(body: bytes) -> ActivationPacket:
@@ -194,11 +240,14 @@ def decode_packet(body: bytes) -> ActivationPacket:
         raise WireError("activation packet ends inside its reply_to field")
     reply_to = body[_PACKET_FIXED.size:offset].decode("utf-8", errors="replace")
     hops, offset = _decode_hops(body, offset)
+    trace = bool(flags & FLAG_TRACE)
+    if trace:
+        hops, offset = _decode_calls(body, offset, hops)
     payload = body[offset:]
     if kind == PacketKind.ERROR:
         return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, np.empty((0, 0), np.float32),
                                 dtype, reply_to, payload.decode("utf-8", errors="replace")[:500], hops,
-                                bool(flags & FLAG_RETRY))
+                                bool(flags & FLAG_RETRY), trace=trace)
     expected = n_tokens * n_embd * dtype.numpy.itemsize
     if len(payload) != expected:
         raise WireError(f"activation data has {len(payload)} bytes; shape [{n_tokens}, {n_embd}] "
@@ -207,7 +256,7 @@ def decode_packet(body: bytes) -> ActivationPacket:
         raise WireError("activation packet carries no tokens")
     data = np.frombuffer(payload, dtype=dtype.numpy).reshape(n_tokens, n_embd)
     return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops,
-                            rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY))
+                            rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY), trace=trace)
 
 
 def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:
@@ -226,6 +275,30 @@ def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:
         hops.append(Hop(name, *_HOP.unpack_from(body, offset + 1 + name_len)))
         offset = end
     return tuple(hops), offset
+
+
+def _decode_calls(body: bytes, offset: int, hops: tuple[Hop, ...]) -> tuple[tuple[Hop, ...], int]:
+    """A traced packet's expert-call lists, one per hop, in the hops' order."""
+    with_calls = []
+    for hop in hops:
+        if offset + 2 > len(body):
+            raise WireError("activation packet ends inside its expert-call records")
+        (count,), offset = struct.unpack_from("<H", body, offset), offset + 2
+        if count > MAX_HOP_CALLS:
+            raise WireError(f"a hop lists {count} expert calls; at most {MAX_HOP_CALLS} fit")
+        calls = []
+        for _ in range(count):
+            if offset >= len(body):
+                raise WireError("activation packet ends inside its expert-call records")
+            node_len = body[offset]
+            end = offset + 1 + node_len + _HOP_CALL.size
+            if end > len(body):
+                raise WireError("activation packet ends inside its expert-call records")
+            node = body[offset + 1:offset + 1 + node_len].decode("utf-8", errors="replace")
+            calls.append(HopCall(node, *_HOP_CALL.unpack_from(body, offset + 1 + node_len)))
+            offset = end
+        with_calls.append(replace(hop, calls=tuple(calls)))
+    return tuple(with_calls), offset
 
 
 # --- control messages ---

@@ -45,6 +45,12 @@ class TrunkResult:
     hidden: np.ndarray  # [n_tokens, n_embd] float32
     hops: tuple[Hop, ...]  # one record per trunk stage
     round_trip_s: float  # from handing the activations over to getting the output back
+    # For the per-token trace (swarmctl/trace.py), all on this process's clock; 0 where unknown.
+    sent_at: float = 0.0  # time.perf_counter() as the activations left
+    received_at: float = 0.0  # ... and as the output came back
+    sent_bytes: int = 0  # the frames this process sent and received (0: the trunk is in this process)
+    received_bytes: int = 0
+    activation_bytes: int = 0  # the activations one crossing carries, in the dtype they travel in
 
 
 class Trunk(Protocol):
@@ -111,7 +117,13 @@ class InprocTrunk:
             hidden, timing = await runner.run(Step(request_id, start_pos, hidden=hidden, rewind=rewind, verify=verify))
             hops.append(Hop(f"stage-{i + 1}", int(timing.queued_s * 1e6), int(timing.compute_s * 1e6),
                             timing.batch_requests))
-        return TrunkResult(hidden, tuple(hops), time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        return TrunkResult(hidden, tuple(hops), t1 - t0, sent_at=t0, received_at=t1,
+                           activation_bytes=int(np.asarray(hidden).nbytes))
+
+    def describe_nodes(self) -> dict[str, str]:
+        """What each stage (named as its hop records name it) holds, for the trace."""
+        return {f"stage-{i + 1}": f"layers [{e.slice.start}, {e.slice.stop})" for i, e in enumerate(self.engines)}
 
     async def release(self, request_id: bytes) -> None:
         for runner in self.runners:
@@ -127,12 +139,32 @@ class InprocTrunk:
 
 @dataclass
 class TokenTiming:
-    """One generated token's latency, split by where it went."""
+    """One step's latency (a generated token, or a speculative step's several), split by where it
+    went. The clock readings (time.perf_counter()) place it on a timeline for the trace."""
 
     head: StepTiming
     trunk: TrunkResult | None
     tail: StepTiming
-    total_s: float
+    total_s: float  # head, trunk and tail: from the step's start to its logits
+    started: float = 0.0  # as the head step was handed to the head's runner
+    trunk_returned: float = 0.0  # as the trunk's forward returned (after its round trip and any check)
+    tail_returned: float = 0.0  # as the tail's logits came back
+    rows: int = 0  # positions the step ran: a prompt chunk, or the last token and its drafts
+    start_pos: int = 0
+    # Filled in by the sampling that follows (Asker._steps); prompt chunks that only fill the
+    # caches have none of it.
+    sample_s: float = 0.0  # choosing the tokens from the logits (and checking the drafts)
+    done: float = 0.0  # as the step's tokens were chosen: its latency is done - started
+    first_token: int = 0  # index in the generation's tokens of the first token the step chose
+    tokens: tuple[int, ...] = ()  # the tokens it chose (an end-of-generation token included)
+    drafted: int = 0  # speculative tokens it checked, and of those kept
+    kept: int = 0
+
+    @property
+    def latency_s(self) -> float:
+        """The asker's own measurement of the step: from handing its tokens to the head until its
+        tokens were chosen (0.0 for a prompt chunk that chose none)."""
+        return self.done - self.started if self.done else 0.0
 
     @property
     def trunk_compute_s(self) -> float:
@@ -167,6 +199,7 @@ class Generation:
     drafted: int = 0  # speculative tokens drafted, and of those kept (swarmctl/speculate.py)
     accepted: int = 0
     started: float = field(default_factory=time.perf_counter)
+    fill_timings: list[TokenTiming] = field(default_factory=list)  # prompt chunks before the last (over 512 tokens)
 
 
 class Asker:
@@ -254,7 +287,8 @@ class Asker:
         start = 0
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
         for chunk in chunks[:-1]:  # all but the last prompt chunk: only fill the caches
-            await self._step(rid, start, chunk, trunk)
+            _, timing = await self._step(rid, start, chunk, trunk)
+            gen.fill_timings.append(timing)
             start += len(chunk)
         new_tokens = chunks[-1]
         context = list(prompt)
@@ -274,7 +308,12 @@ class Asker:
             gen.timings.append(timing)
             filled = start + len(new_tokens) + len(draft.tokens)
             start += len(new_tokens)
+            sampling_started = time.perf_counter()
             tokens, kept = accept(sample, logits[len(logits) - len(draft.tokens) - 1:], draft)
+            timing.done = time.perf_counter()
+            timing.sample_s = timing.done - sampling_started
+            timing.first_token, timing.tokens = len(gen.tokens), tuple(tokens)
+            timing.drafted, timing.kept = len(draft.tokens), kept
             if speculation is not None:
                 speculation.record(len(draft.tokens), kept, timing, len(new_tokens) + len(draft.tokens))
                 gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
@@ -302,9 +341,12 @@ class Asker:
                 hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
             trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
             hidden = trunk_result.hidden
+        t_trunk = time.perf_counter()
         logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
                                                               rewind=rewind, verify=verify))
-        return logits, TokenTiming(head_timing, trunk_result, tail_timing, time.perf_counter() - t0)
+        t_tail = time.perf_counter()
+        return logits, TokenTiming(head_timing, trunk_result, tail_timing, t_tail - t0, started=t0,
+                                   trunk_returned=t_trunk, tail_returned=t_tail, rows=len(tokens), start_pos=start)
 
     async def _release(self, rid: bytes, trunk: Trunk | None) -> None:
         if self.head is None or self.tail is None:

@@ -40,6 +40,7 @@ class SessionOptions:
     speculate: str = "off"  # drafting: off, ngram or draft (swarmctl/speculate.py)
     draft_model: str | None = None  # with speculate "draft": a GGUF with the model's vocabulary
     draft_tokens: int = MAX_DRAFT  # drafted tokens per step at most
+    trace: bool = False  # stages list their expert calls in their hop records (--trace; costs bytes per hop)
 
 
 @dataclass
@@ -48,6 +49,12 @@ class Session:
     trunk: Trunk | None  # None when the asker's head and tail are the whole model
     model: Path
     drafting: Drafting = field(default_factory=Drafting)  # each request's speculation (--speculate)
+
+    def describe_nodes(self) -> dict[str, str]:
+        """What each trunk node holds, by the name its hop records give it (for --trace)."""
+        trunk = getattr(self.trunk, "link", self.trunk)  # a VerifyingTrunk checks a SwarmLink's answers
+        describe = getattr(trunk, "describe_nodes", None)
+        return describe() if describe is not None else {}
 
 
 def _drafting(options: SessionOptions, model: Path, threads: int | None) -> Drafting:
@@ -134,7 +141,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         if home.exists:
             drafting = _drafting(options, model, threads)
         link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None,
-                                    min_stages=min(local.n_trunks, 22) if local else 1)
+                                    min_stages=min(local.n_trunks, 22) if local else 1, trace=options.trace)
         if options.head_layers is not None and options.head_layers != link.head_layers:
             raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
                               f"--head-layers {options.head_layers} does not match")

@@ -31,7 +31,8 @@ from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
 from net.ping import quiet_ping
 from net.protocol import SwarmProtocol
 from net import messages as m
-from net.wire import ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_packet, encode_packet
+from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_packet, \
+    encode_packet
 from plans.plan import Plan
 from swarmctl.asker import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
@@ -65,6 +66,9 @@ class _Request:
     plan_version: int = -1
     expect_pos: int = -1  # the start position whose RESULT the waiting step needs
     result: asyncio.Future | None = None
+    sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
+    received_bytes: int = 0
+    received_at: float = 0.0  # time.perf_counter() as the result's frame arrived
 
 
 @dataclass
@@ -76,11 +80,14 @@ class RecoveryStats:
 
 class SwarmLink:
     def __init__(self, config: NodeConfig, creds: Credentials, *, request_timeout: float = 300.0,
-                 dtype: DType = DType.F32) -> None:
+                 dtype: DType = DType.F32, trace: bool = False) -> None:
+        """``trace``: ask every stage to list its expert calls in its hop record (for
+        ``--trace``; it costs bytes on every hop, so it is off otherwise)."""
         self.config = config
         self.creds = creds
         self.request_timeout = request_timeout
         self.dtype = dtype
+        self.trace = trace
         self.plan: Plan | None = None  # the plan the stage connections follow
         self.host = PlanWatch(config, creds, self)  # the newest plan, as the host pushes it
         self.first_conn: SwarmProtocol | None = None
@@ -149,7 +156,12 @@ class SwarmLink:
                 request.history.append(_SentStep(start_pos, np.array(hidden, dtype=np.float32, copy=True), verify))
                 if failed_at is not None:
                     self._recovered(time.monotonic() - failed_at, replayed)
-                return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, time.perf_counter() - t0)
+                # The round trip ends as the result's frame arrived, before this coroutine woke up.
+                received_at = request.received_at or time.perf_counter()
+                return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
+                                   sent_at=t0, received_at=received_at, sent_bytes=request.sent_bytes,
+                                   received_bytes=request.received_bytes,
+                                   activation_bytes=hidden.shape[0] * hidden.shape[1] * self.dtype.numpy.itemsize)
             except _RouteFailed as e:
                 failed_at = failed_at or time.monotonic()
                 log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
@@ -184,6 +196,13 @@ class SwarmLink:
         """The members whose stages run the request's steps now: the current plan's route."""
         return [s.member for s in self.plan.stages] if self.plan is not None else []
 
+    def describe_nodes(self) -> dict[str, str]:
+        """What each member on the current plan's route holds, for the trace."""
+        if self.plan is None:
+            return {}
+        return {**{s.member: f"layers [{s.start}, {s.stop})" for s in self.plan.stages},
+                **{e.member: f"experts [{e.start}, {e.stop}) of every MoE layer" for e in self.plan.experts}}
+
     async def report(self, message: m.Message) -> None:
         """Tell the host something (a control message); its answer is not needed."""
         await self.host.tell(message)
@@ -202,7 +221,8 @@ class SwarmLink:
                     deadline: float, rewind: bool = False, verify: bool = False) -> ActivationPacket:
         request.expect_pos = start_pos
         request.result = asyncio.get_running_loop().create_future()
-        self._send(rid, request, hidden, start_pos, rewind, verify)
+        request.received_at, request.received_bytes = 0.0, 0
+        request.sent_bytes = self._send(rid, request, hidden, start_pos, rewind, verify)
         await request.conn.drain(request.stream_id, SEND_BACKLOG)
         try:
             result = await asyncio.wait_for(asyncio.shield(request.result), max(0.1, deadline - time.monotonic()))
@@ -215,17 +235,20 @@ class SwarmLink:
         return result
 
     def _send(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int, rewind: bool = False,
-              verify: bool = False) -> None:
+              verify: bool = False) -> int:
+        """Send one step; returns the frame's size in bytes."""
         kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
-                                  self.dtype, self.session, rewind=rewind, verify=verify)
+                                  self.dtype, self.session, rewind=rewind, verify=verify, trace=self.trace)
         conn = request.conn
         if conn is None or not conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
+        frame = encode_packet(packet)
         try:
-            conn.send(request.stream_id, encode_packet(packet))
+            conn.send(request.stream_id, frame)
         except ConnectionError as e:  # the stage reset the stream, or the connection just closed
             raise _RouteFailed(str(e)) from None
+        return len(frame)
 
     async def _open_route(self, rid: bytes, request: _Request) -> int:
         """A new stream on the current route, and every step of the request's history replayed
@@ -381,4 +404,6 @@ class SwarmLink:
             if conn is request.conn and stream_id == request.stream_id:  # not an abandoned route's
                 request.result.set_result(packet)
         elif packet.start_pos == request.expect_pos:
+            request.received_at = time.perf_counter()
+            request.received_bytes = FRAME_HEADER.size + len(frame.body)
             request.result.set_result(packet)  # results of replayed steps are not what we wait for

@@ -5,15 +5,17 @@ the decoders raise ``WireError`` and nothing else. Pure encode/decode: no socket
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from net.wire import (MAX_HOPS, ActivationPacket, DType, ExpertCall, ExpertCallKind, FrameDecoder, FrameType, Hop,
-                      PacketKind, WireError, decode_control, decode_expert_call, decode_packet, encode_control,
-                      encode_expert_call, encode_frame, encode_packet)
+from net.wire import (FLAG_TRACE, MAX_HOPS, ActivationPacket, DType, ExpertCall, ExpertCallKind, FrameDecoder,
+                      FrameType, Hop, HopCall, PacketKind, WireError, decode_control, decode_expert_call, decode_packet,
+                      encode_control, encode_expert_call, encode_frame, encode_packet)
 
 # The machine running the suite may be busy: a slow example is not a failure of the property.
 PROPERTY = settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -29,6 +31,9 @@ def short_utf8(max_bytes: int) -> st.SearchStrategy[str]:
 
 
 hops = st.builds(Hop, short_utf8(255), U32, U32, U16)
+hop_calls = st.builds(HopCall, short_utf8(255), U32, U32, U32, U32, U32)
+# A traced packet's hops may list expert calls (swarmctl ask --trace); an untraced one's never do.
+traced_hops = st.builds(Hop, short_utf8(255), U32, U32, U16, st.lists(hop_calls, max_size=4).map(tuple))
 
 
 @st.composite
@@ -41,9 +46,10 @@ def activations(draw, dtype: DType) -> np.ndarray:
 def packets(draw) -> ActivationPacket:
     kind = draw(st.sampled_from(PacketKind))
     dtype = draw(st.sampled_from(DType))
+    trace = draw(st.booleans())
     common = dict(kind=kind, request_id=draw(st.binary(min_size=16, max_size=16)), plan_version=draw(U32),
                   layer_index=draw(U32), start_pos=draw(U32), dtype=dtype, reply_to=draw(short_utf8(255)),
-                  hops=tuple(draw(st.lists(hops, max_size=MAX_HOPS))))
+                  hops=tuple(draw(st.lists(traced_hops if trace else hops, max_size=MAX_HOPS))), trace=trace)
     if kind == PacketKind.ERROR:
         return ActivationPacket(data=np.empty((0, 0), np.float32), message=draw(st.text(max_size=ERROR_TEXT_CHARS)),
                                 retry=draw(st.booleans()), **common)
@@ -95,13 +101,48 @@ def test_every_packet_survives_encode_and_decode(packet):
     assert frame_type == FrameType.ACTIVATION
     got = decode_packet(body)
     assert (got.kind, got.request_id, got.plan_version, got.layer_index, got.start_pos, got.dtype, got.reply_to,
-            got.hops, got.message, got.retry) == (packet.kind, packet.request_id, packet.plan_version,
-                                                 packet.layer_index, packet.start_pos, packet.dtype, packet.reply_to,
-                                                 packet.hops, packet.message, packet.retry)
+            got.hops, got.message, got.retry, got.trace) == (packet.kind, packet.request_id, packet.plan_version,
+                                                            packet.layer_index, packet.start_pos, packet.dtype,
+                                                            packet.reply_to, packet.hops, packet.message,
+                                                            packet.retry, packet.trace)
     if packet.kind in (PacketKind.ERROR, PacketKind.END):
         assert got.n_tokens == 0 and got.data.size == 0
     else:
         assert same_array(got.data, packet.data)
+
+
+@PROPERTY
+@given(packets())
+def test_an_untraced_packet_is_the_encoding_from_before_the_trace_flag(packet):
+    """TRACE adds only its flag bit and, after the hop records, one u16 count of expert calls per
+    hop: with the flag off the bytes are exactly the format from before it existed (which stages
+    of an older version read), and with it on but no calls listed, only those bits differ."""
+    plain = dict(packet.__dict__, trace=False, hops=tuple(replace(h, calls=()) for h in packet.hops))
+    untraced = one_frame_body(encode_packet(ActivationPacket(**plain)))[1]
+    traced = one_frame_body(encode_packet(ActivationPacket(**{**plain, "trace": True})))[1]
+    hops_end = len(untraced) - len(_payload_of(packet))
+    assert traced[3] == untraced[3] | FLAG_TRACE and traced[:3] == untraced[:3]
+    assert traced[4:hops_end] == untraced[4:hops_end]
+    assert traced[hops_end:hops_end + 2 * len(packet.hops)] == bytes(2 * len(packet.hops))
+    assert traced[hops_end + 2 * len(packet.hops):] == untraced[hops_end:]
+
+
+def _payload_of(packet: ActivationPacket) -> bytes:
+    if packet.kind == PacketKind.ERROR:
+        return packet.message.encode("utf-8")
+    if packet.kind == PacketKind.END:
+        return b""
+    return np.ascontiguousarray(packet.data, dtype=packet.dtype.numpy).tobytes()
+
+
+def test_expert_call_records_need_the_trace_flag():
+    calls = (HopCall("experts-a", 2, 10, 300, 1, 2048),)
+    packet = ActivationPacket(PacketKind.RESULT, b"r" * 16, 1, 3, 0, np.zeros((1, 4), np.float32),
+                              hops=(Hop("stage-a", 1, 2, 1, calls),))
+    with pytest.raises(WireError, match="traced packets"):
+        encode_packet(packet)
+    got = decode_packet(one_frame_body(encode_packet(replace(packet, trace=True)))[1])
+    assert got.trace and got.hops[0].calls == calls
 
 
 @PROPERTY

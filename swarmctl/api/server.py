@@ -27,6 +27,7 @@ from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, 
 from swarmctl.api.shapes import Envelope, model_list, model_object
 from swarmctl.asker import Asker, Trunk
 from swarmctl.speculate import Drafting
+from swarmctl.trace import TraceError, TraceFolder
 
 log = logging.getLogger("swarmctl.serve")
 
@@ -36,9 +37,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0  # the whole request, the wait for a free slot
 class ApiServer:
     def __init__(self, asker: Asker, trunk: Trunk | None, *, model_id: str, api_key: str | None = None,
                  created: int = 0, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-                 drafting: Drafting | None = None) -> None:
-        """``drafting``: speculative steps for every request (serve --speculate; default off)."""
+                 drafting: Drafting | None = None, traces: TraceFolder | None = None) -> None:
+        """``drafting``: speculative steps for every request (serve --speculate; default off);
+        ``traces``: write each request's per-token trace there (serve --trace DIR)."""
         self.asker = asker
+        self.traces = traces
         self.drafting = drafting or Drafting()
         self.trunk = trunk
         self.model_id = model_id
@@ -180,6 +183,18 @@ class ApiServer:
                                  request_id)
         finally:
             await generation.aclose()
+            await self._write_trace(request_id, generation)
+
+    async def _write_trace(self, request_id: str, generation: TextGeneration) -> None:
+        """serve --trace: the request's steps, whether it finished or not. The answer has gone out
+        already, so a file that cannot be written costs a log line, not the request."""
+        gen = generation.generation
+        if self.traces is None or not (gen.timings or gen.fill_timings):
+            return
+        try:
+            await asyncio.to_thread(self.traces.write, request_id, gen)  # off the loop: other streams go on
+        except TraceError as e:
+            log.warning("%s: %s", request_id, e)
 
     async def _stream(self, envelope: Envelope, generation: TextGeneration, params: GenerationParams,
                       responder: Responder, request_id: str) -> None:

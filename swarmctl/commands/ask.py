@@ -9,6 +9,7 @@ examples:
   swarmctl ask "What is the capital of France?"
   swarmctl ask --raw --temperature 0 --max-tokens 32 "The three primary colours are"
   swarmctl ask --model ~/models/llama-3-8b.Q4_K_M.gguf --head-layers 2 --stages 3 "Hi"
+  swarmctl ask --trace trace.json "Hi"     (then open trace.json in ui.perfetto.dev)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 
 from kernels.sampling import SamplingParams
 from swarmctl.commands.options import add_asker_options, positive_int
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uplink-noise", type=float, default=0.0, metavar="S",
                         help="add calibrated Gaussian noise (sigma scale S) to the activations sent to the trunk; "
                              "off by default. Measured in docs/threat-model.md: it does not stop inversion")
+    parser.add_argument("--trace", metavar="FILE", default=None,
+                        help="write where each token's time went (this machine, every stage, every crossing) "
+                             "to FILE as Chrome trace-event JSON, for ui.perfetto.dev or chrome://tracing")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.uplink_noise >= 0:
         raise UsageError("--uplink-noise must be 0 or more")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.trace is not None:
+        from swarmctl.trace import check_trace_file
+
+        check_trace_file(args.trace)  # before any swarm starts: a path that cannot be written is one line at once
     return asyncio.run(_ask(args, sampling))
 
 
@@ -59,15 +68,34 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
                              verify=args.verify, device=args.device, speculate=args.speculate,
-                             draft_model=args.draft_model, draft_tokens=args.draft_tokens)
+                             draft_model=args.draft_model, draft_tokens=args.draft_tokens, trace=args.trace is not None)
     async with open_session(options) as session:
         if args.uplink_noise:
             from swarmctl.audit.noise import UplinkNoise
 
             session.asker.uplink_transform = UplinkNoise.calibrated(session.model, session.asker.head.slice.stop,
                                                                     args.uplink_noise, n_threads=args.threads)
+        trace = _TraceTo(Path(args.trace), session) if args.trace is not None else None
         return await _stream(session.asker, session.trunk, _prompt_tokens(session.asker, args), args.max_tokens,
-                             sampling, session.drafting.for_request())
+                             sampling, session.drafting.for_request(), trace)
+
+
+class _TraceTo:
+    """Where a request's trace goes, and what its header says about the session."""
+
+    def __init__(self, path: Path, session) -> None:
+        self.path = path
+        self.session = session
+
+    def write(self, gen) -> None:
+        from swarmctl.trace import TraceInfo, generation_trace, write_trace
+
+        if not (gen.timings or gen.fill_timings):
+            return  # it stopped before its first step: nothing to show
+        info = TraceInfo(model=self.session.model.name, prompt_tokens=gen.prompt_tokens,
+                         finish_reason=gen.finish_reason, nodes=self.session.describe_nodes())
+        write_trace(self.path, generation_trace(gen, info))
+        log.info("trace of %d steps written to %s", len(gen.timings) + len(gen.fill_timings), self.path)
 
 
 def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
@@ -78,20 +106,32 @@ def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
 
 
 async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                  speculation=None) -> int:
+                  speculation=None, trace: _TraceTo | None = None) -> int:
     from swarmctl.asker import Generation
 
     decoder = asker.tokenizer.stream_decoder()
     gen = Generation(b"", len(prompt))
     gen.request_id = __import__("secrets").token_bytes(16)
     t0 = time.perf_counter()
-    async for token in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, generation=gen,
-                                      speculation=speculation):
-        sys.stdout.write(decoder.push(token))
-        sys.stdout.flush()
+    try:
+        async for token in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, generation=gen,
+                                          speculation=speculation):
+            sys.stdout.write(decoder.push(token))
+            sys.stdout.flush()
+    except BaseException:
+        # A request that failed or was interrupted: the steps it took are what explains it, but a
+        # trace that cannot be written must not hide why the request stopped.
+        if trace is not None:
+            try:
+                trace.write(gen)
+            except OSError as e:
+                log.warning("%s", e)
+        raise
+    elapsed = time.perf_counter() - t0
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
-    elapsed = time.perf_counter() - t0
+    if trace is not None:
+        trace.write(gen)
     n = len(gen.tokens)
     log.info("%d prompt tokens, %d generated in %.2fs (%.1f tok/s), finish: %s", len(prompt), n, elapsed,
              n / elapsed if elapsed else 0.0, gen.finish_reason)

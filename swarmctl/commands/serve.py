@@ -18,6 +18,7 @@ examples:
   swarmctl serve --port 8080 --api-key "$(openssl rand -hex 16)"
   SWARMCTL_API_KEY=... swarmctl serve --host 0.0.0.0
   swarmctl serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem --api-key "$KEY"
+  swarmctl serve --trace traces/     (one Chrome trace-event JSON per request, for ui.perfetto.dev)
 
   python -c 'from openai import OpenAI
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -35,6 +36,7 @@ import signal
 import socket
 import ssl
 import sys
+from pathlib import Path
 
 from swarmctl.commands.options import add_asker_options, positive_int
 from swarmctl.errors import UsageError
@@ -56,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", metavar="PEM", default=None,
                         help="serve HTTPS with this certificate (chain), together with --tls-key")
     parser.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="write each request's per-token trace (this machine, every stage, every crossing) "
+                             "into DIR as REQUEST_ID.json (Chrome trace-event JSON, for ui.perfetto.dev); DIR is "
+                             "made if missing")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together: give both, or neither for plain HTTP")
     api_key = args.api_key or os.environ.get("SWARMCTL_API_KEY") or None
+    if args.trace is not None:
+        from swarmctl.trace import check_trace_dir
+
+        check_trace_dir(args.trace)  # before anything starts: a folder that cannot be written is one line at once
     # Checked before anything starts: a certificate that cannot be used stops the command at once.
     if args.tls_cert:
         from swarmctl.api.http import tls_context
@@ -107,20 +117,24 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
                  tls: ssl.SSLContext | None) -> int:
     from swarmctl.api.server import ApiServer
     from swarmctl.session import SessionOptions, open_session
+    from swarmctl.trace import TraceFolder
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
                              max_in_flight=args.max_in_flight, verify=args.verify, device=args.device,
-                             speculate=args.speculate, draft_model=args.draft_model, draft_tokens=args.draft_tokens)
+                             speculate=args.speculate, draft_model=args.draft_model, draft_tokens=args.draft_tokens,
+                             trace=args.trace is not None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down
         loop.add_signal_handler(sig, stop.set)
     async with open_session(options) as session:
         model_id = session.model.name.removesuffix(".gguf")
+        traces = TraceFolder(Path(args.trace), session.model.name, session.describe_nodes) \
+            if args.trace is not None else None
         server = ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
                            created=int(session.model.stat().st_mtime), request_timeout=args.timeout,
-                           drafting=session.drafting)
+                           drafting=session.drafting, traces=traces)
         http_server = await server.start(sock=listener, max_connections=args.max_connections, tls=tls)
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host

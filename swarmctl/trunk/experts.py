@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,7 +22,7 @@ from kernels.errors import EngineError
 from kernels.experts import ExpertEngine, rows_for
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
-from net.wire import ExpertCall, ExpertCallKind, Frame, WireError, decode_expert_call, encode_expert_call
+from net.wire import ExpertCall, ExpertCallKind, Frame, HopCall, WireError, decode_expert_call, encode_expert_call
 from swarmctl.reach import ConnectPeer, connect_direct
 from plans.plan import ExpertAssignment
 
@@ -33,6 +36,21 @@ class RemoteExpertError(EngineError):
     """An expert node failed a call; the request can be replayed once the plan moves on."""
 
 
+RECENT_CALLS = 8192  # answered calls remembered for traced packets' hop records (a few batches' worth)
+
+
+@dataclass(frozen=True)
+class CallTiming:
+    """One answered expert call, on this process's clock."""
+
+    node: str
+    layer: int
+    started: float  # time.perf_counter()
+    seconds: float
+    rows: int
+    bytes: int
+
+
 class ExpertClient:
     def __init__(self, creds: Credentials, handler: ConnectionHandler,
                  assignments: Callable[[], list[ExpertAssignment]]) -> None:
@@ -43,6 +61,7 @@ class ExpertClient:
         self._assignments = assignments  # the current plan's expert nodes
         self.call_bytes = 0  # sent and answered
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.recent: deque[CallTiming] = deque(maxlen=RECENT_CALLS)  # newest last
 
     def forward(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
         """On the compute thread (the slice engine's ``remote_experts``): the outputs of each row's
@@ -63,6 +82,7 @@ class ExpertClient:
         rows, slots = rows_for(selected, assignment.start, assignment.stop)
         if rows.size == 0:
             return
+        started = time.perf_counter()
         conn = self.conns.get(assignment.member)
         if conn is None or not conn.is_open:
             conn = await self.connect(assignment.member, assignment.address, self.handler)
@@ -74,6 +94,15 @@ class ExpertClient:
             raise RemoteExpertError(f"expert node {assignment.member}: {reply.message or 'a malformed reply'}")
         out[rows, slots] = reply.data
         self.call_bytes += len(request) + len(reply_frame.body)
+        self.recent.append(CallTiming(assignment.member, layer, started, time.perf_counter() - started,
+                                      int(rows.size), len(request) + len(reply_frame.body)))
+
+    def calls_between(self, start: float, stop: float) -> tuple[HopCall, ...]:
+        """The calls that began in [start, stop] (a batch's compute, on this process's clock), each
+        timed from ``start``: what a traced packet's hop record lists. A stage computes one batch
+        at a time, so the calls in that window are the batch's own."""
+        return tuple(HopCall(c.node, c.layer, int((c.started - start) * 1e6), int(c.seconds * 1e6), c.rows, c.bytes)
+                     for c in self.recent if start <= c.started <= stop)
 
 
 class ExpertServer:

@@ -22,7 +22,7 @@ from kernels.slice import Step
 from net.endpoint import close
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
-from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Hop, PacketKind, WireError, \
+from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Hop, HopCall, PacketKind, WireError, \
     decode_packet, encode_packet
 from swarmctl.batching import EngineClosedError
 from swarmctl.log_limit import LogLimit
@@ -46,8 +46,12 @@ def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
 
 class StageRequests:
     def __init__(self, name: str, creds: Credentials, handler: ConnectionHandler, assignment: Assignment,
-                 results: ResultStreams, *, capture: Callable[[str, Frame], None], spawn: Callable) -> None:
+                 results: ResultStreams, *, capture: Callable[[str, Frame], None], spawn: Callable,
+                 expert_calls: Callable[[float, float], tuple[HopCall, ...]] = lambda start, stop: ()) -> None:
+        """``expert_calls(start, stop)``: the expert calls made in that window of a batch's compute
+        (swarmctl/trunk/experts.py), listed in a traced packet's hop record."""
         self.name = name
+        self._expert_calls = expert_calls
         self.creds = creds
         self.handler = handler  # for the connection we open to the next stage
         self.connect: ConnectPeer = connect_direct  # how we open it (the trunk's dialer, once it runs)
@@ -179,8 +183,13 @@ class StageRequests:
             self.peak_kv_bytes = max(self.peak_kv_bytes, engine.kv_bytes)
             if self._test_corrupt:  # test-only (SWARMCTL_TEST_CORRUPT, in __init__): lie about the result
                 out = _corrupted(out, self._test_corrupt)
+            # The batch's compute began about queued_s after this step was submitted (the runner
+            # counts from a moment later, by microseconds): on a traced packet, the expert calls
+            # made from then until its end are listed, timed from its start.
+            computed_from = submitted + timing.queued_s
+            calls = self._expert_calls(computed_from, computed_from + timing.compute_s) if packet.trace else ()
             hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
-                      timing.batch_requests)
+                      timing.batch_requests, calls)
             await self._pass_on(route, packet, out, hop)
 
     def _previous_member(self) -> str | None:
@@ -218,7 +227,8 @@ class StageRequests:
         is_last = stage.stop == plan.trunk_range[1]
         onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, plan.version,
                                   stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
-                                  hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify)
+                                  hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify,
+                                  trace=packet.trace)
         if is_last:
             results = self.results.stream_for(route.reply_to)
             if results is None:

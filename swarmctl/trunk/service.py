@@ -93,7 +93,7 @@ class TrunkService:
         self.expert_server = ExpertServer(self._executor, lambda: self.held.experts)
         self.results = ResultStreams()
         self.requests = StageRequests(self.name, self.creds, self, self.held, self.results, capture=self._capture,
-                                      spawn=self._spawn)
+                                      spawn=self._spawn, expert_calls=self.expert_client.calls_between)
         self._prover = Prover(self._proof_sources, n_threads)  # answers the host's layer checks
         self.probes = ProbeSink()  # peers measuring their link to us (net/probe.py)
         self._measuring = asyncio.Lock()  # one round of link measurements at a time
