@@ -9,4 +9,5 @@ made on paper (``swarmctl plan``) as well as by the running host.
     planner.py     the topology planner: contiguous trunk layers per member, in order; expert placement
     plan.py        the Plan (stage and expert assignments, version) as it travels from the host as JSON
     hysteresis.py  when a changed speed or link figure is worth a new plan
+    whatif.py      a plan's floors, speculative steps and stage orders, by the planner's cost model
 """

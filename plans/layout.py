@@ -26,6 +26,14 @@ class ModelLayout:
     expert_bytes: tuple[int, ...] = ()  # MoE models: bytes of each layer's experts (part of layer_bytes)
     n_expert: int = 0
     n_expert_used: int = 0
+    # Layouts on paper also say what is not read from a GGUF (empty or 0: not known):
+    # each layer's shared expert (part of layer_bytes): it stays with the stage, every token runs it
+    shared_expert_bytes: tuple[int, ...] = ()
+    expert_flops: tuple[int, ...] = ()  # FLOPs per token of the routed experts a token uses (part of layer_flops)
+    attention_bytes: tuple[int, ...] = ()  # each layer's attention matrices (MLA: q_a, q_b, kv_a, k_b, v_b, output)
+    n_params: int = 0  # all parameters
+    # the ones a token reads: the used experts, not the others (embedding and output whole, as published counts do)
+    n_active_params: int = 0
 
     @property
     def activation_bytes_per_token(self) -> int:
@@ -38,6 +46,14 @@ class ModelLayout:
 
     def range_bytes(self, start: int, stop: int) -> int:
         return sum(self.layer_bytes[start:stop])
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """An MoE model's layers without routed experts (DeepSeek-V3's first three); every layer of a
+        dense model."""
+        if not self.expert_bytes:
+            return tuple(range(self.n_layer))
+        return tuple(il for il, e in enumerate(self.expert_bytes) if e == 0)
 
     @classmethod
     def from_gguf(cls, path) -> "ModelLayout":
@@ -88,6 +104,61 @@ class ModelLayout:
                    embedding_bytes=int(n_vocab * n_embd * bits[embedding_type] / 8),
                    lm_head_bytes=int(n_vocab * n_embd * bits[output_type] / 8) + n_embd * 4, n_vocab=n_vocab)
 
+    @classmethod
+    def from_mla_moe(cls, name: str, *, n_layer: int, n_dense_layers: int, n_embd: int, n_ff: int, n_expert: int,
+                     n_expert_used: int, n_expert_shared: int, n_ff_expert: int, n_head: int, q_lora_rank: int,
+                     kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, n_vocab: int,
+                     weight_type: str = "Q4_K", embedding_type: str = "Q4_K",
+                     output_type: str = "Q4_K") -> "ModelLayout":
+        """A DeepSeek-V3-style layout on paper (GGUF arch ``deepseek2``: DeepSeek-V3, Kimi K2): MLA
+        attention, the first ``n_dense_layers`` with a dense FFN, the rest MoE with ``n_expert``
+        routed experts (``n_expert_used`` per token) and ``n_expert_shared`` shared ones. Every matrix
+        is ``weight_type``; norms, the router and its bias stay F32, as in GGUFs of these models."""
+        bits = BITS_PER_WEIGHT
+        w, f32 = bits[weight_type] / 8, 4  # bytes per weight
+        qk_head = qk_nope_head_dim + qk_rope_head_dim
+        attention = (n_embd * q_lora_rank  # attn_q_a
+                     + q_lora_rank * n_head * qk_head  # attn_q_b
+                     + n_embd * (kv_lora_rank + qk_rope_head_dim)  # attn_kv_a_mqa
+                     + n_head * qk_nope_head_dim * kv_lora_rank  # attn_k_b
+                     + n_head * kv_lora_rank * v_head_dim  # attn_v_b
+                     + n_head * v_head_dim * n_embd)  # attn_output
+        norms = 2 * n_embd + q_lora_rank + kv_lora_rank  # attn_norm, ffn_norm, attn_q_a_norm, attn_kv_a_norm
+        one_expert = 3 * n_embd * n_ff_expert  # gate, up, down
+        router = n_embd * n_expert + n_expert  # ffn_gate_inp and the routing bias (exp_probs_b)
+        layer_bytes, layer_flops, experts, shared, expert_flops = [], [], [], [], []
+        attention_bytes = int(attention * w)
+        n_params = n_active = 0
+        for il in range(n_layer):
+            if il < n_dense_layers:
+                ffn = 3 * n_embd * n_ff
+                layer_bytes.append(int((attention + ffn) * w + norms * f32))
+                layer_flops.append(2 * (attention + ffn))
+                experts.append(0), shared.append(0), expert_flops.append(0)
+                n_params += attention + ffn + norms
+                n_active += attention + ffn + norms
+                continue
+            routed, common = n_expert * one_expert, n_expert_shared * one_expert
+            layer_bytes.append(int((attention + routed + common) * w + (norms + router) * f32))
+            # a token runs attention, the router, the shared expert and only the experts it was routed to
+            used = n_expert_used * one_expert
+            layer_flops.append(2 * (attention + common + n_embd * n_expert + used))
+            experts.append(int(routed * w)), shared.append(int(common * w)), expert_flops.append(2 * used)
+            n_params += attention + routed + common + norms + router
+            n_active += attention + used + common + norms + router
+        embedding, output = n_vocab * n_embd, n_vocab * n_embd  # untied
+        return cls(name=name, n_layer=n_layer, n_embd=n_embd, layer_bytes=tuple(layer_bytes),
+                   layer_flops=tuple(layer_flops),
+                   # MLA caches the compressed latent and the shared rope key, not K and V per head
+                   kv_bytes_per_token_per_layer=2 * (kv_lora_rank + qk_rope_head_dim),
+                   embedding_bytes=int(embedding * bits[embedding_type] / 8),
+                   lm_head_bytes=int(output * bits[output_type] / 8) + n_embd * f32, n_vocab=n_vocab,
+                   expert_bytes=tuple(experts), n_expert=n_expert, n_expert_used=n_expert_used,
+                   shared_expert_bytes=tuple(shared), expert_flops=tuple(expert_flops),
+                   attention_bytes=(attention_bytes,) * n_layer,
+                   n_params=n_params + embedding + output + n_embd,
+                   n_active_params=n_active + embedding + output + n_embd)
+
 
 # Layouts on paper, for `swarmctl plan --layout NAME` (dimensions from the models' published configs).
 LAYOUTS = {
@@ -99,11 +170,26 @@ LAYOUTS = {
                                weight_type="Q4_K", wide_type="Q6_K"),
 }
 
+# MLA + MoE layouts (GGUF arch deepseek2), every matrix Q4_K (4.5 bits per weight): not llama.cpp's
+# Q4_K_M mix, which gives some tensors more bits, so a real Q4_K_M file is somewhat larger.
+_DEEPSEEK_V3 = dict(n_layer=61, n_dense_layers=3, n_embd=7168, n_ff=18432, n_expert=256, n_expert_used=8,
+                    n_expert_shared=1, n_ff_expert=2048, n_head=128, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_vocab=129280)
+MLA_MOE_LAYOUTS = {
+    "deepseek-v3-q4_k": _DEEPSEEK_V3,
+    # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, a larger vocabulary
+    "kimi-k2-q4_k": {**_DEEPSEEK_V3, "n_dense_layers": 1, "n_expert": 384, "n_head": 64, "n_vocab": 163840},
+}
+ALIASES = {"deepseek-v3": "deepseek-v3-q4_k", "kimi-k2": "kimi-k2-q4_k"}
+
 
 def layout_by_name(name: str) -> ModelLayout:
     from kernels.errors import EngineError
 
-    key = name.lower()
+    key = ALIASES.get(name.lower(), name.lower())
+    if key in MLA_MOE_LAYOUTS:
+        return ModelLayout.from_mla_moe(key, **MLA_MOE_LAYOUTS[key])
     if key not in LAYOUTS:
-        raise EngineError(f"unknown layout {name!r} (known: {', '.join(LAYOUTS)})")
+        known = [*LAYOUTS, *MLA_MOE_LAYOUTS, *ALIASES]
+        raise EngineError(f"unknown layout {name!r} (known: {', '.join(known)})")
     return ModelLayout.from_dimensions(key, **LAYOUTS[key])

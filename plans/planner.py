@@ -15,8 +15,8 @@ left out is named in a warning with the reason.
 Links are charged as plans/links.py says: measured, or bounded from the measured ones by the
 triangle inequality (never a fixed optimistic default), relayed links both their hops.
 
-Search: every subset of nodes (exact up to ``EXACT_NODES`` nodes; larger swarms take the fastest
-nodes that fit), the cheapest order of each subset by a Held-Karp pass over link costs, and a lower
+Search: every subset of nodes (exact up to ``EXACT_NODES`` nodes; of a larger swarm the fastest
+``EXACT_NODES``), the cheapest order of each subset by a Held-Karp pass over link costs, and a lower
 bound on each subset's score: its links, plus the cheapest layer counts (fastest first for latency,
 balanced by speed for throughput) where no member holds more than the longest run of layers its
 memory fits. Subsets are then taken best bound first, and an exact dynamic programme cuts the real
@@ -25,6 +25,11 @@ Layers differ in size, so a subset's other orders (up to ``PERMUTED_NODES`` memb
 same way: one whose links cost more may fit memory where the cheapest does not. Ranking subsets by
 estimated counts and taking the first that fit, as this did before, chose a worse plan than brute
 force on 58 of 400 random small swarms with uneven layers, and refused some that fit.
+
+A larger swarm (thirty GPUs in eight homes) is also planned with every member: sites in their
+cheapest order, each site's machines one after another, and an exact programme over that sequence
+that may skip members (``search_by_site``); the better of the two plans is taken. The fastest ten
+alone often cannot hold such a model, and a token pays most for the links between sites.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from .nodes import ASKER, NodeDescriptor
 
 EXACT_NODES = 10
 PERMUTED_NODES = 6  # subsets up to this size may try every order, not only the cheapest path's
+SITE_SETS = 64  # search_by_site: at most this many sets of sites, best bound first
 GB = 1e9
 
 
@@ -61,6 +67,9 @@ class StagePlan:
     compute_ms: float  # per token
     memory_used: int
     memory_free: int
+    expert_calls: int = 0  # expert parallelism: MoE layers whose experts it calls per token
+    expert_ms: float = 0.0  # and what waiting for them costs per token
+    expert_latency_ms: float = 0.0  # of which round-trip latency (the rest: the rows' bytes)
 
 
 @dataclass
@@ -73,6 +82,7 @@ class Hop:
     bandwidth_mb_s: float
     basis: str  # measured, relayed, site (a LAN estimate), bound (from measured links) or unknown
     through: tuple[str, ...] = ()  # the relay, or the machines whose links bound it
+    ms: float = 0.0  # what one token's activations cost on it, one way: half the round trip plus the bytes
 
 
 @dataclass
@@ -85,6 +95,7 @@ class Proposal:
     warnings: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)
     hops: list[Hop] = field(default_factory=list)  # asker → stage 1 → … → asker
+    search: str = "exact"  # "exact" (subsets of the fastest EXACT_NODES), or "by site" (every member)
 
 
 def plan_layers(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constraints) -> Proposal:
@@ -100,6 +111,10 @@ def plan_layers(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: C
     problem.check_capacity()
     problem.rank_subsets()
     best = problem.search()
+    if problem.large:  # the exact search saw only the fastest EXACT_NODES: also try every member
+        by_site = problem.search_by_site()
+        if by_site is not None and (best is None or by_site[0] < best[0]):
+            best, problem.by_site = by_site, True
     if best is None:
         raise PlanError("no member order fits the layers' sizes into the members' memory")
     return problem.proposal(best[1], best[2])
@@ -122,6 +137,10 @@ class _Problem:
         self.by_name = {nd.name: nd for nd in nodes}
         self.act = layout.activation_bytes_per_token
         self.links = LinkModel(nodes)  # measured, or bounded from the measured ones (plans/links.py)
+        # more candidates than the exact search takes: search_by_site() plans with all of them too
+        self.large = c.objective != "even" and sum(1 for nd in nodes if self.room[nd.name] >= 1) > EXACT_NODES
+        self.by_site = False  # the plan came from search_by_site()
+        self.exact_names: set[str] = set()  # the members the exact search considers (rank_subsets)
 
     def _longest_window(self, usable: int) -> int:
         longest, lo, held = 0, 0, 0
@@ -149,8 +168,9 @@ class _Problem:
         """Every subset's cheapest order with a lower bound on its score (its links exactly, its
         compute with each member's layers bounded by ``room``), best bound first."""
         names = [nd.name for nd in self.nodes if self.room[nd.name] >= 1]
-        if len(names) > EXACT_NODES:  # keep the fastest that can hold the model, plus spares
+        if len(names) > EXACT_NODES:  # keep the fastest (search_by_site() plans with every member)
             names = sorted(names, key=lambda n: self.by_name[n].ms_per_layer_token)[:EXACT_NODES]
+        self.exact_names = set(names)
         if self.c.objective == "even":  # everyone who can hold a layer, in the order they came
             names = [m for m in names if self.cap[m] >= 1][:min(self.n, self.c.max_stages or self.n)]
             hops = [(ASKER, names[0]), *zip(names, names[1:]), (names[-1], ASKER)] if names else []
@@ -315,6 +335,133 @@ class _Problem:
             q = p
         return stages[::-1]
 
+    # --- large swarms: every member, each site's machines one after another ---
+
+    def search_by_site(self) -> tuple[tuple, list[str], list[StagePlan]] | None:
+        """For swarms larger than the exact search takes. Thirty GPUs in eight homes cannot be held
+        by the fastest ten, and a token pays most for the links between homes, so a plan visits
+        each site once: for each set of sites that offers the memory, the cheapest order of its
+        sites (Held-Karp, the asker at both ends) with each site's machines fastest first, and an
+        exact programme over that sequence that picks which members serve and which contiguous
+        layers each holds (any member may be skipped). Sets are taken by a lower bound (their
+        sites' cheapest links, plus their fastest members' compute) until none can beat the best
+        found. Exact for each sequence; visiting sites whole is the heuristic."""
+        names = [nd.name for nd in self.nodes if self.room[nd.name] >= 1]
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            groups.setdefault(self.site_of(name), []).append(name)
+        for members in groups.values():
+            members.sort(key=lambda m: (self.by_name[m].ms_per_layer_token, m))
+        keys = sorted(groups)
+        if len(keys) > EXACT_NODES:  # too many sites for Held-Karp: nearest site next, from the asker on
+            return self._skip_cut(self._nearest_sites(groups))
+        need = sum(self.need)
+        cost = self._site_cost(groups)
+        candidates = []
+        for mask, (tour_ms, sites) in _best_paths(keys, cost).items():
+            members = [m for site in sites for m in groups[site]]
+            if sum(self.usable[m] for m in members) >= need:
+                candidates.append((tour_ms + self._compute_floor(members), sites))
+        candidates.sort(key=lambda c: c[0])
+        best = None
+        for evaluated, (bound, sites) in enumerate(candidates):
+            if best is not None and (evaluated >= SITE_SETS or (self.c.objective == "latency" and bound >= best[0][0])):
+                break
+            found = self._skip_cut([m for site in sites for m in groups[site]])
+            if found is not None and (not self.c.max_stages or len(found[1]) <= self.c.max_stages):
+                if best is None or found[0] < best[0]:
+                    best = found
+        return best
+
+    def site_of(self, name: str) -> str:
+        """A member's site; a member that names none is a site of its own."""
+        site = self.by_name[name].site if name in self.by_name else ""
+        return site or f"({name})"
+
+    def _site_cost(self, groups: dict[str, list[str]]):
+        """Between two sites (or a site and the asker): their cheapest pair of members' link."""
+        memo: dict[tuple[str, str], float] = {}
+
+        def cost(a: str, b: str) -> float:
+            if (a, b) not in memo:
+                left, right = groups.get(a, [ASKER]), groups.get(b, [ASKER])
+                memo[(a, b)] = min(self._link_ms(x, y) for x in left for y in right)
+            return memo[(a, b)]
+        return cost
+
+    def _nearest_sites(self, groups: dict[str, list[str]]) -> list[str]:
+        cost = self._site_cost(groups)
+        sites, here, left = [], ASKER, set(groups)
+        while left:
+            here = min(sorted(left), key=lambda k: cost(here, k))
+            sites.append(here)
+            left.remove(here)
+        return [m for site in sites for m in groups[site]]
+
+    def _compute_floor(self, members: list[str]) -> float:
+        """No plan over ``members`` computes faster: the fastest hold all they can, in any order."""
+        left, ms = self.n, 0.0
+        for m in sorted(members, key=lambda m: self.by_name[m].ms_per_layer_token):
+            take = min(left, self.room[m])
+            ms += take * self.by_name[m].ms_per_layer_token
+            left -= take
+        return ms if left == 0 else math.inf
+
+    def _skip_cut(self, order: list[str]) -> tuple[tuple, list[str], list[StagePlan]] | None:
+        """The best stages along ``order`` where any member may be skipped: a dynamic programme over
+        (the last member used, the layers done so far), scored (latency, bottleneck) for objective
+        latency and (bottleneck, latency) for throughput."""
+        n, k = self.n, len(order)
+        prefix = [0]
+        for b in self.need:
+            prefix.append(prefix[-1] + b)
+        throughput = self.c.objective == "throughput"
+
+        def key(v: tuple[float, float]) -> tuple[float, float]:
+            return (v[1], v[0]) if throughput else v
+
+        def hop(v: tuple[float, float], a: str, b: str) -> tuple[float, float]:
+            ms = self._link_ms(a, b)
+            return v[0] + ms, max(v[1], ms - self._link_latency(a, b))
+
+        none = (math.inf, math.inf)
+        best = [[none] * (n + 1) for _ in range(k)]  # best[i][q]: order[i] ends the trunk's first q layers
+        back: list[list[tuple[int, int]]] = [[(-1, -1)] * (n + 1) for _ in range(k)]
+        for i, m in enumerate(order):
+            entry, came = [none] * n, [-1] * n  # arriving at m with p layers done, from order[came]
+            entry[0] = hop((0.0, 0.0), ASKER, m)
+            for j in range(i):
+                for p in range(1, n):
+                    if best[j][p][0] < math.inf:
+                        v = hop(best[j][p], order[j], m)
+                        if key(v) < key(entry[p]):
+                            entry[p], came[p] = v, j
+            speed, usable = self.by_name[m].ms_per_layer_token, self.usable[m]
+            for q in range(1, n + 1):
+                for p in range(q - 1, -1, -1):
+                    if prefix[q] - prefix[p] > usable:
+                        break
+                    if entry[p][0] == math.inf:
+                        continue
+                    stage = (q - p) * speed
+                    v = (entry[p][0] + stage, max(entry[p][1], stage))
+                    if key(v) < key(best[i][q]):
+                        best[i][q], back[i][q] = v, (came[p], p)
+        ends = [(key(hop(best[i][n], m, ASKER)), i) for i, m in enumerate(order) if best[i][n][0] < math.inf]
+        if not ends:
+            return None
+        i, q, stages = min(ends)[1], n, []
+        while i != -1:
+            j, p = back[i][q]
+            m = order[i]
+            used = prefix[q] - prefix[p]
+            stages.append(StagePlan(m, self.start + p, self.start + q, (q - p) * self.by_name[m].ms_per_layer_token,
+                                    used, self.usable[m] - used))
+            i, q = j, p
+        stages.reverse()
+        used_order = [st.member for st in stages]
+        return self._score(used_order, [st.compute_ms for st in stages]), used_order, stages
+
     # --- the result ---
 
     def proposal(self, order: list[str], stages: list[StagePlan]) -> Proposal:
@@ -333,7 +480,7 @@ class _Problem:
             bottleneck = f"link {a} → {b} ({transfer:.1f} ms per token to move activations)"
             bottleneck_ms = transfer
         result = Proposal(self.c.objective, stages, latency, 1000.0 / bottleneck_ms if bottleneck_ms else math.inf,
-                          bottleneck)
+                          bottleneck, search="by site" if self.by_site else "exact")
         chosen = set(order)
         best_score = self._score(order, [s.compute_ms for s in stages])
         for nd in self.nodes:
@@ -345,6 +492,13 @@ class _Problem:
                 result.warnings.append(
                     f"left out {nd.name}: its {self.usable[nd.name] / GB:.1f} GB (after the reserve) is less than "
                     f"one layer needs ({(self.mean_need if even else min(self.need)) / GB:.2f} GB)")
+                continue
+            if self.by_site or (self.large and nd.name not in self.exact_names):
+                # (the exact search's comparison covers only the fastest EXACT_NODES)
+                result.warnings.append(
+                    f"left out {nd.name} ({nd.device}, {nd.ms_per_layer_token:.2f} ms per layer): the others hold "
+                    f"the model, and neither the exact search over the {EXACT_NODES} fastest members nor the "
+                    f"search over every member in site order found a better plan with it")
                 continue
             found = self.search(including=nd.name) if self.c.objective != "even" else None
             if found is None and self.c.max_stages:
@@ -366,10 +520,10 @@ class _Problem:
                     f"left out {nd.name} ({nd.device}, {nd.ms_per_layer_token:.2f} ms per layer): using it would "
                     f"lower the pipeline's bound from {1000 / best_score[0]:.1f} to {1000 / alt[0]:.1f} tokens/s"
                     + unmeasured)
-        for a, b in hops:  # which of the plan's links are estimates, and what they were charged
+        for (a, b), ms in zip(hops, link_ms):  # which of the plan's links are estimates, and what they cost
             estimate = self.links.link(a, b)
             result.hops.append(Hop(a, b, estimate.link.rtt_ms, estimate.link.bandwidth_mb_s, estimate.basis,
-                                   estimate.through))
+                                   estimate.through, ms))
             if estimate.describe(a, b):
                 result.warnings.append(estimate.describe(a, b))
         return result
@@ -455,22 +609,66 @@ def place_experts(layout: ModelLayout, nodes: list[NodeDescriptor], constraints:
 def add_expert_calls(proposal: Proposal, placement: ExpertPlacement, nodes: list[NodeDescriptor],
                      layout: ModelLayout) -> None:
     """Charge the expert round trips to a proposal planned for the stages alone: each MoE layer a
-    stage runs waits for its slowest expert node (rows out, outputs back), once per token."""
+    stage runs waits for its slowest expert node, once per token. A stage sends each node only the
+    rows routed to the experts it holds (swarmctl/trunk/experts.py), so a node is charged its share
+    of the ``n_expert_used`` rows, rounded up: all of them where one node holds every expert."""
     if not placement.experts:
         return
     links = LinkModel(nodes)
-    row = layout.activation_bytes_per_token
-    rows = layout.n_expert_used
-    extra, busiest = 0.0, 0.0
+    extra, busiest, slowest_stage = 0.0, 0.0, None
+    moe = layout.expert_bytes or (0,) * layout.n_layer  # (dense layers call no experts)
     for stage in proposal.stages:
-        slowest = max(links.link(stage.member, e.member).link.cost_ms(rows * (row + 4))
-                      + links.link(e.member, stage.member).link.cost_ms(rows * row)
-                      for e in placement.experts)
-        waits = (stage.stop - stage.start) * slowest
-        extra += waits
-        busiest = max(busiest, stage.compute_ms + waits)  # a stage waits for its experts before the next token
+        calls = sum(1 for il in range(stage.start, stage.stop) if moe[il] > 0)
+        ms, latency = max(_expert_call(links, layout, stage.member, e) for e in placement.experts)
+        stage.expert_calls, stage.expert_ms, stage.expert_latency_ms = calls, calls * ms, calls * latency
+        extra += stage.expert_ms
+        if stage.compute_ms + stage.expert_ms > busiest:  # a stage waits for its experts before the next token
+            busiest, slowest_stage = stage.compute_ms + stage.expert_ms, stage
     proposal.ms_per_token += extra
-    if busiest > 0:
-        proposal.tokens_per_s = min(proposal.tokens_per_s, 1000 / busiest)
+    if busiest > 0 and 1000 / busiest < proposal.tokens_per_s:
+        proposal.tokens_per_s = 1000 / busiest
+        s = slowest_stage
+        proposal.bottleneck = (f"stage {s.member} (layers [{s.start}, {s.stop}), {s.compute_ms:.1f} ms compute and "
+                               f"{s.expert_ms:.1f} ms waiting for expert calls per token)")
     proposal.warnings.append(f"expert calls add about {extra:.1f} ms per token (a round trip per MoE layer, "
                              "to the slowest expert node)")
+
+
+def _expert_call(links: LinkModel, layout: ModelLayout, stage: str, e: ExpertAssignment) -> tuple[float, float]:
+    """(ms, of which round-trip latency) of one token's call from ``stage`` to expert node ``e``."""
+    row = layout.activation_bytes_per_token
+    rows = min(layout.n_expert_used, max(1, math.ceil(layout.n_expert_used * (e.stop - e.start) / layout.n_expert)))
+    out, back = links.link(stage, e.member).link, links.link(e.member, stage).link
+    return out.cost_ms(rows * (row + 4)) + back.cost_ms(rows * row), (out.rtt_ms + back.rtt_ms) / 2
+
+
+@dataclass(frozen=True)
+class TimePart:
+    """One line of where a single stream's token spends its time (``time_breakdown``)."""
+
+    part: str
+    count: int  # stages, link crossings or expert calls
+    ms: float  # per token
+    latency_ms: float = 0.0  # of which half round trips: what no bandwidth buys back
+
+
+def time_breakdown(proposal: Proposal, nodes: list[NodeDescriptor]) -> list[TimePart]:
+    """The proposal's ms per token, split into compute, link crossings (to and from the asker,
+    within a site, between sites) and expert calls. The parts add up to ``proposal.ms_per_token``."""
+    site = {n.name: n.site for n in nodes if n.site}
+    crossings: dict[str, list[Hop]] = {"links to and from the asker": [], "links within a site": [],
+                                       "links between sites": []}
+    for h in proposal.hops:
+        if ASKER in (h.src, h.dst):
+            crossings["links to and from the asker"].append(h)
+        elif h.src in site and site.get(h.dst) == site[h.src]:
+            crossings["links within a site"].append(h)
+        else:
+            crossings["links between sites"].append(h)
+    parts = [TimePart("compute on the stages", len(proposal.stages), sum(s.compute_ms for s in proposal.stages))]
+    parts += [TimePart(what, len(hops), sum(h.ms for h in hops), sum(h.rtt_ms / 2 for h in hops))
+              for what, hops in crossings.items()]
+    parts.append(TimePart("expert calls (round trips)", sum(s.expert_calls for s in proposal.stages),
+                          sum(s.expert_ms for s in proposal.stages),
+                          sum(s.expert_latency_ms for s in proposal.stages)))
+    return parts
