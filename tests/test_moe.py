@@ -181,3 +181,20 @@ def test_a_swarm_with_expert_nodes_answers_as_in_process(moe_swarm):
     for name in STAGES:  # the stages with MoE layers sent rows out
         assert stats[name]["role"] == "stage" and (stats[name]["expert_call_bytes"] > 0) == (name in moe_stages)
     assert "experts [0, 4)" in swarmctl(swarm.host_home, "status", check=True).stdout
+
+
+def test_swarmctl_plan_charges_expert_calls_only_on_moe_layers(tiny_model, tmp_path):
+    """deepseek2-f32's trunk [1, 3) holds a dense leading layer (1) and a MoE layer (2): one expert
+    round trip per token, not two (qwen3moe's two MoE trunk layers cost > 2 × 20 ms above); the layout
+    read from the GGUF knows which layers have experts."""
+    layout = ModelLayout.from_gguf(tiny_model("deepseek2-f32"))
+    assert [bool(e) for e in layout.expert_bytes] == [False, False, True, True]
+    assert layout.kv_bytes_per_token_per_layer == (32 + 16) * 2  # the latent + RoPE part, no V
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text(json.dumps([{"name": n, "memory_gb": gb, "ms_per_layer_token": 1.0,
+                                  "links": {"asker": {"rtt_ms": 10}}} for n, gb in (("a", 1), ("b", 4), ("c", 2))]))
+    args = ("plan", "--model", str(tiny_model("deepseek2-f32")), "--nodes", str(nodes), "--head-layers", "1", "--json")
+    alone = json.loads(swarmctl(None, *args, check=True).stdout)
+    split = json.loads(swarmctl(None, *args, "--expert-nodes", "2", check=True).stdout)
+    extra = split["ms_per_token"] - alone["ms_per_token"]
+    assert 20 <= extra < 2 * 20  # one MoE layer's round trip over a default 20 ms link, not two
