@@ -265,16 +265,21 @@ def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:
     count, offset = body[offset], offset + 1
     hops = []
     for _ in range(count):
-        if offset >= len(body):
-            raise WireError("activation packet ends inside its hop records")
-        name_len = body[offset]
-        end = offset + 1 + name_len + _HOP.size
-        if end > len(body):
-            raise WireError("activation packet ends inside its hop records")
-        name = body[offset + 1:offset + 1 + name_len].decode("utf-8", errors="replace")
-        hops.append(Hop(name, *_HOP.unpack_from(body, offset + 1 + name_len)))
-        offset = end
+        name, values, offset = _named_record(body, offset, _HOP, "hop records")
+        hops.append(Hop(name, *values))
     return tuple(hops), offset
+
+
+def _named_record(body: bytes, offset: int, layout: struct.Struct, what: str) -> tuple[str, tuple, int]:
+    """One record of a name (u8 length, UTF-8) and fixed fields: (name, fields, offset after it)."""
+    if offset >= len(body):
+        raise WireError(f"activation packet ends inside its {what}")
+    name_len = body[offset]
+    end = offset + 1 + name_len + layout.size
+    if end > len(body):
+        raise WireError(f"activation packet ends inside its {what}")
+    name = body[offset + 1:offset + 1 + name_len].decode("utf-8", errors="replace")
+    return name, layout.unpack_from(body, offset + 1 + name_len), end
 
 
 def _decode_calls(body: bytes, offset: int, hops: tuple[Hop, ...]) -> tuple[tuple[Hop, ...], int]:
@@ -288,15 +293,8 @@ def _decode_calls(body: bytes, offset: int, hops: tuple[Hop, ...]) -> tuple[tupl
             raise WireError(f"a hop lists {count} expert calls; at most {MAX_HOP_CALLS} fit")
         calls = []
         for _ in range(count):
-            if offset >= len(body):
-                raise WireError("activation packet ends inside its expert-call records")
-            node_len = body[offset]
-            end = offset + 1 + node_len + _HOP_CALL.size
-            if end > len(body):
-                raise WireError("activation packet ends inside its expert-call records")
-            node = body[offset + 1:offset + 1 + node_len].decode("utf-8", errors="replace")
-            calls.append(HopCall(node, *_HOP_CALL.unpack_from(body, offset + 1 + node_len)))
-            offset = end
+            node, values, offset = _named_record(body, offset, _HOP_CALL, "expert-call records")
+            calls.append(HopCall(node, *values))
         with_calls.append(replace(hop, calls=tuple(calls)))
     return tuple(with_calls), offset
 
