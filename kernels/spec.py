@@ -133,7 +133,10 @@ class ModelSpec:
                 raise ModelFileError(f"{gguf.path}: missing metadata {arch}.{name}")
             return value
 
-        n_layer = int(key("block_count", required=True))
+        # multi-token-prediction layers (DeepSeek-V3's, GLM's) follow the trunk; llama.cpp leaves them out
+        n_layer = int(key("block_count", required=True)) - int(key("nextn_predict_layers", 0) or 0)
+        if n_layer < 1:
+            raise ModelFileError(f"{gguf.path}: no layers besides the multi-token-prediction ones")
         n_embd = int(key("embedding_length", required=True))
         n_head = int(key("attention.head_count", required=True))
         n_head_kv = int(key("attention.head_count_kv", n_head))

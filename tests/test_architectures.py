@@ -272,3 +272,13 @@ def test_a_deepseek2_whose_heads_do_not_fit_its_latent_is_refused_in_one_line(tm
         ModelSpec.from_gguf(gguf)
     # (no key_length_mla: the unsplit form, whose rope part must be smaller than a key head)
     assert "does not fit kv_lora_rank 4" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_multi_token_prediction_layers_are_left_out_of_the_trunk(tmp_path):
+    """A GGUF whose last block is DeepSeek-V3's multi-token-prediction layer (nextn_predict_layers):
+    llama.cpp's n_layer excludes it, and so does ours; its tensors are never mapped."""
+    path = _tiny(tmp_path, "mtp", **DEEPSEEK2, extra_keys=(("nextn_predict_layers", 1),))
+    with GGUFFile(path) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+    assert spec.n_layer == 3 and len(spec.layer_bytes) == 3
+    assert not any(name.startswith("blk.3.") for name in _load(path))

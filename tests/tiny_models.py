@@ -49,6 +49,7 @@ class TinyConfig:
     weights_scale: float = 0.0
     yarn: bool = False  # YaRN RoPE scaling with DeepSeek's log multiplier
     unsplit_kv_b: bool = False  # an older conversion: one attn_kv_b, full K/V heads in the cache
+    extra_keys: tuple[tuple[str, int], ...] = ()  # more "{arch}.{key}" u32 metadata (e.g. nextn_predict_layers)
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +97,8 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     if cfg.arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    for key, value in cfg.extra_keys:
+        writer.add_uint32(f"{cfg.arch}.{key}", value)
     if cfg.arch == "deepseek2":
         _add_deepseek2_metadata(writer, cfg)
     elif cfg.n_expert:
