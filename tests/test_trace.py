@@ -29,7 +29,6 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from swarmctl.batching import StepTiming
 from swarmctl.local_swarm import LocalSwarm
 from swarmctl.swarm_client import SwarmLink
 from swarmctl.trace import ASKER, TraceInfo, generation_trace
+from tests.swarm_harness import swarmctl
 
 PROMPT = "The three primary colours are"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"  # ngram drafts are kept
@@ -49,12 +49,6 @@ TOLERANCE_SHARE, TOLERANCE_US = 0.05, 2000.0  # a step's parts vs its measured l
 ROUNDING_US = 0.01  # the trace keeps times to the nanosecond: edges may differ by that rounding
 CRITICAL_PATH = ("queue", "compute", "wire", "sample")
 GREEDY = SamplingParams(temperature=0)
-
-
-def swarmctl(*args: str, home: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"SWARMCTL_HOME": str(home)} if home else {})}
-    return subprocess.run([sys.executable, "-m", "swarmctl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 # --- reading a trace back ---
@@ -176,8 +170,8 @@ def traced_ask(tmp_path_factory):
     """One `swarmctl ask --trace` through a local swarm, as a user types it: its trace and its log."""
     folder = tmp_path_factory.mktemp("trace")
     path = folder / "trace.json"
-    r = swarmctl("ask", "-v", "--raw", "--temperature", "0", "--max-tokens", "12", "--trace", str(path), PROMPT,
-                 home=folder / "no-swarm-joined")
+    r = swarmctl(folder / "no-swarm-joined", "ask", "-v", "--raw", "--temperature", "0", "--max-tokens", "12",
+                 "--trace", str(path), PROMPT)
     assert r.returncode == 0, r.stderr
     return json.loads(path.read_text()), r
 
@@ -214,8 +208,8 @@ def test_a_tokens_spans_add_up_to_its_measured_latency(traced_ask):
 
 def test_a_speculative_steps_spans_are_labelled_with_the_tokens_it_produced(tmp_path):
     path = tmp_path / "speculative.json"
-    r = swarmctl("ask", "--raw", "--temperature", "0", "--max-tokens", "16", "--speculate", "ngram",
-                 "--trace", str(path), COUNTING, home=tmp_path / "no-swarm-joined")
+    r = swarmctl(tmp_path / "no-swarm-joined", "ask", "--raw", "--temperature", "0", "--max-tokens", "16",
+                 "--speculate", "ngram", "--trace", str(path), COUNTING)
     assert r.returncode == 0, r.stderr
     steps = check_trace(json.loads(path.read_text()))
     assert all(within_tolerance(s) for s in steps), report(steps)
@@ -246,8 +240,8 @@ def moe_local_swarm(tiny_model):
 
 def test_expert_calls_show_on_the_expert_nodes_inside_the_callers_compute(moe_local_swarm, tmp_path):
     path = tmp_path / "moe.json"
-    r = swarmctl("ask", "--raw", "--temperature", "0", "--max-tokens", "6", "--trace", str(path), "Once upon a time",
-                 home=moe_local_swarm.asker_home.path)
+    r = swarmctl(moe_local_swarm.asker_home.path, "ask", "--raw", "--temperature", "0", "--max-tokens", "6",
+                 "--trace", str(path), "Once upon a time")
     assert r.returncode == 0, r.stderr
     trace = json.loads(path.read_text())
     steps = check_trace(trace)
@@ -311,7 +305,7 @@ def test_a_trace_path_that_cannot_be_written_is_one_line_and_a_nonzero_exit(tmp_
     (tmp_path / "file.txt").write_text("not a folder")
     path = {"missing folder": tmp_path / "nope" / "trace.json", "under a file": tmp_path / "file.txt" / "trace.json",
             "a folder": tmp_path}[case]
-    r = swarmctl("ask", "--trace", str(path), "hello", home=tmp_path / "no-swarm-joined")
+    r = swarmctl(tmp_path / "no-swarm-joined", "ask", "--trace", str(path), "hello")
     assert r.returncode != 0 and r.stdout == ""
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
@@ -323,7 +317,7 @@ def test_serve_refuses_a_trace_folder_it_cannot_use(tmp_path):
     (tmp_path / "file.txt").write_text("not a folder")
     for folder, why in ((tmp_path / "file.txt", "it is a file, not a folder"),
                         (tmp_path / "nope" / "traces", "No such file or directory")):
-        r = swarmctl("serve", "--port", "0", "--trace", str(folder), home=tmp_path / "no-swarm-joined")
+        r = swarmctl(tmp_path / "no-swarm-joined", "serve", "--port", "0", "--trace", str(folder))
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1 and why in lines[0] and "Traceback" not in r.stderr, r.stderr
 
