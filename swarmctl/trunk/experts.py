@@ -21,15 +21,22 @@ import numpy as np
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine, rows_for
 from net.identity import Credentials
+from net.liveness import SILENCE_LIMIT
+from net.ping import ping_ms
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import ExpertCall, ExpertCallKind, Frame, HopCall, WireError, decode_expert_call, encode_expert_call
 from swarmctl.reach import ConnectPeer, connect_direct
+from swarmctl.trunk.call_deadline import CallDeadlines
 from plans.plan import ExpertAssignment
 
 log = logging.getLogger("swarmctl.trunk")
 
-CALL_TIMEOUT_S = 30.0  # one expert node's answer
+CALL_TIMEOUT_S = 30.0  # one expert node's answer, however slow, while it answers pings
 ALL_CALLS_TIMEOUT_S = 60.0  # the compute thread's wait for every expert node of one layer
+# After a node failed a call (no answer, no ping), calls to it fail at once for this long: the
+# request is replayed once the host plans the node out, and the asker retries the same plan after
+# 2 × SILENCE_LIMIT (swarmctl/swarm_client.py) if the host never does.
+GIVEN_UP_S = 2 * SILENCE_LIMIT
 
 
 class RemoteExpertError(EngineError):
@@ -62,6 +69,8 @@ class ExpertClient:
         self.call_bytes = 0  # sent and answered
         self.loop: asyncio.AbstractEventLoop | None = None
         self.recent: deque[CallTiming] = deque(maxlen=RECENT_CALLS)  # newest last
+        self.deadlines = CallDeadlines()  # how long each node's next answer may take (call_deadline.py)
+        self._given_up: dict[str, float] = {}  # node → until when (monotonic) its calls fail at once
 
     def forward(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
         """On the compute thread (the slice engine's ``remote_experts``): the outputs of each row's
@@ -82,20 +91,58 @@ class ExpertClient:
         rows, slots = rows_for(selected, assignment.start, assignment.stop)
         if rows.size == 0:
             return
+        member = assignment.member
+        if time.monotonic() < self._given_up.get(member, 0.0):
+            raise RemoteExpertError(f"expert node {member} stopped answering; waiting for the plan to move on")
         started = time.perf_counter()
-        conn = self.conns.get(assignment.member)
+        conn = self.conns.get(member)
         if conn is None or not conn.is_open:
-            conn = await self.connect(assignment.member, assignment.address, self.handler)
-            self.conns[assignment.member] = conn
+            conn = await self.connect(member, assignment.address, self.handler)
+            self.conns[member] = conn
         request = encode_expert_call(ExpertCall(ExpertCallKind.REQUEST, layer, x[rows], selected[rows, slots]))
-        reply_frame = await conn.request(request, timeout=CALL_TIMEOUT_S)
+        sent = time.perf_counter()
+        reply_frame = await self._answer(member, conn, request)
+        answered = time.perf_counter()
         reply = decode_expert_call(reply_frame.body)
         if reply.kind != ExpertCallKind.REPLY or reply.data.shape != (rows.size, x.shape[1]):
-            raise RemoteExpertError(f"expert node {assignment.member}: {reply.message or 'a malformed reply'}")
+            raise RemoteExpertError(f"expert node {member}: {reply.message or 'a malformed reply'}")
         out[rows, slots] = reply.data
         self.call_bytes += len(request) + len(reply_frame.body)
-        self.recent.append(CallTiming(assignment.member, layer, started, time.perf_counter() - started,
-                                      int(rows.size), len(request) + len(reply_frame.body)))
+        self.deadlines.record(member, answered - sent)  # the round trip and compute, not the connect
+        self.recent.append(CallTiming(member, layer, started, answered - started, int(rows.size),
+                                      len(request) + len(reply_frame.body)))
+
+    async def _answer(self, member: str, conn: SwarmProtocol, request: bytes) -> Frame:
+        """The node's answer to one call. Each time the call outlives its deadline, a ping asks
+        whether the node is alive: if it answers, the node is only slow and the call waits on (up
+        to CALL_TIMEOUT_S); if not, the node is given up (RemoteExpertError: the stage refuses the
+        request with a retry, and the asker replays it on the plan without the node)."""
+        call = asyncio.ensure_future(conn.request(request, timeout=CALL_TIMEOUT_S))
+        try:
+            while True:
+                wait = self.deadlines.deadline(member)
+                done, _ = await asyncio.wait({call}, timeout=wait)
+                if done:
+                    return call.result()
+                try:
+                    await ping_ms(conn, wait)
+                except (ConnectionError, asyncio.TimeoutError):
+                    self._give_up(member, conn, wait)
+                    raise RemoteExpertError(f"expert node {member} did not answer a call within {wait:.1f}s, "
+                                            "nor a ping after it") from None
+                log.info("expert node %s is slow (no answer within %.1fs) but answers pings: waiting on", member, wait)
+        finally:
+            if not call.done():
+                call.cancel()
+
+    def _give_up(self, member: str, conn: SwarmProtocol, waited: float) -> None:
+        log.warning("expert node %s answered neither a call nor a ping for %.1fs: failing its calls for %.0fs "
+                    "(requests are replayed once the plan moves on)", member, 2 * waited, GIVEN_UP_S)
+        self._given_up[member] = time.monotonic() + GIVEN_UP_S
+        self.deadlines.forget(member)
+        if self.conns.get(member) is conn:
+            del self.conns[member]
+        conn.close_with("no answer to an expert call or a ping")
 
     def calls_between(self, start: float, stop: float) -> tuple[HopCall, ...]:
         """The calls that began in [start, stop] (a batch's compute, on this process's clock), each

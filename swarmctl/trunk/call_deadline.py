@@ -1,0 +1,62 @@
+"""How long a stage waits for an expert node's answer before it asks whether the node is alive.
+
+A stage's compute thread waits for every expert call of a MoE layer, so an expert node killed
+mid-call would hold the stage (and every request in its batch) until QUIC's idle timeout gave
+the connection up (net/liveness.py, 8 s), long after the host had planned the node out. Instead,
+each call gets a deadline of a few times the median of that node's recent calls (their round
+trip and compute, as this stage measured them), kept between a floor (a slow moment of a busy
+machine is not death) and a ceiling (no longer than the host takes to call a silent member
+gone, so the stage is free again by the time the new plan comes). Before any measurement the
+ceiling applies. Past the deadline the caller pings the node (swarmctl/trunk/experts.py): an
+answer means slow, not dead, and the call waits another deadline; no answer fails the call and
+the request is replayed as for a dead stage.
+
+No I/O here: ``record`` what each answered call took, ask ``deadline`` before the next one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+from net.liveness import SILENCE_LIMIT
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    multiple: float = 8.0  # times the median call: a call this much slower than usual is suspect
+    floor_s: float = 1.0  # a deadline never shorter: scheduling hiccups and GC pauses on a loaded box
+    ceiling_s: float = SILENCE_LIMIT  # never longer than the host's own verdict on a silent member
+    window: int = 32  # recent calls per node the median is taken over
+    min_calls: int = 3  # fewer measured calls than this: the ceiling (one call is not a median)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor_s <= self.ceiling_s or self.multiple <= 0 or self.window < self.min_calls:
+            raise ValueError(f"an inconsistent expert call deadline policy: {self}")
+
+
+@dataclass
+class CallDeadlines:
+    """Each expert node's recent call times, and the deadline they give its next call."""
+
+    policy: DeadlinePolicy = DeadlinePolicy()
+    _recent: dict[str, deque[float]] = field(default_factory=dict)  # node → seconds of its answered calls
+
+    def record(self, node: str, seconds: float) -> None:
+        """An answered call to ``node`` took ``seconds`` (sent to answer decoded)."""
+        calls = self._recent.setdefault(node, deque(maxlen=self.policy.window))
+        calls.append(max(0.0, seconds))
+
+    def deadline(self, node: str) -> float:
+        """Seconds the next call to ``node`` may take before the node is checked for life."""
+        p = self.policy
+        calls = self._recent.get(node, ())
+        if len(calls) < p.min_calls:
+            return p.ceiling_s
+        return min(p.ceiling_s, max(p.floor_s, p.multiple * median(calls)))
+
+    def forget(self, node: str) -> None:
+        """The node's figures no longer apply (it was found dead; a member of that name that comes
+        back may be another machine)."""
+        self._recent.pop(node, None)
