@@ -7,6 +7,7 @@ import argparse
 import importlib
 import logging
 import os
+import select
 import sys
 from dataclasses import dataclass
 from typing import Sequence
@@ -65,6 +66,48 @@ def _parser_for(name: str) -> tuple[argparse.ArgumentParser, object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. A reader that stops reading early (``swarmctl status |
+    head -1``, a closed terminal) ends the command quietly, as a CLI tool should: no traceback, and
+    status 0, because what it printed went where it was asked until nobody wanted more."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at interpreter exit, where a closed pipe cannot be caught
+    except BrokenPipeError as error:
+        if not _reader_gone():  # a socket of the command's own broke, not its output: an error
+            return _report(error)
+        _discard_stdout()
+        return EXIT_OK
+
+
+def _reader_gone() -> bool:
+    """Whether nobody reads our stdout or stderr any more: poll reports an error or hang-up on
+    the writing end of a pipe (or socket, or terminal) whose reader is gone."""
+    if not hasattr(select, "poll"):
+        return True  # no way to ask: a broken pipe here is most likely our output
+    poll = select.poll()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            poll.register(stream.fileno(), select.POLLOUT)
+        except (OSError, ValueError, AttributeError):  # closed, or not a file (a test's StringIO)
+            continue
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered has
+    somewhere to go (Python's documented recipe for SIGPIPE; Python ignores the signal itself, and
+    restoring its default would let a peer's closed TCP or UDP socket kill `serve` or a node)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout to speak of: nothing will be flushed either
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or args_list[0] in ("-h", "--help", "help"):
         print(_top_level_help())
@@ -90,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("swarmctl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        return EXIT_ERROR
+        raise  # the reader went away (main handles it); not an error of the command's
     except Exception as e:  # noqa: BLE001 - the single place errors become exit codes
         return _report(e)
 
