@@ -87,3 +87,36 @@ def test_unknown_command_and_help():
     assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr
     r = swarmctl("--help")
     assert r.returncode == 0 and "ask" in r.stdout
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t "])
+def test_an_empty_prompt_is_refused_in_one_line(prompt):
+    """Before, `ask ""` was accepted and answered whatever the chat template alone led to."""
+    r = swarmctl("ask", "--transport", "inproc", prompt)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ['swarmctl ask: the prompt is empty (give the question as an argument: '
+                                             'swarmctl ask "...")'], r.stderr
+
+
+def test_max_tokens_past_the_context_says_where_it_stops_and_goes_on():
+    """--max-tokens beyond the context was cut silently; now one line says where the answer
+    stops, and it stops exactly there: the same text as asking for that many tokens."""
+    args = ("ask", "--transport", "inproc", "--raw", "--temperature", "0", "--threads", "2", "--ctx", "32")
+    prompt = "Once upon a time, in a land far away, there lived a"  # 14 tokens
+    r = swarmctl(*args, "--max-tokens", "100", prompt)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["swarmctl ask: note: --max-tokens 100 goes past the context: the prompt takes "
+                                     "14 of its 32 tokens, so the answer stops after at most 19 (--ctx sets the "
+                                     "context)"], r.stderr
+    exact = swarmctl(*args, "--max-tokens", "19", prompt)
+    assert exact.returncode == 0 and exact.stderr == "", exact.stderr  # 19 fit: no note
+    assert r.stdout == exact.stdout and r.stdout.strip()
+
+
+def test_the_context_note():
+    from swarmctl.commands.ask import context_note
+
+    assert context_note(14, 19, 32) == "" and context_note(14, 20, 32).endswith("stops after at most 19 (--ctx "
+                                                                                 "sets the context)")
+    assert context_note(31, 2, 32) == "" and "at most 2" in context_note(31, 3, 32)
+    assert context_note(32, 100, 32) == ""  # no room at all: the asker refuses the prompt instead

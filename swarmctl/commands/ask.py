@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise UsageError("swarmctl ask: the prompt is empty (give the question as an argument: swarmctl ask \"...\")")
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError("--top-p must be in (0, 1]")
     if args.temperature < 0:
@@ -76,8 +78,23 @@ async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
             session.asker.uplink_transform = UplinkNoise.calibrated(session.model, session.asker.head.slice.stop,
                                                                     args.uplink_noise, n_threads=args.threads)
         trace = _TraceTo(Path(args.trace), session) if args.trace is not None else None
-        return await _stream(session.asker, session.trunk, _prompt_tokens(session.asker, args), args.max_tokens,
-                             sampling, session.drafting.for_request(), trace)
+        prompt = _prompt_tokens(session.asker, args)
+        note = context_note(len(prompt), args.max_tokens, session.asker.max_context)
+        if note:
+            print(f"swarmctl ask: note: {note}", file=sys.stderr)
+        return await _stream(session.asker, session.trunk, prompt, args.max_tokens, sampling,
+                             session.drafting.for_request(), trace, noted=bool(note))
+
+
+def context_note(prompt_tokens: int, max_tokens: int, context: int) -> str:
+    """What to say when --max-tokens reaches past the context: where the answer will stop at the
+    latest ("" when it fits). A prompt that leaves no room is refused by the asker itself. The
+    answer's last token needs no position of its own, hence one more than the room left."""
+    most = context - prompt_tokens + 1
+    if prompt_tokens >= context or max_tokens <= most:
+        return ""
+    return (f"--max-tokens {max_tokens} goes past the context: the prompt takes {prompt_tokens} of its "
+            f"{context} tokens, so the answer stops after at most {most} (--ctx sets the context)")
 
 
 class _TraceTo:
@@ -106,7 +123,7 @@ def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
 
 
 async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                  speculation=None, trace: _TraceTo | None = None) -> int:
+                  speculation=None, trace: _TraceTo | None = None, noted: bool = False) -> int:
     from swarmctl.asker import Generation
 
     decoder = asker.tokenizer.stream_decoder()
@@ -138,6 +155,7 @@ async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: Sa
     if speculation is not None:
         log.info("speculation: %d steps for %d tokens; %d drafted, %d accepted (%.0f%%)", len(gen.timings), n,
                  gen.drafted, gen.accepted, 100.0 * gen.accepted / gen.drafted if gen.drafted else 0.0)
-    if gen.finish_reason == "context":
+    # (unless a note said so before the answer began, or the answer has every token asked for)
+    if gen.finish_reason == "context" and not noted and n < max_tokens:
         print(f"swarmctl: stopped: the context length ({asker.max_context} tokens) is full", file=sys.stderr)
     return 0
