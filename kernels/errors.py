@@ -27,3 +27,9 @@ class RequestStateError(EngineError):
 
 class InputShapeError(EngineError):
     """Input activations or tokens whose shape or values do not fit the slice."""
+
+
+class TensorBoundsError(InputShapeError):
+    """A copy into or out of a ggml tensor that does not fit it. Checked in Python (kernels.ggml
+    ``copy_in`` / ``copy_out``) because ggml's own check is a GGML_ASSERT, which aborts the process:
+    a stage would die of what a peer sent instead of answering it."""

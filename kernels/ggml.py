@@ -16,6 +16,8 @@ import os
 from ctypes import c_bool, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_uint8, c_void_p
 from pathlib import Path
 
+from .errors import TensorBoundsError
+
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
 GGML_MAX_OP_PARAMS = 64
@@ -254,3 +256,24 @@ def new_context(n_tensors: int, *, graph_nodes: int = 0) -> int:
         raise MemoryError("ggml_init failed")
     return ctx
 
+
+# --- copies checked in Python (a GGML_ASSERT is abort(), not an exception) ---
+
+def copy_in(tensor: int, array) -> None:
+    """Copy a C-contiguous numpy array into ``tensor`` from its first byte; TensorBoundsError if
+    the bytes do not fit (ggml_backend_tensor_set would abort the process on a GGML_ASSERT)."""
+    _check_fits(tensor, array, "into")
+    backend_tensor_set(tensor, array.ctypes.data, 0, array.nbytes)
+
+
+def copy_out(tensor: int, array) -> None:
+    """Fill a C-contiguous numpy array from ``tensor``'s first bytes; TensorBoundsError if the
+    tensor holds fewer (ggml_backend_tensor_get would abort the process on a GGML_ASSERT)."""
+    _check_fits(tensor, array, "out of")
+    backend_tensor_get(tensor, array.ctypes.data, 0, array.nbytes)
+
+
+def _check_fits(tensor: int, array, direction: str) -> None:
+    if not array.flags.c_contiguous or array.nbytes > nbytes(tensor):
+        raise TensorBoundsError(f"a copy of {array.nbytes} bytes {direction} a tensor of {nbytes(tensor)} "
+                                f"(shape {list(tensor_shape(tensor))}) does not fit")

@@ -77,7 +77,7 @@ class GraphInputs:
     attention: list[AttentionInputs] = field(default_factory=list)  # one per request
     tokens: int | None = None  # I32 [N] (slices with the embedding)
     embd: int | None = None  # F32 [n_embd, N] (slices fed by activations)
-    out_ids: int | None = None  # I32 [n_outputs]: rows kept after the model's last layer
+    out_ids: int | None = None  # I32 [n_outputs]: rows kept after the model's last layer (LM head slices only)
 
 
 class SliceGraph:
@@ -422,7 +422,8 @@ def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> G
         inputs.tokens = placeholder("inp_tokens", ggml.TYPE_I32, n)
     else:
         inputs.embd = placeholder("inp_embd", ggml.TYPE_F32, spec.n_embd, n)
-    holds_last = s.stop == spec.n_layer and (has_layers or s.has_lm_head)
-    if holds_last and shape.n_outputs != n:
+    if s.has_lm_head and shape.n_outputs != n:
+        # Only the slice that makes the logits keeps fewer rows (kernels.slice._graph_shape): one
+        # that passes activations on returns every row, whatever the next slice holds.
         inputs.out_ids = placeholder("inp_out_ids", ggml.TYPE_I32, shape.n_outputs)
     return inputs

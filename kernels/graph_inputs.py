@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml
+from .errors import TensorBoundsError
 from .graph import GraphShape, SliceGraph
 
 
@@ -40,6 +41,9 @@ class InputHost:
             copies.append((graph.inputs.pos, self.pos))
         if graph.inputs.out_ids is not None:
             copies.append((graph.inputs.out_ids, self.out_ids))
+        for t, a in copies:  # checked once here, so the per-step uploads need no check
+            if a.nbytes != ggml.nbytes(t):
+                raise TensorBoundsError(f"input of {a.nbytes} bytes for a placeholder of {ggml.nbytes(t)}")
         self.copies = [(t, a.ctypes.data, a.nbytes) for t, a in copies]
         self.out_shape = ggml.tensor_shape(graph.output)[1::-1]  # (rows, width)
 
@@ -71,14 +75,14 @@ class InputHost:
     def set(self, x: np.ndarray, starts: list[int]) -> None:
         """Copy in the batch's stacked input (token ids or activations) and every placeholder."""
         inputs = self.graph.inputs
-        ggml.backend_tensor_set(inputs.tokens if inputs.tokens is not None else inputs.embd, x.ctypes.data, 0, x.nbytes)
+        ggml.copy_in(inputs.tokens if inputs.tokens is not None else inputs.embd, x)
         self.fill(starts)
         self.upload()
 
     def read_outputs(self) -> list[np.ndarray]:
         """The graph's output rows, one array per request."""
         out = np.empty(self.out_shape, dtype=np.float32)
-        ggml.backend_tensor_get(self.graph.output, out.ctypes.data, 0, out.nbytes)
+        ggml.copy_out(self.graph.output, out)
         if len(self.graph.shape.requests) == 1:
             return [out]
         bounds = np.cumsum([0] + [r.n_outputs for r in self.graph.shape.requests])

@@ -174,8 +174,11 @@ class SliceEngine:
 
         Input: token ids (slices with the embedding) or activations ``[n, n_embd]`` float32.
         Output: float32 ``[rows, n_embd]`` activations, or ``[rows, n_vocab]`` logits for a slice
-        with the LM head. Rows are all ``n`` tokens, except after the model's last layer, where
-        ``outputs="last"`` keeps only the final token (as llama.cpp does without logits_all).
+        with the LM head. Rows are all ``n`` tokens, except in a slice with the LM head, where
+        ``outputs="last"`` keeps only the final token (as llama.cpp does without logits_all; the
+        rows are dropped at the model's last layer, or before the head when the slice has no
+        layers). A slice without the LM head returns every row even when it ends at the last
+        layer: the slice that makes the logits is the one that knows which rows are wanted.
         """
         return self.forward_batch([Step(request_id, start_pos, tokens, hidden, outputs, rewind=rewind)])[0]
 
@@ -193,7 +196,7 @@ class SliceEngine:
         for step, request, x in zip(steps, requests, inputs):
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
-        shape = _graph_shape(steps, requests, inputs, self.slice.stop == self.spec.n_layer)
+        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head)
         if self.remote_experts is not None:
             t1 = time.perf_counter()
             outputs = self._forward_segmented(shape, requests, inputs, [s.start_pos for s in steps])
@@ -307,7 +310,11 @@ class SliceEngine:
         return entry
 
     def _place(self, graph: SliceGraph, caches: list[KVCache]) -> PlacedGraph:
-        host = InputHost(graph, self.spec.kv_widths[1], [c.capacity for c in caches])
+        try:
+            host = InputHost(graph, self.spec.kv_widths[1], [c.capacity for c in caches])
+        except BaseException:
+            graph.close()
+            raise
         entry = place(graph, host, self.backend)  # frees the graph if it does not fit
         self.stats.graph_builds += 1
         return entry
@@ -400,12 +407,17 @@ def _input_array(slice_spec: SliceSpec, spec: ModelSpec, tokens: Sequence[int] |
 
 
 def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray],
-                 holds_last: bool) -> GraphShape:
-    """The batch's graph shape; ``holds_last``: the slice ends at the model's last layer."""
+                 makes_logits: bool) -> GraphShape:
+    """The batch's graph shape. ``makes_logits``: the slice has the LM head, and only then may a
+    step keep fewer rows than it has tokens. Why not any slice that ends at the model's last
+    layer: with no layers at the asker's end (--head-layers 0) that is the last trunk stage, and
+    rows it dropped would leave the asker's tail one row for a prompt of n positions (and a
+    speculative check without the rows it checks; with remote experts, a segment read past its
+    output)."""
     shapes = []
     for step, request, x in zip(steps, requests, inputs):
         n = len(x)
-        n_outputs = 1 if (step.outputs == "last" and holds_last) else n
+        n_outputs = 1 if (step.outputs == "last" and makes_logits) else n
         if request.kv is None:
             shapes.append(RequestShape(n, 0, n_outputs, 0))
         else:
@@ -430,7 +442,7 @@ def _combine_experts(experts: np.ndarray, weights: np.ndarray, residual: np.ndar
 
 def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
     out = np.empty(shape, dtype=dtype)
-    ggml.backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+    ggml.copy_out(tensor, out)
     return out
 
 

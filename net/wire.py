@@ -263,6 +263,8 @@ def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:
     if offset >= len(body):
         raise WireError("activation packet ends before its hop records")
     count, offset = body[offset], offset + 1
+    if count > MAX_HOPS:  # (a stage could not append its own record and send the packet on)
+        raise WireError(f"a packet lists {count} hops; at most {MAX_HOPS} fit")
     hops = []
     for _ in range(count):
         name, values, offset = _named_record(body, offset, _HOP, "hop records")

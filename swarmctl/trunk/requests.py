@@ -22,8 +22,9 @@ from kernels.slice import Step
 from net.endpoint import close
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
-from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Hop, HopCall, PacketKind, WireError, \
-    decode_packet, encode_packet
+from net.wire import FRAME_HEADER, MAX_HOPS, ActivationPacket, DType, Frame, FrameType, Hop, HopCall, PacketKind, \
+    WireError, decode_packet, encode_packet
+from plans.plan import Plan, StageAssignment
 from swarmctl.batching import EngineClosedError
 from swarmctl.log_limit import LogLimit
 from swarmctl.reach import ConnectPeer, connect_direct
@@ -173,10 +174,16 @@ class StageRequests:
                              retry=isinstance(e, (RequestStateError, EngineClosedError, RemoteExpertError)))
                 return
             budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))  # the engine's real figure
-            if held.runner is not runner:
-                # The plan changed while this step computed: its layers are gone from here, and so is
-                # the request's cache. The sender starts it over on the new route.
-                self._refuse(conn, stream_id, rid, f"the plan changed (now v{held.plan.version})", retry=True)
+            # What the plan says now, read once: the step was awaited, and a plan that arrived
+            # meanwhile may have moved or taken away this stage (``Assignment.apply`` sets its stage
+            # to None at once when the plan gives this trunk no layers, before any reload).
+            plan_now, stage_now = held.plan, held.stage
+            if held.runner is not runner or stage_now is None or plan_now is None \
+                    or (stage_now.start, stage_now.stop) != (stage.start, stage.stop):
+                # The plan changed while this step computed: its layers are gone from here (or going),
+                # and so is the request's cache. The sender starts it over on the new route.
+                version = f"now v{plan_now.version}" if plan_now is not None else "no plan now"
+                self._refuse(conn, stream_id, rid, f"the plan changed ({version})", retry=True)
                 return
             route.checks.step(packet.start_pos, int(packet.data.shape[0]), packet.verify)
             self.routes.commit(rid, route)
@@ -190,7 +197,7 @@ class StageRequests:
             calls = self._expert_calls(computed_from, computed_from + timing.compute_s) if packet.trace else ()
             hop = Hop(self.name, int((timing.queued_s + submitted - arrived) * 1e6), int(timing.compute_s * 1e6),
                       timing.batch_requests, calls)
-            await self._pass_on(route, packet, out, hop)
+            await self._pass_on(route, packet, out, hop, plan_now, stage_now)
 
     def _previous_member(self) -> str | None:
         return next((s.member for s in self.held.plan.stages if s.stop == self.held.stage.start), None)
@@ -220,10 +227,15 @@ class StageRequests:
         if packet.data.ndim != 2 or packet.data.shape[1] != held.engine.spec.n_embd:
             return (f"activations of shape {list(packet.data.shape)} do not fit: expected "
                     f"[n_tokens, {held.engine.spec.n_embd}]"), False
+        if len(packet.hops) >= MAX_HOPS:  # this stage's record would not fit on the packet it sends on
+            return f"the packet has passed {len(packet.hops)} stages already; at most {MAX_HOPS} fit", False
         return "", False
 
-    async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray, hop: Hop) -> None:
-        rid, plan, stage = packet.request_id, self.held.plan, self.held.stage
+    async def _pass_on(self, route: Route, packet: ActivationPacket, out: np.ndarray, hop: Hop, plan: Plan,
+                       stage: StageAssignment) -> None:
+        """Send a step's output on under ``plan``, from ``stage``: what the caller checked after the
+        step ran (``self.held`` may change under any await from here on)."""
+        rid = packet.request_id
         is_last = stage.stop == plan.trunk_range[1]
         onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, plan.version,
                                   stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
@@ -238,7 +250,7 @@ class StageRequests:
             await self._send_and_drain(*results, onward)
             return
         try:
-            conn = await self._next_stage_conn()
+            conn = await self._next_stage_conn(plan.next_stage(stage))
         except (ConnectionError, OSError) as e:
             self._refuse(route.in_conn, route.in_stream, rid, f"cannot reach the next stage: {e}", retry=True)
             return
@@ -246,8 +258,7 @@ class StageRequests:
             self._do(self.routes.send_on(rid, route, conn, conn.open_stream()))
         await self._send_and_drain(conn, route.out_stream, onward)
 
-    async def _next_stage_conn(self) -> SwarmProtocol:
-        nxt = self.held.plan.next_stage(self.held.stage)
+    async def _next_stage_conn(self, nxt: StageAssignment | None) -> SwarmProtocol:
         if nxt is None:
             raise ConnectionError("the plan has no stage after this one")
         if self.next_conn is not None and self.next_conn.is_open and self.next_member == nxt.member:
