@@ -282,6 +282,7 @@ class MemberStatus(Part, kw_only=True):
     slice_bytes_sent: int = 0
     bad_results: int = 0  # spot checks that caught it (swarmctl/verify.py)
     bad_result_reporters: int = 0
+    last_seen_s: float | None = None  # seconds since its last connection to the host closed (None: connected, or not seen)
 
 
 class LinkStatus(Part, kw_only=True):

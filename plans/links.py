@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .nodes import Link, NodeDescriptor
+from . import units
 
 LAN = Link(1.0, 100.0)  # same site, not measured: a switch and gigabit Ethernet, roughly
 FALLBACK = Link(1000.0, 1.0)  # nothing measured joins the two: a second per round trip, 1 MB/s
@@ -47,7 +48,7 @@ class LinkEstimate:
 
     def describe(self, a: str, b: str) -> str:
         """One line for a plan's warnings (empty for a direct measured link)."""
-        rate = "" if math.isinf(self.link.bandwidth_mb_s) else f", {self.link.bandwidth_mb_s:g} MB/s"
+        rate = "" if math.isinf(self.link.bandwidth_mb_s) else f", {units.rate(self.link.bandwidth_mb_s)}"
         planned = f"{self.link.rtt_ms:.1f} ms round trip{rate}"
         if self.basis == RELAYED:
             return f"link {a} → {b} is relayed through {self.through[0]}: charged both hops, {planned}"

@@ -42,6 +42,7 @@ from .layout import ModelLayout
 from .plan import ExpertAssignment, PlanError
 from .links import LinkModel
 from .nodes import ASKER, NodeDescriptor
+from . import units
 
 EXACT_NODES = 10
 PERMUTED_NODES = 6  # subsets up to this size may try every order, not only the cheapest path's
@@ -158,9 +159,9 @@ class _Problem:
             missing = max(needed - offered, self.mean_need)
             raise PlanError(
                 f"the swarm cannot hold the model: its trunk layers [{self.start}, {self.stop}) need "
-                f"{needed / GB:.1f} GB (weights + KV for {self.c.context_tokens} tokens × "
-                f"{self.c.max_concurrent} requests) and the members offer {offered / GB:.1f} GB after a "
-                f"{self.c.reserve_bytes / GB:.1f} GB reserve each: {missing / GB:.1f} GB missing")
+                f"{units.size(needed)} (weights + KV for {self.c.context_tokens} tokens × "
+                f"{self.c.max_concurrent} requests) and the members offer {units.size(offered)} after a "
+                f"{units.size(self.c.reserve_bytes)} reserve each: {units.size(missing)} missing")
 
     # --- subsets and orders ---
 

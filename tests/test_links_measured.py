@@ -200,8 +200,8 @@ def test_the_links_table_under_the_members():
     lines = format_links(link_rows(_sources(trunks, {("a", "b")})))
     assert lines[0].split() == ["HOP", "LINK", "PATH", "RTT", "THROUGHPUT", "BASIS"]
     body = [line.split() for line in lines[1:]]
-    assert body[0] == ["1", "asker", "→", "a", "direct", "4.0", "ms", "50", "MB/s", "(default)", "measured"]
-    assert body[1] == ["2", "a", "→", "b", "direct", "10.0", "ms", "80", "MB/s", "measured"]
+    assert body[0] == ["1", "asker", "→", "a", "direct", "4.0", "ms", "50.0", "MB/s", "(default)", "measured"]
+    assert body[1] == ["2", "a", "→", "b", "direct", "10.0", "ms", "80.0", "MB/s", "measured"]
     assert body[2][:4] == ["3", "b", "→", "c"] and body[2][-2:] == ["estimated", "(bound)"]
     assert len(body) == 4
     assert format_links([]) == []

@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from net.identity import member_role
 
     role = member_role(home.credentials().cert)
-    print(f"joined swarm '{config.swarm_name}' as {config.name}, a {role} (state in {home.path})")
+    from swarmctl.commands.status import with_article
+
+    print(f"joined swarm '{config.swarm_name}' as {config.name}, {with_article(role)} (state in {home.path})")
     print("next: 'swarmctl run --role trunk' to serve layers, or 'swarmctl ask \"...\"'" if role == "trunk" else
           "next: 'swarmctl ask \"...\"' (this member may ask, not serve)")
     return 0

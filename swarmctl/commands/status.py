@@ -16,6 +16,7 @@ from net.endpoint import NoAddressAnswered, close
 from net.protocol import RequestOnlyHandler
 from net import messages as m
 from net.wire import WireError
+from plans import units
 from swarmctl.home import SwarmHome
 from swarmctl.host_addresses import connect_host
 
@@ -48,9 +49,9 @@ def format_table(status: m.Status) -> str:
         layers = f"[{member.layers[0]}, {member.layers[1]})" if member.layers else "-"
         if member.experts:  # expert parallelism: this member holds experts of every trunk layer
             layers = f"experts [{member.experts[0]}, {member.experts[1]})"
-        memory = f"{member.memory / 1e9:.1f} GB" if member.memory else "-"
+        memory = units.size(member.memory) if member.memory else "-"
         rows.append((member.name, member.may, member.address or "-", layers, member.device or "-", memory,
-                     member.health))
+                     member_health(member)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"swarm {status.swarm}: model {status.model} ({status.n_layer} layers, asker keeps "
              f"{status.head_layers} at each end), plan v{status.plan_version}, "
@@ -63,6 +64,34 @@ def format_table(status: m.Status) -> str:
     return "\n".join(lines + ([""] + extras if extras else []))
 
 
+def member_health(member: m.MemberStatus) -> str:
+    """The HEALTH cell. An asker serves nothing, so it is never "down": it is an asker, connected
+    or last seen so long ago; a member that could serve but is away says when it was last seen."""
+    seen = getattr(member, "last_seen_s", None)  # (a host too old to say sends none)
+    if member.may == "asker" and member.health in ("up", "down"):
+        if member.health == "up":
+            return "asker, connected"
+        return f"asker, seen {ago(seen)}" if seen is not None else "asker, not seen since the host started"
+    if member.health == "down" and seen is not None:
+        return f"down, seen {ago(seen)}"
+    return member.health
+
+
+def ago(seconds: float) -> str:
+    """'just now', '40s ago', '2m ago', '3h ago', '2d ago': the largest whole unit."""
+    if seconds < 1:
+        return "just now"
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= length:
+            return f"{int(seconds // length)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
+def with_article(word: str) -> str:
+    """'an asker', 'a trunk', 'a host'."""
+    return f"{'an' if word[:1].lower() in 'aeiou' and word else 'a'} {word}"
+
+
 def format_links(links: list[m.LinkStatus]) -> list[str]:
     """The plan's links under the members table: path, round trip, throughput, and whether each
     figure was measured or is the planner's estimate (plans/links.py says how it estimates)."""
@@ -71,7 +100,7 @@ def format_links(links: list[m.LinkStatus]) -> list[str]:
     rows = [("HOP", "LINK", "PATH", "RTT", "THROUGHPUT", "BASIS")]
     for i, link in enumerate(links, 1):
         rtt = f"{link.rtt_ms:.1f} ms" if link.rtt_ms is not None else "-"
-        rate = f"{link.bandwidth_mb_s:.0f} MB/s" if link.bandwidth_mb_s is not None else "-"
+        rate = units.rate(link.bandwidth_mb_s) if link.bandwidth_mb_s is not None else "-"
         if link.measured and not link.bandwidth_measured and link.bandwidth_mb_s is not None:
             rate += " (default)"
         basis = "measured" if link.measured else f"estimated ({link.basis})"

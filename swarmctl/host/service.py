@@ -8,6 +8,7 @@ import asyncio
 import base64
 import hashlib
 import logging
+import time
 from typing import Callable
 
 from cryptography import x509
@@ -72,6 +73,7 @@ class HostService:
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
         # serve, top), so "online" means any of them is open, and revoking closes them all.
         self.connections: set[SwarmProtocol] = set()
+        self.last_seen: dict[str, float] = {}  # member → time.monotonic() its last connection closed (status)
         # Trunks measure their link to us (the asker's side in the planner) with a throughput probe;
         # which (trunk, peer) links came with a measured bandwidth, for status (others carry a default).
         self.probes = ProbeSink()
@@ -141,6 +143,7 @@ class HostService:
             self.connections.discard(conn)
             log.info("member %s disconnected%s", conn.peer_name,
                      "" if conn.peer_name not in self.online() else " (its other connections stay)")
+            self.last_seen[conn.peer_name] = time.monotonic()
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None and trunk.conn is conn:
             del self.trunks[conn.peer_name]
@@ -375,7 +378,7 @@ class HostService:
         advertised = self.config.host_addresses[0] if self.config.host_addresses else str(self.address)
         return swarm_status(StatusSources(self.home, self.config.name, advertised, self.config.swarm_name,
                                           self.plan, self.trunks, self.online(), self.reports,
-                                          self.bandwidth_measured, self.rendezvous))
+                                          self.bandwidth_measured, self.rendezvous, last_seen=self.last_seen))
 
     def _recovered(self, conn: SwarmProtocol, stream_id: int, message: m.Recovered) -> None:
         self.reports.recovered(message.recovery_s, message.replayed_bytes)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from net.messages import LinkStatus, MemberStatus, RecoveryStatus, Status
@@ -32,6 +33,7 @@ class StatusSources:
     # (trunk, peer) links whose last report carried a measured bandwidth (the others plan at a default)
     bandwidth_measured: set[tuple[str, str]] = field(default_factory=set)
     rendezvous: Rendezvous | None = None  # the paths the host gave members to reach trunks
+    last_seen: dict[str, float] = field(default_factory=dict)  # member → time.monotonic() its last connection closed
 
 
 def health(src: StatusSources, name: str, revoked: bool) -> str:
@@ -66,7 +68,9 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         measured_ms_per_layer=trunk.measured_ms_per_layer if trunk else None,
         planned_ms_per_layer=trunk.planning_speed if trunk else None,
         slice_bytes_sent=trunk.served_bytes if trunk else 0,
-        bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name))
+        bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name),
+        last_seen_s=(round(time.monotonic() - src.last_seen[name], 1)
+                     if name in src.last_seen and name not in src.online else None))
 
 
 def link_rows(src: StatusSources) -> list[LinkStatus]:
