@@ -4,6 +4,17 @@ A NAT lets a datagram in only as the answer to one that went out: the router kee
 (private ip:port → public ip:port) and lets in datagrams from the address the member sent to.
 Two members behind NATs therefore both send at once, each to the other's public address as the
 rendezvous saw it; the first datagrams open each side's mapping, the later ones get through.
+Opening probes go out with a low TTL (OPENING_TTL): enough to cross our own router, which opens
+our mapping, too little to reach the peer's. A router that drops unasked datagrams only when it
+would forward them (FORWARD DROP, INPUT ACCEPT: common on Linux-based home routers) takes a
+probe that arrives before its member sent anything as meant for itself, answers it and keeps a
+conntrack entry for it; that entry holds the member's public port, so the member's own datagrams
+to that peer then leave from another port and the punch fails (issue 29 item 4). While the first
+probes of both ends die on the way, each end's own mapping is open before the other's full probes
+arrive. An end sends full probes once it has heard the peer (its mapping is open) or the opening
+time is over (a peer whose ticket came later than ours by more than that can still hit the
+problem).
+
 That only works from the socket whose mapping the rendezvous observed, so the same socket must
 carry QUIC afterwards: ``SharedSocket`` is one UDP socket that carries QUIC (a server, client
 connections, or both) and, beside it, these small control datagrams.
@@ -23,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -43,6 +55,10 @@ PROBE = b"\x00swP"
 NONCE_BYTES = 16
 PROBE_INTERVAL = 0.05  # seconds between probes while punching: a few dozen datagrams per second, tiny
 PUNCH_TIMEOUT = 3.0
+# Hops a probe may cross while both ends open their own mappings: a home router, maybe a
+# carrier-grade NAT behind it; two homes are usually ten or more routers apart.
+OPENING_TTL = 4
+OPENING_S = 0.25  # how long an end sends only low-TTL probes (unless it hears the peer sooner)
 # Home routers drop an idle UDP mapping after 30 s or more; a probe this often keeps it open
 # when the link is quiet (QUIC itself sends nothing on an idle connection).
 KEEPALIVE_INTERVAL = 10.0
@@ -83,6 +99,7 @@ class SharedSocket:
 
     def __init__(self) -> None:
         self.transport: asyncio.DatagramTransport | None = None
+        self.sock: socket.socket | None = None  # the socket itself, for datagrams with a TTL of their own
         self.server: QuicServer | None = None
         self.clients: dict[bytes, SwarmProtocol] = {}  # connection ID → a connection we opened
         self.handlers: dict[bytes, ControlHandler] = {PROBE: self._probe_received}
@@ -149,8 +166,21 @@ class SharedSocket:
         host, port = self.transport.get_extra_info("sockname")[:2]
         return Address(host, port)
 
-    def sendto(self, data: bytes, addr: Address) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+    def sendto(self, data: bytes, addr: Address, ttl: int | None = None) -> None:
+        """Send one datagram; with ``ttl``, that datagram alone leaves with that TTL (hop limit),
+        so QUIC packets sent meanwhile on the same socket keep the default."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if ttl is None or self.sock is None:
+            self.transport.sendto(data, (addr.host, addr.port))
+            return
+        v6 = self.sock.family == socket.AF_INET6
+        level, option = (socket.IPPROTO_IPV6, socket.IPV6_HOPLIMIT) if v6 else (socket.IPPROTO_IP, socket.IP_TTL)
+        try:
+            self.sock.sendmsg([data], [(level, option, struct.pack("i", ttl))], 0, (addr.host, addr.port))
+        except (BlockingIOError, InterruptedError):
+            pass  # a probe; the next one follows shortly
+        except OSError:  # no per-datagram TTL here: the default one (the probe still opens our mapping)
             self.transport.sendto(data, (addr.host, addr.port))
 
     async def ask(self, request: bytes, to: Address, reply_tag: bytes, accept: Callable[[bytes], object],
@@ -190,6 +220,7 @@ async def open_shared(sock: socket.socket) -> SharedSocket:
     """Wrap a bound UDP socket (made by the caller: its port, its network namespace)."""
     sock.setblocking(False)
     _, shared = await asyncio.get_running_loop().create_datagram_endpoint(SharedSocket, sock=sock)
+    shared.sock = sock
     return shared
 
 
@@ -237,10 +268,12 @@ def _probe(ticket: PunchTicket, heard: bool) -> bytes:
 
 
 async def punch(shared: SharedSocket, ticket: PunchTicket, *, timeout: float = PUNCH_TIMEOUT,
-                interval: float = PROBE_INTERVAL) -> Address:
+                interval: float = PROBE_INTERVAL, opening_ttl: int | None = OPENING_TTL,
+                opening_s: float = OPENING_S) -> Address:
     """Send probes to ``ticket.peer`` until we have heard the peer's probe and the peer says it
     has heard ours, or ``timeout`` passes (PunchFailed). Returns the address the peer's probes
-    came from: where to reach it (its NAT may show a different port than the rendezvous saw)."""
+    came from: where to reach it (its NAT may show a different port than the rendezvous saw).
+    For ``opening_s``, until the peer is heard, probes leave with ``opening_ttl`` (None: never)."""
     loop = asyncio.get_running_loop()
     heard: asyncio.Future[Address] = loop.create_future()
     acked: asyncio.Future[None] = loop.create_future()
@@ -264,7 +297,8 @@ async def punch(shared: SharedSocket, ticket: PunchTicket, *, timeout: float = P
     try:
         while not (heard.done() and acked.done()):
             target = heard.result() if heard.done() else ticket.peer
-            shared.sendto(_probe(ticket, heard.done()), target)
+            opening = not heard.done() and time.monotonic() - start < opening_s
+            shared.sendto(_probe(ticket, heard.done()), target, ttl=opening_ttl if opening else None)
             left = timeout - (time.monotonic() - start)
             if left <= 0:
                 raise PunchFailed(_failure(ticket, heard.done(), timeout))

@@ -4,8 +4,9 @@ punched link that recovers when its router forgets the mapping. Real namespaces,
 NAT, real UDP sockets and the swarm's real mutual-TLS QUIC (tests/nat_lab.py).
 
 The host (198.51.100.1) is the only public machine: it runs the observed-address echo and the
-relay. alice and bob sit behind cone NATs, carol behind a symmetric one; every member's private
-address is 192.168.1.2.
+relay. alice and bob sit behind cone NATs, carol behind a symmetric one, dan behind a router that
+filters only what it forwards (FORWARD DROP, INPUT ACCEPT); every member's private address is
+192.168.1.2.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def lab(tmp_path):
     if shutil.which("iptables") is None:
         pytest.skip("the NAT lab needs iptables (apt-get install -y iptables conntrack)")
     try:
-        lab = NatLab({"alice": "cone", "bob": "cone", "carol": "symmetric"}, tmp_path)
+        lab = NatLab({"alice": "cone", "bob": "cone", "carol": "symmetric", "dan": "open-input"}, tmp_path)
     except LabUnavailable as e:
         pytest.skip(f"the NAT lab needs network namespaces: {e}")
     try:
@@ -218,6 +219,53 @@ def test_a_symmetric_nat_fails_to_punch_and_goes_through_the_relay_which_sees_on
             relay.close()
             for s in (echo, c_sock, a_sock):
                 s.close()
+
+    _run(main())
+
+
+async def _punch_pair(lab: NatLab, first: str, second: str, port: int, **options) -> bool:
+    """Both observe, are introduced and punch from fresh sockets on ``port``; ``second``'s ticket
+    arrives 0.1 s after ``first``'s (the host's two messages cross different paths). True if
+    both ends opened the path."""
+    sockets = [await open_shared(lab.udp_socket(name, port)) for name in (first, second)]
+    try:
+        publics = [await observe(s, Address(HOST_IP, ECHO_PORT)) for s in sockets]
+        tickets = introduce(*publics)
+
+        async def later():
+            await asyncio.sleep(0.1)
+            return await punch(sockets[1], tickets[1], timeout=PUNCH_TIMEOUT, **options)
+
+        results = await asyncio.gather(punch(sockets[0], tickets[0], timeout=PUNCH_TIMEOUT, **options), later(),
+                                       return_exceptions=True)
+        if all(isinstance(r, PunchFailed) for r in results):
+            return False
+        assert results == [publics[1], publics[0]], results  # both, each at the other's observed address
+        return True
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_punching_through_a_router_that_drops_only_what_it_forwards(lab):
+    """dan's router lets unasked datagrams in to itself (only forwarding is dropped). bob's probes,
+    sent first, used to reach it before dan's first datagram had opened his mapping: the router
+    kept a conntrack entry for them that holds dan's port, dan's own probes left from another one,
+    and both ends gave up (issue 29 item 4). Opening probes with a low TTL open each end's own
+    mapping without reaching the other's router (the lab's routers drop what arrives with a TTL
+    that would have died on the internet); then the punch gets through, in either order."""
+
+    async def main():
+        echo = await _echo(lab)
+        try:
+            # The failure, as it was: full-TTL probes from the first probe on.
+            assert not await _punch_pair(lab, "bob", "dan", 21000, opening_ttl=None)
+            assert await _punch_pair(lab, "dan", "bob", 21001, opening_ttl=None)  # (dan first: it worked)
+            # Now: every pair punches, whoever's ticket comes first.
+            for port, pair in zip(range(21002, 21006), [("bob", "dan"), ("bob", "dan"), ("alice", "dan"), ("dan", "bob")]):
+                assert await _punch_pair(lab, *pair, port), (pair, port)
+        finally:
+            echo.close()
 
     _run(main())
 
