@@ -20,12 +20,18 @@ and back to 0.24 after). So ``measure_speed``:
    while a competitor runs, a 2-thread team gets 0.2-1.0 CPU seconds per wall second instead of
    1.84-2.00 (measured), whatever its steps' times say;
 4. after a starved repeat, pauses (a random 1-3 × ``PAUSE_S``) and tries again, until ``repeats``
-   clean repeats or the ``budget_s`` is spent, and takes a low quantile of the clean repeats
-   (interference only ever adds time). With no clean repeat at all it takes the fastest step
-   and says ``contended``, and the trunk measures again later.
+   clean repeats or the ``budget_s`` is spent, and takes the best (fastest) of the clean repeats:
+   interference only ever adds time, so on a loaded machine the fastest short run is the one
+   nearest the machine's own speed, and it is what two probes a minute apart agree on (a median
+   or a single long run swung 20-30x from one probe to the next on a loaded 2-core machine,
+   issue 29). With no clean repeat at all it takes the fastest step and says ``contended``, and
+   the trunk measures again later.
 
-``ServingSpeed`` then keeps the figure honest while the trunk serves: the median, over recent
-single-token batches, of a batch's compute time divided by the layers of the slice.
+``SpeedTracker`` then keeps the figure honest while the trunk serves, by the same rule: the best
+quarter, over recent single-token batches that had the CPU to themselves, of a batch's compute
+time divided by the layers of the slice. A batch that other processes starved (on a shared
+machine: the asker's own layers, another trunk) says nothing about this machine, so the swarm's
+own load never reads as slowness.
 """
 
 from __future__ import annotations
@@ -104,16 +110,16 @@ def classify(repeats: Iterable[Repeat], n_threads: int, n_cpus: int, *, others_l
 
 
 def robust_figure(repeats: list[Repeat], starved: list[bool]) -> tuple[float, bool]:
-    """(ms, contended): the lower quartile of the clean repeats' medians (interference only adds
-    time, so the low side is the machine's own speed). With no clean repeat, the fastest step of
+    """(ms, contended): the best of the clean repeats' medians (interference only adds time, so
+    the fastest short run is the machine's own speed). With no clean repeat, the fastest step of
     all: under a competitor a step either runs undisturbed (as fast as idle) or waits for a
     descheduled thread (10-40 ms, measured), and a repeat's median is whichever was the majority.
     On a machine busy throughout, every step can wait (measured: 9-25 ms in 2 of 9 measurements
     against two busy processes on 2 cores); the trunk then measures again, or serves and reports
     what it sees."""
-    clean = sorted(r.ms for r, s in zip(repeats, starved) if not s)
+    clean = [r.ms for r, s in zip(repeats, starved) if not s]
     if clean:
-        return clean[(len(clean) - 1) // 4], False
+        return min(clean), False
     return min(r.ms if r.low_ms is None else r.low_ms for r in repeats), True
 
 
@@ -211,9 +217,11 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
 
 # --- after the first measurement ---
 
-REPORT_FACTOR = 1.25  # tell the host when a new figure is this far from what it has
-WINDOW = 32  # single-token batches in the running median
+REPORT_FACTOR = 1.25  # tell the host a fresh measurement when it is this far from what it has
+SERVED_REPORT_FACTOR = 1.1  # a served figure: the host smooths these, so smaller steps reach it
+WINDOW = 32  # single-token batches in the window
 MIN_SAMPLES = 8
+SERVED_QUANTILE = 0.25  # the best quarter of the window's clean batches: interference only adds time
 MAX_AGE_S = 120.0  # older batches say little about the machine now
 REPORT_INTERVAL_S = 30.0  # at most one serving figure per 30 s (under load the median moves every few seconds)
 REMEASURE_AFTER_S = 10.0  # a contended first measurement is repeated after 10, 20, 40, 80 s
@@ -227,16 +235,29 @@ def worth_reporting(figure: float | None, reported: float | None, factor: float 
     return reported is None or not reported > 0 or not 1 / factor < figure / reported < factor
 
 
+def batch_starved(seconds: float, cpu_s: float | None, n_threads: int | None, cpus: int) -> bool:
+    """A batch that other processes kept from the CPU: this process got less than
+    ``STARVED_RATIO`` CPU seconds per wall second per core its threads can use (the test
+    ``classify`` applies to a measurement's repeats). Unknown (no CPU time, no thread count): clean."""
+    if cpu_s is None or not n_threads or seconds <= 0:
+        return False
+    return classify([Repeat(0.0, seconds, cpu_s)], n_threads, cpus)[0]
+
+
 @dataclass
 class SpeedTracker:
     """A trunk's figure after its first measurement.
 
-    While it serves: the median, over the last ``window`` batches of exactly one token (one
-    request's decode step; a batch of several shares its matmuls, and its time per token is not
-    one step's), of the batch's compute time (``BatchRunner``'s record) divided by the slice's
-    layers. That time includes the forward pass's fixed overhead spread over the layers, so it
-    reads a little above the micro-benchmark: ``REPORT_FACTOR`` keeps such small differences
-    from the host, whose own band (``plans/hysteresis.py``) is wider still.
+    While it serves: over the last ``window`` batches of exactly one token (one request's decode
+    step; a batch of several shares its matmuls, and its time per token is not one step's), a
+    batch's compute time (``BatchRunner``'s record) divided by the slice's layers, and of those
+    the best quarter (``SERVED_QUANTILE``) of the batches that had the CPU: a batch during which
+    this process got too little CPU (``batch_starved``: on one machine, the asker computing its
+    layers, or another trunk) is kept out, so the swarm's own load never reads as this machine's
+    slowness (issue 29: 0.41 idle against 4.51 ms per layer under load re-planned the swarm in a
+    loop). The time includes the forward pass's fixed overhead spread over the layers, so it reads
+    a little above the micro-benchmark; the host smooths what it hears (``plans/hysteresis.py``),
+    so figures it plans with converge to what the stage serves.
 
     While it serves nothing, after a first measurement that never had the CPU to itself: measure
     again, a few times, further apart each time (a stage's figure comes from its batches instead).
@@ -245,12 +266,13 @@ class SpeedTracker:
     window: int = WINDOW
     min_samples: int = MIN_SAMPLES
     max_age_s: float = MAX_AGE_S
-    samples: deque = field(default_factory=deque)  # (time.time() of the batch, ms per layer)
+    samples: deque = field(default_factory=deque)  # (time.time() of the batch, ms per layer, starved)
     last_seen: float = 0.0  # the newest batch already read
     contended: bool = False  # the last micro-benchmark never had the CPU to itself
     remeasures: int = 0
     next_remeasure: float = math.inf  # time.monotonic()
     last_report: float = -math.inf  # time.monotonic() of the last serving figure reported
+    cpus: int = field(default_factory=lambda: n_cpus())
 
     def measured(self, measurement: SpeedMeasurement, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -266,9 +288,11 @@ class SpeedTracker:
         self.next_remeasure = math.inf  # until this one is measured
         return True
 
-    def observe(self, batches: Iterable, n_layers: int, now: float | None = None) -> None:
-        """``batches``: records with ``started`` (unix time), ``seconds`` and ``tokens``, oldest
-        first, as ``BatchRunner.stats.recent`` keeps them; each is read once."""
+    def observe(self, batches: Iterable, n_layers: int, now: float | None = None,
+                n_threads: int | None = None) -> None:
+        """``batches``: records with ``started`` (unix time), ``seconds``, ``tokens`` and maybe
+        ``cpu_s`` (this process's CPU time over the batch), oldest first, as
+        ``BatchRunner.stats.recent`` keeps them; each is read once. ``n_threads``: the engine's."""
         now = time.time() if now is None else now
         newest = self.last_seen
         for b in list(batches):
@@ -276,22 +300,26 @@ class SpeedTracker:
                 continue
             newest = max(newest, b.started)
             if b.tokens == 1 and n_layers > 0 and b.seconds > 0:
-                self.samples.append((b.started, b.seconds * 1e3 / n_layers))
+                starved = batch_starved(b.seconds, getattr(b, "cpu_s", None), n_threads, self.cpus)
+                self.samples.append((b.started, b.seconds * 1e3 / n_layers, starved))
         self.last_seen = newest
         while self.samples and (len(self.samples) > self.window or self.samples[0][0] < now - self.max_age_s):
             self.samples.popleft()
 
     def serving_estimate(self) -> float | None:
-        if len(self.samples) < self.min_samples:
+        """The best quarter of the window's clean single-token batches, or None with fewer than
+        ``min_samples`` of them (a window of starved batches says nothing)."""
+        clean = sorted(ms for _, ms, starved in self.samples if not starved)
+        if len(clean) < self.min_samples:
             return None
-        return statistics.median(ms for _, ms in self.samples)
+        return clean[int((len(clean) - 1) * SERVED_QUANTILE)]
 
     def serving_report(self, reported: float | None, now: float | None = None) -> float | None:
-        """The serving figure, when the host should hear it: ``REPORT_FACTOR`` away from what it
-        has, and ``REPORT_INTERVAL_S`` after the last one."""
+        """The serving figure, when the host should hear it: ``SERVED_REPORT_FACTOR`` away from
+        what it has, and ``REPORT_INTERVAL_S`` after the last one."""
         now = time.monotonic() if now is None else now
         figure = self.serving_estimate()
-        if now - self.last_report < REPORT_INTERVAL_S or not worth_reporting(figure, reported):
+        if now - self.last_report < REPORT_INTERVAL_S or not worth_reporting(figure, reported, SERVED_REPORT_FACTOR):
             return None
         self.last_report = now
         return figure

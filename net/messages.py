@@ -118,6 +118,7 @@ class Links(Message, tag="links"):
 class Speed(Message, tag="speed"):
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
     ms_per_layer_token: MsPerLayer
+    serving: bool = False  # seen in the batches it serves (the host smooths these), not measured afresh
 
 
 class FetchSlice(Message, tag="fetch_slice"):

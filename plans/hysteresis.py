@@ -3,19 +3,29 @@
 A trunk's ms per layer is a measurement, and measurements wobble: the same node, measured again a
 minute later on a machine where something else woke up, reads tens of percent off, and a figure
 refreshed from the batches it serves carries the serving overhead as well. A re-plan is not free:
-every stage whose range moves drops its requests' KV caches (their askers replay them) and loads,
-or fetches, other layers. So the host re-plans on a new figure only when both hold:
+every stage whose range moves drops its requests' KV caches (their askers replay them: 5-8 s under
+load, issue 29) and loads, or fetches, other layers. So the host re-plans on a new figure only when
+all of these hold:
 
-1. The figure moved by at least ``SPEED_FACTOR`` (1.5×) from the one the host plans with.
-   A ±30% wobble is a ratio between 0.7 and 1.3, at most 1/0.7 = 1.43× either way, below 1.5×;
-   the changes worth reacting to (another heavy program on the machine, thermal throttling, a
-   figure taken under load at join and re-measured idle) are 2× and more. A figure inside the
-   band is not adopted at all: the planner keeps the old one, so a re-plan for another reason (a
-   trunk joining or leaving) is not reshuffled by the wobble either.
+1. The figure moved by at least ``SPEED_FACTOR`` (1.5×) from the one the host plans with, for a
+   figure measured afresh (a claim at join, a probe), or by ``CONVERGE_FACTOR`` (1.1×) for a
+   figure the member serves at, which the host first smooths (``smooth_served``: each report moves
+   the smoothed figure ``SERVED_WEIGHT`` of the way, in log space). A ±30% wobble of a single
+   measurement is a ratio between 0.7 and 1.3, at most 1/0.7 = 1.43× either way, below 1.5×; served
+   figures are many batches' best quarter, steady enough that the plan can follow them closely, so
+   the figures planned with converge to what members serve (issue 29: a stage planned with a
+   contended start-up 44.6 served at 38.6). A figure inside its band is not adopted at all: the
+   planner keeps the old one, so a re-plan for another reason (a trunk joining or leaving) is not
+   reshuffled by the wobble either.
 2. The plan made with the new figure is materially better than the current assignment under the
    same new figure: its objective (one stream's time per token for "latency", the slowest stage
-   for "throughput") lower by at least ``MIN_GAIN`` (10%). A node that got slower but would keep
-   its layers anyway (it is alone, or still the best place for them) re-plans nothing.
+   for "throughput") lower by ``required_gain``: at least ``MIN_GAIN`` (10%), and more where moving
+   costs more than the gain repays within ``PAYBACK_S`` (``move_cost_s``: the moved layers' bytes
+   loaded again, and the requests of the stages that change replayed). A node that got slower but
+   would keep its layers anyway (it is alone, or still the best place for them) re-plans nothing.
+3. The gain is sustained (``ReplanGate``, applied by the host): it held at every look for
+   ``SUSTAIN_S``, and the plan in use has stood for ``SETTLE_S`` (a stage that just moved serves
+   cold and replays its requests; its figures are not yet what it serves).
 
 Objective "even" places layers by memory, not speed: speed never re-plans it.
 
@@ -29,12 +39,14 @@ plan made with it beats the current assignment, under the same new links, by ``M
 Why not treat speeds within a factor as equal inside the planner? Two genuinely different nodes
 (1.0 and 1.4 ms per layer) deserve different shares under "throughput", and brute force checks
 the planner's answers exactly. Noise is handled where it arises: a robust measurement at join
-(``kernels/speed.py``: repeats, a low quantile, repeats starved by other processes discarded),
-a figure refreshed from serving, and this band on what the planner is told.
+(``kernels/speed.py``: the best of several short repeats, repeats starved by other processes
+discarded), a figure refreshed from the batches served (starved batches discarded), and these
+bands on what the planner is told.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -44,9 +56,74 @@ from .plan import PlanError
 from .planner import Constraints, _Problem, plan_layers
 
 SPEED_FACTOR = 1.5
+CONVERGE_FACTOR = 1.1  # a smoothed served figure this far from the planned one is adopted
+SERVED_WEIGHT = 0.5  # each served report moves the smoothed figure half way (log space)
 MIN_GAIN = 0.10
+PAYBACK_S = 120.0  # a move has to repay what it costs within two minutes of serving
+RELOAD_MB_S = 200.0  # a stage loading layers it did not hold (read, checked against the hashes, built)
+REPLAY_S = 5.0  # the requests of a stage that changes are replayed elsewhere (issue 29: 5-8 s under load)
+SUSTAIN_S = 20.0  # a re-plan on speed: the gain held at every look for this long
+SETTLE_S = 60.0  # and the plan in use has stood this long
 LINK_FACTOR = 1.5
 LINK_NOISE_MS = 5.0
+
+
+def smooth_served(smoothed: float | None, figure: float, weight: float = SERVED_WEIGHT) -> float:
+    """A served figure folded into the running one: ``weight`` of the way from it, in log space
+    (a halving and a doubling weigh the same)."""
+    if smoothed is None or not smoothed > 0:
+        return figure
+    return math.exp((1 - weight) * math.log(smoothed) + weight * math.log(figure))
+
+
+def move_cost_s(layout: ModelLayout, current: Sequence[tuple[str, int, int]],
+                proposed: Sequence[tuple[str, int, int]]) -> float:
+    """Seconds of serving a move from ``current`` to ``proposed`` (member, start, stop) stages
+    costs: the layers that change member are loaded again (``RELOAD_MB_S``), and the requests
+    held by the stages that change are replayed (``REPLAY_S``). 0 when nothing moves."""
+    holder = {layer: member for member, a, b in current for layer in range(a, b)}
+    moved = [layer for member, a, b in proposed for layer in range(a, b) if holder.get(layer) != member]
+    if not moved:
+        return 0.0
+    return sum(layout.layer_bytes[layer] for layer in moved) / (RELOAD_MB_S * 1e6) + REPLAY_S
+
+
+def required_gain(cost_s: float, min_gain: float = MIN_GAIN, payback_s: float = PAYBACK_S) -> float:
+    """The fraction a new plan must save to be worth ``cost_s`` seconds of moving: a gain g saves
+    g × ``payback_s`` seconds of serving over the payback time, which must exceed the cost."""
+    return max(min_gain, cost_s / payback_s)
+
+
+@dataclass
+class ReplanGate:
+    """The host's third test: a re-plan on speed only once its gain was sustained. Each look
+    (a new figure, or the timer the host sets with ``due``) says whether a re-plan is worth it
+    now; a look that says no starts the wait again. I/O-free: the caller passes the time."""
+
+    sustain_s: float = SUSTAIN_S
+    settle_s: float = SETTLE_S
+    worth_since: float | None = None  # the first of the looks in a row that found the gain
+    plan_changed_at: float = -math.inf
+
+    def plan_changed(self, now: float) -> None:
+        """A new plan is in use (for whatever reason): the gain found before is about another one."""
+        self.plan_changed_at = now
+        self.worth_since = None
+
+    def look(self, worth: bool, now: float) -> bool:
+        """True: re-plan now."""
+        if not worth:
+            self.worth_since = None
+            return False
+        if self.worth_since is None:
+            self.worth_since = now
+        return now >= self.worth_since + self.sustain_s and now >= self.plan_changed_at + self.settle_s
+
+    def due(self) -> float | None:
+        """When to look again (the host's timer), or None when nothing waits."""
+        if self.worth_since is None:
+            return None
+        return max(self.worth_since + self.sustain_s, self.plan_changed_at + self.settle_s)
 
 
 def materially_changed(planned: float | None, figure: float | None, factor: float = SPEED_FACTOR) -> bool:
@@ -80,11 +157,12 @@ def assignment_cost(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
 
 @dataclass(frozen=True)
 class SpeedDecision:
-    adopt: bool  # plan with the new figure from now on (it moved by SPEED_FACTOR or more)
-    replan: bool  # and re-plan now (the new plan is at least MIN_GAIN better)
+    adopt: bool  # plan with the new figure from now on (it moved by its band or more)
+    replan: bool  # and a re-plan is worth it (the new plan saves at least the required gain)
     reason: str
     current_ms: float | None = None  # the objective of the current assignment under the new figure
     proposed_ms: float | None = None  # the objective of the plan made with it
+    cost_s: float = 0.0  # what moving to it costs (move_cost_s)
 
 
 def decide_on_speed(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
@@ -108,25 +186,53 @@ def decide_on_speed(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
         return SpeedDecision(True, False, "no current assignment to compare with")
     updated = [replace(n, ms_per_layer_token=figure) if n.name == member else n for n in nodes]
     try:
-        now, new, what = _replanning(layout, updated, constraints, current)
+        gain = replan_gain(layout, updated, constraints, current, min_gain=min_gain)
     except PlanError as e:
         return SpeedDecision(True, False, f"no plan with the new figure: {e}")
-    if new <= now * (1 - min_gain):
-        return SpeedDecision(True, True, f"{member} now {figure:.3g} ms per layer (planned {planned:.3g}): a new "
-                                         f"plan takes {what} {new:.1f} ms instead of {now:.1f}", now, new)
-    return SpeedDecision(True, False, f"{member} now {figure:.3g} ms per layer (planned {planned:.3g}), but a new "
-                                      f"plan would take {what} {new:.1f} ms against {now:.1f} now: kept", now, new)
+    what = f"{member} now {figure:.3g} ms per layer (planned {planned:.3g})"
+    return SpeedDecision(True, gain.worth, f"{what}: {gain.describe()}", gain.current_ms, gain.proposed_ms,
+                         gain.cost_s)
+
+
+@dataclass(frozen=True)
+class Gain:
+    """A fresh plan against the current assignment, both under the same figures."""
+
+    current_ms: float
+    proposed_ms: float
+    unit: str  # "a token" (latency) or "the slowest stage" (throughput)
+    cost_s: float  # of moving to it
+    needed: float  # the fraction it must save (required_gain)
+
+    @property
+    def worth(self) -> bool:
+        return self.proposed_ms <= self.current_ms * (1 - self.needed)
+
+    def describe(self) -> str:
+        verdict = "re-plan" if self.worth else "kept"
+        return (f"a new plan takes {self.unit} {self.proposed_ms:.1f} ms against {self.current_ms:.1f} now "
+                f"(moving costs about {self.cost_s:.1f} s, so it must save {self.needed:.0%}): {verdict}")
+
+
+def replan_gain(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
+                current: Sequence[tuple[str, int, int]], *, min_gain: float = MIN_GAIN) -> Gain:
+    """What a fresh plan on ``nodes``' figures would gain over ``current``, and whether that pays
+    for the move. Raises PlanError where no plan fits."""
+    now, new, unit, proposed = _replanning(layout, nodes, constraints, current)
+    cost = move_cost_s(layout, current, proposed)
+    return Gain(now, new, unit, cost, required_gain(cost, min_gain))
 
 
 def _replanning(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
-                current: Sequence[tuple[str, int, int]]) -> tuple[float, float, str]:
+                current: Sequence[tuple[str, int, int]]) -> tuple[float, float, str, list[tuple[str, int, int]]]:
     """The objective's cost of the current assignment and of a fresh plan, both on ``nodes``'
-    figures, and its unit. Raises PlanError where no plan fits."""
+    figures, its unit, and the fresh plan's stages. Raises PlanError where no plan fits."""
     proposal = plan_layers(layout, nodes, constraints)
+    stages = [(s.member, s.start, s.stop) for s in proposal.stages]
     pick = 1 if constraints.objective == "throughput" else 0
     now = assignment_cost(layout, nodes, constraints, current)[pick]
-    new = assignment_cost(layout, nodes, constraints, [(s.member, s.start, s.stop) for s in proposal.stages])[pick]
-    return now, new, "the slowest stage" if pick else "a token"
+    new = assignment_cost(layout, nodes, constraints, stages)[pick]
+    return now, new, "the slowest stage" if pick else "a token", stages
 
 
 def link_moved(planned: Link | None, measured: Link, factor: float = LINK_FACTOR,
@@ -177,7 +283,7 @@ def decide_on_links(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
         return LinkDecision(links, False, f"{what}; no current assignment to compare with")
     updated = [replace(n, links={**n.links, **links}) if n.name == member else n for n in nodes]
     try:
-        now, new, unit = _replanning(layout, updated, constraints, current)
+        now, new, unit, _ = _replanning(layout, updated, constraints, current)
     except PlanError as e:
         return LinkDecision(links, False, f"{what}; no plan with them: {e}")
     if new <= now * (1 - min_gain):

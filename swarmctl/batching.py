@@ -70,6 +70,9 @@ class BatchRecord:
     seconds: float
     request_ids: tuple[bytes, ...]
     tokens: int
+    # this process's CPU time over the batch: a batch that got too little of it was starved by
+    # other processes, and says nothing about this machine's speed (kernels/speed.py)
+    cpu_s: float | None = None
 
 
 @dataclass
@@ -134,12 +137,12 @@ class BatchRunner:
                 # A canonical order: the same requests make the same graph shape whatever order they
                 # arrived in, so the engine reuses the built graph instead of building another.
                 batch.sort(key=lambda p: p.step.key)
-                started, wall = time.perf_counter(), time.time()
+                started, wall, cpu = time.perf_counter(), time.time(), time.process_time()
                 try:
                     results = await loop.run_in_executor(self._executor, self._run_batch, [p.step for p in batch])
                 except Exception as e:  # noqa: BLE001 - the executor itself failed: no step may wait forever
                     results = [EngineError(f"{type(e).__name__}: {e}")] * len(batch)
-                compute = time.perf_counter() - started
+                compute, cpu_s = time.perf_counter() - started, time.process_time() - cpu
                 ok = [r for r in results if not isinstance(r, Exception)]
                 timing_tokens = sum(p.n_tokens for p, r in zip(batch, results) if not isinstance(r, Exception))
                 self.stats.batches += 1
@@ -148,7 +151,8 @@ class BatchRunner:
                 self.stats.busy_s += compute
                 self.stats.largest_batch = max(self.stats.largest_batch, len(ok))
                 self.stats.recent.append(BatchRecord(wall, compute, tuple(
-                    p.step.key for p, r in zip(batch, results) if not isinstance(r, Exception)), timing_tokens))
+                    p.step.key for p, r in zip(batch, results) if not isinstance(r, Exception)), timing_tokens,
+                    cpu_s))
                 for pending, result in zip(batch, results):
                     if pending.future.done():
                         continue

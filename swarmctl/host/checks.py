@@ -1,6 +1,11 @@
 """Checking what trunks claim (swarmctl/layer_proof.py): a trunk becomes a ready stage only once it
 proved it holds its layers, and a claimed speed is planned on only once the host timed the trunk
-itself, and never faster than it timed it. A trunk that fails a check is left out of the plan."""
+itself, and never faster than it timed it. A trunk that fails a check is left out of the plan.
+
+A check that could not be made (the host's own side raised: a module missing while packages were
+being reinstalled, a file it could not read) is not the trunk's failure: it is tried again, after
+``RETRY_FIRST_S``, then twice as long each time up to ``RETRY_MAX_S``, and why it failed shows in
+``status`` and ``top`` meanwhile (issue 29: such a trunk was "checking its claims" forever)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Coroutine
+from typing import Awaitable, Callable, Coroutine
 
 from kernels.gguf_file import GGUFFile
 from plans.hysteresis import SPEED_FACTOR
@@ -23,12 +28,16 @@ log = logging.getLogger("swarmctl.host")
 FAILED_CHECK_HOLD_S = 300.0  # a member that failed a layer check is refused again if it re-registers this soon
 REPROBES = 3  # a claim faster than the host measured is timed again this often, after 10, 20, 40 s
 REPROBE_AFTER_S = 10.0
+RETRY_FIRST_S = 5.0  # a check that raised on the host's side is tried again after 5, 10, 20 ... s
+RETRY_MAX_S = 300.0
 
 
 class ClaimChecks:
-    def __init__(self, gguf: GGUFFile, planning: PlanKeeper) -> None:
+    def __init__(self, gguf: GGUFFile, planning: PlanKeeper, *, retry_first_s: float = RETRY_FIRST_S,
+                 retry_max_s: float = RETRY_MAX_S) -> None:
         self.gguf = gguf  # the host's own copy of the layers: the answers are checked against it
         self.planning = planning
+        self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
         self.failed: dict[str, float] = {}  # member → time.monotonic() it failed a layer check
         self.measured_speeds: dict[str, float] = {}  # member → the fastest the host timed it (kept across rejoins)
         self._timing_lock = asyncio.Lock()  # one speed probe at a time
@@ -64,7 +73,8 @@ class ClaimChecks:
         trunk.unchecked = True
         if trunk.ms_per_layer_token is not None:  # it has the model file: time it now, plan it after
             trunk.checking = True
-            self._spawn(self._check_registration(name, trunk))
+            self._spawn(self._retrying(name, trunk, lambda: self._check_registration(name, trunk),
+                                       lambda: trunk.checking))
 
     def when_ready(self, name: str, trunk: TrunkInfo, version: int) -> None:
         """The trunk says it loaded its layers for plan ``version``: check it holds them (and time
@@ -72,8 +82,9 @@ class ClaimChecks:
         stage = self.plan.stage_for(name) or self.plan.expert_for(name)
         if stage is not None and version == self.plan.version and not stage.ready \
                 and trunk.proving != (version, stage.start, stage.stop):
-            trunk.proving = (version, stage.start, stage.stop)
-            self._spawn(self._check_ready(name, trunk, trunk.proving))
+            key = trunk.proving = (version, stage.start, stage.stop)
+            self._spawn(self._retrying(name, trunk, lambda: self._check_ready(name, trunk, key),
+                                       lambda: trunk.proving == key and self.plan.version == key[0]))
 
     def reprobe(self, name: str, trunk: TrunkInfo) -> None:
         """Time a trunk again later: it claims to be faster than the host saw it (another process
@@ -94,6 +105,29 @@ class ClaimChecks:
         if not task.cancelled() and task.exception() is not None:
             log.error("checking a trunk failed: %r", task.exception())
 
+    async def _retrying(self, name: str, trunk: TrunkInfo, check: Callable[[], Awaitable[None]],
+                        wanted: Callable[[], bool]) -> None:
+        """Run ``check``; where it raises (the host could not make the check, which says nothing
+        about the trunk), note why on the trunk, for status, and try again later, for as long as
+        the trunk is the one registered and ``wanted()`` says the check is still needed."""
+        failures = 0
+        while True:
+            try:
+                await check()
+            except Exception as e:  # noqa: BLE001 - any failure of the host's own side is retried
+                failures += 1
+                delay = min(self.retry_max_s, self.retry_first_s * 2 ** (failures - 1))
+                trunk.check_failed(f"{type(e).__name__}: {e}", failures, time.monotonic() + delay)
+                log.warning("checking trunk %s's claims failed (%s, %d time%s): trying again in %.0f s", name,
+                            trunk.check_error, failures, "" if failures == 1 else "s", delay)
+                await asyncio.sleep(delay)
+                if self._current(name, trunk) and not trunk.refused and wanted():
+                    continue
+                if trunk.proving is not None and not wanted():
+                    trunk.proving = None
+            trunk.check_error = ""
+            return
+
     async def _challenge(self, trunk: TrunkInfo, layers: list[int], probe_layer: int | None) -> layer_proof.Outcome:
         return await layer_proof.challenge(trunk.conn, self.gguf, layers, probe_layer=probe_layer,
                                            claimed_ms=trunk.ms_per_layer_token, timing_lock=self._timing_lock)
@@ -112,6 +146,7 @@ class ClaimChecks:
             log.info("trunk %s could not be timed yet (%s): planned with the others' figure", name, outcome.missing)
         else:
             self._took_measurement(name, trunk, outcome)
+        self.planning.rebase(name)
         self.planning.replan()
 
     async def _check_ready(self, name: str, trunk: TrunkInfo, key: tuple[int, int, int]) -> None:

@@ -3,13 +3,17 @@ and the askers that follow it. Re-planning and pushing a new plan happen here an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
+import time
 from dataclasses import replace
+from typing import Callable
 
 from net import messages as m
 from net.protocol import SwarmProtocol
-from plans.hysteresis import SpeedDecision, decide_on_links, decide_on_speed, sticky_links, sticky_speed
+from plans.hysteresis import (SPEED_FACTOR, ReplanGate, SpeedDecision, decide_on_links, decide_on_speed,
+                              replan_gain, sticky_links, sticky_speed)
 from plans.layout import ModelLayout
 from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan
@@ -33,9 +37,14 @@ class PlanKeeper:
         self.trunks = trunks
         self.constraints = Constraints(config.head_layers, config.plan_context, config.plan_concurrent,
                                        config.objective, max_stages=config.plan_max_stages)
-        # The speed each member is planned with: a new figure replaces it only when it moved by
-        # SPEED_FACTOR or more (plans/hysteresis.py), so a wobble reshuffles no plan.
+        # The speed each member is planned with: a new figure replaces it only when it moved past
+        # its band (plans/hysteresis.py), so a wobble reshuffles no plan. Only ``adopt_speed`` and
+        # ``rebase`` change it: a decision must compare the new figure with the one planned with.
         self.speed_basis: dict[str, float] = {}
+        # A re-plan on speed waits until its gain was sustained and the plan in use has settled.
+        self.gate = ReplanGate()
+        self.clock: Callable[[], float] = time.monotonic
+        self._look_again: asyncio.TimerHandle | None = None
         self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
         self.plan.version = self._load_version()  # a restarted host continues the numbering
 
@@ -58,10 +67,9 @@ class PlanKeeper:
         host standing in for the asker). A trunk whose claims are being checked is not planned yet."""
         ready = [(name, t) for name, t in sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at)
                  if not t.refused and not t.checking]
-        for name, t in ready:  # a figure within the band of the one planned with leaves that one in place
-            speed = sticky_speed(self.speed_basis.get(name), t.planning_speed)
-            if speed is not None:
-                self.speed_basis[name] = speed
+        for name, t in ready:  # a member's first figure; later ones come through adopt_speed or rebase
+            if name not in self.speed_basis and t.planning_speed is not None:
+                self.speed_basis[name] = t.planning_speed
         known = [self.speed_basis[name] for name, t in ready if t.planning_speed]
         fallback = statistics.median(known) if known else DEFAULT_MS_PER_LAYER
         nodes = []
@@ -79,26 +87,77 @@ class PlanKeeper:
                                   for k, v in n.links.items()})
                 for n in self.descriptors()]
 
-    def speed_decision(self, name: str, figure: float) -> SpeedDecision:
+    def rebase(self, name: str) -> None:
+        """A member (re)joined or was timed at joining: plan with the figure it brings, unless it is
+        within the band of the one it was planned with before (no decision: a re-plan follows)."""
+        trunk = self.trunks.get(name)
+        if trunk is not None and trunk.planning_speed is not None:
+            self.speed_basis[name] = sticky_speed(self.speed_basis.get(name), trunk.planning_speed)
+
+    def speed_decision(self, name: str, figure: float, factor: float = SPEED_FACTOR) -> SpeedDecision:
         nodes = self.descriptors()
         try:
             placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
         except PlanError as e:
             return SpeedDecision(True, False, f"no plan to compare with: {e}")
         current = [(s.member, s.start, s.stop) for s in self.plan.stages]
-        return decide_on_speed(placement.stage_layout, placement.stage_nodes, self.constraints, current, name, figure)
+        return decide_on_speed(placement.stage_layout, placement.stage_nodes, self.constraints, current, name, figure,
+                               factor=factor)
 
-    def consider_speed(self, name: str, figure: float, source: str = "") -> None:
-        """A new planning figure for ``name`` (claimed, or timed by the host): adopted if it moved
-        materially, re-planned on only if that makes the plan materially better."""
-        self.adopt_speed(name, figure, self.speed_decision(name, figure), source)
+    def consider_speed(self, name: str, figure: float, source: str = "", factor: float = SPEED_FACTOR) -> None:
+        """A new planning figure for ``name`` (claimed, served, or timed by the host): adopted if
+        it moved past its band (``factor``), re-planned on only once that makes the plan better by
+        more than moving costs, sustained (plans/hysteresis.py)."""
+        self.adopt_speed(name, figure, self.speed_decision(name, figure, factor), source)
 
     def adopt_speed(self, name: str, figure: float, decision: SpeedDecision, source: str = "") -> None:
         if decision.adopt or name not in self.speed_basis:
             self.speed_basis[name] = figure
         (log.info if decision.adopt else log.debug)("speed of %s%s: %s", name, source, decision.reason)
-        if decision.replan:
+        if decision.adopt:
+            self._look(decision.replan)
+
+    def reconsider(self) -> None:
+        """Look again at whether a re-plan on the figures planned with now is worth it (the gate's
+        timer): the gain must still be there, or the wait starts over."""
+        self._look_again = None
+        nodes = self.descriptors()
+        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        worth = False
+        if current and self.constraints.objective != "even":
+            try:
+                placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
+                stage_nodes = {n.name for n in placement.stage_nodes}
+                if all(member in stage_nodes for member, _, _ in current):
+                    gain = replan_gain(placement.stage_layout, placement.stage_nodes, self.constraints, current)
+                    worth = gain.worth
+                    log.debug("looking again at the speeds: %s", gain.describe())
+            except PlanError:
+                worth = False
+        self._look(worth)
+
+    def _look(self, worth: bool) -> None:
+        """One look through the gate: re-plan now, or look again when the gain may be sustained."""
+        if self.gate.look(worth, self.clock()):
+            log.info("the speeds' gain held for %.0f s: re-planning", self.gate.sustain_s)
             self.replan()
+            return
+        due = self.gate.due()
+        if self._look_again is not None:
+            self._look_again.cancel()
+            self._look_again = None
+        if due is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: a test drives ``reconsider`` itself)
+            return
+        self._look_again = loop.call_later(max(0.0, due - self.clock()) + 0.01, self.reconsider)
+
+    def close(self) -> None:
+        if self._look_again is not None:
+            self._look_again.cancel()
+            self._look_again = None
 
     def consider_links(self, name: str, claims: dict[str, Link]) -> None:
         """``name`` reports its measured links: each is planned with once it moved past the noise
@@ -156,6 +215,7 @@ class PlanKeeper:
             self.plan.check_experts()
             changed = True
         if changed:
+            self.gate.plan_changed(self.clock())
             self.save_version()
             log.info("plan v%d: %s%s%s", self.plan.version,
                      ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages) or "no trunks",

@@ -23,7 +23,7 @@ from net.turn import NatRelay
 from net.tls import ALPN_JOIN
 from net import messages as m
 from net.wire import Frame, FrameType, WireError, decode_control
-from plans.hysteresis import SPEED_FACTOR
+from plans.hysteresis import CONVERGE_FACTOR, SPEED_FACTOR, smooth_served
 from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
@@ -112,6 +112,7 @@ class HostService:
         if self._monitor is not None:
             self._monitor.cancel()
         self.checks.close()
+        self.planning.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
         for conn in list(self.connections):
@@ -258,6 +259,7 @@ class HostService:
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured")
         self.checks.at_registration(conn.peer_name, trunk)
+        self.planning.rebase(conn.peer_name)
         self.planning.replan(also_send_to=conn.peer_name)
 
     def _ready(self, conn: SwarmProtocol, stream_id: int, message: m.Ready) -> None:
@@ -319,21 +321,26 @@ class HostService:
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: m.Speed) -> None:
         """A trunk has a new figure: measured once its fetched layers arrived, measured again, or
-        seen while serving. The host plans with it if it moved materially, and re-plans now only
-        if that makes the plan materially better (plans/hysteresis.py)."""
+        seen in the batches it serves. Served figures are smoothed, so what the host plans with
+        converges to what the stage serves; the host plans with a figure once it moved past its
+        band, and re-plans only on a sustained gain worth the move (plans/hysteresis.py)."""
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
-            figure = message.ms_per_layer_token
-            planned = trunk.planning_speed_with(figure)  # never faster than the host timed it
-            # (decided against the plan made with its previous figure)
-            decision = self.planning.speed_decision(conn.peer_name, planned) if planned is not None else None
-            trunk.ms_per_layer_token = figure  # (status shows the latest claim)
-            if decision is None:
+            if message.serving:
+                trunk.served_ms = smooth_served(trunk.served_ms, message.ms_per_layer_token)
+                claim, factor = trunk.served_ms, CONVERGE_FACTOR
+            else:  # measured afresh: what it served before says less than this
+                trunk.served_ms = None
+                claim, factor = message.ms_per_layer_token, SPEED_FACTOR
+            trunk.ms_per_layer_token = claim  # (status shows the latest claim)
+            planned = trunk.planning_speed  # never faster than the host timed it
+            if planned is None:
                 log.debug("speed of %s: %.3f ms claimed, not planned on until the host has timed it",
-                          conn.peer_name, figure)
+                          conn.peer_name, claim)
             else:
-                self.planning.adopt_speed(conn.peer_name, planned, decision)
-            if planned is not None and figure * SPEED_FACTOR <= planned:  # it says it got faster: look
+                self.planning.consider_speed(conn.peer_name, planned, " as served" if message.serving else "",
+                                             factor=factor)
+            if planned is not None and claim * factor <= planned:  # it says it got faster: look
                 self.checks.reprobe(conn.peer_name, trunk)
         self._ok(conn, stream_id)
 

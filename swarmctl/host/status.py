@@ -44,6 +44,8 @@ def health(src: StatusSources, name: str, revoked: bool) -> str:
         return "up (host)"
     if trunk is not None and trunk.refused:
         return f"refused: {trunk.refused}"
+    if trunk is not None and trunk.check_error:  # a check the host could not make: why, and when again
+        return f"{'checking its claims' if trunk.checking else 'loading'}: {trunk.check_problem()}"
     if trunk is not None and trunk.checking:
         return "checking its claims"
     if stage is not None:

@@ -51,6 +51,23 @@ class TrunkInfo:
     checking: bool = False  # its claims are being checked: not planned until they are
     unchecked: bool = False  # not timed yet: planned with the others' figure, not with its claim
     reprobes: int = 0
+    served_ms: float | None = None  # its served figures, smoothed (None: its claim is a fresh measurement)
+    # A check of its claims that the host could not make (it raised on the host's side): why, how
+    # many times in a row, and when it is tried again (time.monotonic()); "" once a check ran.
+    check_error: str = ""
+    check_failures: int = 0
+    check_retry_at: float = 0.0
+
+    def check_failed(self, error: str, failures: int, retry_at: float) -> None:
+        self.check_error, self.check_failures, self.check_retry_at = error[:200], failures, retry_at
+
+    def check_problem(self, now: float | None = None) -> str:
+        """Why its claims are not checked yet, for status ("" when nothing failed)."""
+        if not self.check_error:
+            return ""
+        wait = max(0.0, self.check_retry_at - (time.monotonic() if now is None else now))
+        return (f"the check failed {self.check_failures}× ({self.check_error}); "
+                f"trying again in {wait:.0f} s")
     excused: bool = False  # a late answer to a layer check was excused (the plan had moved meanwhile)
     proving: tuple[int, int, int] | None = None  # (plan version, start, stop) of a layer check in flight
 

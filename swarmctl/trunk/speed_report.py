@@ -1,9 +1,11 @@
 """The speed this trunk tells the host, kept current.
 
 Measured at start (or once a stage's layers arrive, when the model file was missing), then
-refreshed from the single-token batches a stage serves, or measured again while idle when the
-first measurement had to share the CPU (kernels/speed.py). The host re-plans only on a material
-change (plans/hysteresis.py), so only a figure ``worth_reporting`` is sent.
+refreshed from the single-token batches a stage serves that had the CPU to themselves, or measured
+again while idle when the first measurement had to share the CPU (kernels/speed.py): never
+measured beside the stage's own work. The host smooths served figures and re-plans only on a
+sustained gain worth the move (plans/hysteresis.py), so only a figure ``worth_reporting`` is sent,
+marked ``serving`` when it comes from the batches.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from kernels.gguf_file import GGUFFile
 from kernels.devices import Device
-from kernels.speed import SpeedTracker, measure_speed, worth_reporting
+from kernels.speed import REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_speed, worth_reporting
 from net import messages as m
 
 log = logging.getLogger("swarmctl.trunk")
@@ -61,8 +63,10 @@ class SpeedReport:
         of a stage serving its own layers; ``idle``: nothing loaded, so measuring again disturbs nobody."""
         if serving is not None:
             runner, n_layers = serving
-            self.tracker.observe(runner.stats.recent, n_layers)
-            self._report(self.tracker.serving_report(self.ms_per_layer_token), "while serving")
+            engine = getattr(runner, "engine", None)
+            threads = engine.backend.n_threads if engine is not None else None
+            self.tracker.observe(runner.stats.recent, n_layers, n_threads=threads)
+            self._report(self.tracker.serving_report(self.ms_per_layer_token), "while serving", serving=True)
         elif idle and self.model_path.exists() and self.tracker.take_remeasure():
             self._spawn(self._remeasure())
 
@@ -71,9 +75,9 @@ class SpeedReport:
         if not self.tracker.contended or self.ms_per_layer_token is None or figure < self.ms_per_layer_token:
             self._report(figure, "measured again")  # (a contended figure only bounds the speed from above)
 
-    def _report(self, figure: float | None, how: str) -> None:
-        if worth_reporting(figure, self.ms_per_layer_token):
+    def _report(self, figure: float | None, how: str, serving: bool = False) -> None:
+        if worth_reporting(figure, self.ms_per_layer_token, SERVED_REPORT_FACTOR if serving else REPORT_FACTOR):
             log.info("%s: %.3f ms per layer (the host had %s)", how, figure,
                      f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
             self.ms_per_layer_token = figure
-            self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure)))
+            self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure, serving=serving)))
