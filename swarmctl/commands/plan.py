@@ -4,7 +4,8 @@ examples:
   swarmctl plan --layout llama-3-70b-q4_k_m --nodes plans/examples/four-friends.json
   swarmctl plan --layout kimi-k2 --nodes plans/examples/kimi-thirty-gpus.json --head-layers 1
   swarmctl plan --model ~/models/qwen3-8b.Q4_K_M.gguf --nodes nodes.json --objective throughput --json
-  swarmctl plan                      # inside a swarm: the running swarm's model and members
+  swarmctl plan                      # inside a swarm: the running plan, and what a re-plan now would
+                                     # change, under the swarm's settings (options override them)
 
 A nodes file is a JSON list of {"name", "memory_gb", "ms_per_layer_token", "device", "site",
 "links": {"other-node" or "asker": {"rtt_ms", "bandwidth_mb_s", "via"}}}: "site" groups machines on
@@ -18,9 +19,38 @@ import argparse
 import asyncio
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 
 from kernels.errors import EngineError
+from plans import units
+
+# A plan on paper (--nodes) without options: the defaults `swarmctl init` gives a new swarm.
+ON_PAPER = dict(objective="latency", head_layers=4, context=4096, concurrent=4, max_stages=0, expert_nodes=0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the planner is asked to plan under: the host's settings (`swarmctl config`), or
+    ON_PAPER, with any option given on the command line in their place."""
+
+    objective: str
+    head_layers: int
+    context: int
+    concurrent: int
+    max_stages: int
+    expert_nodes: int
+    source: str = "on paper"  # where the ones not given as options came from
+
+    def constraints(self):
+        from plans.planner import Constraints
+
+        return Constraints(self.head_layers, self.context, self.concurrent, self.objective,
+                           max_stages=self.max_stages)
+
+    def describe(self) -> str:
+        return (f"objective {self.objective}, head layers {self.head_layers}, KV for {self.context} tokens × "
+                f"{self.concurrent} requests, max stages {self.max_stages or 'no limit'}, expert nodes "
+                f"{self.expert_nodes} ({self.source})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,46 +58,95 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", metavar="PATH", help="a GGUF (only its metadata is read)")
     source.add_argument("--layout", metavar="NAME", help="a model on paper, e.g. llama-3-70b-q4_k_m")
     parser.add_argument("--nodes", metavar="FILE", help="JSON list of nodes (default: the running swarm's)")
-    parser.add_argument("--objective", choices=["latency", "throughput", "even"], default="latency")
-    parser.add_argument("--head-layers", type=int, default=4, metavar="K")
-    parser.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV room per request")
-    parser.add_argument("--concurrent", type=int, default=4, metavar="N", help="requests whose KV each stage holds")
-    parser.add_argument("--expert-nodes", type=int, default=0, metavar="N",
-                        help="mixture-of-experts models: N nodes hold the experts, the rest run the stages")
+    # Each setting defaults to the running swarm's (on paper: ON_PAPER's), so a plan asked for
+    # inside a swarm is the swarm's plan unless an option says otherwise.
+    parser.add_argument("--objective", choices=["latency", "throughput", "even"], default=None,
+                        help="default: the swarm's; on paper, latency")
+    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
+                        help="layers the asker keeps at each end (default: the swarm's; on paper, 4)")
+    parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                        help="KV room per request (default: the swarm's; on paper, 4096)")
+    parser.add_argument("--concurrent", type=int, default=None, metavar="N",
+                        help="requests whose KV each stage holds (default: the swarm's; on paper, 4)")
+    parser.add_argument("--max-stages", type=int, default=None, metavar="N",
+                        help="use at most N members, the others stand by (0: no limit; default: the swarm's)")
+    parser.add_argument("--expert-nodes", type=int, default=None, metavar="N",
+                        help="mixture-of-experts models: N nodes hold the experts, the rest run the stages "
+                             "(default: the swarm's; on paper, 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def settings_from(args: argparse.Namespace, base: dict, source: str) -> Settings:
+    """``base`` (the swarm's settings, or ON_PAPER) with the options given in their place."""
+    given = {f.name: getattr(args, f.name) for f in fields(Settings)
+             if f.name != "source" and getattr(args, f.name, None) is not None}
+    settings = Settings(**{**base, **given}, source=source + (" and options" if given else ""))
+    if settings.expert_nodes < 0 or settings.max_stages < 0:
+        raise EngineError("--expert-nodes and --max-stages must be 0 or more")
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
     from plans.layout import ModelLayout, layout_by_name
     from plans.nodes import load_nodes
-    from plans.planner import Constraints, add_expert_calls, place_experts, plan_layers, time_breakdown
     from swarmctl.models import resolve_model
 
+    running = None
     if args.nodes:
         nodes = load_nodes(args.nodes)
         layout = layout_by_name(args.layout) if args.layout else ModelLayout.from_gguf(resolve_model(args.model))
+        settings = settings_from(args, ON_PAPER, "on paper")
     else:
-        layout, nodes = asyncio.run(_from_swarm(args))
-    if args.expert_nodes < 0:
-        raise EngineError("--expert-nodes must be 0 or more")
-    constraints = Constraints(args.head_layers, args.context, args.concurrent, args.objective)
-    placement = place_experts(layout, nodes, constraints, args.expert_nodes)
-    if args.expert_nodes and not layout.n_expert:
+        layout, nodes, running, base, source = asyncio.run(_from_swarm(args))
+        settings = settings_from(args, base, source)
+    proposal, placement = plan_with(layout, nodes, settings)
+    if args.json:
+        shown = {"model": layout.name, "n_layer": layout.n_layer, "head_layers": settings.head_layers,
+                 "settings": asdict(settings), **asdict(proposal), "experts": [asdict(e) for e in placement.experts],
+                 "time": [asdict(t) for t in _time_breakdown(proposal, nodes)]}
+        if running is not None:
+            shown["running"] = running.to_dict()
+            shown["changes"] = plan_changes(running, proposal, placement.experts, settings)
+        print(json.dumps(shown, indent=2))
+        return 0
+    if running is not None:
+        print(format_running(running))
+        print()
+        print(f"a re-plan now, with the members' current figures ({settings.describe()}):")
+    print(format_plan(layout, settings.head_layers, proposal, placement.experts, nodes))
+    if running is not None:
+        changes = plan_changes(running, proposal, placement.experts, settings)
+        print("a re-plan would change: " + ("; ".join(changes) if changes else "nothing"))
+    return 0
+
+
+def plan_with(layout, nodes, settings: Settings):
+    """The planner's proposal and expert placement under ``settings``: what the host computes."""
+    from plans.planner import add_expert_calls, place_experts, plan_layers
+
+    constraints = settings.constraints()
+    placement = place_experts(layout, nodes, constraints, settings.expert_nodes)
+    if settings.expert_nodes and not layout.n_expert:
         placement.warnings.append(f"{layout.name} has no experts: --expert-nodes ignored")
     proposal = plan_layers(placement.stage_layout, placement.stage_nodes, constraints)
     proposal.warnings += placement.warnings
     add_expert_calls(proposal, placement, nodes, layout)
-    if args.json:
-        print(json.dumps({"model": layout.name, "n_layer": layout.n_layer, "head_layers": args.head_layers,
-                          **asdict(proposal), "experts": [asdict(e) for e in placement.experts],
-                          "time": [asdict(t) for t in time_breakdown(proposal, nodes)]}, indent=2))
-    else:
-        print(format_plan(layout, args.head_layers, proposal, placement.experts, nodes))
-    return 0
+    return proposal, placement
+
+
+def _time_breakdown(proposal, nodes):
+    from plans.planner import time_breakdown
+
+    return time_breakdown(proposal, nodes)
 
 
 async def _from_swarm(args: argparse.Namespace):
+    """The running swarm's model layout, members (as the host plans with them), plan, and
+    settings: this host's own node.json where this is the host, else what the running plan says
+    (the host keeps max-stages to itself: taken as no limit unless given)."""
     from plans.layout import ModelLayout, layout_by_name
+    from plans.nodes import Link, NodeDescriptor
+    from plans.plan import Plan
     from net import messages as m
     from swarmctl.commands.status import ask_host
     from swarmctl.home import SwarmHome
@@ -77,16 +156,70 @@ async def _from_swarm(args: argparse.Namespace):
     if not home.exists:
         raise EngineError("give --nodes FILE (no swarm is joined here to take the members from)")
     answer = await ask_host(home, m.GetNodes(), m.Nodes)
-    from plans.nodes import Link, NodeDescriptor
-
+    running = Plan.from_dict((await ask_host(home, m.GetPlan(), m.PlanPush)).plan)
     nodes = [NodeDescriptor(n.name, n.memory_bytes, n.ms_per_layer_token, n.device, n.address,
                             {k: Link(v.rtt_ms, v.bandwidth_mb_s) for k, v in n.links.items()})
              for n in answer.nodes]
     if not nodes:
         raise EngineError("the swarm has no trunk members to plan with yet")
+    config = home.load_config()
+    if config.role == "host":
+        base = dict(objective=config.objective, head_layers=config.head_layers, context=config.plan_context,
+                    concurrent=config.plan_concurrent, max_stages=config.plan_max_stages,
+                    expert_nodes=config.expert_nodes)
+        source = "the swarm's settings"
+    else:
+        base = dict(objective=running.objective, head_layers=running.head_layers, context=running.context_tokens,
+                    concurrent=running.max_concurrent, max_stages=0, expert_nodes=len(running.experts))
+        source = "the running plan's settings"
     if args.layout:
-        return layout_by_name(args.layout), nodes
-    return ModelLayout.from_gguf(resolve_model(args.model or home.load_config().model)), nodes
+        layout = layout_by_name(args.layout)
+    else:
+        layout = ModelLayout.from_gguf(resolve_model(args.model or config.model))
+        if layout.n_layer != running.n_layer:  # (a member that joined without --model has the bundled one)
+            raise EngineError(f"the model here ({layout.name}, {layout.n_layer} layers) is not the swarm's "
+                              f"({running.model_name}, {running.n_layer} layers): give --model PATH")
+    return layout, nodes, running, base, source
+
+
+def format_running(plan) -> str:
+    """The plan the swarm runs now, as the host holds it."""
+    lines = [f"running plan v{plan.version}: {plan.n_layer} layers, the asker keeps [0, {plan.head_layers}) and "
+             f"[{plan.n_layer - plan.head_layers}, {plan.n_layer}); objective {plan.objective}, "
+             + ("complete" if plan.complete else "INCOMPLETE")]
+    rows = [("STAGE", "MEMBER", "LAYERS", "MS/TOKEN", "READY")]
+    rows += [(str(i), s.member, f"[{s.start}, {s.stop})", f"{s.compute_ms:.1f}", "yes" if s.ready else "no")
+             for i, s in enumerate(plan.stages, start=1)]
+    rows += [("experts", e.member, f"experts [{e.start}, {e.stop})", "", "yes" if e.ready else "no")
+             for e in plan.experts]
+    lines += _table(rows) if plan.stages or plan.experts else ["no stages: no trunk serves yet"]
+    if plan.expected_ms_per_token:
+        lines.append(f"expected: {plan.expected_ms_per_token:.1f} ms per token for one stream")
+    return "\n".join(lines)
+
+
+def plan_changes(running, proposal, experts, settings: Settings) -> list[str]:
+    """What taking ``proposal`` would change in the running plan, one phrase per change (none:
+    the same assignments)."""
+    def span(start_stop) -> str:
+        return f"[{start_stop[0]}, {start_stop[1]})" if start_stop else "standby"
+
+    changes = []
+    if settings.head_layers != running.head_layers:
+        changes.append(f"head layers {running.head_layers} → {settings.head_layers}")
+    before = {s.member: (s.start, s.stop) for s in running.stages}
+    after = {s.member: (s.start, s.stop) for s in proposal.stages}
+    for member in [*after, *(n for n in before if n not in after)]:
+        if before.get(member) != after.get(member):
+            changes.append(f"{member} {span(before.get(member))} → {span(after.get(member))}")
+    before_e = {e.member: (e.start, e.stop) for e in running.experts}
+    after_e = {e.member: (e.start, e.stop) for e in experts}
+    for member in [*after_e, *(n for n in before_e if n not in after_e)]:
+        if before_e.get(member) != after_e.get(member):
+            changes.append(f"{member} experts {span(before_e.get(member))} → {span(after_e.get(member))}")
+    if changes and running.expected_ms_per_token and proposal.ms_per_token:
+        changes.append(f"expected {running.expected_ms_per_token:.1f} → {proposal.ms_per_token:.1f} ms per token")
+    return changes
 
 
 def format_plan(layout, head_layers: int, p, experts=(), nodes=()) -> str:
@@ -122,7 +255,7 @@ def format_plan(layout, head_layers: int, p, experts=(), nodes=()) -> str:
         lines += ["  " + line for line in _table(parts)]
     held = (layout.range_bytes(0, head_layers) + layout.range_bytes(layout.n_layer - head_layers, layout.n_layer)
             + layout.embedding_bytes + layout.lm_head_bytes)
-    lines.append(f"the asker holds {held / gb:.1f} GB itself (embedding, LM head, its {2 * head_layers} layers)")
+    lines.append(f"the asker holds {units.size(held)} itself (embedding, LM head, its {2 * head_layers} layers)")
     if p.search == "by site":
         lines.append(f"search: every member, sites in their cheapest order (more than the exact search's "
                      f"{_exact_nodes()} fastest)")

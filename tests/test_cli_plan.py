@@ -1,0 +1,60 @@
+"""`swarmctl plan` inside a running swarm (issue 29, item 16): with no options it plans under the
+swarm's own settings, shows the plan that runs and what a re-plan would change; and the host's
+status shows an asker that came and went as an asker, with when it was last seen (item 11)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.swarm_harness import Swarm, swarmctl
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, tiny_model):
+    model = str(tiny_model("llama-f32"))  # 4 layers: the default of 4 head layers cannot fit it
+    s = Swarm(tmp_path_factory.mktemp("plan"))
+    try:
+        s.init("--model", model, "--head-layers", "1", "--objective", "latency", "--context", "512")
+        s.start_host()
+        s.wait_host()
+        s.join("trunk-a", "--model", model)
+        s.join("carol", "--model", model, role="asker")
+        s.start_trunk("trunk-a", "--threads", "1", "--memory", "1G", capture=False)
+        s.wait_complete(1)
+        yield s
+    finally:
+        s.close()
+
+
+def test_plan_in_a_swarm_takes_its_settings_and_shows_the_running_plan(swarm):
+    r = swarmctl(swarm.homes["carol"], "plan")  # before: "head layers 4 do not fit a model of 4 layers"
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("running plan v") and "the asker keeps [0, 1) and [3, 4); objective latency" in lines[0]
+    assert lines[2].split()[:3] == ["1", "trunk-a", "[1,"], r.stdout
+    assert ("a re-plan now, with the members' current figures (objective latency, head layers 1, KV for 512 tokens "
+            "× 4 requests, max stages no limit, expert nodes 0 (the running plan's settings)):") in lines, r.stdout
+    assert lines[-1] == "a re-plan would change: nothing", r.stdout
+
+
+def test_plan_on_the_host_uses_its_settings_and_options_override_them(swarm):
+    r = swarmctl(swarm.host_home, "plan", "--head-layers", "2")
+    assert r.returncode == 0, r.stderr
+    assert "expert nodes 0 (the swarm's settings and options)):" in r.stdout, r.stdout
+    assert "none: the asker runs every layer" in r.stdout  # 2 at each end of 4
+    assert r.stdout.splitlines()[-1] == "a re-plan would change: head layers 1 → 2; trunk-a [1, 3) → standby", r.stdout
+
+
+def test_an_asker_that_came_and_went_is_an_asker_last_seen(swarm):
+    swarmctl(swarm.homes["carol"], "plan", check=True)  # carol connects, and goes
+    deadline = time.monotonic() + 30
+    while True:
+        out = swarmctl(swarm.host_home, "status", check=True).stdout
+        row = next(line for line in out.splitlines() if line.startswith("carol "))
+        if "asker, seen " in row or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)  # (its connection's close may reach the host a moment later)
+    assert row.split()[1] == "asker" and re.search(r"  asker, seen (just now|\d+[smhd] ago)$", row), out  # was "down"
