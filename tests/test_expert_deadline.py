@@ -20,31 +20,38 @@ from swarmctl.trunk.experts import RemoteExpertError, ExpertClient
 
 
 def test_the_deadline_is_a_few_times_the_median_call_kept_between_floor_and_ceiling():
-    d = CallDeadlines(DeadlinePolicy(multiple=8, floor_s=1.0, ceiling_s=4.0, window=5, min_calls=3))
-    assert d.deadline("e") == 4.0  # nothing measured: the ceiling
+    d = CallDeadlines(DeadlinePolicy(multiple=8, floor_s=1.0, ceiling_s=4.0, default_s=2.0, ping_floor_s=1.5,
+                                     window=5, min_calls=3))
+    assert d.deadline("e") == 2.0  # nothing measured: the default
     d.record("e", 0.2)
     d.record("e", 0.3)
-    assert d.deadline("e") == 4.0  # two calls are not a median yet
+    assert d.deadline("e") == 2.0  # two calls are not a median yet
     d.record("e", 0.25)
     assert d.deadline("e") == pytest.approx(8 * 0.25)
     d.record("e", 30.0)  # one outlier does not move the median much
     assert d.deadline("e") == pytest.approx(8 * 0.275)
-    for _ in range(5):  # fast calls: the floor
+    for _ in range(5):  # fast calls: the floor (and the ping's wait its own floor)
         d.record("e", 0.001)
-    assert d.deadline("e") == 1.0
+    assert d.deadline("e") == 1.0 and d.ping_wait("e") == 1.5
     for _ in range(5):  # slow ones: never past the ceiling
         d.record("e", 2.0)
-    assert d.deadline("e") == 4.0
-    assert d.deadline("other") == 4.0  # each node by its own calls
+    assert d.deadline("e") == 4.0 and d.ping_wait("e") == 4.0
+    assert d.deadline("other") == 2.0  # each node by its own calls
     d.forget("e")
-    assert d.deadline("e") == 4.0
+    assert d.deadline("e") == 2.0
 
 
-def test_the_default_deadline_ends_before_the_host_and_quic_give_up():
-    """Within the host's verdict on a silent member, so the stage is free when the new plan comes,
-    and well within QUIC's idle timeout, which is what the stage waited for before."""
+def test_a_dead_node_is_found_before_the_host_and_quic_give_up_on_it():
+    """Measured calls: a deadline and a ping's wait within the host's verdict on a silent member,
+    so the stage is free when the new plan comes; even unmeasured, within QUIC's idle timeout,
+    which is what the stage waited for before."""
     p = DeadlinePolicy()
-    assert p.ceiling_s <= SILENCE_LIMIT < IDLE_TIMEOUT and p.floor_s >= 0.5
+    d = CallDeadlines(p)
+    assert d.deadline("e") + d.ping_wait("e") < IDLE_TIMEOUT
+    for _ in range(p.min_calls):
+        d.record("e", 0.01)
+    assert d.deadline("e") + d.ping_wait("e") < SILENCE_LIMIT
+    assert p.floor_s >= 0.5 and p.ping_floor_s >= 1.0  # not a loaded machine's hiccup
     with pytest.raises(ValueError):
         DeadlinePolicy(floor_s=5.0, ceiling_s=4.0)
 
@@ -90,7 +97,7 @@ def _client(node: _Node, policy: DeadlinePolicy) -> ExpertClient:
 
 X = np.arange(12, dtype=np.float32).reshape(2, 6)
 SELECTED = np.array([[1, 3], [2, 7]])
-FAST = DeadlinePolicy(floor_s=0.05, ceiling_s=0.1)
+FAST = DeadlinePolicy(floor_s=0.05, ceiling_s=0.1, default_s=0.1, ping_floor_s=0.1)
 
 
 def test_a_dead_expert_node_fails_the_call_at_its_deadline_and_later_calls_at_once():
@@ -118,4 +125,4 @@ def test_a_slow_expert_node_that_answers_pings_is_waited_for():
     out = asyncio.run(client.call(1, X, SELECTED))
     np.testing.assert_array_equal(out, np.stack([X * 2, X * 2], axis=1))
     assert node.calls == 1 and not node.closed
-    assert client.deadlines.deadline("experts-a") == FAST.ceiling_s  # one measured call: no median yet
+    assert client.deadlines.deadline("experts-a") == FAST.default_s  # one measured call: no median yet

@@ -8,7 +8,10 @@ separate processes on loopback, answering exactly as the in-process pipeline doe
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import pytest
 from kernels.errors import InputShapeError
 from kernels.experts import ExpertEngine, LocalExperts
 from kernels.gguf_file import GGUFFile
+from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from net.wire import ExpertCall, ExpertCallKind, WireError, decode_expert_call, encode_expert_call
@@ -23,11 +27,15 @@ from plans.layout import ModelLayout
 from plans.nodes import NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, PlanError
 from plans.planner import Constraints, place_experts
+from swarmctl.asker import Asker, InprocTrunk, generate_all
+from swarmctl.home import SwarmHome
+from swarmctl.swarm_client import SwarmLink
 from tests.conftest import N_THREADS
 from tests.swarm_harness import Swarm, swarmctl
 
 TRUNK = SliceSpec(1, 3)  # the tiny models have 4 layers: the asker keeps 0 and 3
 PROMPT = "Once upon a time"
+GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.mark.parametrize("name", ["llama-moe-q8_0", "qwen3moe-q8_0", "deepseek2-f32", "deepseek2-q4_1"])
@@ -181,6 +189,69 @@ def test_a_swarm_with_expert_nodes_answers_as_in_process(moe_swarm):
     for name in STAGES:  # the stages with MoE layers sent rows out
         assert stats[name]["role"] == "stage" and (stats[name]["expert_call_bytes"] > 0) == (name in moe_stages)
     assert "experts [0, 4)" in swarmctl(swarm.host_home, "status", check=True).stdout
+
+
+def _in_process_tokens(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    asker = Asker(model, 1, n_threads=N_THREADS, max_context=512)
+    trunk = InprocTrunk(asker.gguf, [TRUNK], n_threads=N_THREADS, max_context=512)
+    try:
+        return asyncio.run(generate_all(asker, prompt, trunk, max_tokens=max_tokens, sampling=GREEDY,
+                                        ignore_eos=True)).tokens
+    finally:
+        trunk.close()
+        asker.close()
+
+
+def test_an_expert_node_killed_mid_answer_costs_a_replay_not_the_idle_timeout(moe_swarm):
+    """kill -9 of an expert node while an answer is under way (issue 29): the stage gives up the
+    call at its deadline (no answer, no ping) instead of at QUIC's idle timeout, the request is
+    replayed on the plan without the node, and the answer is the one-process answer. Printed:
+    the time from the kill to the last token, and the longest pause between tokens after the kill
+    (the issue's target is within 10 s; asserting it here would fail a correct swarm on a loaded
+    machine). Last on this fixture: it leaves the swarm one expert node short."""
+    swarm, model = moe_swarm
+    victim, max_tokens = EXPERT_NODES[0], 48
+
+    async def run() -> tuple[list[int], list[int], dict]:
+        link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
+        asker = Asker(model, 1, n_threads=N_THREADS, max_context=512)
+        prompt = asker.tokenizer.encode_prompt(PROMPT)
+        try:
+            job = asyncio.ensure_future(generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY,
+                                                     ignore_eos=True))
+            while not asker.in_flight or len(next(iter(asker.in_flight.values())).tokens) < 8:
+                assert not job.done(), job.result()
+                await asyncio.sleep(0.01)
+            gen = next(iter(asker.in_flight.values()))
+            node = next(n for n in swarm.nodes if n.home == swarm.homes[victim])
+            node.process.kill()  # SIGKILL: no goodbye
+            killed = last = time.monotonic()
+            seen, pause = len(gen.tokens), 0.0
+            at_kill = seen
+            while not job.done():  # the longest wait for a token after the kill: the recovery
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                if len(gen.tokens) != seen or job.done():
+                    seen, pause, last = len(gen.tokens), max(pause, now - last), now
+                assert now - killed < 120, "no answer two minutes after the kill"
+            await asyncio.to_thread(node.process.wait)
+            swarm.nodes.remove(node)
+            figures = {"model": Path(model).name, "kill_to_answer_s": round(time.monotonic() - killed, 2),
+                       "longest_pause_s": round(pause, 2), "recoveries": link.stats.recoveries,
+                       "tokens_after_kill": max_tokens - at_kill}
+            return prompt, (await job).tokens, figures
+        finally:
+            await link.close()
+            asker.close()
+
+    prompt, tokens, figures = asyncio.run(run())
+    print(json.dumps(figures))
+    assert figures["recoveries"] >= 1  # the kill landed mid-answer
+    assert tokens == _in_process_tokens(model, prompt, max_tokens)
+    # A stage found the node dead by its own deadline, not by QUIC giving the connection up.
+    stage_logs = [n.log() for n in swarm.nodes if n.home in {swarm.homes[s] for s in STAGES}]
+    assert any("answered neither a call nor a ping" in log for log in stage_logs), \
+        "\n".join(log[-3000:] for log in stage_logs)
 
 
 def test_swarmctl_plan_charges_expert_calls_only_on_moe_layers(tiny_model, tmp_path):

@@ -6,10 +6,12 @@ the connection up (net/liveness.py, 8 s), long after the host had planned the no
 each call gets a deadline of a few times the median of that node's recent calls (their round
 trip and compute, as this stage measured them), kept between a floor (a slow moment of a busy
 machine is not death) and a ceiling (no longer than the host takes to call a silent member
-gone, so the stage is free again by the time the new plan comes). Before any measurement the
-ceiling applies. Past the deadline the caller pings the node (swarmctl/trunk/experts.py): an
-answer means slow, not dead, and the call waits another deadline; no answer fails the call and
-the request is replayed as for a dead stage.
+gone, so the stage is free again by the time the new plan comes). Before a few calls are
+measured a default applies. Past the deadline the caller pings the node (swarmctl/trunk/experts.py):
+an answer means slow, not dead, and the call waits another deadline; no answer within the ping's
+own wait fails the call and the request is replayed as for a dead stage. Since a slow node only
+costs a ping, the deadline can be short; the ping's wait is what must not mistake a busy node for
+a dead one (a false verdict costs the request a replay), so it has a floor of its own.
 
 No I/O here: ``record`` what each answered call took, ask ``deadline`` before the next one.
 """
@@ -28,11 +30,14 @@ class DeadlinePolicy:
     multiple: float = 8.0  # times the median call: a call this much slower than usual is suspect
     floor_s: float = 1.0  # a deadline never shorter: scheduling hiccups and GC pauses on a loaded box
     ceiling_s: float = SILENCE_LIMIT  # never longer than the host's own verdict on a silent member
+    default_s: float = 2.0  # before min_calls calls to the node were measured
+    ping_floor_s: float = 2.0  # the shortest wait for the ping that tells slow from dead
     window: int = 32  # recent calls per node the median is taken over
-    min_calls: int = 3  # fewer measured calls than this: the ceiling (one call is not a median)
+    min_calls: int = 3  # fewer measured calls than this: the default (one call is not a median)
 
     def __post_init__(self) -> None:
-        if not 0 < self.floor_s <= self.ceiling_s or self.multiple <= 0 or self.window < self.min_calls:
+        if not 0 < self.floor_s <= self.default_s <= self.ceiling_s or not 0 < self.ping_floor_s <= self.ceiling_s \
+                or self.multiple <= 0 or self.window < self.min_calls:
             raise ValueError(f"an inconsistent expert call deadline policy: {self}")
 
 
@@ -53,8 +58,12 @@ class CallDeadlines:
         p = self.policy
         calls = self._recent.get(node, ())
         if len(calls) < p.min_calls:
-            return p.ceiling_s
+            return p.default_s
         return min(p.ceiling_s, max(p.floor_s, p.multiple * median(calls)))
+
+    def ping_wait(self, node: str) -> float:
+        """Seconds to wait for the node's answer to a ping once a call passed its deadline."""
+        return max(self.policy.ping_floor_s, self.deadline(node))
 
     def forget(self, node: str) -> None:
         """The node's figures no longer apply (it was found dead; a member of that name that comes

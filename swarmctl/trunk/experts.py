@@ -124,12 +124,13 @@ class ExpertClient:
                 done, _ = await asyncio.wait({call}, timeout=wait)
                 if done:
                     return call.result()
+                ping_wait = self.deadlines.ping_wait(member)
                 try:
-                    await ping_ms(conn, wait)
+                    await ping_ms(conn, ping_wait)
                 except (ConnectionError, asyncio.TimeoutError):
-                    self._give_up(member, conn, wait)
+                    self._give_up(member, conn, wait + ping_wait)
                     raise RemoteExpertError(f"expert node {member} did not answer a call within {wait:.1f}s, "
-                                            "nor a ping after it") from None
+                                            f"nor a ping within {ping_wait:.1f}s after it") from None
                 log.info("expert node %s is slow (no answer within %.1fs) but answers pings: waiting on", member, wait)
         finally:
             if not call.done():
@@ -137,7 +138,7 @@ class ExpertClient:
 
     def _give_up(self, member: str, conn: SwarmProtocol, waited: float) -> None:
         log.warning("expert node %s answered neither a call nor a ping for %.1fs: failing its calls for %.0fs "
-                    "(requests are replayed once the plan moves on)", member, 2 * waited, GIVEN_UP_S)
+                    "(requests are replayed once the plan moves on)", member, waited, GIVEN_UP_S)
         self._given_up[member] = time.monotonic() + GIVEN_UP_S
         self.deadlines.forget(member)
         if self.conns.get(member) is conn:
