@@ -224,6 +224,7 @@ MIN_SAMPLES = 8
 SERVED_QUANTILE = 0.25  # the best quarter of the window's clean batches: interference only adds time
 MAX_AGE_S = 120.0  # older batches say little about the machine now
 REPORT_INTERVAL_S = 30.0  # at most one serving figure per 30 s (under load the median moves every few seconds)
+RESEND_S = 60.0  # a served figure is sent again this often while it holds: the host judges by the last few
 REMEASURE_AFTER_S = 10.0  # a contended first measurement is repeated after 10, 20, 40, 80 s
 MAX_REMEASURES = 4
 
@@ -315,11 +316,16 @@ class SpeedTracker:
         return clean[int((len(clean) - 1) * SERVED_QUANTILE)]
 
     def serving_report(self, reported: float | None, now: float | None = None) -> float | None:
-        """The serving figure, when the host should hear it: ``SERVED_REPORT_FACTOR`` away from
-        what it has, and ``REPORT_INTERVAL_S`` after the last one."""
+        """The serving figure, when the host should hear it: ``REPORT_INTERVAL_S`` after the last
+        one, and ``SERVED_REPORT_FACTOR`` away from what it has, or the same again ``RESEND_S``
+        after the last served report (the host takes the best of the last few: a stage that got
+        slower has to say so several times)."""
         now = time.monotonic() if now is None else now
         figure = self.serving_estimate()
-        if now - self.last_report < REPORT_INTERVAL_S or not worth_reporting(figure, reported, SERVED_REPORT_FACTOR):
+        if figure is None or now - self.last_report < REPORT_INTERVAL_S:
+            return None
+        again = self.last_report > -math.inf and now - self.last_report >= RESEND_S
+        if not again and not worth_reporting(figure, reported, SERVED_REPORT_FACTOR):
             return None
         self.last_report = now
         return figure

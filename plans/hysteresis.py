@@ -9,13 +9,15 @@ all of these hold:
 
 1. The figure moved by at least ``SPEED_FACTOR`` (1.5×) from the one the host plans with, for a
    figure measured afresh (a claim at join, a probe), or by ``CONVERGE_FACTOR`` (1.1×) for a
-   figure the member serves at, which the host first smooths (``smooth_served``: each report moves
-   the smoothed figure ``SERVED_WEIGHT`` of the way, in log space). A ±30% wobble of a single
-   measurement is a ratio between 0.7 and 1.3, at most 1/0.7 = 1.43× either way, below 1.5×; served
-   figures are many batches' best quarter, steady enough that the plan can follow them closely, so
-   the figures planned with converge to what members serve (issue 29: a stage planned with a
-   contended start-up 44.6 served at 38.6). A figure inside its band is not adopted at all: the
-   planner keeps the old one, so a re-plan for another reason (a trunk joining or leaving) is not
+   figure the member serves at, which the host takes as the best of its last ``SERVED_REPORTS``
+   served reports (``served_figure``: interference only adds time, so a stage whose figures swing
+   under load is judged by its good ones, and it takes that many reports, a minute or more
+   apart, for a stage to be judged slower). A ±30% wobble of a single measurement is a ratio
+   between 0.7 and 1.3, at most 1/0.7 = 1.43× either way, below 1.5×; served figures are many
+   batches' best quarter, steady enough that the plan can follow them closely, so the figures
+   planned with converge to what members serve (issue 29: a stage planned with a contended
+   start-up 44.6 served at 38.6). A figure inside its band is not adopted at all: the planner
+   keeps the old one, so a re-plan for another reason (a trunk joining or leaving) is not
    reshuffled by the wobble either.
 2. The plan made with the new figure is materially better than the current assignment under the
    same new figure: its objective (one stream's time per token for "latency", the slowest stage
@@ -56,24 +58,22 @@ from .plan import PlanError
 from .planner import Constraints, _Problem, plan_layers
 
 SPEED_FACTOR = 1.5
-CONVERGE_FACTOR = 1.1  # a smoothed served figure this far from the planned one is adopted
-SERVED_WEIGHT = 0.5  # each served report moves the smoothed figure half way (log space)
+CONVERGE_FACTOR = 1.1  # a served figure this far from the planned one is adopted
+SERVED_REPORTS = 3  # a member's served figure: the best of its last three served reports
 MIN_GAIN = 0.10
 PAYBACK_S = 120.0  # a move has to repay what it costs within two minutes of serving
 RELOAD_MB_S = 200.0  # a stage loading layers it did not hold (read, checked against the hashes, built)
 REPLAY_S = 5.0  # the requests of a stage that changes are replayed elsewhere (issue 29: 5-8 s under load)
-SUSTAIN_S = 20.0  # a re-plan on speed: the gain held at every look for this long
+SUSTAIN_S = 90.0  # a re-plan on speed: the gain held at every look for this long (3 served reports)
 SETTLE_S = 60.0  # and the plan in use has stood this long
 LINK_FACTOR = 1.5
 LINK_NOISE_MS = 5.0
 
 
-def smooth_served(smoothed: float | None, figure: float, weight: float = SERVED_WEIGHT) -> float:
-    """A served figure folded into the running one: ``weight`` of the way from it, in log space
-    (a halving and a doubling weigh the same)."""
-    if smoothed is None or not smoothed > 0:
-        return figure
-    return math.exp((1 - weight) * math.log(smoothed) + weight * math.log(figure))
+def served_figure(reports: Sequence[float], keep: int = SERVED_REPORTS) -> float | None:
+    """A member's served figure: the best of its last ``keep`` served reports (None: none yet)."""
+    recent = [r for r in reports[-keep:] if r > 0]
+    return min(recent) if recent else None
 
 
 def move_cost_s(layout: ModelLayout, current: Sequence[tuple[str, int, int]],

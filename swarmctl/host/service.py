@@ -23,7 +23,7 @@ from net.turn import NatRelay
 from net.tls import ALPN_JOIN
 from net import messages as m
 from net.wire import Frame, FrameType, WireError, decode_control
-from plans.hysteresis import CONVERGE_FACTOR, SPEED_FACTOR, smooth_served
+from plans.hysteresis import CONVERGE_FACTOR, SERVED_REPORTS, SPEED_FACTOR, served_figure
 from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
@@ -321,16 +321,16 @@ class HostService:
 
     def _speed(self, conn: SwarmProtocol, stream_id: int, message: m.Speed) -> None:
         """A trunk has a new figure: measured once its fetched layers arrived, measured again, or
-        seen in the batches it serves. Served figures are smoothed, so what the host plans with
-        converges to what the stage serves; the host plans with a figure once it moved past its
+        seen in the batches it serves. A served figure is the best of the last few served reports,
+        so what the host plans with converges to what the stage serves; the host plans with a figure once it moved past its
         band, and re-plans only on a sustained gain worth the move (plans/hysteresis.py)."""
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
-            if message.serving:
-                trunk.served_ms = smooth_served(trunk.served_ms, message.ms_per_layer_token)
-                claim, factor = trunk.served_ms, CONVERGE_FACTOR
+            if message.serving:  # the best of its last few served reports (plans/hysteresis.py)
+                trunk.served = [*trunk.served, message.ms_per_layer_token][-SERVED_REPORTS:]
+                claim, factor = served_figure(trunk.served), CONVERGE_FACTOR
             else:  # measured afresh: what it served before says less than this
-                trunk.served_ms = None
+                trunk.served = []
                 claim, factor = message.ms_per_layer_token, SPEED_FACTOR
             trunk.ms_per_layer_token = claim  # (status shows the latest claim)
             planned = trunk.planning_speed  # never faster than the host timed it

@@ -45,13 +45,31 @@ class TrunkInfo:
         """Seen by the host at another IP than its own: nobody can connect to it unasked."""
         seen = self.conn.peer_address
         return bool(self.local) and seen is not None and Address.parse(self.local).host != seen[0]
+
+    @property
+    def seen_address(self) -> str:
+        """Where this trunk is, as far as the host knows: behind a NAT, the public ip:port of its
+        swarm socket as the host sees it on this very connection (its own mapping, current after
+        its router renumbers; two members behind one router each have their own), else the
+        address it is reached at (``listen``)."""
+        seen = self.conn.peer_address
+        if not self.behind_nat or seen is None:
+            return self.listen
+        return str(Address(seen[0], int(seen[1])))
+
+    @property
+    def port_kept(self) -> bool:
+        """Its NAT kept its swarm socket's port towards the host (a port-preserving NAT that had
+        the port free: peers see the same one)."""
+        seen = self.conn.peer_address
+        return seen is None or not self.local or Address.parse(self.local).port == int(seen[1])
     # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
     # the host has timed the trunk, and never faster than the host timed it.
     measured_ms_per_layer: float | None = None  # the fastest verified probe so far
     checking: bool = False  # its claims are being checked: not planned until they are
     unchecked: bool = False  # not timed yet: planned with the others' figure, not with its claim
     reprobes: int = 0
-    served_ms: float | None = None  # its served figures, smoothed (None: its claim is a fresh measurement)
+    served: list[float] = field(default_factory=list)  # its last served reports ([]: its claim is a fresh measurement)
     # A check of its claims that the host could not make (it raised on the host's side): why, how
     # many times in a row, and when it is tried again (time.monotonic()); "" once a check ran.
     check_error: str = ""
