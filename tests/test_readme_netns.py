@@ -137,7 +137,7 @@ def test_readme_across_machines(lab, tmp_path):
 
     # On each friend's machine, with an invite code each.
     for name in ("alice", "bob", "carol"):
-        code = swarmctl("host", "invite").strip()
+        code = swarmctl("host", "invite", *(("--role", "asker") if name == "carol" else ())).strip()
         assert len(code.splitlines()) == 1
         out = swarmctl(name, "join", code, "--name", name)
         assert f"joined swarm 'swarm' as {name}" in out
@@ -181,6 +181,9 @@ def test_readme_across_machines(lab, tmp_path):
         assert rows.keys() == {"host", "alice", "bob", "carol"}, out
         assert "10.77.0.1:7470" in rows["host"] and "up (host)" in rows["host"], out
         assert "10.77.0.2:7471" in rows["alice"] and "10.77.0.3:7471" in rows["bob"], out
+        # carol only asks: an asker, connected while she looks herself, else last seen when she asked
+        assert rows["carol"].split()[1] == "asker", out
+        assert rows["carol"].endswith(("asker, connected",) if machine == "carol" else (" ago", "seen just now")), out
         serving = [name for name in ("alice", "bob") if "[4, " in rows[name] or ", 26)" in rows[name]]
         assert serving and all("ready" in rows[name] for name in serving), out
         assert "0.0.0.0" not in out, out
