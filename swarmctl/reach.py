@@ -14,6 +14,10 @@ A trunk also accepts connections on it. To connect to a trunk, a member asks the
              link (net/turn.py); both ends register, and QUIC runs through it end to end
 
 Without a host answer (an older host, the host unreachable) the member connects directly.
+
+What each attempt found is remembered (swarmctl/path_memo.py; an asker keeps it in its home, so
+the next `swarmctl ask` benefits): where punching to a trunk failed lately, the member asks for
+the relay at once and punches again in the background, off the ask's clock (issue 29 item 3).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from net.protocol import ConnectionHandler, SwarmProtocol
 from net.punch import KEEPALIVE_INTERVAL, PunchFailed, PunchTicket, SharedSocket, connect_on, open_shared, punch
 from net.turn import keep_registered, register, udp_socket
 from net.wire import WireError
+from swarmctl.path_memo import PathKey, PathMemoFile
 
 log = logging.getLogger("swarmctl.reach")
 
@@ -68,19 +73,21 @@ class Dialer:
     """A member's swarm socket and the paths it took to each trunk. ``ask_host`` sends a
     ``reach`` to the host over the connection that leaves from this socket."""
 
-    def __init__(self, shared: SharedSocket, creds: Credentials) -> None:
+    def __init__(self, shared: SharedSocket, creds: Credentials, memo: PathMemoFile | None = None) -> None:
         self.shared = shared
         self.creds = creds
         self.ask_host: AskHost | None = None
         self.paths: dict[str, Path] = {}  # trunk → how we reached it last
+        self.memo = memo if memo is not None else PathMemoFile()  # what attempts found (in memory by default)
         self.asking = False  # an asker's dialer: the host tells its routes apart from trunks' own links
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    async def open(cls, creds: Credentials, listen: Address | None = None) -> "Dialer":
+    async def open(cls, creds: Credentials, listen: Address | None = None,
+                   memo: PathMemoFile | None = None) -> "Dialer":
         """A dialer on a new socket: ``listen`` for a trunk (its swarm port), else any port."""
         host, port = (listen.host, listen.port) if listen is not None else ("0.0.0.0", 0)
-        return cls(await open_shared(udp_socket(host, port)), creds)
+        return cls(await open_shared(udp_socket(host, port)), creds, memo)
 
     async def connect_host(self, addresses: Iterable[str], host_name: str, handler: ConnectionHandler) -> SwarmProtocol:
         """The connection to the host, from this socket (so the host sees where it leads)."""
@@ -94,25 +101,50 @@ class Dialer:
         if route is None or route.kind == "direct":
             target = Address.parse(route.address if route is not None else address)
             conn = await connect_on(self.shared, target, self.creds, member, handler)
+            self.memo.record(_key(member, target, "direct"), "direct")
             return self._reached(member, DIRECT, conn)
         if route.kind == "punch":
             ticket = PunchTicket(Address.parse(route.address), bytes.fromhex(route.nonce or ""), route.side)
-            try:
-                peer = await punch(self.shared, ticket)
-            except PunchFailed as e:
-                log.info("%s: %s", member, e)
-                route = await self._route(member, relay=True)
-                if route is None or route.kind != "relay":
-                    raise ConnectionError(f"cannot reach {member}: {e}, and the host has no relay") from None
+            key = _key(member, ticket.peer, "punch")
+            failed_ago = self.memo.punch_failed(key)
+            if failed_ago is not None:
+                # The trunk was told to punch too: punching with it in the background is a real
+                # retry, and the ask goes on through the relay meanwhile.
+                log.info("%s: punching to %s failed %.0f s ago from here; relayed at once, punching again "
+                         "in the background", member, ticket.peer, failed_ago)
+                self._spawn(self._punch_in_background(member, key, ticket))
+                why = f"punching failed {failed_ago:.0f} s ago"
             else:
-                conn = await connect_on(self.shared, peer, self.creds, member, handler)
-                return self._reached(member, Path("punched"), conn)
+                try:
+                    peer = await punch(self.shared, ticket)
+                except PunchFailed as e:
+                    log.info("%s: %s", member, e)
+                    self.memo.record(key, "relayed")
+                    why = str(e)
+                else:
+                    conn = await connect_on(self.shared, peer, self.creds, member, handler)
+                    self.memo.record(key, "punched")
+                    return self._reached(member, Path("punched"), conn)
+            route = await self._route(member, relay=True)
+            if route is None or route.kind != "relay":
+                raise ConnectionError(f"cannot reach {member}: {why}, and the host has no relay")
         relay = await resolve(Address.parse(route.address))
         token = bytes.fromhex(route.token or "")
         await register(self.shared, relay, token)
         conn = await connect_on(self.shared, relay, self.creds, member, handler)
         self._spawn(self._keep_registered(relay, token, lambda: conn.is_open))
         return self._reached(member, Path("relayed", route.via), conn)
+
+    async def _punch_in_background(self, member: str, key: PathKey, ticket: PunchTicket) -> None:
+        """Try the punch the memo said fails; what it finds decides the next connection's path."""
+        try:
+            await punch(self.shared, ticket)
+        except PunchFailed as e:
+            log.info("%s: punching again in the background: %s", member, e)
+            self.memo.record(key, "relayed")
+        else:
+            log.info("%s: punching again in the background got through: the next connection punches", member)
+            self.memo.record(key, "punched")
 
     def _reached(self, member: str, path: Path, conn: SwarmProtocol) -> SwarmProtocol:
         if self.paths.get(member) != path or path != DIRECT:
@@ -183,6 +215,11 @@ class Dialer:
         for task in list(self._tasks):
             task.cancel()
         self.shared.close()
+
+
+def _key(member: str, address: Address, plan: str) -> PathKey:
+    """The memo's key for reaching ``member`` at ``address`` as the host planned, from here."""
+    return PathKey(member, str(address), plan, local_ip_towards(address) or "")
 
 
 async def ask_route(conn: SwarmProtocol | None, message: m.Reach) -> m.Route:

@@ -36,6 +36,7 @@ from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Pa
 from plans.plan import Plan
 from swarmctl.asker import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
 from swarmctl.plan_watch import PlanWatch, SwarmError, cannot_serve
 from swarmctl.reach import Dialer, ask_route
 
@@ -109,7 +110,7 @@ class SwarmLink:
         a local swarm knows how many trunks it started), connect to the first and last stage."""
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
-            link.dialer = await Dialer.open(link.creds)
+            link.dialer = await Dialer.open(link.creds, memo=PathMemoFile(home.file(PATH_MEMO_FILE)))
             link.dialer.ask_host = lambda message: ask_route(link.host.conn, message)
             link.dialer.asking = True
             link.host.connect_with = lambda addresses: link.dialer.connect_host(addresses, link.config.host_name, link)

@@ -51,6 +51,7 @@ class Rendezvous:
         # (requester, trunk) → the path the host last gave: "direct", "punched" or "relayed via X",
         # most recent last. (A punch that failed is followed by a relay request, which replaces it.)
         self.paths: dict[tuple[str, str], str] = {}
+        self.punch_failed: set[str] = set()  # trunks with a port per destination that a punch failed with
 
     def path(self, requester: str, trunk: str) -> str | None:
         """The path a trunk's own link to ``trunk`` took."""
@@ -65,8 +66,24 @@ class Rendezvous:
 
     def _record(self, requester: str, trunk: str, path: str, asking: bool) -> None:
         key = (f"{ASKING}{requester}" if asking else requester, trunk)
+        if self.paths.get(key) == "punched" and path.startswith("relayed"):
+            # A punch failed (or the requester skipped it: it failed before). The ends to blame are
+            # those whose NAT did not keep their port: a port per destination defeats punching.
+            for name in (requester, trunk):
+                t = self.trunks.get(name)
+                if t is not None and t.behind_nat and not t.port_kept:
+                    self.punch_failed.add(name)
         self.paths.pop(key, None)
         self.paths[key] = path
+
+    def shown_address(self, name: str, trunk: TrunkInfo) -> str:
+        """The trunk's address as `status` shows it: where the host sees it (TrunkInfo.seen_address),
+        marked "(symmetric)" where its NAT did not keep its port and a punch with it failed then:
+        its port is one per destination, and the one shown is the host's."""
+        address = trunk.seen_address
+        if trunk.behind_nat and not trunk.port_kept and name in self.punch_failed:
+            return f"{address} (symmetric)"
+        return address
 
     async def route(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo, relay: bool,
                     asking: bool = False) -> m.Route:

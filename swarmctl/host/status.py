@@ -60,7 +60,7 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
     is_host = name == src.host_name
     return MemberStatus(
         name=name, role="host" if is_host else ("trunk" if trunk is not None else "member"), may=may,
-        address=src.host_address if is_host else (trunk.listen if trunk else ""),
+        address=src.host_address if is_host else (_address(src, name) if trunk else ""),
         layers=[stage.start, stage.stop] if stage else None,
         experts=[expert.start, expert.stop] if expert else None,
         memory=trunk.memory if trunk else None, device=trunk.device if trunk else "",
@@ -73,6 +73,14 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name),
         last_seen_s=(round(time.monotonic() - src.last_seen[name], 1)
                      if name in src.last_seen and name not in src.online else None))
+
+
+def _address(src: StatusSources, name: str) -> str:
+    """A trunk's own address as the host knows it (issue 29 item 11: behind a NAT, its mapping as
+    the host sees it, not its listen port at its router's IP, which another member behind the
+    same router may hold)."""
+    trunk = src.trunks[name]
+    return src.rendezvous.shown_address(name, trunk) if src.rendezvous is not None else trunk.seen_address
 
 
 def link_rows(src: StatusSources) -> list[LinkStatus]:
