@@ -4,10 +4,18 @@ One host process and N trunk processes on loopback, each with its own home in a 
 folder, talking real QUIC with mutual TLS, and an identity for the asker. Everything is removed
 on exit. Certificates are issued directly by the local CA (the same records an invite and join
 would produce, without the round trip).
+
+Sizing (``size_local_swarm``): the processes share this machine's cores, so how many trunks and
+how many compute threads each follows from the cores there are. Readiness (``open_link``): the
+swarm was started here, so the asker waits for it to say it is ready (the host's ready file, then
+a complete plan over every trunk), however long a loaded machine takes, and gives up only when a
+node died or after ``READY_BOUND_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -16,13 +24,68 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kernels.errors import EngineError
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.membership import create_swarm, issue_direct
 
-STARTUP_TIMEOUT = 60.0
+if TYPE_CHECKING:
+    from swarmctl.swarm_client import SwarmLink
+
+log = logging.getLogger("swarmctl.local")
+
+# How long a swarm started here may take to be ready (the host listening, every trunk holding its
+# layers) before the asker gives up. Generous: a node that dies is noticed at once anyway, and a
+# loaded 2-core machine took minutes to start Python processes and load slices.
+READY_BOUND_S = 600.0
+PROGRESS_EVERY_S = 5.0  # how often, while waiting, a progress line is logged (shown with -v)
+PIPELINE_CPUS = 8  # from this many cores on, a second trunk process pays for its hop (see size_local_swarm)
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """How a local swarm shares this machine: its trunk processes and each process's threads."""
+    trunks: int
+    trunk_threads: int  # compute threads of each trunk process
+    asker_threads: int  # compute threads of the asker (this process)
+
+    def describe(self) -> str:
+        return (f"host + {self.trunks} trunk{'s' if self.trunks != 1 else ''} of {self.trunk_threads} "
+                f"thread{'s' if self.trunk_threads != 1 else ''}, asker {self.asker_threads}")
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity, as taskset or a container's cpuset sets it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def size_local_swarm(cpus: int, *, trunks: int | None = None, threads: int | None = None,
+                     streams: int = 1) -> LocalLayout:
+    """How many trunk processes a local swarm on ``cpus`` cores starts, and their threads.
+    ``trunks`` (--trunk-nodes) and ``threads`` (--threads) given explicitly win.
+
+    Every trunk process on one machine adds a hop and no memory, so a small machine gets one; from
+    ``PIPELINE_CPUS`` cores on, two, so that several requests in flight compute in different
+    processes at once. Threads: with one stream (``ask``) the processes take turns (asker head,
+    each trunk, asker tail), so each may use every core; splitting the cores three ways there made
+    every step 1.6-1.7x slower (issue 29, item 10). With several streams (``serve``) they compute
+    at once, so the cores are split and the total does not oversubscribe them (OpenMP teams
+    sharing a core wait on each other at every barrier); the asker takes what is left over."""
+    n = trunks if trunks is not None else (1 if cpus < PIPELINE_CPUS else 2)
+    if n < 1:
+        raise EngineError("--trunk-nodes must be at least 1")
+    if threads is not None:
+        return LocalLayout(n, threads, threads)
+    if streams <= 1:
+        return LocalLayout(n, cpus, cpus)
+    share = max(1, cpus // (n + 1))
+    return LocalLayout(n, share, max(1, cpus - n * share))
 
 
 def _die_with_parent(parent_pid: int | None = None) -> None:
@@ -62,6 +125,8 @@ class LocalSwarm:
         self.root = Path(tempfile.mkdtemp(prefix="swarmctl-local-"))
         self.processes: list[subprocess.Popen] = []
         self.capture_dirs: list[Path] = []
+        self.started = time.monotonic()
+        self.host_ready_file = self.root / "host.ready"  # the host writes its address there once it listens
         try:
             self.host_home = SwarmHome(self.root / "host")
             address = f"127.0.0.1:{host_port or free_udp_port()}"
@@ -77,7 +142,7 @@ class LocalSwarm:
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
                                 for i in range(n_trunks)]
             self.asker_home = self._member_home("asker", model, "127.0.0.1:0")
-            self._spawn(self.host_home, ["run", "--role", "host"])
+            self._spawn(self.host_home, ["run", "--role", "host", "--ready-file", str(self.host_ready_file)])
             for i, home in enumerate(self.trunk_homes):
                 extra = ["--threads", str(threads)] if threads else []
                 if trunk_advertise:
@@ -104,10 +169,51 @@ class LocalSwarm:
 
     def _spawn(self, home: SwarmHome, args: list[str]) -> None:
         env = {**os.environ, "SWARMCTL_HOME": str(home.path)}
-        log = open(home.path / "node.log", "wb")
-        self.processes.append(subprocess.Popen([sys.executable, "-m", "swarmctl", *args], env=env,
-                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                               preexec_fn=_die_with_parent))
+        with open(home.path / "node.log", "wb") as out:
+            self.processes.append(subprocess.Popen(self.command(args), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+
+    @staticmethod
+    def command(args: list[str]) -> list[str]:
+        """The command line of a node (``args``: ``run --role ...``); tests wrap it to start a node late."""
+        return [sys.executable, "-m", "swarmctl", *args]
+
+    async def open_link(self, *, bound: float = READY_BOUND_S, **kwargs) -> "SwarmLink":
+        """The asker's link, once this swarm is ready: the host listening (its ready file), then a
+        complete plan of every trunk (``SwarmLink.open``'s wait). Progress is logged every few
+        seconds; EngineError only when a node exited or after ``bound`` seconds from the start."""
+        from swarmctl.swarm_client import SwarmLink
+
+        deadline = self.started + bound
+        await self._wait_host(deadline, bound)
+        log.info("local swarm: host listening after %.1f s; waiting for %d trunk%s to load their layers",
+                 time.monotonic() - self.started, self.n_trunks, "s" if self.n_trunks != 1 else "")
+        link = await SwarmLink.open(self.asker_home, ready_timeout=max(1.0, deadline - time.monotonic()),
+                                    alive_check=self._progress("the trunks to load their layers"), **kwargs)
+        log.info("local swarm ready after %.1f s", time.monotonic() - self.started)
+        return link
+
+    async def _wait_host(self, deadline: float, bound: float) -> None:
+        report = self._progress("the host to start")
+        while not (self.host_ready_file.exists() and self.host_ready_file.read_text().strip()):
+            report()  # a host that exited fails here at once
+            if time.monotonic() > deadline:
+                raise EngineError(f"the local swarm's host did not start within {bound:g} s: "
+                                  f"{self._last_log_line(self.processes[0])}")
+            await asyncio.sleep(0.1)
+
+    def _progress(self, what: str):
+        """A check to call while waiting: raises if a node exited, and logs what is awaited every
+        ``PROGRESS_EVERY_S``."""
+        last = [time.monotonic()]
+
+        def check() -> None:
+            self.check_alive()
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S:
+                last[0] = now
+                log.info("local swarm: waiting for %s (%.0f s so far)", what, now - self.started)
+        return check
 
     def check_alive(self) -> None:
         for process in self.processes:

@@ -8,7 +8,6 @@ with ``transport="inproc"``. ``open_session`` does that and undoes it on exit.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ DEFAULT_HEAD_LAYERS = 4
 class SessionOptions:
     transport: str = "swarm"  # "swarm": a joined swarm or a local one; "inproc": all slices here
     model: str | None = None  # a GGUF path; None: the swarm's, or the bundled default
-    trunk_nodes: int = 2  # trunk processes of the local swarm started when none is joined
+    trunk_nodes: int | None = None  # trunk processes of the local swarm started when none is joined (None: sized)
+    streams: int = 1  # requests expected at once (serve: many): how a local swarm splits the cores
     head_layers: int | None = None  # None: 4, or what a joined swarm's plan says
     stages: int = 2  # trunk stages with transport "inproc"
     threads: int | None = None
@@ -112,7 +112,7 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
 @asynccontextmanager
 async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.home import SwarmHome
-    from swarmctl.local_swarm import LocalSwarm
+    from swarmctl.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
     from swarmctl.models import checked_model
     from swarmctl.swarm_client import SwarmLink
 
@@ -130,18 +130,21 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         else:
             model = checked_model(options.model)
             drafting = _drafting(options, model, threads)  # a draft that cannot serve: one line, before nodes start
-            log.info("no swarm joined: starting a local one (host + %d trunks)", options.trunk_nodes)
-            # The local trunks and this process share this machine's cores: split them, or OpenMP
-            # teams oversubscribe the cores whenever several processes compute at once.
-            threads = threads or max(1, (os.cpu_count() or 1) // (options.trunk_nodes + 1))
-            local = LocalSwarm(model=str(model.resolve()), n_trunks=options.trunk_nodes,
+            # The local trunks and this process share this machine's cores (swarmctl/local_swarm.py).
+            layout = size_local_swarm(usable_cpus(), trunks=options.trunk_nodes, threads=options.threads,
+                                      streams=options.streams)
+            log.info("no swarm joined: starting a local one (%s)", layout.describe())
+            threads = layout.asker_threads
+            local = LocalSwarm(model=str(model.resolve()), n_trunks=layout.trunks,
                                head_layers=DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers,
-                               threads=threads)
+                               threads=layout.trunk_threads)
             swarm_home = local.asker_home
         if home.exists:
             drafting = _drafting(options, model, threads)
-        link = await SwarmLink.open(swarm_home, alive_check=local.check_alive if local else None,
-                                    min_stages=min(local.n_trunks, 22) if local else 1, trace=options.trace)
+        if local is not None:  # started here: waited for until it says it is ready, not raced
+            link = await local.open_link(min_stages=min(local.n_trunks, 22), trace=options.trace)
+        else:
+            link = await SwarmLink.open(swarm_home, trace=options.trace)
         if options.head_layers is not None and options.head_layers != link.head_layers:
             raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
                               f"--head-layers {options.head_layers} does not match")

@@ -78,15 +78,12 @@ def served(tmp_path_factory):
     env = {**os.environ, "SWARMCTL_HOME": str(root / "no-swarm-here")}
     out, err = root / "stdout", root / "stderr"
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "swarmctl", "serve", "--port", "0", "--api-key", API_KEY],
-                                   env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen([sys.executable, "-m", "swarmctl", "serve", "-v", "--port", "0", "--api-key",
+                                    API_KEY], env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not (match := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", out.read_text())):
-            assert process.poll() is None, f"serve exited: {err.read_text()}"
-            assert time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.2)
-        yield Served(match[1], process, err)
+        starting = _poll_while_starting(process, out, err)
+        match = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", out.read_text())
+        yield Served(match[1], process, err, starting)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -98,11 +95,36 @@ def served(tmp_path_factory):
         assert process.returncode == 0, err.read_text()  # SIGTERM stops it cleanly, local swarm and all
 
 
+def _poll_while_starting(process: subprocess.Popen, out: Path, err: Path) -> list[tuple[int, str | None]]:
+    """Wait for "serving ... at URL", asking GET /v1/models with the key meanwhile, as a script
+    polling for readiness does (issue 29, item 14): the (status, Retry-After) answers it got
+    before the line. The port comes from the "listening at" line that -v logs at once."""
+    answers: list[tuple[int, str | None]] = []
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not re.search(r"serving .* at http://", out.read_text()):
+        assert process.poll() is None, f"serve exited: {err.read_text()}"
+        assert time.monotonic() < deadline, "serve did not start"
+        listening = re.search(r"listening at (http://127\.0\.0\.1:\d+)", err.read_text())
+        if listening:
+            request = urllib.request.Request(listening[1] + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+            try:
+                with urllib.request.urlopen(request, timeout=2) as response:
+                    answers.append((response.status, None))
+            except urllib.error.HTTPError as e:
+                answers.append((e.code, e.headers.get("Retry-After")))
+                e.read()
+            except OSError as e:  # a client that gives up: what made the server log a 500 before
+                answers.append((0, type(e).__name__))
+        time.sleep(0.1)
+    return answers
+
+
 @dataclass
 class Served:
     base_url: str
     process: subprocess.Popen
     stderr: Path
+    starting: list[tuple[int, str | None]]  # what a client polling during start-up got
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=kwargs.pop("api_key", API_KEY), max_retries=0,
@@ -271,6 +293,30 @@ def test_server_logs_one_line_per_error_and_no_traceback(served):
     assert re.search(r"POST /v1/chat/completions -> 404 The model 'gpt-4o' does not exist", log)
 
 
+def test_a_client_polling_during_start_up_gets_503_with_retry_after(served):
+    """Issue 29, item 14: while the local swarm came up, a polling client's requests waited in the
+    listen backlog, gave up, and the server then logged each as "unreadable request -> 500"."""
+    answers = served.starting
+    assert any(status == 503 for status, _ in answers), answers
+    before_ready = answers[:-1] if answers[-1][0] == 200 else answers  # the last may land just after "serving"
+    assert all(status in (503, 0) for status, _ in before_ready), answers  # 0: the client gave up (a loaded box)
+    assert all(retry_after == "2" for status, retry_after in before_ready if status == 503), answers
+    log = served.stderr.read_text()
+    assert "unreadable request" not in log and "-> 500" not in log, log
+
+
+def test_the_root_says_what_the_server_is(served):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ("", "/v1"):
+        status, body = raw_request(served.base_url.removesuffix("/v1"), path or "/", None, headers, method="GET")
+        assert status == 200, body
+        assert body["model"] == MODEL
+        assert {"GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions"} <= set(body["endpoints"])
+    status, body = raw_request(served.base_url.removesuffix("/v1"), "/", None, method="GET")
+    assert status == 401  # the key guards it too
+    assert_error_shape(body, "invalid_api_key")
+
+
 # --- in this process: a trunk that fails on cue ---
 
 
@@ -410,6 +456,37 @@ def test_malformed_http_gets_a_400_in_openai_shape(inproc):
         reply = reply.decode()
     assert reply.startswith("HTTP/1.1 400 ")
     assert_error_shape(json.loads(reply.split("\r\n\r\n", 1)[1]))
+
+
+def test_while_starting_every_request_is_a_503_with_retry_after_then_the_api_answers(inproc):
+    """`serve`'s front door (swarmctl/api/startup.py): 503 + Retry-After and the key checked until
+    the API is handed over, then the API's routes on the same listener."""
+    from swarmctl.api.errors import http_error_body
+    from swarmctl.api.http import start_server
+    from swarmctl.api.server import ApiServer
+    from swarmctl.api.startup import StartingServer
+
+    front = StartingServer(API_KEY)
+    server = inproc.call(start_server(front.handle, error_body=http_error_body, gate=front.check_head,
+                                      host="127.0.0.1", port=0))
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    body = json.dumps({"model": MODEL, "prompt": RAW_PROMPT, "max_tokens": 2}).encode()
+    try:
+        for path, data in (("/", None), ("/v1/models", None), ("/v1/completions", body)):
+            request = urllib.request.Request(base + path, data=data, headers=key)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(request, timeout=30)
+            assert e.value.code == 503 and e.value.headers["Retry-After"] == "2"
+            assert_error_shape(json.loads(e.value.read()), "starting")
+        assert raw_request(base, "/v1/models", None, method="GET")[0] == 401  # no key: refused, starting or not
+        front.ready(ApiServer(inproc.asker, inproc.trunk, model_id=MODEL, api_key=API_KEY))
+        assert raw_request(base, "/v1/completions", body, key)[0] == 200
+        status, described = raw_request(base, "/", None, key, method="GET")
+        assert status == 200 and described["model"] == MODEL
+    finally:
+        server.close()
+        inproc.call(server.wait_closed())
 
 
 # --- hostile clients (issue 14, finding 9): each of these failed on the code before the fix ---

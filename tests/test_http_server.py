@@ -13,6 +13,7 @@ import asyncio
 import datetime
 import ipaddress
 import json
+import logging
 import re
 import socket
 import ssl
@@ -212,6 +213,40 @@ def test_a_refused_small_body_keeps_the_connection(echo):
         reply, _ = read_all(s)
     statuses = [int(m) for m in re.findall(rb"HTTP/1.1 (\d{3}) ", reply)]
     assert statuses == [401, 200]
+
+
+def test_a_client_gone_before_its_answer_is_not_logged_as_an_error(caplog):
+    """Issue 29, item 14: a client that sent its request and gave up before the server accepted it
+    (`serve` still starting) made writing the answer fail, which was logged as "unreadable request
+    -> 500". Made deterministic here: the request and the close wait in the listen backlog."""
+    handled = threading.Event()
+
+    async def answer(request: Request, responder: Responder) -> None:
+        handled.set()
+        await responder.send(200, b"{}")
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    with socket.create_connection(listener.getsockname()) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    caplog.set_level("DEBUG", logger="swarmctl.http")
+
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "swarmctl.http"]
+
+    loop = asyncio.new_event_loop()
+    try:
+        server = loop.run_until_complete(start_server(answer, error_body=http_error_body, sock=listener))
+        deadline = time.monotonic() + 60
+        while not (handled.is_set() and logged()):  # answered, and the failed write handled
+            assert time.monotonic() < deadline, "the request was never handled"
+            loop.run_until_complete(asyncio.sleep(0.05))
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+    finally:
+        loop.close()
+    records = logged()
+    assert [r.getMessage() for r in records] == ["GET /v1/models: the client went away before its answer"]
+    assert all(r.levelname == "DEBUG" for r in records)
 
 
 # --- HTTPS ---

@@ -163,15 +163,15 @@ def report(steps: list[StepCheck]) -> str:
             f"tolerance {TOLERANCE_SHARE:.0%} or {TOLERANCE_US / 1e3:.0f} ms")
 
 
-# --- through the CLI, on the local swarm `ask` starts itself (host + 2 trunk processes) ---
+# --- through the CLI, on the local swarm `ask` starts itself (host + 2 trunk processes, asked for) ---
 
 @pytest.fixture(scope="module")
 def traced_ask(tmp_path_factory):
     """One `swarmctl ask --trace` through a local swarm, as a user types it: its trace and its log."""
     folder = tmp_path_factory.mktemp("trace")
     path = folder / "trace.json"
-    r = swarmctl(folder / "no-swarm-joined", "ask", "-v", "--raw", "--temperature", "0", "--max-tokens", "12",
-                 "--trace", str(path), PROMPT)
+    r = swarmctl(folder / "no-swarm-joined", "ask", "-v", "--trunk-nodes", "2", "--raw", "--temperature", "0",
+                 "--max-tokens", "12", "--trace", str(path), PROMPT)
     assert r.returncode == 0, r.stderr
     return json.loads(path.read_text()), r
 

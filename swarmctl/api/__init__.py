@@ -6,5 +6,6 @@
     shapes.py  OpenAI's response and chunk objects
     errors.py  OpenAI's error shape, and which failure gets which status
     stops.py   stop strings in streamed text
-    server.py  the routes: auth, models, chat and text completions
+    server.py  the routes: auth, models, chat and text completions, and what / says
+    startup.py 503 with Retry-After from the moment `serve` listens until the API is ready
 """

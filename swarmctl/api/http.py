@@ -357,7 +357,12 @@ class _Connection(web.RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """A request aiohttp could not parse (or a failure it caught): one log line and the API's
-        error body, and the connection closes."""
+        error body, and the connection closes. A client that went away before its answer (one
+        that gave up while the server started, say) is no fault: nothing is logged above debug."""
+        if isinstance(exc, ConnectionError):
+            log.debug("%s %s: the client went away before its answer", request.method, request.path[:200])
+            return json_response(499, self.exchange.error_body(499, "client closed request", None), {},
+                                 keep_alive=False)
         if isinstance(exc, LineTooLong):
             status, text = 431, f"a request header line is longer than {self.exchange.limits.max_head_bytes} bytes"
         elif status < 500:

@@ -49,6 +49,8 @@ class ApiServer:
         self.created = created  # the model's timestamp in /v1/models
         self.request_timeout = request_timeout
         self.routes: dict[str, tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]] = {
+            "/": ("GET", self._root),  # what this server is (a web page will take its place: issue 35)
+            "/v1": ("GET", self._root),
             "/v1/models": ("GET", self._models),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
@@ -65,20 +67,14 @@ class ApiServer:
     def check_head(self, request: Request) -> Refusal | None:
         """Before the body is read: a request without the key is refused on its head alone, so a
         stranger cannot make this server buffer bodies."""
-        try:
-            self._authorize(request)
-        except ApiError as error:
-            request_id = "req_" + secrets.token_hex(12)
-            log.warning("%s %s %s -> %d %s", request_id, request.method, request.path, error.status, error.message)
-            return Refusal(error.status, error.encode(), {"x-request-id": request_id})
-        return None
+        return check_key(request, self.api_key)
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """The HTTP handler: route, answer, and turn any failure into OpenAI's error shape."""
         request_id = "req_" + secrets.token_hex(12)
         try:
             self._authorize(request)
-            path = _v1(request.path)
+            path = "/" if request.path == "/" else _v1(request.path)
             method, route = self.routes.get(path) or self._model_route(path)
             if request.method != method:
                 raise ApiError(405, f"{request.method} is not allowed on {path}; use {method}")
@@ -98,16 +94,7 @@ class ApiServer:
                 _drop_tracebacks(e)
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        # Constant-time comparison: response timing says nothing about how much of a guess matched.
-        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            return
-        message = "Incorrect API key provided." if header else \
-            "You didn't provide an API key. Send it in an Authorization header: Bearer YOUR_KEY."
-        raise ApiError(401, message, code="invalid_api_key")
+        authorize(request, self.api_key)
 
     def _model_route(self, path: str) -> tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]:
         if path.startswith("/v1/models/"):
@@ -120,6 +107,10 @@ class ApiServer:
                            param="model", code="model_not_found")
 
     # --- routes ---
+
+    async def _root(self, request: Request, responder: Responder, request_id: str) -> None:
+        endpoints = [f"{method} {path}" for path, (method, _) in self.routes.items() if path.startswith("/v1/")]
+        await _send_json(responder, describe_server(self.model_id, endpoints), request_id)
 
     async def _models(self, request: Request, responder: Responder, request_id: str) -> None:
         await _send_json(responder, model_list(self.model_id, self.created), request_id)
@@ -221,6 +212,31 @@ class ApiServer:
         await events.close()
 
 
+def authorize(request: Request, api_key: str | None) -> None:
+    """ApiError 401 unless the request carries the key (or no key is set)."""
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    # Constant-time comparison: response timing says nothing about how much of a guess matched.
+    if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode()):
+        return
+    message = "Incorrect API key provided." if header else \
+        "You didn't provide an API key. Send it in an Authorization header: Bearer YOUR_KEY."
+    raise ApiError(401, message, code="invalid_api_key")
+
+
+def check_key(request: Request, api_key: str | None) -> Refusal | None:
+    """The gate on a request's head (its body unread): a Refusal, logged, when the key is missing or wrong."""
+    try:
+        authorize(request, api_key)
+    except ApiError as error:
+        request_id = "req_" + secrets.token_hex(12)
+        log.warning("%s %s %s -> %d %s", request_id, request.method, request.path, error.status, error.message)
+        return Refusal(error.status, error.encode(), {"x-request-id": request_id})
+    return None
+
+
 def _drop_tracebacks(error: BaseException) -> None:
     """A handled error's traceback, and those of the errors it was raised from, hold the frames
     it passed through, and with them the request's body, its parsed JSON and its prompt, in
@@ -234,6 +250,12 @@ def _drop_tracebacks(error: BaseException) -> None:
         seen.add(id(e))
         e.__traceback__ = None
         pending += [e.__cause__, e.__context__]
+
+
+def describe_server(model_id: str, endpoints: list[str]) -> dict:
+    """GET /: what this server is, for a person or a script that finds the address."""
+    return {"object": "server", "name": "swarmctl serve", "model": model_id,
+            "api": "OpenAI-compatible: use this address with /v1 as the base URL", "endpoints": endpoints}
 
 
 def _v1(path: str) -> str:

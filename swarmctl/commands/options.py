@@ -35,8 +35,9 @@ def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) ->
     --draft-model, --draft-tokens."""
     parser.add_argument("--transport", choices=["swarm", "inproc"], default="swarm",
                         help="swarm (default): the trunk runs on the swarm; inproc: every slice in this process")
-    parser.add_argument("--trunk-nodes", type=positive_int, default=2, metavar="N",
-                        help="trunk processes of the local swarm started when no swarm is joined (default 2)")
+    parser.add_argument("--trunk-nodes", type=positive_int, default=None, metavar="N",
+                        help="trunk processes of the local swarm started when no swarm is joined (default: 1, "
+                             "or 2 from 8 cores on)")
     parser.add_argument("--model", metavar="PATH", help=f"a GGUF model (default: {model_default})")
     parser.add_argument("--head-layers", type=int, default=None, metavar="K",
                         help="layers kept on this machine at each end of the model (default 4; a joined "

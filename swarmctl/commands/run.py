@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trunk: also relay links that hole punching cannot open (symmetric NATs); "
                              "for a machine others can reach: it forwards their encrypted datagrams")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
+    # host: write the address it listens on to FILE once it does (a local swarm waits for it: swarmctl/local_swarm.py)
+    parser.add_argument("--ready-file", metavar="FILE", help=argparse.SUPPRESS)
 
 
 async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
@@ -82,7 +84,7 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
     if args.role == "host":
         from swarmctl.host import run_host
 
-        await run_host(home, stop)
+        await run_host(home, stop, Path(args.ready_file) if args.ready_file else None)
         return None
     from kernels.devices import choose_device
     from swarmctl.trunk import TrunkService

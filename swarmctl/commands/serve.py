@@ -5,8 +5,10 @@ the trunk on the swarm. With no swarm joined, a local one runs for as long as th
 (as with `swarmctl ask`); --transport inproc runs every slice in this process. Requests that
 arrive together go through the pipeline together, in shared batches.
 
-routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions ("stream": true or not).
-The model's id is its file name without .gguf (e.g. SmolLM2-135M-Instruct.Q4_1).
+routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions ("stream": true or not);
+GET / says what the server is. The model's id is its file name without .gguf (e.g.
+SmolLM2-135M-Instruct.Q4_1). While the model loads and the swarm comes up, every request is
+answered 503 with a Retry-After header; "serving ..." is printed once it is ready.
 
 It listens on loopback unless told otherwise. Anywhere else, give it an API key (--api-key, or
 $SWARMCTL_API_KEY, which keeps the key out of the process list); clients send it as
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -41,6 +44,7 @@ from pathlib import Path
 from swarmctl.commands.options import add_asker_options, positive_int
 from swarmctl.errors import UsageError
 
+log = logging.getLogger("swarmctl.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
@@ -115,37 +119,47 @@ def open_server_warning(host: str) -> str:
 
 async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str | None,
                  tls: ssl.SSLContext | None) -> int:
+    from swarmctl.api.errors import http_error_body
+    from swarmctl.api.http import Limits, start_server
     from swarmctl.api.server import ApiServer
+    from swarmctl.api.startup import StartingServer
     from swarmctl.session import SessionOptions, open_session
     from swarmctl.trace import TraceFolder
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             max_in_flight=args.max_in_flight, verify=args.verify, device=args.device,
-                             speculate=args.speculate, draft_model=args.draft_model, draft_tokens=args.draft_tokens,
-                             trace=args.trace is not None)
+                             max_in_flight=args.max_in_flight, streams=args.max_in_flight, verify=args.verify,
+                             device=args.device, speculate=args.speculate, draft_model=args.draft_model,
+                             draft_tokens=args.draft_tokens, trace=args.trace is not None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down
         loop.add_signal_handler(sig, stop.set)
-    async with open_session(options) as session:
-        model_id = session.model.name.removesuffix(".gguf")
-        traces = TraceFolder(Path(args.trace), session.model.name, session.describe_nodes) \
-            if args.trace is not None else None
-        server = ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
-                           created=int(session.model.stat().st_mtime), request_timeout=args.timeout,
-                           drafting=session.drafting, traces=traces)
-        http_server = await server.start(sock=listener, max_connections=args.max_connections, tls=tls)
-        host, port = listener.getsockname()[:2]
-        url_host = f"[{host}]" if ":" in host else host
-        scheme = "https" if tls else "http"
-        print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
-              flush=True)
-        try:
-            await stop.wait()
-        finally:
-            http_server.close()
-            await _end_connections()
+    # Answer from now on: 503 with Retry-After while the model loads and the swarm comes up.
+    front = StartingServer(api_key)
+    http_server = await start_server(front.handle, error_body=http_error_body, gate=front.check_head, sock=listener,
+                                     tls=tls, limits=Limits(max_connections=args.max_connections))
+    host, port = listener.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    scheme = "https" if tls else "http"
+    log.info("listening at %s://%s:%d (503 until the model is ready)", scheme, url_host, port)
+    try:
+        async with open_session(options) as session:
+            model_id = session.model.name.removesuffix(".gguf")
+            traces = TraceFolder(Path(args.trace), session.model.name, session.describe_nodes) \
+                if args.trace is not None else None
+            front.ready(ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
+                                  created=int(session.model.stat().st_mtime), request_timeout=args.timeout,
+                                  drafting=session.drafting, traces=traces))
+            print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
+                  flush=True)
+            try:
+                await stop.wait()
+            finally:
+                http_server.close()
+                await _end_connections()
+    finally:
+        http_server.close()  # a session that failed to open: stop answering 503 before the error is shown
     return 0
 
 

@@ -1,0 +1,133 @@
+"""The one-command local swarm's sizing (issue 29, item 10), before and after; prints JSON.
+
+    python benchmarks/bench_local_swarm.py [--decode 48] [--rounds 5] [--cpus N] [--concurrent 8] [--model GGUF]
+
+Single-stream greedy decode tok/s (after the first token, as bench_swarm.py counts) of the bundled
+model through a local swarm laid out
+
+- before: what `ask` started before the fix: host + 2 trunk processes, every process
+  ``cpus // 3`` threads (at least 1), planned "even";
+- after: ``size_local_swarm(cpus)`` (swarmctl/local_swarm.py), what `ask` starts now;
+- serve: ``size_local_swarm(cpus, streams=16)``, what `serve` starts now (cores split);
+
+next to llama-cpp-python (whole model, ``cpus`` threads) in the same rounds. The layouts run in
+turn within each round, so a machine whose load changes (this one is shared) affects them alike;
+medians over the rounds. With ``--concurrent C``: aggregate tok/s of C concurrent requests on each
+layout too (what `serve` sees under load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate, llama_cpp_decode  # noqa: E402
+from benchmarks.common import emit_json  # noqa: E402
+from swarmctl.asker import Asker, generate_all  # noqa: E402
+from swarmctl.batching import compute_thread  # noqa: E402
+from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
+from swarmctl.models import default_model_path  # noqa: E402
+
+
+def layouts(cpus: int) -> dict[str, LocalLayout]:
+    old = max(1, cpus // 3)
+    return {"before": LocalLayout(2, old, old), "after": size_local_swarm(cpus),
+            "serve": size_local_swarm(cpus, streams=16)}
+
+
+class Running:
+    """One layout, up: its local swarm, the asker's link and the asker."""
+
+    def __init__(self, model: Path, layout: LocalLayout) -> None:
+        self.layout = layout
+        self.swarm = LocalSwarm(model=str(model), n_trunks=layout.trunks, head_layers=4,
+                                threads=layout.trunk_threads)
+        self.link = None
+        self.asker: Asker | None = None
+
+    async def start(self, model: Path) -> None:
+        self.link = await self.swarm.open_link(min_stages=self.layout.trunks)
+        self.asker = Asker(model, self.link.head_layers, n_threads=self.layout.asker_threads, max_in_flight=64)
+
+    async def decode(self, prompt: list[int], n: int) -> float:
+        return decode_rate(await generate_all(self.asker, prompt, self.link, ignore_eos=True, max_tokens=n,
+                                              sampling=GREEDY))
+
+    async def aggregate(self, prompt: list[int], n: int, c: int) -> float:
+        t0 = time.perf_counter()
+        gens = await asyncio.gather(*[generate_all(self.asker, prompt, self.link, ignore_eos=True, max_tokens=n,
+                                                   sampling=GREEDY) for _ in range(c)])
+        return sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+        if self.asker is not None:
+            self.asker.close()
+        self.swarm.close()
+
+
+async def measure(model: Path, prompt: list[int], args: argparse.Namespace) -> dict:
+    running = {name: Running(model, layout) for name, layout in layouts(args.cpus).items()}
+    samples: dict[str, list[float]] = {name: [] for name in ["llama_cpp_python", *running]}
+    aggregate: dict[str, list[float]] = {name: [] for name in running}
+    try:
+        for r in running.values():
+            await r.start(model)
+            await r.decode(prompt, 8)  # warm-up
+        for _ in range(args.rounds):
+            samples["llama_cpp_python"].append(compute_thread().submit(
+                llama_cpp_decode, model, prompt, args.decode, args.cpus).result())
+            for name, r in running.items():
+                samples[name].append(await r.decode(prompt, args.decode))
+                if args.concurrent:
+                    aggregate[name].append(await r.aggregate(prompt, 24, args.concurrent))
+    finally:
+        for r in running.values():
+            await r.close()
+    out = {
+        "layouts": {name: {"trunks": r.layout.trunks, "trunk_threads": r.layout.trunk_threads,
+                           "asker_threads": r.layout.asker_threads} for name, r in running.items()},
+        "single_stream_decode_tok_s_median": {k: statistics.median(v) for k, v in samples.items()},
+        "single_stream_decode_tok_s_samples": samples,
+    }
+    med = out["single_stream_decode_tok_s_median"]
+    out["after_over_before"] = med["after"] / med["before"]
+    out["after_over_llama_cpp"] = med["after"] / med["llama_cpp_python"]
+    out["before_over_llama_cpp"] = med["before"] / med["llama_cpp_python"]
+    if args.concurrent:
+        out[f"aggregate_tok_s_{args.concurrent}_streams_median"] = {k: statistics.median(v)
+                                                                   for k, v in aggregate.items()}
+        out[f"aggregate_tok_s_{args.concurrent}_streams_samples"] = aggregate
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decode", type=int, default=48, help="tokens decoded per single-stream run")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cpus", type=int, default=usable_cpus(), help="cores to size for (default: this process's)")
+    p.add_argument("--concurrent", type=int, default=0, metavar="C", help="also C concurrent requests per layout")
+    p.add_argument("--model", type=Path, default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args()
+    model = args.model or default_model_path()
+    from kernels.tokenizer import Tokenizer
+
+    prompt = Tokenizer(model).encode_prompt(PROMPT)
+    load_before = os.getloadavg()
+    result = {"model": model.name, "cpus": args.cpus, "decode_tokens": args.decode, "rounds": args.rounds,
+              "loadavg_before": load_before, **asyncio.run(measure(model, prompt, args)),
+              "loadavg_after": os.getloadavg()}
+    emit_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

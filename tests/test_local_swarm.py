@@ -1,0 +1,110 @@
+"""The local swarm `ask` and `serve` start when no swarm is joined (swarmctl/local_swarm.py): sized
+to the machine's cores, and waited for until it is ready rather than raced (issue 29, items 6, 10).
+
+A host that is slow to come up is made deterministic by starting it late: the node's command line
+is wrapped (``LocalSwarm.command``) so that its Python sleeps before running swarmctl. Before the
+fix, the asker gave up after the 10 s connect timeout with "cannot reach the swarm host".
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kernels.errors import EngineError
+from kernels.sampling import SamplingParams
+from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus
+from swarmctl.session import SessionOptions, open_session
+from tests.oracle import oracle_greedy
+
+PROMPT = "The three primary colours are"
+HOST_DELAY_S = 15.0  # longer than the connect timeout (net.endpoint.CONNECT_TIMEOUT, 10 s) the old code raced
+
+
+# --- sizing: pure, no process ---
+
+@pytest.mark.parametrize("cpus, streams, want", [
+    (1, 1, LocalLayout(1, 1, 1)),
+    (2, 1, LocalLayout(1, 2, 2)),  # one stream: the processes take turns, each may use every core
+    (2, 16, LocalLayout(1, 1, 1)),  # serve: they compute at once, so 2 cores are split, not oversubscribed
+    (4, 16, LocalLayout(1, 2, 2)),
+    (8, 1, LocalLayout(2, 8, 8)),  # enough cores for a pipeline of two trunks
+    (16, 16, LocalLayout(2, 5, 6)),  # the asker takes the remainder
+    (3, 16, LocalLayout(1, 1, 2)),
+])
+def test_a_local_swarm_is_sized_to_the_cores(cpus, streams, want):
+    layout = size_local_swarm(cpus, streams=streams)
+    assert layout == want
+    if streams > 1:
+        assert layout.trunks * layout.trunk_threads + layout.asker_threads <= max(cpus, layout.trunks + 1)
+
+
+def test_explicit_trunk_nodes_and_threads_win():
+    assert size_local_swarm(2, trunks=3) == LocalLayout(3, 2, 2)
+    assert size_local_swarm(16, trunks=1, streams=16) == LocalLayout(1, 8, 8)
+    assert size_local_swarm(2, trunks=2, threads=1, streams=16) == LocalLayout(2, 1, 1)
+    assert size_local_swarm(64, threads=3) == LocalLayout(2, 3, 3)
+    with pytest.raises(EngineError, match="at least 1"):
+        size_local_swarm(4, trunks=0)
+
+
+def test_usable_cpus_follows_the_affinity():
+    import os
+
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+
+
+# --- readiness: real processes ---
+
+def _start_host_late(monkeypatch, delay_s: float) -> None:
+    """The host's Python sleeps ``delay_s`` before it runs swarmctl (a loaded machine, on cue)."""
+    real = LocalSwarm.command
+
+    def command(args: list[str]) -> list[str]:
+        line = real(args)
+        if args[:3] != ["run", "--role", "host"]:
+            return line
+        late = (f"import runpy, sys, time; time.sleep({delay_s}); sys.argv[0] = 'swarmctl'; "
+                f"runpy.run_module('swarmctl', run_name='__main__', alter_sys=True)")
+        return [line[0], "-c", late, *args]
+
+    monkeypatch.setattr(LocalSwarm, "command", staticmethod(command))
+
+
+async def _ask_local(text: str, max_tokens: int) -> tuple[list[int], list[int]]:
+    """What `swarmctl ask --raw --temperature 0` does with no swarm joined: (prompt, answer) tokens."""
+    from swarmctl.asker import generate_all
+
+    async with open_session(SessionOptions(trunk_nodes=1, threads=1)) as session:
+        prompt = session.asker.tokenizer.encode_prompt(text)
+        gen = await generate_all(session.asker, prompt, session.trunk, max_tokens=max_tokens,
+                                 sampling=SamplingParams(temperature=0))
+        return prompt, gen.tokens
+
+
+def test_a_local_swarm_whose_host_starts_late_is_waited_for(monkeypatch, oracle, caplog):
+    """The first ask on a loaded machine: the host listens only after the connect timeout has
+    passed. The asker waits for its ready file (logging progress), then answers as llama-cpp-python."""
+    _start_host_late(monkeypatch, HOST_DELAY_S)
+    caplog.set_level("INFO", logger="swarmctl.local")
+    prompt, tokens = asyncio.run(_ask_local(PROMPT, 6))
+    assert tokens == oracle_greedy(oracle, prompt, 6)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting for the host to start" in m for m in messages), messages
+    assert any(m.startswith("local swarm ready after") for m in messages), messages
+
+
+def test_a_local_node_that_dies_while_starting_fails_at_once(monkeypatch):
+    """Waiting for readiness is not waiting for ever: a host that exits is one clear error, now."""
+    real = LocalSwarm.command
+
+    def command(args: list[str]) -> list[str]:
+        line = real(args)
+        if args[:3] == ["run", "--role", "host"]:
+            return [line[0], "-c", "import sys; print('host: cannot bind'); sys.exit(3)"]
+        return line
+
+    monkeypatch.setattr(LocalSwarm, "command", staticmethod(command))
+    with pytest.raises(EngineError, match=r"exited early \(code 3\): host: cannot bind"):
+        asyncio.run(_ask_local(PROMPT, 1))
