@@ -28,6 +28,9 @@ all of these hold:
 3. The gain is sustained (``ReplanGate``, applied by the host): it held at every look for
    ``SUSTAIN_S``, and the plan in use has stood for ``SETTLE_S`` (a stage that just moved serves
    cold and replays its requests; its figures are not yet what it serves).
+4. The host then re-plans once the stages hold no request, or after ``MAX_DEFER_S`` of a gain
+   held under load: a move replays every request in flight, and a figure taken under the swarm's
+   own load is the one most likely to mislead (issue 29), so under steady load nothing moves.
 
 Objective "even" places layers by memory, not speed: speed never re-plans it.
 
@@ -66,6 +69,7 @@ RELOAD_MB_S = 200.0  # a stage loading layers it did not hold (read, checked aga
 REPLAY_S = 5.0  # the requests of a stage that changes are replayed elsewhere (issue 29: 5-8 s under load)
 SUSTAIN_S = 90.0  # a re-plan on speed: the gain held at every look for this long (3 served reports)
 SETTLE_S = 60.0  # and the plan in use has stood this long
+MAX_DEFER_S = 600.0  # the host then waits for the stages to be idle, this long at most (swarmctl/host/planning.py)
 LINK_FACTOR = 1.5
 LINK_NOISE_MS = 5.0
 

@@ -21,7 +21,7 @@ import pytest
 from kernels.speed import Repeat, SpeedTracker, collect
 from net.messages import Speed
 from kernels.speed import REPORT_INTERVAL_S
-from plans.hysteresis import (CONVERGE_FACTOR, MIN_GAIN, PAYBACK_S, REPLAY_S, SERVED_REPORTS, SETTLE_S, SPEED_FACTOR,
+from plans.hysteresis import (CONVERGE_FACTOR, MAX_DEFER_S, MIN_GAIN, PAYBACK_S, REPLAY_S, SERVED_REPORTS, SETTLE_S, SPEED_FACTOR,
                               SUSTAIN_S, ReplanGate, move_cost_s, replan_gain, required_gain, served_figure)
 from plans.layout import ModelLayout
 from plans.nodes import ASKER, Link, NodeDescriptor
@@ -30,7 +30,7 @@ from plans.planner import Constraints
 from swarmctl.batching import BatchRecord
 from swarmctl.host import HostService, TrunkInfo
 from swarmctl.host.checks import ClaimChecks
-from swarmctl.host.planning import PlanKeeper
+from swarmctl.host.planning import IDLE_RECHECK_S, PlanKeeper
 from swarmctl.host.status import health
 from swarmctl.layer_proof import Outcome
 
@@ -117,6 +117,40 @@ def test_a_sustained_slowdown_replans_once_and_not_back(tmp_path):
         host.wait(SUSTAIN_S + SETTLE_S)
         host.speed("bob", 0.47, serving=True)  # within its band
     assert host.version == 2
+
+
+def test_a_replan_on_speed_waits_until_the_stages_hold_no_request(tmp_path):
+    """Moving replays every request in flight: a sustained gain found under load re-plans once
+    the stages are idle (or after MAX_DEFER_S of a gain held under load), never mid-load."""
+    for i, (held, replanned_after) in enumerate((([8, 3, 0], 2), ([8] * 200, None))):
+        (tmp_path / str(i)).mkdir()
+        host = FakeHost(tmp_path / str(i), {"alice": 0.41, "bob": 0.45})
+        answers = list(held)
+
+        async def stage_requests():
+            return answers.pop(0)
+
+        host.planning.stage_requests = stage_requests
+
+        async def scenario():
+            host.now = SETTLE_S
+            host.speed("alice", 1.4, serving=True)
+            looks = 0
+            while host.version == 1 and host.now < SETTLE_S + MAX_DEFER_S + 60:
+                host.now += SUSTAIN_S if looks == 0 else IDLE_RECHECK_S
+                host.planning.reconsider()
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                looks += 1
+            host.planning.close()
+            return looks
+
+        looks = asyncio.run(scenario())
+        assert host.version == 2 and host.holders == ["bob"]
+        if replanned_after is not None:
+            assert looks == replanned_after + 1  # asked three times: 8, 3, then 0 requests held
+        else:  # held forever: the gain held under load for MAX_DEFER_S
+            assert host.now - SETTLE_S >= MAX_DEFER_S
 
 
 def test_a_stage_judged_slower_must_say_so_several_times(tmp_path):

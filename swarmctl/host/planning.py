@@ -8,12 +8,12 @@ import logging
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 from net import messages as m
 from net.protocol import SwarmProtocol
-from plans.hysteresis import (SPEED_FACTOR, ReplanGate, SpeedDecision, decide_on_links, decide_on_speed,
-                              replan_gain, sticky_links, sticky_speed)
+from plans.hysteresis import (MAX_DEFER_S, SPEED_FACTOR, ReplanGate, SpeedDecision, decide_on_links,
+                              decide_on_speed, replan_gain, sticky_links, sticky_speed)
 from plans.layout import ModelLayout
 from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan
@@ -25,6 +25,7 @@ from .trunks import Trunks
 log = logging.getLogger("swarmctl.host")
 
 DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
+IDLE_RECHECK_S = 10.0  # a re-plan on speed waiting for the stages to be idle asks them again this often
 
 
 class PlanKeeper:
@@ -45,6 +46,10 @@ class PlanKeeper:
         self.gate = ReplanGate()
         self.clock: Callable[[], float] = time.monotonic
         self._look_again: asyncio.TimerHandle | None = None
+        # How many requests the current stages hold (HostService asks them); None: not known, idle.
+        # A re-plan on speed waits while they hold any: moving would replay every one of them.
+        self.stage_requests: Callable[[], Awaitable[int]] | None = None
+        self._asking: asyncio.Task | None = None
         self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
         self.plan.version = self._load_version()  # a restarted host continues the numbering
 
@@ -137,12 +142,18 @@ class PlanKeeper:
         self._look(worth)
 
     def _look(self, worth: bool) -> None:
-        """One look through the gate: re-plan now, or look again when the gain may be sustained."""
+        """One look through the gate: re-plan (once the stages are idle), or look again when the
+        gain may be sustained."""
         if self.gate.look(worth, self.clock()):
-            log.info("the speeds' gain held for %.0f s: re-planning", self.gate.sustain_s)
-            self.replan()
+            if self.stage_requests is None:
+                log.info("the speeds' gain held for %.0f s: re-planning", self.gate.sustain_s)
+                self.replan()
+            elif self._asking is None or self._asking.done():
+                self._asking = asyncio.ensure_future(self._replan_when_idle())
             return
-        due = self.gate.due()
+        self._look_later(self.gate.due())
+
+    def _look_later(self, due: float | None) -> None:
         if self._look_again is not None:
             self._look_again.cancel()
             self._look_again = None
@@ -154,10 +165,30 @@ class PlanKeeper:
             return
         self._look_again = loop.call_later(max(0.0, due - self.clock()) + 0.01, self.reconsider)
 
+    async def _replan_when_idle(self) -> None:
+        """The gain held: re-plan now if the stages hold no request; else look again in a while,
+        for at most MAX_DEFER_S of a gain held under load (moving replays every request in
+        flight: under steady load the swarm serves on, where it is)."""
+        try:
+            held = await self.stage_requests()
+        except Exception as e:  # noqa: BLE001 - a stage that cannot say: it may be busy, look again
+            log.debug("asking the stages what they hold failed: %r", e)
+            held = -1
+        since = self.gate.worth_since
+        if held and since is not None and self.clock() - since < MAX_DEFER_S:
+            log.info("the speeds' gain held for %.0f s, but the stages hold %s requests: re-planning once "
+                     "they are idle", self.clock() - since, held if held > 0 else "unknown")
+            self._look_later(self.clock() + IDLE_RECHECK_S)
+            return
+        log.info("the speeds' gain held for %.0f s: re-planning", self.clock() - since if since is not None else 0)
+        self.replan()
+
     def close(self) -> None:
         if self._look_again is not None:
             self._look_again.cancel()
             self._look_again = None
+        if self._asking is not None:
+            self._asking.cancel()
 
     def consider_links(self, name: str, claims: dict[str, Link]) -> None:
         """``name`` reports its measured links: each is planned with once it moved past the noise

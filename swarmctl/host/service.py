@@ -68,6 +68,7 @@ class HostService:
                     objective=self.config.objective, n_expert=spec.n_expert)
         self.trunks: Trunks = {}
         self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks)
+        self.planning.stage_requests = self._stage_requests
         self.checks = ClaimChecks(self.gguf, self.planning)
         self.reports = AskerReports()
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
@@ -343,6 +344,18 @@ class HostService:
             if planned is not None and claim * factor <= planned:  # it says it got faster: look
                 self.checks.reprobe(conn.peer_name, trunk)
         self._ok(conn, stream_id)
+
+    async def _stage_requests(self) -> int:
+        """Requests the current plan's stages hold now (each stage's own ``stats``): a re-plan on
+        speed waits until there are none (swarmctl/host/planning.py). Raises when a stage cannot say."""
+        held = 0
+        for stage in list(self.plan.stages):
+            trunk = self.trunks.get(stage.member)
+            if trunk is None or not trunk.conn.is_open:
+                continue
+            reply = await trunk.conn.request(m.encode(m.GetStats()), timeout=5.0)
+            held += m.decode(reply.body, m.Stats).routes
+        return held
 
     def _fetch_slice(self, conn: SwarmProtocol, stream_id: int, message: m.FetchSlice) -> None:
         start, stop = message.start, message.stop

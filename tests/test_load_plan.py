@@ -1,0 +1,75 @@
+"""Issue 29, item 5, through a real swarm: eight concurrent requests on a two-trunk swarm planned
+for latency (every trunk layer on one trunk, the other standing by), host and trunks as separate
+processes on loopback, QUIC + mTLS. The swarm used to re-plan under its own load (a stage's figure
+taken beside its own work read 10x slower than the idle trunk's) and reroute every request; now
+the plan must not change at all while the load is steady and nobody joins or leaves. Asserted on
+plan versions and reroutes, never on speed (benchmarks/bench_load_plan.py measures throughput)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from kernels.sampling import SamplingParams
+from swarmctl.asker import Asker, generate_all
+from swarmctl.home import SwarmHome
+from swarmctl.swarm_client import SwarmLink
+from tests.swarm_harness import Swarm
+
+STREAMS = 8
+MAX_TOKENS = 160  # about a minute of steady load here: the old host re-planned 6 times in it
+
+
+def wait_checked(swarm: Swarm, timeout: float = 120) -> dict:
+    """The status once both trunks' claims were checked and the plan is complete: what joining
+    changes, it has changed by then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = swarm.status()
+        trunks = [m for m in status.get("members", []) if m["name"].startswith("trunk-")]
+        if status.get("complete") and len(trunks) == 2 and all(m["health"] in ("ready", "up") for m in trunks):
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"the trunks were not checked: {swarm.status()}")
+
+
+def test_eight_streams_on_a_latency_swarm_reroute_nothing(tmp_path, bundled_model):
+    swarm = Swarm(tmp_path)
+    try:
+        swarm.init("--objective", "latency")
+        swarm.start_host()
+        swarm.wait_host()
+        for name in ("trunk-a", "trunk-b", "asker"):
+            swarm.join(name)
+        swarm.start_trunk("trunk-a", "--threads", "1", capture=False)
+        swarm.start_trunk("trunk-b", "--threads", "1", capture=False)
+        swarm.wait_complete(1, timeout=120)
+        before = wait_checked(swarm)
+        stage = next(m["name"] for m in before["members"] if m["layers"])
+
+        async def load():
+            link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=1)
+            asker = Asker(bundled_model, link.head_layers, n_threads=1)
+            try:
+                seen = {link.plan.version}
+                prompt = asker.tokenizer.encode_prompt("Write a long story about a lighthouse keeper.")
+                gens = await asyncio.gather(*(
+                    generate_all(asker, prompt, link, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=0.0)) for _ in range(STREAMS)))
+                seen |= {link.plan.version, link.host.latest.version}
+                return gens, seen, link.stats.recoveries
+            finally:
+                await link.close()
+                asker.close()
+
+        gens, versions_seen, reroutes = asyncio.run(load())
+        after = swarm.status()
+        host_log = swarm.nodes[0].log()
+    finally:
+        swarm.close()
+    assert [len(g.tokens) for g in gens] == [MAX_TOKENS] * STREAMS
+    plans_logged = re.findall(r"plan v(\d+):", host_log)
+    assert after["plan_version"] == before["plan_version"], plans_logged
+    assert versions_seen == {before["plan_version"]} and reroutes == 0, (versions_seen, reroutes)
+    assert [m["name"] for m in after["members"] if m["layers"]] == [stage]
