@@ -249,6 +249,77 @@ def test_one_stage_and_a_node_the_host_calls_down_that_answers_our_ping():
     assert rows["amy"].rstrip().endswith("ready"), rows["amy"]
 
 
+def test_members_behind_a_nat_show_how_this_screen_reaches_them():
+    """A trunk behind a NAT answers this screen through a punched hole or a relay: its row shows
+    its stats as the others' do, and the path beside its ping (a direct one says nothing more)."""
+    status = _status(("amy", 4, 10), ("bob", 10, 20), ("carol", 20, 26))
+    stats = {name: _stats(5.0, [], 0) for name in ("amy", "bob", "carol")}
+    poll = RawPoll(time.time(), 0.01, status, stats=stats, pings_ms={"amy": 1.0, "bob": 41.0, "carol": 45.0},
+                   paths={"amy": "direct", "bob": "punched", "carol": "relayed via erin"})
+    assert RawPoll.from_dict(poll.to_dict()) == poll  # recorded and replayed with the paths
+    assert RawPoll.from_dict({k: v for k, v in poll.to_dict().items() if k != "paths"}).paths == {}  # older files
+    assert {n.name: n.path for n in SnapshotBuilder().add(poll).nodes if n.role == "trunk"} == poll.paths
+    text, _ = asyncio.run(_render(ReplayFeed([poll], realtime=False), []))
+    rows: dict[str, str] = {}
+    for row in (line.strip("│ ") for line in text.splitlines()):
+        if row and row.split()[0] in stats:
+            rows.setdefault(row.split()[0], row)
+    assert rows["bob"].endswith("41 punched  ready") and rows["carol"].endswith("45 relayed  ready"), rows
+    assert rows["amy"].endswith("1.00        ready"), rows
+
+
+def test_the_monitor_reaches_trunks_the_way_the_host_says(tmp_path):
+    """Trunks are dialled through the member's dialer (swarmctl/reach.py: the host says direct,
+    punch or relay), not at the address they registered, which behind a NAT answers nobody; the
+    path it took is kept for the row, and a trunk that cannot be reached is tried again less and
+    less often (each try may cost a relayed link from the member's share)."""
+    from swarmctl.monitor.poller import _Peer
+
+    home = SwarmHome(tmp_path / "host")
+    create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:7470", advertise=["127.0.0.1:7470"],
+                 model=None, head_layers=4)
+
+    class Dialer:
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, str]] = []
+            self.paths: dict[str, str] = {}
+
+        async def connect(self, member, address, handler):
+            self.asked.append((member, address))
+            if member == "carol":
+                raise ConnectionError("cannot reach carol: punching failed, and the host has no relay")
+            self.paths[member] = "punched"
+            return object()
+
+        def close(self) -> None:
+            pass
+
+    async def scenario() -> tuple[_Peer, _Peer, Dialer, bool]:
+        monitor = Monitor(home, MonitorConfig(max_backoff_s=8.0, max_trunk_backoff_s=60.0))
+        monitor._dialer = dialer = Dialer()
+        bob, carol = _Peer("bob", "198.51.100.2:7471"), _Peer("carol", "198.51.100.3:7471")
+        for peer in (bob, carol):
+            monitor._start_connecting(peer)
+            await peer.connecting
+        monitor._start_connecting(carol)  # too soon: no new attempt
+        waits = carol.next_attempt > asyncio.get_running_loop().time() and carol.connecting.done()
+        carol.next_attempt = 0.0
+        monitor._start_connecting(carol)
+        await carol.connecting
+        return bob, carol, dialer, waits
+
+    bob, carol, dialer, waits = asyncio.run(scenario())
+    assert dialer.asked == [("bob", "198.51.100.2:7471"), ("carol", "198.51.100.3:7471"),
+                            ("carol", "198.51.100.3:7471")]
+    assert bob.path == "punched" and not bob.error
+    assert carol.conn is None and "no relay" in carol.error and carol.failures == 2 and waits
+    pauses = []
+    for failures in (1, 2, 3, 5, 9):
+        carol.failures = failures
+        pauses.append(carol.retry_pause(4.0, 60.0))
+    assert pauses == [4.0, 8.0, 16.0, 60.0, 60.0]
+
+
 def test_requests_show_the_drafts_their_asker_kept():
     """A request whose trunks counted drafts shows kept/drafted and the share; one without (not
     speculating, or a trunk from before drafts were counted: no fields at all) shows none."""

@@ -40,6 +40,7 @@ class RawPoll(msgspec.Struct, frozen=True):
     stats_errors: dict[str, str] = {}  # trunk name → why no stats
     host_error: str = ""
     retry_in_s: float = 0.0
+    paths: dict[str, str] = {}  # trunk name → how this monitor reached it: direct, punched, relayed via X
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -167,7 +168,7 @@ class SnapshotBuilder:
                 tok_s=work.steps_per_s(self.window_s) if work else None,
                 next_hop=hop, next_hop_ms=link.rtt_ms if link is not None else None,
                 ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, ""),
-                next_hop_path=row.path if row is not None else ""))
+                next_hop_path=row.path if row is not None else "", path=poll.paths.get(name, "")))
         return tuple(views)
 
     def _lane(self, member: MemberStatus, work: _StageBatches | None) -> Lane:

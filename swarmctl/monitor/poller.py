@@ -3,6 +3,10 @@
 The monitor is a member like any other (mutual TLS with the home's identity). It keeps one
 connection to the host and one to each trunk the host lists, and asks each once per interval:
 ``status`` and ``nodes`` from the host, ``stats`` and a QUIC PING from each trunk, all at once.
+It reaches trunks as an asker does (swarmctl/reach.py): its connections leave from one swarm
+socket, and the host says how to reach each trunk (direct, or punched or relayed to a trunk
+behind a NAT, where the address a trunk registered is no use from outside); mutual TLS runs end
+to end on every path, and each node's row says which path it took.
 A trunk that cannot be reached is retried in the background, so one dead trunk never holds up
 the others' figures; an unreachable host is retried with a growing pause. Every poll becomes a
 ``SwarmSnapshot`` that views read through ``latest()``; nothing here waits on a view.
@@ -18,15 +22,15 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from net import messages
-from net.endpoint import Address, connect_member
 from net.messages import GetNodes, GetStats, GetStatus, Message, NodeInfo, Nodes, Stats, Status
 from net.ping import ping_ms
 from net.protocol import RequestOnlyHandler, SwarmProtocol
 from net.wire import WireError
 from swarmctl.home import SwarmHome
-from swarmctl.host_addresses import connect_host, host_addresses
+from swarmctl.host_addresses import host_addresses
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
+from swarmctl.reach import DIRECT, Dialer, ask_route
 
 log = logging.getLogger("swarmctl.monitor")
 
@@ -41,6 +45,7 @@ class MonitorConfig:
     window_s: float = 5.0  # occupancy and rates over this much of each trunk's recent past (≤ 10)
     timeout_s: float = 2.0  # for one answer from a connected node
     max_backoff_s: float = 8.0  # the longest pause between attempts to reach the host
+    max_trunk_backoff_s: float = 60.0  # ... to reach a trunk (each attempt may cost a relayed link)
 
 
 class _Peer:
@@ -53,6 +58,8 @@ class _Peer:
         self.connecting: asyncio.Task | None = None
         self.error = "connecting"
         self.next_attempt = 0.0  # loop time
+        self.failures = 0  # attempts that failed in a row
+        self.path = ""  # how the open connection goes: "direct", "punched", "relayed via X"
 
     @property
     def connected(self) -> bool:
@@ -63,9 +70,15 @@ class _Peer:
         that keeps failing is not handed a fresh handshake every poll."""
         self.error = error
         self.next_attempt = retry_at
+        self.path = ""
         if self.conn is not None:
             _close_now(self.conn)
             self.conn = None
+
+    def retry_pause(self, first_s: float, longest_s: float) -> float:
+        """The pause before the next attempt after ``failures`` in a row: doubling from
+        ``first_s``, so an unreachable trunk is not asked for a punch or a relay every poll."""
+        return min(longest_s, first_s * 2 ** max(0, self.failures - 1))
 
 
 class Monitor:
@@ -78,6 +91,7 @@ class Monitor:
         self.on_poll = on_poll
         self.builder = SnapshotBuilder(config.window_s)
         self.host_addresses = host_addresses(self.node_config)
+        self._dialer: Dialer | None = None  # the swarm socket every connection leaves from
         self._host: SwarmProtocol | None = None
         self._peers: dict[str, _Peer] = {}
         self._failures = 0
@@ -128,7 +142,8 @@ class Monitor:
         stats = {p.name: a[0] for p, a in zip(peers, answers) if a[0] is not None}
         pings = {p.name: a[1] for p, a in zip(peers, answers) if a[1] is not None}
         errors = {p.name: p.error for p in peers if p.name not in stats}
-        return RawPoll(taken_at, time.perf_counter() - t0, status, nodes, stats, pings, errors)
+        paths = {p.name: p.path for p in peers if p.name in stats and p.path}
+        return RawPoll(taken_at, time.perf_counter() - t0, status, nodes, stats, pings, errors, paths=paths)
 
     def close(self) -> None:
         for peer in self._peers.values():
@@ -138,15 +153,26 @@ class Monitor:
         if self._host is not None:
             _close_now(self._host)
             self._host = None
+        if self._dialer is not None:
+            self._dialer.close()
+            self._dialer = None
 
     # --- the host ---
 
     async def _host_conn(self) -> SwarmProtocol:
         if self._host is not None and self._host.is_open:
             return self._host
-        self._host = await connect_host(self.node_config, self.creds, RequestOnlyHandler(),
-                                        addresses=self.host_addresses)
+        dialer = await self._swarm_socket()
+        self._host = await dialer.connect_host(self.host_addresses, self.node_config.host_name, RequestOnlyHandler())
         return self._host
+
+    async def _swarm_socket(self) -> Dialer:
+        """The dialer whose socket the host connection leaves from, so the host sees where to
+        send a trunk's punch (our NAT's mapping of it), and answers our ``reach`` over it."""
+        if self._dialer is None:
+            self._dialer = await Dialer.open(self.creds)
+            self._dialer.ask_host = lambda message: ask_route(self._host, message)
+        return self._dialer
 
     async def _request(self, conn: SwarmProtocol, request: Message, reply: type[Reply]) -> Reply:
         """The node's answer: messages.Refused when it answers with an error, WireError when the
@@ -203,12 +229,14 @@ class Monitor:
 
         async def connect() -> None:
             try:
-                peer.conn = await connect_member(Address.parse(peer.address), self.creds, peer.name,
-                                                 RequestOnlyHandler())
-                peer.error = ""
-            except (ConnectionError, OSError) as e:
+                dialer = await self._swarm_socket()
+                peer.conn = await dialer.connect(peer.name, peer.address, RequestOnlyHandler())
+                peer.path, peer.error, peer.failures = str(dialer.paths.get(peer.name, DIRECT)), "", 0
+            except _FAILURES as e:
+                peer.failures += 1
                 peer.error = _reason(e)
-                peer.next_attempt = loop.time() + self.config.max_backoff_s / 2
+                peer.next_attempt = loop.time() + peer.retry_pause(self.config.max_backoff_s / 2,
+                                                                   self.config.max_trunk_backoff_s)
 
         peer.connecting = asyncio.ensure_future(connect())
 

@@ -49,6 +49,7 @@ class NodeView:
     ping_ms: float | None  # round trip from this monitor to the node, measured now (QUIC PING)
     stats_error: str  # why this poll has no stats from it ("" when it has)
     next_hop_path: str = ""  # how that link goes: "direct", "relayed via X" ("": the host did not say)
+    path: str = ""  # how this monitor reaches the node: "direct", "punched", "relayed via X" ("": not connected)
 
 
 @dataclass(frozen=True, eq=False)

@@ -52,6 +52,15 @@ def ms(value: float | None) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
+def ping(rtt_ms: float | None, path: str = "") -> str:
+    """This screen's round trip to a node, and the kind of path where it is not plain direct:
+    "41 punched", "45 relayed" (a member behind a NAT; through whom, `status` says)."""
+    kind = path.split()[0] if path else ""
+    if rtt_ms is None or kind in ("", "direct"):
+        return ms(rtt_ms)
+    return f"{ms(rtt_ms)} {kind}"
+
+
 def acceptance(drafted: int, accepted: int) -> str:
     """Speculative drafts kept of drafted, and the share: '12/15 80%'; '-' for a request with no
     drafts (not speculating, or a trunk too old to count them)."""

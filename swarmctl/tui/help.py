@@ -25,7 +25,8 @@ HELP = """\
               measured it for the planner; for the last stage, "asker": its round
               trip to the host, which stands in for askers (not a live figure)
   PING        round trip from this screen to the node now (a QUIC PING; it includes
-              the node's event-loop delay, so a busy node answers later)
+              the node's event-loop delay, so a busy node answers later); "punched"
+              or "relayed": how this screen reaches a node behind a NAT
   HEALTH      the host's view, or "no stats" when this screen cannot reach the node
               (its chart lane says why); "host: down" (not plain "down") when the
               host counts down a node that answers this screen's ping
