@@ -162,6 +162,17 @@ class NatLab:
                        "--to-ports", f"{low}-{high}", *kind)  # a port range needs a protocol
         _run("ip", "netns", "exec", self.net[f"nat-{self.routers[member]}"].netns, "conntrack", "-F")
 
+    def mapped_port(self, member: str, port: int, to_host: str, to_port: int) -> int | None:
+        """The public port that ``member``'s router maps its ``port`` to towards to_host:to_port
+        (the router's conntrack entry), or None if there is no such flow."""
+        out = _run("ip", "netns", "exec", self.net[f"nat-{self.routers[member]}"].netns, "conntrack", "-L", "-p", "udp",
+                   "--orig-src", self.members[member].ip, "--sport", str(port), "--orig-dst", to_host,
+                   "--dport", str(to_port))
+        for line in out.splitlines():
+            if "dport=" in line:
+                return int(line.rsplit("dport=", 1)[1].split()[0])
+        return None
+
     def close(self) -> None:
         if self.wan_delay is not None:
             self.wan_delay.stop()

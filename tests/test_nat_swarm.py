@@ -3,14 +3,17 @@ other member sits behind a NAT of its own with nothing forwarded, and `swarmctl`
 
 tests/nat_lab.py builds the machines: the host and erin on the "public" network (erin is a
 trunk that also relays: `run --relay`), alice and bob behind port-preserving NATs (MASQUERADE),
-carol behind a symmetric one (--random-fully), dave (who only asks) behind a fourth. Real
-processes, real iptables NAT, the real swarm.
+carol behind a symmetric one (--random-fully) with gwen, a second trunk, on her home network
+behind the same router; dave (who only asks) behind a fourth, port-preserving, and frank (who
+only asks) behind a fifth, symmetric. Real processes, real iptables NAT, the real swarm.
 
 Checked: the swarm forms with no port forwarding and answers exactly as one process does; links
-between cone NATs are punched, links that punching cannot open (carol's, from behind another
-NAT) go through erin's relay; `status` says so per link; a trunk whose router forgets its
-mappings and renumbers its ports comes back without a restart; killing the relay moves its links
-to the host's relay.
+between cone NATs are punched, links that punching cannot open (carol's and gwen's, from behind
+another NAT) go through erin's relay, carol and gwen reach each other on their LAN; `status` says
+so per link, and shows each trunk at its own public mapping; an asker remembers where punching
+failed and its next ask goes straight to the relay; a trunk whose router forgets its mappings and
+renumbers its ports comes back without a restart; killing the relay moves its links to the
+host's relay.
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ pytestmark = pytest.mark.netns
 
 PROMPT = "Give me three tips for staying healthy."
 GREEDY = ("--max-tokens", "8", "--temperature", "0")
-TRUNKS = ("alice", "bob", "carol", "erin")
-NATS = {"alice": "cone", "bob": "cone", "carol": "symmetric", "dave": "cone"}
+TRUNKS = ("alice", "bob", "carol", "gwen", "erin")
+NATS = {"alice": "cone", "bob": "cone", "carol": "symmetric", "dave": "cone", "frank": "symmetric"}
+BEHIND = {"gwen": "carol"}  # on carol's home network, behind her router
 PUBLIC = ("erin",)  # reachable with no NAT; relays
+ROUTER = {**{name: name for name in NATS}, **BEHIND}  # member → whose router it is behind
+SWARM_PORT, HOST_PORT = 7471, 7470  # every trunk's (the default), the host's
 
 
 class NatSwarm:
     def __init__(self, lab: NatLab, root) -> None:
         self.lab, self.root = lab, root
-        self.homes = {name: root / name for name in ("host", *NATS, *PUBLIC)}
+        self.homes = {name: root / name for name in ("host", *NATS, *BEHIND, *PUBLIC)}
         self.trunks = set(TRUNKS)  # the trunks expected to serve
         self.nodes = {}
 
@@ -85,7 +91,7 @@ def swarm(tmp_path_factory):
         pytest.skip("the NAT lab needs iptables (apt-get install -y iptables conntrack)")
     root = tmp_path_factory.mktemp("nat-swarm")
     try:
-        lab = NatLab(NATS, root, public=PUBLIC)
+        lab = NatLab(NATS, root, public=PUBLIC, behind=BEHIND)
     except LabUnavailable as e:
         pytest.skip(f"the NAT lab needs network namespaces: {e}")
     s = NatSwarm(lab, root)
@@ -95,10 +101,10 @@ def swarm(tmp_path_factory):
         assert inproc.returncode == 0 and inproc.stdout.strip(), inproc.stderr
         s.inproc = inproc.stdout
         # "even" puts a stage on every trunk, so every kind of link is in the plan.
-        s.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even")
+        s.swarmctl("host", "init", "--advertise", f"{HOST_IP}:{HOST_PORT}", "--objective", "even")
         s.nodes["host"] = lab.net.start("host", s.homes["host"], "run", "--role", "host")
         s.wait("the host", s.status)
-        for name in (*NATS, *PUBLIC):
+        for name in (*NATS, *BEHIND, *PUBLIC):
             code = s.swarmctl("host", "invite", "--role", "trunk" if name in TRUNKS else "asker").stdout.strip()
             s.swarmctl(name, "join", code, "--name", name)
         for name in TRUNKS:
@@ -123,9 +129,9 @@ def _links_table(out: str) -> list[str]:
 
 def _expected_path(a: str, b: str, relay: str = "erin") -> str:
     """How ``a`` reaches ``b`` in this lab."""
-    nat_a, nat_b = NATS.get(a), NATS.get(b)
-    if nat_b is None or a == b:
-        return "direct"  # b can be reached unasked
+    nat_a, nat_b = NATS.get(ROUTER.get(a, "")), NATS.get(ROUTER.get(b, ""))
+    if nat_b is None or a == b or ROUTER.get(a) == ROUTER[b]:
+        return "direct"  # b can be reached unasked, or on a's own home network
     if nat_a is not None and "symmetric" in (nat_a, nat_b):
         # each end's probes aim at a port the other's NAT did not open for them: a relay, never one of the ends
         return f"relayed via {relay if relay not in (a, b) else 'host'}"
@@ -159,12 +165,52 @@ def test_the_swarm_forms_behind_nats_and_answers_as_one_process_does(swarm):
     first, last = order[0], order[-1]
     assert links[("asker", first)]["path"] == _asker_row("dave", first), status["links"]
     assert links[(last, "asker")]["path"] == _asker_row("dave", last), status["links"]
-    # The same, as a user reads it.
+    # The same, as a user reads it: every kind of path the plan's links take shows.
     out = swarm.swarmctl("host", "status").stdout
-
     rows = _links_table(out)
-    assert any("relayed via erin" in row for row in rows), out
-    assert any("punched" in row for row in rows), out
+    for path in {row["path"].split(" (")[0] for row in status["links"]}:
+        assert any(path in row for row in rows), (path, out)
+    assert any("relayed via erin" in row for row in rows), out  # (carol and gwen, at least)
+
+
+def test_status_shows_each_trunk_at_its_own_public_mapping(swarm):
+    """carol and gwen sit behind one symmetric router, both on port 7471: the host sees each at
+    its own mapping (the router's conntrack says which), marked as one of many once a punch with
+    it failed; alice and bob, whose routers keep the port, show it unmarked (issue 29 item 11:
+    status used to show both of carol's household at the router's 198.51.100.12:7471)."""
+
+    def marked():
+        status = swarm.status()
+        addresses = {m["name"]: m["address"] for m in status["members"]} if status else {}
+        return addresses if all(addresses.get(n, "").endswith(" (symmetric)") for n in ("carol", "gwen")) else None
+
+    addresses = swarm.wait("carol's and gwen's addresses marked symmetric", marked)
+    for name in ("alice", "bob", "carol", "gwen"):
+        mapped = swarm.lab.mapped_port(name, SWARM_PORT, HOST_IP, HOST_PORT)
+        mark = " (symmetric)" if NATS[ROUTER[name]] == "symmetric" else ""
+        assert addresses[name] == f"{swarm.lab.public_ip(name)}:{mapped}{mark}", (name, addresses)
+    assert addresses["carol"] != addresses["gwen"]
+    assert addresses["erin"] == f"{swarm.lab.net['erin'].ip}:{SWARM_PORT}"
+
+
+def test_a_second_ask_goes_straight_to_the_relay_where_punching_failed(swarm):
+    """frank asks from behind a symmetric NAT: punching to any trunk behind a NAT fails, and one
+    of his first and last stage is behind one. His first ask punches on its clock (3 s) and is
+    then relayed; his home remembers it, so the second asks for the relay at once and punches
+    again only in the background (issue 29 item 3). Both answer as one process does."""
+    swarm.wait("a complete plan", swarm.complete)
+
+    def on_the_clock(stderr: str) -> list[str]:
+        return [line for line in stderr.splitlines() if "hole punching with" in line and "background" not in line]
+
+    first = swarm.swarmctl("frank", "ask", "-v", *GREEDY, PROMPT)
+    assert first.stdout == swarm.inproc
+    assert on_the_clock(first.stderr), first.stderr
+    assert "(relayed via erin)" in first.stderr, first.stderr
+    second = swarm.swarmctl("frank", "ask", "-v", *GREEDY, PROMPT)
+    assert second.stdout == swarm.inproc
+    assert on_the_clock(second.stderr) == [], second.stderr
+    assert "relayed at once" in second.stderr and "(relayed via erin)" in second.stderr, second.stderr
 
 
 def test_a_trunk_whose_router_renumbers_its_ports_comes_back(swarm):
@@ -174,11 +220,12 @@ def test_a_trunk_whose_router_renumbers_its_ports_comes_back(swarm):
     request is answered as before. No process restarts."""
     order = _order(swarm.wait("a complete plan", swarm.complete))
     # The stage before a cone-NAT trunk punches to it; where the plan's order puts no trunk there
-    # (the planner orders by measured speed), the trunk renumbered is the first stage, which the
-    # asker (dave, behind a NAT) punches to on every ask.
+    # (the planner orders by measured speed), the trunk renumbered is behind a cone NAT: the first
+    # or last stage where one is (the asker, dave, punches to it on every ask), else any (its
+    # relayed links follow it).
+    cone = [name for name in (order[0], order[-1], *order) if NATS.get(ROUTER.get(name, "")) == "cone"]
     sender, renumbered = next(((a, b) for a, b in zip(order, order[1:]) if _expected_path(a, b) == "punched"),
-                              (None, order[0]))
-    assert sender is not None or NATS.get(renumbered) == "cone", order
+                              (None, cone[0]))
     reached = swarm.nodes[sender].log().count(f"reached {renumbered} (punched)") if sender else 0
     swarm.lab.renumber(renumbered)
     answer = swarm.swarmctl("dave", "ask", *GREEDY, PROMPT, timeout=240).stdout
