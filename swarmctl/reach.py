@@ -99,7 +99,8 @@ class Dialer:
         gives; ConnectionError (with the reason) if none works."""
         route = await self._route(member, relay=False)
         if route is None or route.kind == "direct":
-            target = Address.parse(route.address if route is not None else address)
+            # (an address from `status` may carry a note after it: "ip:port (symmetric)")
+            target = Address.parse(route.address if route is not None else (address.split() or [""])[0])
             conn = await connect_on(self.shared, target, self.creds, member, handler)
             self.memo.record(_key(member, target, "direct"), "direct")
             return self._reached(member, DIRECT, conn)
