@@ -4,6 +4,10 @@ A NAT lets a datagram in only as the answer to one that went out: the router kee
 (private ip:port → public ip:port) and lets in datagrams from the address the member sent to.
 Two members behind NATs therefore both send at once, each to the other's public address as the
 rendezvous saw it; the first datagrams open each side's mapping, the later ones get through.
+That only works from the socket whose mapping the rendezvous observed, so the same socket must
+carry QUIC afterwards: ``SharedSocket`` is one UDP socket that carries QUIC (a server, client
+connections, or both) and, beside it, these small control datagrams.
+
 Opening probes go out with a low TTL (OPENING_TTL): enough to cross our own router, which opens
 our mapping, too little to reach the peer's. A router that drops unasked datagrams only when it
 would forward them (FORWARD DROP, INPUT ACCEPT: common on Linux-based home routers) takes a
@@ -12,12 +16,9 @@ conntrack entry for it; that entry holds the member's public port, so the member
 to that peer then leave from another port and the punch fails (issue 29 item 4). While the first
 probes of both ends die on the way, each end's own mapping is open before the other's full probes
 arrive. An end sends full probes once it has heard the peer (its mapping is open) or the opening
-time is over (a peer whose ticket came later than ours by more than that can still hit the
-problem).
-
-That only works from the socket whose mapping the rendezvous observed, so the same socket must
-carry QUIC afterwards: ``SharedSocket`` is one UDP socket that carries QUIC (a server, client
-connections, or both) and, beside it, these small control datagrams.
+time is over. (A peer whose ticket came later than ours by more than that can still hit the
+problem: the link is relayed, and the dialer punches again in the background next time, when the
+router's entry has expired; swarmctl/path_memo.py.)
 
 Control datagrams start with a zero byte. Every QUIC packet has its top bit (long header) or its
 "fixed bit" 0x40 (short header) set, so no QUIC packet starts with 0x00 and the two never mix.
