@@ -57,6 +57,17 @@ async def round_of(client: openai.AsyncOpenAI, model: str, streams: int, max_tok
             "aggregate_tok_s": round(sum(tokens) / wall, 2)}
 
 
+async def single_round(client: openai.AsyncOpenAI, model: str, max_tokens: int, seed: int, runs: int) -> dict:
+    """One stream at a time, ``runs`` of them back to back (a sampled completion may end early at
+    EOS: one short run would weigh its first-token time heavily)."""
+    t0, total = time.perf_counter(), 0
+    for i in range(runs):
+        total += await one_stream(client, model, max_tokens, seed + i)
+    wall = time.perf_counter() - t0
+    return {"streams": 1, "runs": runs, "completion_tokens": total, "wall_s": round(wall, 2),
+            "aggregate_tok_s": round(total / wall, 2)}
+
+
 def median_round(rounds: list[dict]) -> dict:
     return sorted(rounds, key=lambda r: r["aggregate_tok_s"])[len(rounds) // 2]
 
@@ -101,7 +112,7 @@ async def measure(base_url: str, streams: int, max_tokens: int, repeats: int) ->
     await round_of(client, model, streams, 8, 0)  # warm-up: graphs for the batch sizes, connections
     single, many = [], []
     for r in range(repeats):
-        single.append(await round_of(client, model, 1, max_tokens, 100 + r))
+        single.append(await single_round(client, model, max_tokens, 100 + 10 * r, runs=4))
         many.append(await round_of(client, model, streams, max_tokens, 1000 * (r + 1)))
     await client.close()
     return {"model": model, "single": median_round(single), "many": median_round(many),
