@@ -198,8 +198,10 @@ class Monitor:
             return None
 
     def _follow_members(self, status: Status) -> None:
-        """Keep a peer for every trunk the host lists, at the address it lists."""
-        trunks = {m.name: m.address for m in status.members if m.role == "trunk" and m.address}
+        """Keep a peer for every trunk the host lists, at the address it lists (without a note such
+        as "(symmetric)": the host's reach answer says how to get there; the address is the
+        fallback for a host that does not answer ``reach``)."""
+        trunks = {m.name: m.address.split()[0] for m in status.members if m.role == "trunk" and m.address.strip()}
         for name in list(self._peers):
             if self._peers[name].address != trunks.get(name):
                 peer = self._peers.pop(name)
