@@ -3,17 +3,18 @@
     python benchmarks/bench_local_swarm.py [--decode 48] [--rounds 5] [--cpus N] [--concurrent 8] [--model GGUF]
 
 Single-stream greedy decode tok/s (after the first token, as bench_swarm.py counts) of the bundled
-model through a local swarm laid out
+model (or --model) through a local swarm laid out
 
 - before: what `ask` started before the fix: host + 2 trunk processes, every process
   ``cpus // 3`` threads (at least 1), planned "even";
-- after: ``size_local_swarm(cpus)`` (swarmctl/local_swarm.py), what `ask` starts now;
-- serve: ``size_local_swarm(cpus, streams=16)``, what `serve` starts now (cores split);
+- split: ``size_local_swarm``'s trunks (swarmctl/local_swarm.py), the cores split between the
+  processes (what `serve` starts now, and `ask` for a narrow model);
+- all_cores: the same trunks, every process taking every core (what `ask` starts for a wide model);
 
-next to llama-cpp-python (whole model, ``cpus`` threads) in the same rounds. The layouts run in
-turn within each round, so a machine whose load changes (this one is shared) affects them alike;
-medians over the rounds. With ``--concurrent C``: aggregate tok/s of C concurrent requests on each
-layout too (what `serve` sees under load).
+next to llama-cpp-python (whole model, ``cpus`` threads and 1 thread) in the same rounds. The
+layouts run in turn within each round, so a machine whose load changes (this one is shared) affects
+them alike; medians over the rounds. With ``--concurrent C``: aggregate tok/s of C concurrent
+requests on each layout too (what `serve` sees under load).
 """
 
 from __future__ import annotations
@@ -36,10 +37,18 @@ from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usab
 from swarmctl.models import default_model_path  # noqa: E402
 
 
-def layouts(cpus: int) -> dict[str, LocalLayout]:
+def layouts(cpus: int, width: int) -> tuple[dict[str, LocalLayout], dict[str, str]]:
+    """The layouts measured, and which of them `ask` and `serve` start now."""
     old = max(1, cpus // 3)
-    return {"before": LocalLayout(2, old, old), "after": size_local_swarm(cpus),
-            "serve": size_local_swarm(cpus, streams=16)}
+    split = size_local_swarm(cpus, streams=16)  # the cores split between the processes
+    measured = {"before": LocalLayout(2, old, old), "split": split,
+                "all_cores": LocalLayout(split.trunks, cpus, cpus)}  # each process every core, taking turns
+    chosen = {}
+    for command, layout in (("ask", size_local_swarm(cpus, width=width)), ("serve", split)):
+        name = next((k for k, v in measured.items() if v == layout), f"{command}_now")
+        measured.setdefault(name, layout)
+        chosen[command] = name
+    return measured, chosen
 
 
 class Running:
@@ -74,17 +83,21 @@ class Running:
         self.swarm.close()
 
 
-async def measure(model: Path, prompt: list[int], args: argparse.Namespace) -> dict:
-    running = {name: Running(model, layout) for name, layout in layouts(args.cpus).items()}
-    samples: dict[str, list[float]] = {name: [] for name in ["llama_cpp_python", *running]}
+async def measure(model: Path, prompt: list[int], width: int, args: argparse.Namespace) -> dict:
+    measured, chosen = layouts(args.cpus, width)
+    running = {name: Running(model, layout) for name, layout in measured.items()}
+    # llama-cpp-python with every core, and with one thread (what each process of a split layout has on 2 cores)
+    llama_threads = {"llama_cpp_python": args.cpus, "llama_cpp_python_1_thread": 1}
+    samples: dict[str, list[float]] = {name: [] for name in [*llama_threads, *running]}
     aggregate: dict[str, list[float]] = {name: [] for name in running}
     try:
         for r in running.values():
             await r.start(model)
             await r.decode(prompt, 8)  # warm-up
         for _ in range(args.rounds):
-            samples["llama_cpp_python"].append(compute_thread().submit(
-                llama_cpp_decode, model, prompt, args.decode, args.cpus).result())
+            for name, threads in llama_threads.items():
+                samples[name].append(compute_thread().submit(
+                    llama_cpp_decode, model, prompt, args.decode, threads).result())
             for name, r in running.items():
                 samples[name].append(await r.decode(prompt, args.decode))
                 if args.concurrent:
@@ -95,12 +108,13 @@ async def measure(model: Path, prompt: list[int], args: argparse.Namespace) -> d
     out = {
         "layouts": {name: {"trunks": r.layout.trunks, "trunk_threads": r.layout.trunk_threads,
                            "asker_threads": r.layout.asker_threads} for name, r in running.items()},
+        "now_started_by": chosen,
         "single_stream_decode_tok_s_median": {k: statistics.median(v) for k, v in samples.items()},
         "single_stream_decode_tok_s_samples": samples,
     }
     med = out["single_stream_decode_tok_s_median"]
-    out["after_over_before"] = med["after"] / med["before"]
-    out["after_over_llama_cpp"] = med["after"] / med["llama_cpp_python"]
+    out["ask_now_over_before"] = med[chosen["ask"]] / med["before"]
+    out["ask_now_over_llama_cpp"] = med[chosen["ask"]] / med["llama_cpp_python"]
     out["before_over_llama_cpp"] = med["before"] / med["llama_cpp_python"]
     if args.concurrent:
         out[f"aggregate_tok_s_{args.concurrent}_streams_median"] = {k: statistics.median(v)
@@ -121,10 +135,15 @@ def main() -> None:
     model = args.model or default_model_path()
     from kernels.tokenizer import Tokenizer
 
+    from kernels.gguf_file import GGUFFile
+    from kernels.spec import ModelSpec
+
     prompt = Tokenizer(model).encode_prompt(PROMPT)
+    with GGUFFile(model) as gguf:
+        width = ModelSpec.from_gguf(gguf).n_embd
     load_before = os.getloadavg()
-    result = {"model": model.name, "cpus": args.cpus, "decode_tokens": args.decode, "rounds": args.rounds,
-              "loadavg_before": load_before, **asyncio.run(measure(model, prompt, args)),
+    result = {"model": model.name, "n_embd": width, "cpus": args.cpus, "decode_tokens": args.decode,
+              "rounds": args.rounds, "loadavg_before": load_before, **asyncio.run(measure(model, prompt, width, args)),
               "loadavg_after": os.getloadavg()}
     emit_json(result, args.out)
 

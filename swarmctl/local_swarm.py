@@ -43,6 +43,7 @@ log = logging.getLogger("swarmctl.local")
 READY_BOUND_S = 600.0
 PROGRESS_EVERY_S = 5.0  # how often, while waiting, a progress line is logged (shown with -v)
 PIPELINE_CPUS = 8  # from this many cores on, a second trunk process pays for its hop (see size_local_swarm)
+WIDE_MODEL = 2048  # n_embd from which one stream's processes each take every core (see size_local_swarm)
 
 
 @dataclass(frozen=True)
@@ -65,24 +66,30 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def size_local_swarm(cpus: int, *, trunks: int | None = None, threads: int | None = None,
-                     streams: int = 1) -> LocalLayout:
-    """How many trunk processes a local swarm on ``cpus`` cores starts, and their threads.
-    ``trunks`` (--trunk-nodes) and ``threads`` (--threads) given explicitly win.
+def size_local_swarm(cpus: int, *, trunks: int | None = None, threads: int | None = None, streams: int = 1,
+                     width: int = 0) -> LocalLayout:
+    """How many trunk processes a local swarm on ``cpus`` cores starts, and their threads, for
+    ``streams`` requests at once on a model ``width`` wide (n_embd). ``trunks`` (--trunk-nodes)
+    and ``threads`` (--threads) given explicitly win.
 
-    Every trunk process on one machine adds a hop and no memory, so a small machine gets one; from
-    ``PIPELINE_CPUS`` cores on, two, so that several requests in flight compute in different
-    processes at once. Threads: with one stream (``ask``) the processes take turns (asker head,
-    each trunk, asker tail), so each may use every core; splitting the cores three ways there made
-    every step 1.6-1.7x slower (issue 29, item 10). With several streams (``serve``) they compute
-    at once, so the cores are split and the total does not oversubscribe them (OpenMP teams
-    sharing a core wait on each other at every barrier); the asker takes what is left over."""
+    Trunks: every trunk process on one machine adds a hop and no memory, so a small machine gets
+    one; from ``PIPELINE_CPUS`` cores on, two, so that requests in flight compute in different
+    processes at once.
+
+    Threads: the cores are split so that the processes together do not oversubscribe them (the
+    asker takes what is left over). With several streams they compute at once; with one they take
+    turns (asker head, each trunk, asker tail), but a narrow model's steps are so short that an
+    OpenMP team's barrier waits, on a busy machine, for a partner thread the kernel descheduled:
+    on 2 busy cores the bundled model (576 wide) decoded at 12.7 tok/s with 2 threads per process
+    and 44.9 with 1 (benchmarks/bench_local_swarm.py). A wide model's steps are long enough for
+    a team to pay: with one stream each process then takes every core (at 2048 wide, 6.1 against
+    4.8 tok/s; the issue's Kimi-width figures, 174 against 306 ms per token)."""
     n = trunks if trunks is not None else (1 if cpus < PIPELINE_CPUS else 2)
     if n < 1:
         raise EngineError("--trunk-nodes must be at least 1")
     if threads is not None:
         return LocalLayout(n, threads, threads)
-    if streams <= 1:
+    if streams <= 1 and width >= WIDE_MODEL:
         return LocalLayout(n, cpus, cpus)
     share = max(1, cpus // (n + 1))
     return LocalLayout(n, share, max(1, cpus - n * share))

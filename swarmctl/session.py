@@ -66,6 +66,15 @@ def _drafting(options: SessionOptions, model: Path, threads: int | None) -> Draf
     return drafting
 
 
+def _width(model: Path) -> int:
+    """The model's n_embd, from its header (milliseconds: tensors are not read)."""
+    from kernels.gguf_file import GGUFFile
+    from kernels.spec import ModelSpec
+
+    with GGUFFile(model) as gguf:
+        return ModelSpec.from_gguf(gguf).n_embd
+
+
 @asynccontextmanager
 async def open_session(options: SessionOptions) -> AsyncIterator[Session]:
     opener = _open_inproc if options.transport == "inproc" else _open_swarm
@@ -132,7 +141,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             drafting = _drafting(options, model, threads)  # a draft that cannot serve: one line, before nodes start
             # The local trunks and this process share this machine's cores (swarmctl/local_swarm.py).
             layout = size_local_swarm(usable_cpus(), trunks=options.trunk_nodes, threads=options.threads,
-                                      streams=options.streams)
+                                      streams=options.streams, width=_width(model))
             log.info("no swarm joined: starting a local one (%s)", layout.describe())
             threads = layout.asker_threads
             local = LocalSwarm(model=str(model.resolve()), n_trunks=layout.trunks,

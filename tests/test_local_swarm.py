@@ -24,24 +24,27 @@ HOST_DELAY_S = 15.0  # longer than the connect timeout (net.endpoint.CONNECT_TIM
 
 # --- sizing: pure, no process ---
 
-@pytest.mark.parametrize("cpus, streams, want", [
-    (1, 1, LocalLayout(1, 1, 1)),
-    (2, 1, LocalLayout(1, 2, 2)),  # one stream: the processes take turns, each may use every core
-    (2, 16, LocalLayout(1, 1, 1)),  # serve: they compute at once, so 2 cores are split, not oversubscribed
-    (4, 16, LocalLayout(1, 2, 2)),
-    (8, 1, LocalLayout(2, 8, 8)),  # enough cores for a pipeline of two trunks
-    (16, 16, LocalLayout(2, 5, 6)),  # the asker takes the remainder
-    (3, 16, LocalLayout(1, 1, 2)),
+@pytest.mark.parametrize("cpus, streams, width, want", [
+    (1, 1, 576, LocalLayout(1, 1, 1)),
+    (2, 1, 576, LocalLayout(1, 1, 1)),  # a narrow model: the cores split, as measured on a busy 2-core box
+    (2, 1, 7168, LocalLayout(1, 2, 2)),  # a wide one, one stream: the processes take turns, each on every core
+    (2, 16, 7168, LocalLayout(1, 1, 1)),  # serve: they compute at once, so 2 cores are split, not oversubscribed
+    (4, 16, 576, LocalLayout(1, 2, 2)),
+    (8, 1, 576, LocalLayout(2, 2, 4)),  # enough cores for a pipeline of two trunks; the asker takes the rest
+    (8, 1, 2048, LocalLayout(2, 8, 8)),
+    (16, 16, 4096, LocalLayout(2, 5, 6)),
+    (3, 16, 576, LocalLayout(1, 1, 2)),
 ])
-def test_a_local_swarm_is_sized_to_the_cores(cpus, streams, want):
-    layout = size_local_swarm(cpus, streams=streams)
+def test_a_local_swarm_is_sized_to_the_cores(cpus, streams, width, want):
+    layout = size_local_swarm(cpus, streams=streams, width=width)
     assert layout == want
-    if streams > 1:
+    if layout.trunk_threads < cpus:  # split: together they do not oversubscribe the cores
         assert layout.trunks * layout.trunk_threads + layout.asker_threads <= max(cpus, layout.trunks + 1)
 
 
 def test_explicit_trunk_nodes_and_threads_win():
-    assert size_local_swarm(2, trunks=3) == LocalLayout(3, 2, 2)
+    assert size_local_swarm(2, trunks=3, width=4096) == LocalLayout(3, 2, 2)
+    assert size_local_swarm(2, trunks=3, width=576) == LocalLayout(3, 1, 1)  # more processes than cores: 1 each
     assert size_local_swarm(16, trunks=1, streams=16) == LocalLayout(1, 8, 8)
     assert size_local_swarm(2, trunks=2, threads=1, streams=16) == LocalLayout(2, 1, 1)
     assert size_local_swarm(64, threads=3) == LocalLayout(2, 3, 3)
@@ -49,9 +52,16 @@ def test_explicit_trunk_nodes_and_threads_win():
         size_local_swarm(4, trunks=0)
 
 
-def test_usable_cpus_follows_the_affinity():
+def test_usable_cpus_are_the_affinity_not_the_machine():
+    """Under taskset (or a container's cpuset) the local swarm sizes itself to the cores it may use."""
     import os
+    import subprocess
+    import sys
 
+    r = subprocess.run([sys.executable, "-c", "from swarmctl.local_swarm import usable_cpus; print(usable_cpus())"],
+                       capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == 1
     assert usable_cpus() == len(os.sched_getaffinity(0))
 
 
