@@ -193,6 +193,43 @@ def test_status_shows_each_trunk_at_its_own_public_mapping(swarm):
     assert addresses["erin"] == f"{swarm.lab.net['erin'].ip}:{SWARM_PORT}"
 
 
+# `swarmctl top`'s poller on a member's machine: every trunk's stats, and the path to each.
+TOP_POLLER = """
+import asyncio, json
+from swarmctl.home import SwarmHome
+from swarmctl.monitor.poller import Monitor, MonitorConfig
+
+async def main():
+    monitor = Monitor(SwarmHome(), MonitorConfig(timeout_s=5))
+    try:
+        for _ in range(120):  # the trunk connections open in the background, a punch or a relay each
+            poll = await monitor.poll_once()
+            if poll.status is not None and len(poll.stats) == TRUNK_COUNT:
+                break
+            await asyncio.sleep(0.5)
+        print(json.dumps({"stats": sorted(poll.stats), "paths": poll.paths, "errors": poll.stats_errors}))
+    finally:
+        monitor.close()
+
+asyncio.run(main())
+"""
+
+
+def test_top_behind_a_nat_shows_every_trunk_with_its_path(swarm):
+    """`swarmctl top` on dave's machine, behind a NAT: every trunk's stats, each reached as an ask
+    reaches it (punched to the cone NATs, relayed to the symmetric one's household, direct to
+    erin), mutual TLS end to end. Polling each trunk at the address it registered, as top did,
+    reached none behind a NAT (issue 29 item 12)."""
+    swarm.wait("a complete plan", swarm.complete)
+    code = TOP_POLLER.replace("TRUNK_COUNT", str(len(TRUNKS)))
+    r = subprocess.run(swarm.lab.net["dave"].command(sys.executable, "-c", code),
+                       env=swarm.lab.net._env(swarm.homes["dave"]), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    assert seen["stats"] == sorted(TRUNKS), seen
+    assert seen["paths"] == {name: _expected_path("dave", name) for name in TRUNKS}, seen
+
+
 def test_a_second_ask_goes_straight_to_the_relay_where_punching_failed(swarm):
     """frank asks from behind a symmetric NAT: punching to any trunk behind a NAT fails, and one
     of his first and last stage is behind one. His first ask punches on its clock (3 s) and is
