@@ -20,7 +20,7 @@ import pytest
 
 from kernels.speed import Repeat, SpeedTracker, collect
 from net.messages import Speed
-from kernels.speed import REPORT_INTERVAL_S
+from kernels.speed import REPORT_INTERVAL_S, RESEND_S
 from plans.hysteresis import (CONVERGE_FACTOR, MAX_DEFER_S, MIN_GAIN, PAYBACK_S, REPLAY_S, SERVED_REPORTS, SETTLE_S, SPEED_FACTOR,
                               SUSTAIN_S, ReplanGate, move_cost_s, replan_gain, required_gain, served_figure)
 from plans.layout import ModelLayout
@@ -293,6 +293,18 @@ def test_a_stage_that_is_really_slower_says_so():
     tracker = SpeedTracker(cpus=2)
     tracker.observe([batch(now - 30 + i, 1.2, 1.9) for i in range(12)], 22, now=now, n_threads=2)
     assert tracker.serving_report(0.41, now=0.0) == pytest.approx(1.2)
+
+
+def test_a_served_figure_is_sent_again_while_it_holds():
+    """The host judges a stage by the best of its last few served reports, so a stage that got
+    slower says so again every RESEND_S (and nothing more often than REPORT_INTERVAL_S)."""
+    now = time.time()
+    tracker = SpeedTracker(cpus=2)
+    tracker.observe([batch(now - 30 + i, 1.2, 1.9) for i in range(12)], 22, now=now, n_threads=2)
+    assert tracker.serving_report(1.19, now=0.0) is None  # what the host has, and nothing sent yet
+    assert tracker.serving_report(0.41, now=0.0) == pytest.approx(1.2)
+    assert tracker.serving_report(1.2, now=REPORT_INTERVAL_S) is None
+    assert tracker.serving_report(1.2, now=RESEND_S) == pytest.approx(1.2)
 
 
 # --- item 8: the best of several short runs ---

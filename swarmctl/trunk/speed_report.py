@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kernels.gguf_file import GGUFFile
 from kernels.devices import Device
-from kernels.speed import REPORT_FACTOR, SpeedTracker, measure_speed, worth_reporting
+from kernels.speed import REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_speed, worth_reporting
 from net import messages as m
 
 log = logging.getLogger("swarmctl.trunk")
@@ -78,7 +78,8 @@ class SpeedReport:
     def _report(self, figure: float | None, how: str, serving: bool = False) -> None:
         # (a served figure comes only when the tracker says the host should hear it, the same again included)
         if serving and figure is not None or worth_reporting(figure, self.ms_per_layer_token, REPORT_FACTOR):
-            log.info("%s: %.3f ms per layer (the host had %s)", how, figure,
-                     f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
+            news = worth_reporting(figure, self.ms_per_layer_token, SERVED_REPORT_FACTOR)
+            (log.info if news else log.debug)("%s: %.3f ms per layer (the host had %s)", how, figure,
+                                              f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
             self.ms_per_layer_token = figure
             self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure, serving=serving)))
