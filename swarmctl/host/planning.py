@@ -175,12 +175,14 @@ class PlanKeeper:
             log.debug("asking the stages what they hold failed: %r", e)
             held = -1
         since = self.gate.worth_since
-        if held and since is not None and self.clock() - since < MAX_DEFER_S:
+        if since is None:  # the gain went away (or the plan changed) while the stages answered
+            return
+        if held and self.clock() - since < MAX_DEFER_S:
             log.info("the speeds' gain held for %.0f s, but the stages hold %s requests: re-planning once "
                      "they are idle", self.clock() - since, held if held > 0 else "unknown")
             self._look_later(self.clock() + IDLE_RECHECK_S)
             return
-        log.info("the speeds' gain held for %.0f s: re-planning", self.clock() - since if since is not None else 0)
+        log.info("the speeds' gain held for %.0f s: re-planning", self.clock() - since)
         self.replan()
 
     def close(self) -> None:
