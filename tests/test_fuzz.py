@@ -304,7 +304,8 @@ class StepThrower:
                 filled = start + step.rows
             if outcome == "retry":
                 break  # the stage answers nothing more on a stream it told to reroute
-        end = ActivationPacket(PacketKind.END, rid, self.plan_version, self.first_layer, 0, np.empty((0, 0), np.float32))
+        end = ActivationPacket(PacketKind.END, rid, self.plan_version, self.first_layer, 0,
+                               np.empty((0, 0), np.float32))
         self.conn.send(stream, encode_packet(end), end=True)
 
     def close(self) -> None:
