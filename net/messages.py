@@ -128,6 +128,14 @@ class FetchSlice(Message, tag="fetch_slice"):
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
 
 
+class Unanswered(Message, tag="unanswered"):
+    """A stage's expert call to ``member`` got no answer, nor did a ping after it: the host judges
+    the member by its own link at once, not at its next silence verdict (issue 29 item 2)."""
+
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    member: Name
+
+
 class Recovered(Message, tag="recovered"):
     recovery_s: Annotated[float, msgspec.Meta(ge=0, le=86400)]
     replayed_bytes: Memory

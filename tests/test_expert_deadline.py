@@ -103,6 +103,8 @@ FAST = DeadlinePolicy(floor_s=0.05, ceiling_s=0.1, default_s=0.1, ping_floor_s=0
 def test_a_dead_expert_node_fails_the_call_at_its_deadline_and_later_calls_at_once():
     node = _Node(delay=None, alive=False)
     client = _client(node, FAST)
+    told: list[str] = []
+    client.on_unanswered = told.append  # (the trunk tells the host)
 
     async def run():
         t0 = time.monotonic()
@@ -117,6 +119,7 @@ def test_a_dead_expert_node_fails_the_call_at_its_deadline_and_later_calls_at_on
     # the deadline, then a ping's as long: not CALL_TIMEOUT_S (30 s), not QUIC's idle timeout (8 s)
     assert first < 2.0
     assert node.calls == 1 and node.closed and "experts-a" not in client.conns
+    assert told == ["experts-a"]  # once, at the verdict
 
 
 def test_a_slow_expert_node_that_answers_pings_is_waited_for():
@@ -126,3 +129,34 @@ def test_a_slow_expert_node_that_answers_pings_is_waited_for():
     np.testing.assert_array_equal(out, np.stack([X * 2, X * 2], axis=1))
     assert node.calls == 1 and not node.closed
     assert client.deadlines.deadline("experts-a") == FAST.default_s  # one measured call: no median yet
+
+
+class _Planning:
+    def __init__(self) -> None:
+        self.replans = 0
+
+    def replan(self) -> None:
+        self.replans += 1
+
+
+def test_the_host_marks_an_unanswered_member_down_only_if_it_has_not_heard_it_either():
+    """A stage's report speeds the verdict up; it does not replace it: a member the host heard
+    from within two ping intervals stays (the stage's trouble was its own link)."""
+    from types import SimpleNamespace
+
+    from swarmctl.host.liveness import SUSPECT_SILENCE, unanswered
+    from swarmctl.host.reports import Recovery
+
+    async def run():
+        now = asyncio.get_running_loop().time()
+        closed: list[str] = []
+        conn = lambda heard: SimpleNamespace(last_heard=heard, close_with=closed.append)  # noqa: E731
+        trunks = {"alive": SimpleNamespace(conn=conn(now - 0.5)),
+                  "dead": SimpleNamespace(conn=conn(now - SUSPECT_SILENCE - 0.5))}
+        planning, recovery = _Planning(), Recovery()
+        verdicts = [unanswered(name, "stage-a", trunks, planning, recovery) for name in ("alive", "dead", "nobody")]
+        return verdicts, sorted(trunks), planning.replans, recovery.last_marked_down, closed
+
+    verdicts, left, replans, marked, closed = asyncio.run(run())
+    assert verdicts == [False, True, False]
+    assert left == ["alive"] and replans == 1 and marked == "dead" and len(closed) == 1

@@ -33,7 +33,7 @@ from swarmctl.membership import JoinRefused, admit
 from swarmctl.models import resolve_model
 
 from .checks import ClaimChecks
-from .liveness import watch_trunks
+from .liveness import unanswered, watch_trunks
 from .planning import PlanKeeper
 from .rendezvous import NoRoute, Rendezvous
 from .reports import AskerReports
@@ -46,7 +46,7 @@ log = logging.getLogger("swarmctl.host")
 # messages shape the plan; the host's own CLI announces revocations and new settings.
 ANSWERS = m.kinds(m.Register, m.Ready, m.Refuse, m.Links, m.Speed, m.FetchSlice, m.WatchPlan, m.GetPlan,
                   m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure, m.Probe,
-                  m.Reach)
+                  m.Reach, m.Unanswered)
 JOINS = m.kinds(m.Join)
 
 Handler = Callable[[SwarmProtocol, int, m.Message], None]
@@ -88,7 +88,7 @@ class HostService:
             m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
-            m.Probe: self._probe, m.Reach: self._reach,
+            m.Probe: self._probe, m.Reach: self._reach, m.Unanswered: self._unanswered,
         }
         self.rendezvous: Rendezvous | None = None  # once the host listens
 
@@ -402,6 +402,11 @@ class HostService:
 
     def _recovered(self, conn: SwarmProtocol, stream_id: int, message: m.Recovered) -> None:
         self.reports.recovered(message.recovery_s, message.replayed_bytes)
+        self._ok(conn, stream_id)
+
+    def _unanswered(self, conn: SwarmProtocol, stream_id: int, message: m.Unanswered) -> None:
+        """A stage's expert calls to a member went unanswered: judged by our own link now."""
+        unanswered(message.member, conn.peer_name, self.trunks, self.planning, self.reports.recovery)
         self._ok(conn, stream_id)
 
     def _bad_result(self, conn: SwarmProtocol, stream_id: int, message: m.BadResult) -> None:

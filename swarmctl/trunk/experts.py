@@ -70,6 +70,9 @@ class ExpertClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.recent: deque[CallTiming] = deque(maxlen=RECENT_CALLS)  # newest last
         self.deadlines = CallDeadlines()  # how long each node's next answer may take (call_deadline.py)
+        # Told the member a call gave up on (the trunk tells the host, which then judges the
+        # member by its own link at once instead of at its next silence verdict).
+        self.on_unanswered: Callable[[str], None] = lambda member: None
         self._given_up: dict[str, float] = {}  # node → until when (monotonic) its calls fail at once
 
     def forward(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
@@ -144,6 +147,7 @@ class ExpertClient:
         if self.conns.get(member) is conn:
             del self.conns[member]
         conn.close_with("no answer to an expert call or a ping")
+        self.on_unanswered(member)
 
     def calls_between(self, start: float, stop: float) -> tuple[HopCall, ...]:
         """The calls that began in [start, stop] (a batch's compute, on this process's clock), each

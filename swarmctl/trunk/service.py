@@ -85,6 +85,7 @@ class TrunkService:
         self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn,
                                  device=device)
         self.expert_client = ExpertClient(self.creds, self, lambda: self.held.plan.experts)
+        self.expert_client.on_unanswered = lambda member: self._spawn(self.host.tell(m.Unanswered(member=member)))
         self.held = Assignment(self.name, self.model_path, home.path / "slices", memory=self.memory,
                                n_threads=n_threads, executor=self._executor, host=self.host, speed=self.speed,
                                remote_experts=self.expert_client.forward, drop_routes=self._drop_routes,
