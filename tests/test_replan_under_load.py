@@ -380,3 +380,28 @@ def test_a_check_that_raised_is_retried_and_shown(tmp_path):
     assert len(calls) == 3 and calls[2] - calls[1] > calls[1] - calls[0]  # backoff: longer each time
     assert not trunk.checking and trunk.check_error == "" and trunk.measured_ms_per_layer == 0.3
     assert host.holders == ["carol"]
+
+
+def test_status_and_top_show_why_a_check_could_not_be_made():
+    """The reason reaches both views through the member's health, the host's word for it."""
+    from net.messages import MemberStatus, RecoveryStatus, Status
+    from swarmctl.commands.status import format_table
+    from swarmctl.monitor.build import RawPoll, SnapshotBuilder
+
+    conn = SimpleNamespace(peer_name="carol", is_open=True)
+    trunk = TrunkInfo(conn=conn, plan_stream=0, listen="127.0.0.1:9", memory=int(2 * GB), ms_per_layer_token=0.3,
+                      checking=True)
+    trunk.check_failed("ModuleNotFoundError: No module named 'kernels.slice'", 2, time.monotonic() + 10)
+    said = health(SimpleNamespace(plan=Plan(1, "m", 30, 4), trunks={"carol": trunk}, host_name="host",
+                                  online={"carol"}), "carol", False)
+    assert said.startswith("checking its claims: the check failed 2× (ModuleNotFoundError")
+    assert said.endswith("trying again in 10 s") or said.endswith("trying again in 9 s")
+    members = [MemberStatus(name="host", role="host", may="host", address="127.0.0.1:1", health="up (host)"),
+               MemberStatus(name="carol", role="trunk", may="trunk", address="127.0.0.1:9", health=said,
+                            memory=int(2 * GB))]
+    status = Status(swarm="s", model="m.gguf", n_layer=30, head_layers=4, plan_version=1, complete=False,
+                    missing_layers=[[4, 26]], members=members, objective="latency", expected_ms_per_token=0.0,
+                    expected_tokens_per_s=0.0, bottleneck="", warnings=[], recovery=RecoveryStatus())
+    assert said in format_table(status)
+    nodes = {n.name: n for n in SnapshotBuilder().add(RawPoll(time.time(), 0.01, status)).nodes}
+    assert nodes["carol"].health == said
