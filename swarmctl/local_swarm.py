@@ -193,34 +193,22 @@ class LocalSwarm:
 
         deadline = self.started + bound
         await self._wait_host(deadline, bound)
-        log.info("local swarm: host listening after %.1f s; waiting for %d trunk%s to load their layers",
-                 time.monotonic() - self.started, self.n_trunks, "s" if self.n_trunks != 1 else "")
+        trunks = "its trunk to load its layers" if self.n_trunks == 1 else \
+            f"its {self.n_trunks} trunks to load their layers"
+        log.info("local swarm: host listening after %.1f s; waiting for %s", time.monotonic() - self.started, trunks)
         link = await SwarmLink.open(self.asker_home, ready_timeout=max(1.0, deadline - time.monotonic()),
-                                    alive_check=self._progress("the trunks to load their layers"), **kwargs)
+                                    alive_check=_Progress(self, trunks), **kwargs)
         log.info("local swarm ready after %.1f s", time.monotonic() - self.started)
         return link
 
     async def _wait_host(self, deadline: float, bound: float) -> None:
-        report = self._progress("the host to start")
+        report = _Progress(self, "the host to start")
         while not (self.host_ready_file.exists() and self.host_ready_file.read_text().strip()):
             report()  # a host that exited fails here at once
             if time.monotonic() > deadline:
                 raise EngineError(f"the local swarm's host did not start within {bound:g} s: "
                                   f"{self._last_log_line(self.processes[0])}")
             await asyncio.sleep(0.1)
-
-    def _progress(self, what: str):
-        """A check to call while waiting: raises if a node exited, and logs what is awaited every
-        ``PROGRESS_EVERY_S``."""
-        last = [time.monotonic()]
-
-        def check() -> None:
-            self.check_alive()
-            now = time.monotonic()
-            if now - last[0] >= PROGRESS_EVERY_S:
-                last[0] = now
-                log.info("local swarm: waiting for %s (%.0f s so far)", what, now - self.started)
-        return check
 
     def check_alive(self) -> None:
         for process in self.processes:
@@ -262,3 +250,20 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Progress:
+    """Called while waiting for a local swarm: raises if a node exited, and logs what is awaited
+    every ``PROGRESS_EVERY_S`` (shown with -v)."""
+
+    def __init__(self, swarm: LocalSwarm, what: str) -> None:
+        self.swarm = swarm
+        self.what = what
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        self.swarm.check_alive()
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            log.info("local swarm: waiting for %s (%.0f s so far)", self.what, now - self.swarm.started)
