@@ -1,6 +1,7 @@
 """The one-command local swarm's sizing (issue 29, item 10), before and after; prints JSON.
 
-    python benchmarks/bench_local_swarm.py [--decode 48] [--rounds 5] [--cpus N] [--concurrent 8] [--model GGUF]
+    python benchmarks/bench_local_swarm.py [--decode 48] [--rounds 5] [--cpus N] [--concurrent 8]
+                                           [--model GGUF | --wide]
 
 Single-stream greedy decode tok/s (after the first token, as bench_swarm.py counts) of the bundled
 model (or --model) through a local swarm laid out
@@ -24,6 +25,7 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,13 +132,28 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=usable_cpus(), help="cores to size for (default: this process's)")
     p.add_argument("--concurrent", type=int, default=0, metavar="C", help="also C concurrent requests per layout")
     p.add_argument("--model", type=Path, default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
+    p.add_argument("--wide", action="store_true",
+                   help="a random-weight llama 2048 wide (10 layers, Q4_0, about 0.4 GB) in a temporary folder")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args()
-    model = args.model or default_model_path()
-    from kernels.tokenizer import Tokenizer
+    with tempfile.TemporaryDirectory(prefix="bench-local-swarm-") as tmp:
+        model = args.model or (wide_model(Path(tmp)) if args.wide else default_model_path())
+        run(model, args)
 
+
+def wide_model(folder: Path) -> Path:
+    """A model wide enough that a step's matrices keep an OpenMP team busy (size_local_swarm's WIDE_MODEL)."""
+    from tests.tiny_models import TinyConfig, write_tiny_model
+
+    config = TinyConfig(arch="llama", n_layer=10, n_embd=2048, n_head=16, n_head_kv=4, n_ff=5632, n_ctx=1024,
+                        qtype="Q4_0", seed=1)
+    return write_tiny_model(folder / "wide2048.gguf", config, default_model_path())
+
+
+def run(model: Path, args: argparse.Namespace) -> None:
     from kernels.gguf_file import GGUFFile
     from kernels.spec import ModelSpec
+    from kernels.tokenizer import Tokenizer
 
     prompt = Tokenizer(model).encode_prompt(PROMPT)
     with GGUFFile(model) as gguf:
