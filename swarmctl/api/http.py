@@ -21,11 +21,17 @@ harm:
   through: a refused client's body is read off and dropped for at most ``LINGER_S``, never held;
 - bodies held at once (read, or their request being handled), all connections together, of at
   most ``max_bodies_bytes``; a request beyond that is answered 503;
-- at most ``max_connections`` connections at once; a connection beyond them gets 503 for its
-  first request and is closed;
-- a head must arrive within ``idle_timeout`` of the connection opening or of its previous
-  response (aiohttp's keep-alive timer, which also ends slow-header clients), and a body must
-  keep arriving at least every ``read_timeout`` seconds (408 otherwise).
+- at most ``max_connections`` connections hold a slot at once, and at most ``max_per_address``
+  of those that have not shown the key come from one client address (an IPv6 /64 counts as one
+  address); a connection beyond either gets 503 for its first request and is closed, unless that
+  request carries the key (below);
+- a connection that has shown the key (its request passed a gate that answered ``PROVEN``) is
+  never refused for lack of slots held by connections that have not: see ``_Slots``;
+- a whole request head must arrive within ``head_timeout`` (``HEAD_TIMEOUT_S``) of the
+  connection opening, or of its first byte on a kept-alive connection, however it trickles
+  (Slowloris); the connection is closed unanswered past it. A kept-alive connection may wait
+  ``idle_timeout`` for that first byte (aiohttp's keep-alive timer). A body must keep arriving
+  at least every ``read_timeout`` seconds (408 otherwise).
 
 Every refusal is one JSON body from ``error_body`` and one log line, never a traceback.
 """
@@ -33,9 +39,11 @@ Every refusal is one JSON body from ``error_body`` and one log line, never a tra
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import ssl
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -50,7 +58,9 @@ MAX_HEADER_FIELDS = 100
 MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 64
 MAX_BODIES_BYTES = 4 * MAX_BODY_BYTES  # request bodies held at once, all connections together
-IDLE_TIMEOUT_S = 75.0  # a connection with no complete request head for this long is closed
+IDLE_TIMEOUT_S = 75.0  # a kept-alive connection that sends nothing for this long is closed
+HEAD_TIMEOUT_S = 10.0  # a whole request head, from the connection opening or from its first byte
+PER_ADDRESS_SHARE = 4  # one client address may hold 1/4 of the slots with connections not yet keyed
 READ_TIMEOUT_S = 30.0  # a request body that has started must keep arriving at least this often
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 LIMIT_LOG_INTERVAL_S = 60.0  # "connection limit reached" is logged at most this often
@@ -129,9 +139,18 @@ class Responder:
         return response
 
 
+@dataclass(frozen=True)
+class Proven:
+    """The gate's answer to a request that carried the server's key: let it through, and trust its
+    connection from now on (it is never evicted, and may take a slot from one that is not trusted)."""
+
+
+PROVEN = Proven()
+
 Handler = Callable[[Request, Responder], Awaitable[None]]
-# A request's head (its body still unread, b"") → None to read the body and handle it, or a Refusal.
-Gate = Callable[[Request], "Refusal | None"]
+# A request's head (its body still unread, b"") → None or PROVEN to read the body and handle it
+# (None when the server has no key, so that nothing can be proven), or a Refusal.
+Gate = Callable[[Request], "Refusal | Proven | None"]
 # (status, message, code) → the application's error body (JSON)
 ErrorBody = Callable[[int, str, "str | None"], bytes]
 
@@ -144,14 +163,124 @@ class Limits:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     idle_timeout: float = IDLE_TIMEOUT_S
     read_timeout: float = READ_TIMEOUT_S
+    head_timeout: float = HEAD_TIMEOUT_S
+    max_per_address: int | None = None  # None: max(1, max_connections // PER_ADDRESS_SHARE)
+
+    @property
+    def per_address(self) -> int:
+        if self.max_per_address is not None:
+            return max(1, self.max_per_address)
+        return max(1, self.max_connections // PER_ADDRESS_SHARE)
 
 
 @dataclass
 class _Counters:
     """What all connections hold together."""
-    connections: int = 0
     bodies_bytes: int = 0  # bodies being read or held by a request being handled
-    last_limit_log: float = field(default=-LIMIT_LOG_INTERVAL_S)
+    last_log: dict[str, float] = field(default_factory=dict)  # a warning's kind → when last logged
+
+    def warn_at_most_once_a_minute(self, kind: str, message: str, *args: object) -> None:
+        """For warnings a hostile client can cause at will: the log must not be its megaphone."""
+        now = asyncio.get_running_loop().time()
+        if now - self.last_log.get(kind, -LIMIT_LOG_INTERVAL_S) >= LIMIT_LOG_INTERVAL_S:
+            self.last_log[kind] = now
+            log.warning(message + " (logged at most once a minute)", *args)
+
+
+class _Slots:
+    """Who holds the ``max_connections`` connection slots.
+
+    A connection takes a free slot when it opens, if its address holds fewer than
+    ``per_address`` slots with connections that have not shown the key (a connection that
+    has shown it does not count against its address: several clients behind one NAT, or one
+    client with a pool of keyed connections, are not the attack). A connection that gets no
+    slot ("waiting") may still send one head: if it carries the key, the connection is
+    admitted (``admit``), otherwise it is answered 503 and closed. Waiting connections are
+    capped per address too (closed at once beyond), so one address holds at most twice
+    ``per_address`` sockets that have not shown the key, for at most ``head_timeout`` each
+    unless their head completes.
+
+    Why evict rather than reserve: a connection cannot say whether it has the key until its head
+    has arrived, so slots reserved for keyed clients would have to be taken at connect time by
+    anyone, and a reserve sized N is filled by N+1 attackers. Eviction needs no guess. A keyed
+    head that finds every slot taken closes one connection that has not shown the key and is
+    between requests (waiting for its head or idle in keep-alive; never one being answered),
+    from the address holding the most such slots, the oldest first, and takes its slot. Only a
+    shown key evicts, so keyless connections cannot evict each other, and a keyed
+    connection is never evicted: it is refused only when the other slots are all keyed or busy.
+    """
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.held: dict["_Connection", None] = {}  # insertion order: the oldest first
+        self.unproven: Counter[str] = Counter()  # address → slots held by connections not keyed
+        self.waiting: Counter[str] = Counter()  # address → connections without a slot
+
+    def open(self, connection: "_Connection") -> str:
+        """A new connection: "slot", "waiting" (no slot; its first head decides) or "closed"."""
+        address = connection.address
+        per_address = self.limits.per_address
+        if len(self.held) < self.limits.max_connections and self.unproven[address] < per_address:
+            self.held[connection] = None
+            self.unproven[address] += 1
+            return "slot"
+        if self.waiting[address] >= per_address:
+            return "closed"
+        self.waiting[address] += 1
+        return "waiting"
+
+    def prove(self, connection: "_Connection") -> None:
+        """A connection holding a slot has shown the key: it no longer counts against its address."""
+        _decrement(self.unproven, connection.address)
+
+    def admit(self, connection: "_Connection") -> bool:
+        """A waiting connection whose head carries the key: a free slot, or one taken from a
+        connection that has not shown the key; False when every slot is keyed or busy."""
+        if len(self.held) >= self.limits.max_connections:
+            victim = self._victim()
+            if victim is None:
+                return False
+            victim.evict()
+        _decrement(self.waiting, connection.address)
+        self.held[connection] = None
+        return True
+
+    def release(self, connection: "_Connection", state: str, trusted: bool) -> None:
+        if state == "slot":
+            del self.held[connection]
+            if not trusted:
+                _decrement(self.unproven, connection.address)
+        elif state == "waiting":
+            _decrement(self.waiting, connection.address)
+
+    def _victim(self) -> "_Connection | None":
+        candidates = [c for c in self.held if not c.trusted and not c.in_request]
+        if not candidates:
+            return None
+        most = max(self.unproven[c.address] for c in candidates)
+        return next(c for c in candidates if self.unproven[c.address] == most)  # the oldest of that address
+
+
+def _decrement(counter: Counter[str], key: str) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]  # no entry per address ever seen: the map stays as small as the connections
+
+
+def client_address(peername: object) -> str:
+    """The address a connection is counted against: its IP, or its /64 for IPv6 (one host is
+    usually given a whole /64, so counting single IPv6 addresses would cap nothing)."""
+    if not isinstance(peername, tuple) or not peername:
+        return ""  # a Unix socket, or a transport that cannot say: one shared address
+    try:
+        ip = ipaddress.ip_address(str(peername[0]).partition("%")[0])
+    except ValueError:
+        return str(peername[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class _RequestTooLarge(Exception):
@@ -193,6 +322,7 @@ class _Exchange:
         self.gate = gate
         self.limits = limits
         self.counters = _Counters()
+        self.slots = _Slots(limits)
 
     async def __call__(self, raw: web.BaseRequest) -> web.StreamResponse:
         connection: _Connection = raw.protocol  # type: ignore[assignment]
@@ -203,17 +333,26 @@ class _Exchange:
             connection.request_finished(body_read=raw.content.is_eof())
 
     async def _answer(self, raw: web.BaseRequest, connection: "_Connection") -> web.StreamResponse:
-        if connection.over_limit:
-            return self._error(raw, 503, f"the server has too many connections open "
-                                         f"({self.limits.max_connections}); retry shortly",
-                               "too_many_connections", {"Retry-After": "1"})
         request = _request(raw)
+        waiting = connection.state == "waiting"
+        if waiting:
+            # No slot: only the key gets one (taken from a connection that has not shown it).
+            verdict = self._judge(request)
+            if not (isinstance(verdict, Proven) and connection.admit()):
+                return self._error(raw, 503, f"the server has too many connections open "
+                                             f"({self.limits.max_connections}, at most "
+                                             f"{self.limits.per_address} from one address without the key); "
+                                             f"retry shortly", "too_many_connections", {"Retry-After": "1"})
         try:
             length = self._check_head(raw)
         except _RequestTooLarge as e:
             return self._error(raw, e.status, str(e), e.code)
-        refusal = self.gate(request) if self.gate is not None else None
-        if refusal is not None:
+        if not waiting:
+            verdict = self._judge(request)
+            if isinstance(verdict, Proven):
+                connection.prove()
+        if isinstance(verdict, Refusal):
+            refusal = verdict
             keep_alive = request.keep_alive and raw.content.is_eof()  # a body still coming is not read: close
             return json_response(refusal.status, refusal.body, refusal.headers, keep_alive)
         if self.counters.bodies_bytes + length > self.limits.max_bodies_bytes:
@@ -233,6 +372,9 @@ class _Exchange:
             return responder.response
         finally:
             self.counters.bodies_bytes -= length
+
+    def _judge(self, request: Request) -> "Refusal | Proven | None":
+        return self.gate(request) if self.gate is not None else None
 
     def _check_head(self, raw: web.BaseRequest) -> int:
         """The head's size, and the body's length to reserve (the most allowed when it comes
@@ -301,41 +443,95 @@ def _request(raw: web.BaseRequest) -> Request:
 
 
 class _Connection(web.RequestHandler):
-    """aiohttp's connection, plus the connection cap, an error body in the API's shape for
-    requests that cannot be parsed, and a bound on bytes sent while no head has completed."""
+    """aiohttp's connection, plus its connection slot (``_Slots``), the head deadline, an error
+    body in the API's shape for requests that cannot be parsed, and a bound on bytes sent while
+    no head has completed."""
 
     def __init__(self, server: "_Server", **kwargs) -> None:
         super().__init__(server, **kwargs)
         self.exchange = server.exchange
-        self.over_limit = False
-        self.counted = False
+        self.address = ""
+        self.state = "new"  # "slot", "waiting" (no slot yet), "closed" (refused) or "gone"
+        self.trusted = False  # has shown the key: never evicted
         self.in_request = False
         self.draining = False  # the last request's body was not read: what comes is not a head
         self.idle_bytes = 0  # bytes of a head still incomplete
         self.tail = b""  # the last 3 bytes seen, for a blank line split across reads
+        self.head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        counters, limits = self.exchange.counters, self.exchange.limits
-        if counters.connections >= limits.max_connections:
-            self.over_limit = True
-            now = asyncio.get_running_loop().time()
-            if now - counters.last_limit_log >= LIMIT_LOG_INTERVAL_S:
-                counters.last_limit_log = now
-                log.warning("%d connections open, the most allowed: answering new ones 503 (logged at most "
-                            "once a minute)", counters.connections)
-        else:
-            counters.connections += 1
-            self.counted = True
+        self.address = client_address(transport.get_extra_info("peername"))
+        slots = self.exchange.slots
+        self.state = slots.open(self)
+        if self.state != "slot":
+            if len(slots.held) >= self.exchange.limits.max_connections:
+                self.exchange.counters.warn_at_most_once_a_minute(
+                    "limit", "%d connections open, the most allowed: answering new ones 503 unless they show the key",
+                    len(slots.held))
+            else:
+                self.exchange.counters.warn_at_most_once_a_minute(
+                    "address limit", "%s holds %d connections without the key, the most one address may: answering "
+                    "its new ones 503 unless they show the key", self.address, self.exchange.limits.per_address)
         super().connection_made(transport)
+        if self.state == "closed":
+            self.force_close()  # this address already has as many waiting as it may: not even a 503
+            return
+        self._start_head_clock()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self.counted:
-            self.counted = False
-            self.exchange.counters.connections -= 1
+        self._release()
         super().connection_lost(exc)
+
+    def _release(self) -> None:
+        self._stop_head_clock()
+        if self.state in ("slot", "waiting"):
+            self.exchange.slots.release(self, self.state, self.trusted)
+        self.state = "gone"
+
+    def admit(self) -> bool:
+        """A waiting connection whose head carries the key: a slot, if one can be had."""
+        if not self.exchange.slots.admit(self):
+            return False
+        self.state, self.trusted = "slot", True
+        return True
+
+    def prove(self) -> None:
+        if not self.trusted and self.state == "slot":
+            self.exchange.slots.prove(self)
+        self.trusted = True
+
+    def evict(self) -> None:
+        """Give this connection's slot to a keyed one: released at once (connection_lost comes
+        a loop turn later), and closed unanswered, as a kept-alive connection may be at any time."""
+        self.exchange.counters.warn_at_most_once_a_minute(
+            "evict", "every connection slot is taken: closing one without the key (from %s) for one with it",
+            self.address)
+        self._release()
+        self.force_close()
+
+    def _start_head_clock(self) -> None:
+        if self.head_timer is None:
+            self.head_timer = asyncio.get_running_loop().call_later(self.exchange.limits.head_timeout,
+                                                                    self._head_too_slow)
+
+    def _stop_head_clock(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self.head_timer = None
+        if self.in_request:
+            return
+        self.exchange.counters.warn_at_most_once_a_minute(
+            "slow head", "a client (%s) did not complete a request head within %g s; closed", self.address,
+            self.exchange.limits.head_timeout)
+        self.force_close()
 
     def data_received(self, data: bytes) -> None:
         if not (self.in_request or self.draining) and self.idle_bytes >= 0:
+            if data:
+                self._start_head_clock()  # the first byte of a kept-alive connection's next head
             if b"\r\n\r\n" in data or b"\r\n\r\n" in self.tail + data[:3]:
                 self.idle_bytes = -1  # the head is complete; the parser takes it from here
             else:
@@ -349,6 +545,7 @@ class _Connection(web.RequestHandler):
 
     def request_started(self) -> None:
         self.in_request = True
+        self._stop_head_clock()
 
     def request_finished(self, body_read: bool) -> None:
         self.in_request, self.draining = False, not body_read
