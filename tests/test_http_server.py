@@ -108,7 +108,8 @@ def test_a_silent_connection_is_closed_after_the_idle_timeout(echo):
 
 def test_a_head_sent_a_byte_at_a_time_is_cut_off(echo):
     """Slowloris: each byte well inside any per-read timeout, the head never done. The connection
-    ends once the idle timeout has passed since it opened, however it trickles."""
+    ends once the idle timeout (here) or the head deadline has passed since it opened, however it
+    trickles (tests/test_http_slowloris.py: the head deadline alone, and the slots it would hold)."""
     with socket.create_connection(("127.0.0.1", echo.port)) as s:
         start = time.monotonic()
         try:

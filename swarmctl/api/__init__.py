@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP API in front of the asker (``swarmctl serve``).
 
-    http.py    HTTP/1.1 and HTTPS on aiohttp's server: limits, whole and chunked responses
+    http.py    HTTP/1.1 and HTTPS on aiohttp's server: limits (Slowloris too), whole and chunked responses
     sse.py     server-sent events the way OpenAI streams them
     params.py  request bodies → typed, validated parameters
     shapes.py  OpenAI's response and chunk objects

@@ -254,7 +254,7 @@ class _Slots:
             _decrement(self.waiting, connection.address)
 
     def _victim(self) -> "_Connection | None":
-        candidates = [c for c in self.held if not c.trusted and not c.in_request]
+        candidates = [c for c in self.held if not c.trusted and c.between_requests]
         if not candidates:
             return None
         most = max(self.unproven[c.address] for c in candidates)
@@ -487,6 +487,12 @@ class _Connection(web.RequestHandler):
         if self.state in ("slot", "waiting"):
             self.exchange.slots.release(self, self.state, self.trusted)
         self.state = "gone"
+
+    @property
+    def between_requests(self) -> bool:
+        """Idle, or its head still incomplete: a head that has ended (its request perhaps not yet
+        started, a loop turn later) is a request, and may be the one that shows the key."""
+        return not self.in_request and self.idle_bytes >= 0
 
     def admit(self) -> bool:
         """A waiting connection whose head carries the key: a slot, if one can be had."""
