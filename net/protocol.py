@@ -153,12 +153,19 @@ class SwarmProtocol(QuicConnectionProtocol):
         None before any datagram. An IPv4 peer reaching a dual-stack socket shows as
         plain IPv4, not ``::ffff:a.b.c.d``."""
         addr = self._quic.get_peer_address()
-        if addr is None:
-            return None
-        host, port = addr[:2]
-        if host.lower().startswith("::ffff:") and "." in host:
-            host = host[7:]
-        return host, int(port)
+        return None if addr is None else _plain_address(addr)
+
+    @property
+    def validated_peer_address(self) -> tuple[str, int] | None:
+        """``peer_address`` on a path the peer proved it receives on (the handshake, or a path
+        challenge it answered). QUIC moves a connection to any source address a datagram of it
+        comes from at once, and validates that path after; a peer can write someone else's
+        address there. So where others are told to send (punching, relays) is this one: the
+        newest validated path, which is where QUIC goes back to if the new path fails."""
+        for path in self._quic._network_paths:  # (aioquic keeps the current path first)
+            if path.is_validated:
+                return _plain_address(path.addr)
+        return None
 
     @property
     def open_streams(self) -> int:
@@ -266,3 +273,12 @@ class RequestOnlyHandler:
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
         pass
+
+
+def _plain_address(addr) -> tuple[str, int]:
+    """(ip, port) of an aioquic network address; an IPv4 peer reaching a dual-stack socket shows
+    as plain IPv4, not ``::ffff:a.b.c.d``."""
+    host, port = addr[:2]
+    if host.lower().startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return host, int(port)

@@ -16,7 +16,7 @@ ALICE_ROUTER, CAROL_ROUTER = "198.51.100.10", "198.51.100.12"
 def _trunk(local: str, seen: tuple[str, int]) -> TrunkInfo:
     """A trunk that registered with ``--listen 0.0.0.0:7471`` (the default) from ``local``, its
     connection seen by the host at ``seen``."""
-    conn = SimpleNamespace(peer_address=seen, is_open=True)
+    conn = SimpleNamespace(peer_address=seen, validated_peer_address=seen, is_open=True)
     listen = str(reachable_address(Address.parse("0.0.0.0:7471"), conn))
     return TrunkInfo(conn, 0, listen, 1 << 30, local=local)
 
@@ -40,5 +40,5 @@ def test_two_trunks_behind_one_router_and_a_symmetric_one_each_show_their_own_ad
     assert rendezvous.shown_address("carol", trunks["carol"]) == f"{CAROL_ROUTER}:51234 (symmetric)"
     assert rendezvous.shown_address("alice", trunks["alice"]) == f"{ALICE_ROUTER}:7471"
     # Its router renumbers: the host's connection follows the new mapping, and so does status.
-    trunks["alice"].conn.peer_address = (ALICE_ROUTER, 40500)
+    trunks["alice"].conn.peer_address = trunks["alice"].conn.validated_peer_address = (ALICE_ROUTER, 40500)
     assert rendezvous.shown_address("alice", trunks["alice"]) == f"{ALICE_ROUTER}:40500"

@@ -62,14 +62,15 @@ def test_a_connection_knows_its_peers_address():
 
 class _Seen:
     def __init__(self, address) -> None:
-        self.peer_address = address
+        self.peer_address = self.validated_peer_address = address
 
 
 def test_a_trunk_on_every_interface_is_reached_where_its_connection_comes_from():
     seen = _Seen(("10.77.0.2", 40312))
     assert reachable_address(Address("0.0.0.0", 7471), seen) == Address("10.77.0.2", 7471)
     assert reachable_address(Address("::", 7471), seen) == Address("10.77.0.2", 7471)
-    assert reachable_address(Address("192.168.1.7", 7471), seen) == Address("192.168.1.7", 7471)  # stated: kept
+    # a stated IP is not handed out: its port is, at the IP its connection comes from (issue 30 item 4)
+    assert reachable_address(Address("192.168.1.7", 7471), seen) == Address("10.77.0.2", 7471)
     assert reachable_address(Address("127.0.0.1", 7471), _Seen(("127.0.0.1", 5000))) == Address("127.0.0.1", 7471)
     assert reachable_address(Address("0.0.0.0", 7471), _Seen(None)) == Address("0.0.0.0", 7471)
 

@@ -6,6 +6,11 @@ socket's public ip:port on the connection itself. A trunk also says where it see
 connect to it unasked: the host introduces the two ends (a nonce, each one's public address) and
 they punch; where punching fails, the host gives the link a relay (net/turn.py) on its own
 address, through which QUIC runs end to end.
+
+Every address handed out is one the host observed (issue 30 item 4): a member's public ip:port
+as it sees its connection on a validated path (trunks.observed), a trunk's stated port only at
+its observed IP, and its stated LAN address only to members behind the same public IP. Punch
+tickets, which make a trunk send probes, are rate-limited per member (reach_limit.py).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from net.rendezvous import introduce
 from net.turn import IDLE_TIMEOUT, NatRelay, RelayFull, RelayLink
 from net.wire import WireError
 
-from .trunks import TrunkInfo, Trunks
+from .reach_limit import ReachLimit
+from .trunks import TrunkInfo, Trunks, lan_address, observed
 
 log = logging.getLogger("swarmctl.host")
 
@@ -39,9 +45,11 @@ class NoRoute(Exception):
 
 
 class Rendezvous:
-    def __init__(self, host_name: str, trunks: Trunks, relay: NatRelay | None, relay_host: str | None) -> None:
+    def __init__(self, host_name: str, trunks: Trunks, relay: NatRelay | None, relay_host: str | None,
+                 limit: ReachLimit | None = None) -> None:
         """``relay_host``: the address members reach the relay's ports at (the host's advertised one)."""
         self.host_name = host_name
+        self.limit = limit if limit is not None else ReachLimit()
         self.trunks = trunks
         self.given: dict[str, int] = {}  # relay member → links it was asked for
         self._asked: dict[str, list[float]] = {}  # requester → when it was given relayed links (this window)
@@ -95,17 +103,18 @@ class Rendezvous:
         return route
 
     async def _route(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo, relay: bool) -> m.Route:
-        seen = trunk.conn.peer_address
+        seen = observed(trunk.conn)
         if not relay:
-            if not trunk.local or seen is None:
-                return m.Route(kind="direct", address=trunk.listen)  # advertised, or an older trunk
-            if not trunk.behind_nat:
+            if not trunk.local or seen is None or not trunk.behind_nat:
+                # (``listen`` is its stated port at the IP the host saw it at: trunks.reachable_address)
                 return m.Route(kind="direct", address=trunk.listen)
-            mine = requester.peer_address
+            mine = observed(requester)
             if mine is None:
                 raise NoRoute("the host does not see where your connection comes from")
-            if mine[0] == seen[0]:  # behind the same router: its address on their network
-                return m.Route(kind="direct", address=trunk.local)
+            lan = lan_address(trunk.local)
+            if mine[0] == seen[0] and lan:  # behind the same router: its address on their network
+                return m.Route(kind="direct", address=lan)
+            self._charge(requester.peer_name, trunk_name)
             ticket_requester, ticket_trunk = introduce(Address(*mine), Address(*seen))
             trunk.conn.send(trunk.plan_stream, m.encode(m.PunchWith(
                 peer=str(ticket_trunk.peer), member=requester.peer_name, nonce=ticket_trunk.nonce.hex(),
@@ -113,6 +122,14 @@ class Rendezvous:
             return m.Route(kind="punch", address=str(ticket_requester.peer), nonce=ticket_requester.nonce.hex(),
                            side=ticket_requester.side)
         return await self._relayed(requester, trunk_name, trunk)
+
+    def _charge(self, requester: str, trunk_name: str) -> None:
+        """A punch makes the trunk send probes: it takes one of the requester's tokens. (Relayed
+        links have a limit of their own: MAX_RELAYED_PER_MEMBER.)"""
+        if not self.limit.allow(requester):
+            raise NoRoute(f"too many punched routes asked for (at most {self.limit.burst} at once, then "
+                          f"{self.limit.rate:g} per second); try {trunk_name} again in "
+                          f"{max(0.1, self.limit.retry_after(requester)):.1f} s")
 
     async def _relayed(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo) -> m.Route:
         """A relayed link: through a reachable member that offers to relay (the one that was given
@@ -131,7 +148,7 @@ class Rendezvous:
             except (m.Refused, WireError, ConnectionError, asyncio.TimeoutError) as e:
                 log.warning("relay %s could not take a link: %s", name, e)
                 continue
-            seen = candidate.conn.peer_address
+            seen = observed(candidate.conn)
             if seen is None:
                 continue
             self.given[name] = self.given.get(name, 0) + 1

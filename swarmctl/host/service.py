@@ -38,7 +38,7 @@ from .planning import PlanKeeper
 from .rendezvous import NoRoute, Rendezvous
 from .reports import AskerReports
 from .status import StatusSources, swarm_status
-from .trunks import TrunkInfo, Trunks, reachable_address
+from .trunks import TrunkInfo, Trunks, observed, reachable_address
 
 log = logging.getLogger("swarmctl.host")
 
@@ -252,7 +252,15 @@ class HostService:
     # --- trunks ---
 
     def _register(self, conn: SwarmProtocol, stream_id: int, message: m.Register) -> None:
-        listen = str(reachable_address(Address.parse(message.listen), conn))
+        stated = Address.parse(message.listen)
+        if observed(conn) is None:
+            self._error(conn, stream_id, "the host does not see where your connection comes from")
+            return
+        # Its stated port at the IP we see: never an IP it names (trunks.reachable_address).
+        listen = str(reachable_address(stated, conn))
+        if stated.host not in ("0.0.0.0", "::", "") and str(stated) != listen:
+            log.info("trunk %s said it is reached at %s; it is reached at %s, where its connection comes "
+                     "from (addresses are observed, not claimed)", conn.peer_name, stated, listen)
         speed = message.ms_per_layer_token
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
                                                         device=message.device, rtt_ms=message.rtt_ms,

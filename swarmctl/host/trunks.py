@@ -3,6 +3,7 @@ what the host saw itself."""
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field
 
@@ -10,24 +11,41 @@ from net.endpoint import Address
 from net.protocol import SwarmProtocol
 from plans.nodes import ASKER, Link
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+def observed(conn: SwarmProtocol) -> tuple[str, int] | None:
+    """Where the host sees a member's connection come from, on a path the member proved it
+    receives on (net.protocol.SwarmProtocol.validated_peer_address): not where a datagram of an
+    unvalidated migration said it came from."""
+    return conn.validated_peer_address
 
 
 def reachable_address(stated: Address, conn: SwarmProtocol) -> Address:
-    """Where the swarm reaches a trunk: the address it stated (its ``--advertise``, or a specific
-    listen address), or, when it listens on every interface (README's default ``0.0.0.0:7471``),
-    its listen port at the IP its connection to this host comes from."""
-    seen = conn.peer_address
-    if stated.host not in WILDCARD_HOSTS or seen is None:
+    """Where the swarm reaches a trunk: the port it stated (its ``--advertise`` or listen port) at
+    the IP the host sees its connection come from. Never another IP it names: the others would
+    send QUIC handshakes to whatever address a member wrote (a reflection of the swarm's traffic
+    at anyone it picks), so an address is observed, not claimed. The stated one when the host does
+    not see the connection's (cannot happen on a handshaken connection; callers check)."""
+    seen = observed(conn)
+    if seen is None:
         return stated
     return Address(seen[0], stated.port)
+
+
+def lan_address(text: str) -> str:
+    """A trunk's own view of its socket (``register.local``) if it is an address on a local network
+    (private, loopback, link-local, carrier-grade NAT): the address members behind the same
+    public IP are given. "" for a global address: nobody behind that IP is sent to it."""
+    try:
+        host = Address.parse(text).host
+        return text if not ipaddress.ip_address(host).is_global else ""
+    except ValueError:
+        return ""
 
 
 @dataclass
 class TrunkInfo:
     conn: SwarmProtocol
     plan_stream: int  # the register stream; new plans go out on it
-    listen: str
+    listen: str  # where it is reached: its stated port at the IP the host sees (reachable_address)
     memory: int
     ms_per_layer_token: float | None = None  # measured at join; None until the trunk has the model
     device: str = "cpu"
@@ -43,16 +61,16 @@ class TrunkInfo:
     @property
     def behind_nat(self) -> bool:
         """Seen by the host at another IP than its own: nobody can connect to it unasked."""
-        seen = self.conn.peer_address
+        seen = observed(self.conn)
         return bool(self.local) and seen is not None and Address.parse(self.local).host != seen[0]
 
     @property
     def seen_address(self) -> str:
         """Where this trunk is, as far as the host knows: behind a NAT, the public ip:port of its
         swarm socket as the host sees it on this very connection (its own mapping, current after
-        its router renumbers; two members behind one router each have their own), else the
-        address it is reached at (``listen``)."""
-        seen = self.conn.peer_address
+        its router renumbers; two members behind one router each have their own; validated: not
+        one an unproven migration named), else the address it is reached at (``listen``)."""
+        seen = observed(self.conn)
         if not self.behind_nat or seen is None:
             return self.listen
         return str(Address(seen[0], int(seen[1])))
@@ -61,7 +79,7 @@ class TrunkInfo:
     def port_kept(self) -> bool:
         """Its NAT kept its swarm socket's port towards the host (a port-preserving NAT that had
         the port free: peers see the same one)."""
-        seen = self.conn.peer_address
+        seen = observed(self.conn)
         return seen is None or not self.local or Address.parse(self.local).port == int(seen[1])
     # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
     # the host has timed the trunk, and never faster than the host timed it.
