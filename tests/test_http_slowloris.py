@@ -17,7 +17,7 @@ from contextlib import ExitStack
 import pytest
 
 from swarmctl.api.http import client_address
-from swarmctl.api.server import check_key
+from swarmctl.api.startup import StartingServer
 from tests.test_http_server import EchoServer, error_code, read_all, status_of
 
 KEY = "sk-slowloris-test"
@@ -26,12 +26,13 @@ REFILL = ("127.0.0.7", "127.0.0.8")
 PARTIAL_HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow-1: a\r\n"  # never ended: a trickler's start
 
 
-class KeyedServer(EchoServer):
-    """The echo server of test_http_server behind the API's own key check."""
+FRONT = StartingServer(KEY)  # serve's gate: the API key checked on the head
 
-    @staticmethod
-    def gate(request):
-        return check_key(request, KEY)
+
+class KeyedServer(EchoServer):
+    """The echo server of test_http_server behind serve's own key check."""
+
+    gate = staticmethod(FRONT.check_head)
 
 
 def connect(server: EchoServer, source: str, stack: ExitStack) -> socket.socket:
@@ -92,15 +93,15 @@ def test_keyless_tricklers_cannot_keep_a_keyed_client_out(keyed_server):
         others = {address: [connect(server, address, stack) for _ in range(16)] for address in OTHERS}
         for s in attacker + [s for group in others.values() for s in group]:
             s.sendall(PARTIAL_HEAD)
-        for s in attacker[:32] + [s for group in others.values() for s in group]:
-            s.sendall(b"X-Slow-2: b\r\n")  # still trickling (the last 32 have been closed)
+        for s in attacker + [s for group in others.values() for s in group]:
+            s.sendall(b"X-Slow-2: b\r\n")  # still trickling
 
-        # Per address: the attacker's first 16 (a quarter of 64) hold slots; its next 16 hold no
-        # slot and are answered 503 when their head ends; the rest are closed at once.
+        # Per address: the attacker's first 16 (a quarter of 64) hold slots; the other 48 hold
+        # none and are answered 503 when their head ends (without the key).
         assert status_of(finish_head(attacker[5])) == 401  # held a slot: the key check answered
-        reply = finish_head(attacker[16])
-        assert status_of(reply) == 503 and error_code(reply) == "too_many_connections"
-        assert finish_head(attacker[40]) == b""
+        for index in (16, 63):
+            reply = finish_head(attacker[index])
+            assert status_of(reply) == 503 and error_code(reply) == "too_many_connections"
         # The other addresses got slots, the attacker's 64 connections notwithstanding.
         assert status_of(finish_head(others[OTHERS[0]][3])) == 401
 
@@ -117,6 +118,7 @@ def test_keyless_tricklers_cannot_keep_a_keyed_client_out(keyed_server):
         assert status_of(ask(connect(server, CLIENT, stack), KEY)) == 200
         assert closed(others[OTHERS[1]][0])
         # Then every address holds 15 or fewer: the oldest of those with 15 goes, the attacker's first.
+        # (Its 46 connections without a slot are no candidates: they hold nothing to give.)
         assert status_of(ask(connect(server, STRANGER, stack), KEY)) == 200
         assert closed(attacker[0])
         # The keyed connection of before was never a candidate: it still answers.
@@ -146,6 +148,41 @@ def test_a_keyed_connection_is_refused_only_when_the_slots_are_keyed():
             assert status_of(reply) == 503 and error_code(reply) == "too_many_connections"
             for s in keyed + newcomers:
                 assert status_of(ask(s, KEY)) == 200
+    finally:
+        server.close()
+
+
+def test_one_address_waiting_beyond_the_slots_is_closed_at_once():
+    """Connections from one address that get no slot may wait for their head up to
+    max_connections of them; beyond that they are closed at once, unanswered."""
+    server = KeyedServer(idle_timeout=120, head_timeout=120, max_connections=4)
+    try:
+        with ExitStack() as stack:
+            flood = [connect(server, ATTACKER, stack) for _ in range(6)]  # 1 slot, 4 waiting, 1 closed
+            assert closed(flood[5])
+            for s in flood[:5]:
+                s.sendall(PARTIAL_HEAD)
+            reply = finish_head(flood[4])
+            assert status_of(reply) == 503 and error_code(reply) == "too_many_connections"
+            assert status_of(finish_head(flood[0])) == 401  # the one with a slot
+            # A waiting one with the key from that address is served (there is a free slot now).
+            assert status_of(finish_head(flood[1], KEY)) == 200
+    finally:
+        server.close()
+
+
+def test_without_a_key_one_client_may_open_a_burst_of_connections():
+    """With no key set, a complete request is all the trust there is: a client opening 48
+    connections at once from one address (a pool starting up) is served on all of them, although
+    only 16 could take a slot before sending their heads."""
+    server = EchoServer(idle_timeout=30, head_timeout=30)  # lets every request through: no key
+    try:
+        with ExitStack() as stack:
+            burst = [connect(server, CLIENT, stack) for _ in range(48)]
+            for s in burst:
+                assert status_of(ask(s, None)) == 200
+            for s in burst:  # and they stay served: kept alive, none evicted
+                assert status_of(ask(s, None)) == 200
     finally:
         server.close()
 

@@ -22,11 +22,12 @@ harm:
 - bodies held at once (read, or their request being handled), all connections together, of at
   most ``max_bodies_bytes``; a request beyond that is answered 503;
 - at most ``max_connections`` connections hold a slot at once, and at most ``max_per_address``
-  of those that have not shown the key come from one client address (an IPv6 /64 counts as one
-  address); a connection beyond either gets 503 for its first request and is closed, unless that
-  request carries the key (below);
-- a connection that has shown the key (its request passed a gate that answered ``PROVEN``) is
-  never refused for lack of slots held by connections that have not: see ``_Slots``;
+  of those not yet trusted come from one client address (an IPv6 /64 counts as one address); a
+  connection beyond either gets 503 for its first request and is closed, unless the gate lets
+  that request through (below);
+- a connection is trusted once the gate has let one of its requests through (it carried the key;
+  with no key set, any complete request); a trusted connection is never refused for lack of
+  slots held by connections that are not, nor closed to make room: see ``_Slots``;
 - a whole request head must arrive within ``head_timeout`` (``HEAD_TIMEOUT_S``) of the
   connection opening, or of its first byte on a kept-alive connection, however it trickles
   (Slowloris); the connection is closed unanswered past it. A kept-alive connection may wait
@@ -60,7 +61,7 @@ DEFAULT_MAX_CONNECTIONS = 64
 MAX_BODIES_BYTES = 4 * MAX_BODY_BYTES  # request bodies held at once, all connections together
 IDLE_TIMEOUT_S = 75.0  # a kept-alive connection that sends nothing for this long is closed
 HEAD_TIMEOUT_S = 10.0  # a whole request head, from the connection opening or from its first byte
-PER_ADDRESS_SHARE = 4  # one client address may hold 1/4 of the slots with connections not yet keyed
+PER_ADDRESS_SHARE = 4  # one client address may hold 1/4 of the slots with connections not yet trusted
 READ_TIMEOUT_S = 30.0  # a request body that has started must keep arriving at least this often
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 LIMIT_LOG_INTERVAL_S = 60.0  # "connection limit reached" is logged at most this often
@@ -139,18 +140,10 @@ class Responder:
         return response
 
 
-@dataclass(frozen=True)
-class Proven:
-    """The gate's answer to a request that carried the server's key: let it through, and trust its
-    connection from now on (it is never evicted, and may take a slot from one that is not trusted)."""
-
-
-PROVEN = Proven()
-
 Handler = Callable[[Request, Responder], Awaitable[None]]
-# A request's head (its body still unread, b"") → None or PROVEN to read the body and handle it
-# (None when the server has no key, so that nothing can be proven), or a Refusal.
-Gate = Callable[[Request], "Refusal | Proven | None"]
+# A request's head (its body still unread, b"") → None to read the body and handle it (and trust
+# its connection from then on: see _Slots), or a Refusal.
+Gate = Callable[[Request], "Refusal | None"]
 # (status, message, code) → the application's error body (JSON)
 ErrorBody = Callable[[int, str, "str | None"], bytes]
 
@@ -190,30 +183,34 @@ class _Counters:
 class _Slots:
     """Who holds the ``max_connections`` connection slots.
 
+    A connection is trusted once the gate has let one of its requests through: it showed the
+    key, or, on a server with no key (where anyone who can connect may ask anything), it sent a
+    complete request. A trickler is never trusted.
+
     A connection takes a free slot when it opens, if its address holds fewer than
-    ``per_address`` slots with connections that have not shown the key (a connection that
-    has shown it does not count against its address: several clients behind one NAT, or one
-    client with a pool of keyed connections, are not the attack). A connection that gets no
-    slot ("waiting") may still send one head: if it carries the key, the connection is
-    admitted (``admit``), otherwise it is answered 503 and closed. Waiting connections are
-    capped per address too (closed at once beyond), so one address holds at most twice
-    ``per_address`` sockets that have not shown the key, for at most ``head_timeout`` each
-    unless their head completes.
+    ``per_address`` slots with connections not trusted (trusted ones do not count against their
+    address: several clients behind one NAT, or one client with a pool of connections, are not
+    the attack). A connection that gets no slot ("waiting") may still send one head: if the gate
+    lets it through, the connection is admitted (``admit``), otherwise it is answered 503 and
+    closed. One address may have at most ``max_connections`` connections waiting (closed at once
+    beyond), so that a client's burst of new connections is served while a flood from one
+    address stays bounded; each waits at most ``head_timeout`` unless its head completes.
 
     Why evict rather than reserve: a connection cannot say whether it has the key until its head
     has arrived, so slots reserved for keyed clients would have to be taken at connect time by
-    anyone, and a reserve sized N is filled by N+1 attackers. Eviction needs no guess. A keyed
-    head that finds every slot taken closes one connection that has not shown the key and is
-    between requests (waiting for its head or idle in keep-alive; never one being answered),
-    from the address holding the most such slots, the oldest first, and takes its slot. Only a
-    shown key evicts, so keyless connections cannot evict each other, and a keyed
-    connection is never evicted: it is refused only when the other slots are all keyed or busy.
+    anyone, and a reserve of N is filled by N+1 attackers. Eviction needs no guess. A head let
+    through that finds every slot taken closes one connection that is not trusted and is
+    between requests (its head still incomplete, or idle in keep-alive after a refusal; never
+    one whose head has ended), from the address holding the most such slots, the oldest first,
+    and takes its slot. Only a trusted head evicts, so untrusted connections cannot evict each
+    other, and a trusted connection is never evicted: it is refused only when every slot is
+    trusted or busy.
     """
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.held: dict["_Connection", None] = {}  # insertion order: the oldest first
-        self.unproven: Counter[str] = Counter()  # address → slots held by connections not keyed
+        self.unproven: Counter[str] = Counter()  # address → slots held by connections not trusted
         self.waiting: Counter[str] = Counter()  # address → connections without a slot
 
     def open(self, connection: "_Connection") -> str:
@@ -224,18 +221,18 @@ class _Slots:
             self.held[connection] = None
             self.unproven[address] += 1
             return "slot"
-        if self.waiting[address] >= per_address:
+        if self.waiting[address] >= self.limits.max_connections:
             return "closed"
         self.waiting[address] += 1
         return "waiting"
 
     def prove(self, connection: "_Connection") -> None:
-        """A connection holding a slot has shown the key: it no longer counts against its address."""
+        """A connection holding a slot is trusted now: it no longer counts against its address."""
         _decrement(self.unproven, connection.address)
 
     def admit(self, connection: "_Connection") -> bool:
-        """A waiting connection whose head carries the key: a free slot, or one taken from a
-        connection that has not shown the key; False when every slot is keyed or busy."""
+        """A waiting connection whose head the gate let through: a free slot, or one taken from a
+        connection not trusted; False when every slot is trusted or busy."""
         if len(self.held) >= self.limits.max_connections:
             victim = self._victim()
             if victim is None:
@@ -336,12 +333,13 @@ class _Exchange:
         request = _request(raw)
         waiting = connection.state == "waiting"
         if waiting:
-            # No slot: only the key gets one (taken from a connection that has not shown it).
+            # No slot: only a request the gate lets through gets one (from an untrusted connection).
             verdict = self._judge(request)
-            if not (isinstance(verdict, Proven) and connection.admit()):
+            if not (verdict is None and connection.admit()):
                 return self._error(raw, 503, f"the server has too many connections open "
                                              f"({self.limits.max_connections}, at most "
-                                             f"{self.limits.per_address} from one address without the key); "
+                                             f"{self.limits.per_address} from one address before a request "
+                                             f"is let through); "
                                              f"retry shortly", "too_many_connections", {"Retry-After": "1"})
         try:
             length = self._check_head(raw)
@@ -349,9 +347,9 @@ class _Exchange:
             return self._error(raw, e.status, str(e), e.code)
         if not waiting:
             verdict = self._judge(request)
-            if isinstance(verdict, Proven):
+            if verdict is None:
                 connection.prove()
-        if isinstance(verdict, Refusal):
+        if verdict is not None:
             refusal = verdict
             keep_alive = request.keep_alive and raw.content.is_eof()  # a body still coming is not read: close
             return json_response(refusal.status, refusal.body, refusal.headers, keep_alive)
@@ -373,7 +371,7 @@ class _Exchange:
         finally:
             self.counters.bodies_bytes -= length
 
-    def _judge(self, request: Request) -> "Refusal | Proven | None":
+    def _judge(self, request: Request) -> Refusal | None:
         return self.gate(request) if self.gate is not None else None
 
     def _check_head(self, raw: web.BaseRequest) -> int:
@@ -452,7 +450,7 @@ class _Connection(web.RequestHandler):
         self.exchange = server.exchange
         self.address = ""
         self.state = "new"  # "slot", "waiting" (no slot yet), "closed" (refused) or "gone"
-        self.trusted = False  # has shown the key: never evicted
+        self.trusted = False  # the gate has let one of its requests through: never evicted
         self.in_request = False
         self.draining = False  # the last request's body was not read: what comes is not a head
         self.idle_bytes = 0  # bytes of a head still incomplete
@@ -466,12 +464,12 @@ class _Connection(web.RequestHandler):
         if self.state != "slot":
             if len(slots.held) >= self.exchange.limits.max_connections:
                 self.exchange.counters.warn_at_most_once_a_minute(
-                    "limit", "%d connections open, the most allowed: answering new ones 503 unless they show the key",
-                    len(slots.held))
+                    "limit", "%d connections open, the most allowed: answering new ones 503 unless they show the "
+                    "key (none is set: unless they send a complete request)", len(slots.held))
             else:
                 self.exchange.counters.warn_at_most_once_a_minute(
-                    "address limit", "%s holds %d connections without the key, the most one address may: answering "
-                    "its new ones 503 unless they show the key", self.address, self.exchange.limits.per_address)
+                    "address limit", "%s holds %d connections that have not shown the key, the most one address "
+                    "may: answering its new ones 503 unless they do", self.address, self.exchange.limits.per_address)
         super().connection_made(transport)
         if self.state == "closed":
             self.force_close()  # this address already has as many waiting as it may: not even a 503
@@ -495,7 +493,7 @@ class _Connection(web.RequestHandler):
         return not self.in_request and self.idle_bytes >= 0
 
     def admit(self) -> bool:
-        """A waiting connection whose head carries the key: a slot, if one can be had."""
+        """A waiting connection whose head the gate let through: a slot, if one can be had."""
         if not self.exchange.slots.admit(self):
             return False
         self.state, self.trusted = "slot", True
@@ -507,10 +505,10 @@ class _Connection(web.RequestHandler):
         self.trusted = True
 
     def evict(self) -> None:
-        """Give this connection's slot to a keyed one: released at once (connection_lost comes
+        """Give this connection's slot to a trusted one: released at once (connection_lost comes
         a loop turn later), and closed unanswered, as a kept-alive connection may be at any time."""
         self.exchange.counters.warn_at_most_once_a_minute(
-            "evict", "every connection slot is taken: closing one without the key (from %s) for one with it",
+            "evict", "every connection slot is taken: closing one that has not shown the key (from %s) for one that has",
             self.address)
         self._release()
         self.force_close()

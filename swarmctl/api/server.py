@@ -22,7 +22,7 @@ from kernels.errors import ModelFileError
 from swarmctl.api import sse
 from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
 from swarmctl.api.generation import TextGeneration
-from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, PROVEN, Limits, Proven, Refusal, Request, Responder, start_server
+from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, model_list, model_object
 from swarmctl.asker import Asker, Trunk
@@ -64,9 +64,9 @@ class ApiServer:
         return await start_server(self.handle, error_body=http_error_body, gate=self.check_head, host=host,
                                   port=port, sock=sock, tls=tls, limits=limits)
 
-    def check_head(self, request: Request) -> Refusal | Proven | None:
+    def check_head(self, request: Request) -> Refusal | None:
         """Before the body is read: a request without the key is refused on its head alone, so a
-        stranger cannot make this server buffer bodies; one with it proves its connection."""
+        stranger cannot make this server buffer bodies."""
         return check_key(request, self.api_key)
 
     async def handle(self, request: Request, responder: Responder) -> None:
@@ -226,17 +226,16 @@ def authorize(request: Request, api_key: str | None) -> None:
     raise ApiError(401, message, code="invalid_api_key")
 
 
-def check_key(request: Request, api_key: str | None) -> Refusal | Proven | None:
+def check_key(request: Request, api_key: str | None) -> Refusal | None:
     """The gate on a request's head (its body unread): a Refusal, logged, when the key is missing or
-    wrong; PROVEN when it is right, so that its connection is trusted with a slot (swarmctl/api/http.py);
-    None when the server has no key, so anyone may ask and nobody is trusted above the others."""
+    wrong. A request it lets through makes its connection trusted with a slot (swarmctl/api/http.py)."""
     try:
         authorize(request, api_key)
     except ApiError as error:
         request_id = "req_" + secrets.token_hex(12)
         log.warning("%s %s %s -> %d %s", request_id, request.method, request.path, error.status, error.message)
         return Refusal(error.status, error.encode(), {"x-request-id": request_id})
-    return PROVEN if api_key is not None else None
+    return None
 
 
 def _drop_tracebacks(error: BaseException) -> None:

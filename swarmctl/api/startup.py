@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from swarmctl.api.errors import ApiError
-from swarmctl.api.http import Proven, Refusal, Request, Responder
+from swarmctl.api.http import Refusal, Request, Responder
 from swarmctl.api.server import ApiServer, check_key
 
 log = logging.getLogger("swarmctl.serve")
@@ -31,7 +31,7 @@ class StartingServer:
     def ready(self, api: ApiServer) -> None:
         self.api = api
 
-    def check_head(self, request: Request) -> Refusal | Proven | None:
+    def check_head(self, request: Request) -> Refusal | None:
         if self.api is not None:
             return self.api.check_head(request)
         return check_key(request, self.api_key)
