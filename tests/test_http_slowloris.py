@@ -121,6 +121,10 @@ def test_keyless_tricklers_cannot_keep_a_keyed_client_out(keyed_server):
         # (Its 46 connections without a slot are no candidates: they hold nothing to give.)
         assert status_of(ask(connect(server, STRANGER, stack), KEY)) == 200
         assert closed(attacker[0])
+        # A client with the key behind the attacker's own address (one NAT) is served as well: its
+        # connection waits without a slot like the attacker's, and its key takes one.
+        assert status_of(ask(connect(server, ATTACKER, stack), KEY)) == 200
+        assert closed(others[OTHERS[0]][0])  # 15 each now; the oldest of those goes
         # The keyed connection of before was never a candidate: it still answers.
         assert status_of(ask(early, KEY)) == 200
         # Tricklers that were not evicted are still open (nothing was closed wholesale).

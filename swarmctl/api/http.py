@@ -24,7 +24,8 @@ harm:
 - at most ``max_connections`` connections hold a slot at once, and at most ``max_per_address``
   of those not yet trusted come from one client address (an IPv6 /64 counts as one address); a
   connection beyond either gets 503 for its first request and is closed, unless the gate lets
-  that request through (below);
+  that request through (below); one address's connections waiting so beyond ``max_connections``
+  of them are closed at once, unanswered;
 - a connection is trusted once the gate has let one of its requests through (it carried the key;
   with no key set, any complete request); a trusted connection is never refused for lack of
   slots held by connections that are not, nor closed to make room: see ``_Slots``;
