@@ -11,6 +11,7 @@ from net.endpoint import Address
 from net.protocol import SwarmProtocol
 from plans.nodes import ASKER, Link
 
+
 def observed(conn: SwarmProtocol) -> tuple[str, int] | None:
     """Where the host sees a member's connection come from, on a path the member proved it
     receives on (net.protocol.SwarmProtocol.validated_peer_address): not where a datagram of an
@@ -35,9 +36,9 @@ def lan_address(text: str) -> str:
     (private, loopback, link-local, carrier-grade NAT): the address members behind the same
     public IP are given. "" for a global address: nobody behind that IP is sent to it."""
     try:
-        host = Address.parse(text).host
-        return text if not ipaddress.ip_address(host).is_global else ""
-    except ValueError:
+        address = Address.parse(text)
+        return str(address) if not ipaddress.ip_address(address.host).is_global else ""
+    except ValueError:  # (not an address, or a host name)
         return ""
 
 
