@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_int, default=600, metavar="S",
                         help="seconds a request may take, waiting for a slot included (default 600)")
     parser.add_argument("--max-connections", type=positive_int, default=64, metavar="N",
-                        help="client connections open at once (default 64); more are answered 503 and closed")
+                        help="client connections open at once (default 64; a quarter per client address until it shows the key); more are answered 503 and closed unless they carry the key")
     parser.add_argument("--tls-cert", metavar="PEM", default=None,
                         help="serve HTTPS with this certificate (chain), together with --tls-key")
     parser.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
