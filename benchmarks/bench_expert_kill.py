@@ -20,7 +20,6 @@ answer (`--transport inproc`). Where namespaces are not permitted it prints one 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import shutil
@@ -34,16 +33,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit_json  # noqa: E402
+from benchmarks.lab_swarm import BenchError, LabSwarm  # noqa: E402
 from tests.nat_lab import HOST_IP, NatLab  # noqa: E402
 from tests.netns import LabUnavailable  # noqa: E402
 
 PROMPT = "Once upon a time"
 STAGES, EXPERT_NODES, ASKER, VICTIM = ("alice", "bob"), ("carol", "erin"), "dave", "carol"
 NATS = {name: "cone" for name in (*STAGES, *EXPERT_NODES, ASKER)}
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 def tiny_model(name: str, directory: Path) -> Path:
@@ -56,28 +52,16 @@ def tiny_model(name: str, directory: Path) -> Path:
     return write_tiny_model(directory / f"{name}.gguf", TINY_CONFIGS[name], Path(default_model_path()))
 
 
-class Swarm:
+class Swarm(LabSwarm):
     def __init__(self, lab: NatLab, root: Path, model: Path) -> None:
-        self.lab, self.root, self.model = lab, root, model
-        self.homes = {name: root / name for name in ("host", *STAGES, *EXPERT_NODES, ASKER)}
-        self.nodes = {}
-
-    def swarmctl(self, machine: str, *args: str, timeout: float = 180):
-        r = self.lab.net.swarmctl(machine, self.homes[machine], *args, timeout=timeout)
-        if r.returncode != 0:
-            raise BenchError(f"{machine}: swarmctl {' '.join(args)} failed ({r.returncode}): "
-                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        return r
-
-    def status(self) -> dict | None:
-        r = self.lab.net.swarmctl("host", self.homes["host"], "status", "--json", timeout=60)
-        return json.loads(r.stdout) if r.returncode == 0 else None
+        super().__init__(lab, root, (*STAGES, *EXPERT_NODES, ASKER))
+        self.model = model
 
     def form(self) -> None:
         self.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even", "--model",
                       str(self.model), "--head-layers", "1", "--expert-nodes", "2", "--context", "512")
         self.nodes["host"] = self.lab.net.start("host", self.homes["host"], "run", "--role", "host")
-        self._wait("the host", lambda s: True)
+        self.wait_for("the host", lambda s: True)
         for name in (*STAGES, *EXPERT_NODES, ASKER):
             code = self.swarmctl("host", "invite", "--role", "asker" if name == ASKER else "trunk").stdout.strip()
             self.swarmctl(name, "join", code, "--name", name, "--model", str(self.model))
@@ -92,19 +76,7 @@ class Swarm:
             return status["complete"] and experts == set(EXPERT_NODES) and len(staged) == len(STAGES) \
                 and all(m["health"] == "ready" for m in staged)
 
-        self._wait("a complete plan with both expert nodes", whole)
-
-    def _wait(self, what: str, check, timeout: float = 180) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, process in self.nodes.items():
-                if not process.alive:
-                    raise BenchError(f"{name} exited: {process.log()[-500:]}")
-            status = self.status()
-            if status is not None and check(status):
-                return status
-            time.sleep(0.5)
-        raise BenchError(f"gave up waiting for {what}")
+        self.wait_for("a complete plan with both expert nodes", whole)
 
     def ask_and_kill(self, max_tokens: int, kill_after: int) -> dict:
         argv = self.lab.net[ASKER].command(sys.executable, "-m", "swarmctl", "ask", "--raw", "--temperature", "0",

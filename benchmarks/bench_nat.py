@@ -28,17 +28,16 @@ to the extra public-network crossings its relayed hops add (the relay's round tr
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit_json  # noqa: E402
+from benchmarks.lab_swarm import BenchError, LabSwarm  # noqa: E402
 from tests.nat_lab import HOST_IP, NatLab  # noqa: E402
 from tests.netns import LabUnavailable  # noqa: E402
 
@@ -53,49 +52,23 @@ LAYOUTS = {
 ASK_LOG = re.compile(r"(\d+) prompt tokens, (\d+) generated in ([\d.]+)s \(([\d.]+) tok/s\), finish: (\w+)")
 
 
-class BenchError(RuntimeError):
-    pass
-
-
-class Swarm:
+class Swarm(LabSwarm):
     def __init__(self, lab: NatLab, root: Path, threads: int) -> None:
-        self.lab, self.root, self.threads = lab, root, threads
-        self.homes = {name: root / name for name in ("host", *TRUNKS, ASKER)}
-        self.nodes = {}
-
-    def swarmctl(self, machine: str, *args: str, timeout: float = 180):
-        r = self.lab.net.swarmctl(machine, self.homes[machine], *args, timeout=timeout)
-        if r.returncode != 0:
-            raise BenchError(f"{machine}: swarmctl {' '.join(args)} failed ({r.returncode}): "
-                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        return r
-
-    def status(self) -> dict | None:
-        r = self.lab.net.swarmctl("host", self.homes["host"], "status", "--json", timeout=60)
-        return json.loads(r.stdout) if r.returncode == 0 else None
+        super().__init__(lab, root, (*TRUNKS, ASKER))
+        self.threads = threads
 
     def wait_complete(self, timeout: float = 180) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, process in self.nodes.items():
-                if not process.alive:
-                    raise BenchError(f"{name} exited: {process.log()[-500:]}")
-            status = self.status()
-            if status and status["complete"]:
-                staged = [m for m in status["members"] if m["layers"]]
-                if {m["name"] for m in staged} == set(TRUNKS) and all(m["health"] == "ready" for m in staged):
-                    return status
-            time.sleep(0.5)
-        raise BenchError("the swarm did not become complete with a stage on every trunk")
+        def complete(status: dict) -> bool:
+            staged = [m for m in status["members"] if m["layers"]]
+            return status["complete"] and {m["name"] for m in staged} == set(TRUNKS) \
+                and all(m["health"] == "ready" for m in staged)
+
+        return self.wait_for("a complete plan with a stage on every trunk", complete, timeout)
 
     def form(self) -> None:
         self.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even")
         self.nodes["host"] = self.lab.net.start("host", self.homes["host"], "run", "--role", "host")
-        deadline = time.monotonic() + 60
-        while self.status() is None:
-            if time.monotonic() > deadline:
-                raise BenchError("the host did not answer status")
-            time.sleep(0.5)
+        self.wait_for("the host to answer status", lambda status: True, timeout=60)
         for name in (*TRUNKS, ASKER):
             code = self.swarmctl("host", "invite", "--role", "trunk" if name in TRUNKS else "asker").stdout.strip()
             self.swarmctl(name, "join", code, "--name", name)
