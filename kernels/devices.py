@@ -1,7 +1,7 @@
 """The compute devices this build of llama.cpp offers, and picking one by what a user types.
 
 ggml keeps a registry of backends: the CPU always, and whatever GPU backends llama-cpp-python was
-compiled with (CUDA, Metal, Vulkan, ROCm/HIP, SYCL, RPC; see README for the install lines). Each
+compiled with (CUDA, Metal, Vulkan, ROCm/HIP, SYCL, RPC; see docs/gpus.md for the install lines). Each
 device has a name ("CPU", "CUDA0", "Vulkan0", "Metal", "ROCm0", ...), a description (the card's
 name) and the memory it reports. Users say ``--device auto|cpu|cuda[:N]|metal|vulkan[:N]|rocm[:N]``:
 a family and an index within it. ``auto`` takes the first GPU the build offers, else the CPU.

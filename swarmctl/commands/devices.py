@@ -1,6 +1,6 @@
 """List the devices this machine's build of llama.cpp offers, the way --device names them.
 
-A GPU appears only when llama-cpp-python was built with its backend (README: "GPUs"). Memory is
+A GPU appears only when llama-cpp-python was built with its backend (docs/gpus.md). Memory is
 what each device reports now; on a GPU, a trunk offers what is free less a reserve unless told
 --gpu-memory.
 
