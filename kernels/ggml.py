@@ -10,6 +10,7 @@ Every tensor and context is passed around as a plain integer address (``c_void_p
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
@@ -110,148 +111,173 @@ def _load(name: str) -> ctypes.CDLL:
 # stealing. Must be set before libgomp loads; a value the user set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-base = _load("libggml-base")
-cpu = _load("libggml-cpu")
-# The backend registry: the CPU and whatever GPU backends this build has linked in (kernels.devices).
-registry = _load("libggml")
-
 _P = c_void_p  # any pointer: context, tensor, graph, backend, buffer
 
+# What each binding is, bound on first use: importing kernels (the host reads a GGUF's spec, the
+# planner its layout) loads no shared library; the first ggml call loads them (issue 31 item 6).
+_DECLARED: dict[str, tuple[str, str, object, tuple]] = {}
 
-def _bind(lib: ctypes.CDLL, name: str, restype, *argtypes):
-    fn = getattr(lib, name)
+
+def _declare(attr: str, lib: str, symbol: str, restype, *argtypes) -> None:
+    _DECLARED[attr] = (lib, symbol, restype, argtypes)
+
+
+@functools.cache
+def _libraries() -> dict[str, ctypes.CDLL]:
+    libraries = {"base": _load("libggml-base"), "cpu": _load("libggml-cpu"),
+                 # the backend registry: the CPU and whatever GPU backends this build has linked in
+                 "registry": _load("libggml")}
+    # ggml writes its log to stderr by default; route it to Python logging (debug level) instead,
+    # so stderr stays for our own one-line messages.
+    log_set = libraries["base"].ggml_log_set
+    log_set.restype, log_set.argtypes = None, [c_void_p, c_void_p]
+    log_set(_LOG_CALLBACK, None)
+    return libraries
+
+
+def __getattr__(name: str):
+    """A binding (or one of the libraries: base, cpu, registry), loaded and bound on first use and
+    kept as a module global, so later calls cost what a plain ctypes call costs."""
+    if name in ("base", "cpu", "registry"):
+        return _libraries()[name]
+    if name not in _DECLARED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    lib, symbol, restype, argtypes = _DECLARED[name]
+    fn = getattr(_libraries()[lib], symbol)
     fn.restype = restype
     fn.argtypes = list(argtypes)
+    globals()[name] = fn
     return fn
 
 
+def _fn(name: str):
+    """A binding, for this module's own functions (a module's __getattr__ serves only others)."""
+    return globals().get(name) or __getattr__(name)
+
+
 # --- contexts, tensors, graphs (ggml.h) ---
-init = _bind(base, "ggml_init", _P, InitParams)
-free = _bind(base, "ggml_free", None, _P)
-tensor_overhead = _bind(base, "ggml_tensor_overhead", c_size_t)
-graph_overhead_custom = _bind(base, "ggml_graph_overhead_custom", c_size_t, c_size_t, c_bool)
-new_tensor_1d = _bind(base, "ggml_new_tensor_1d", _P, _P, c_int, c_int64)
-new_tensor_2d = _bind(base, "ggml_new_tensor_2d", _P, _P, c_int, c_int64, c_int64)
-new_tensor_3d = _bind(base, "ggml_new_tensor_3d", _P, _P, c_int, c_int64, c_int64, c_int64)
-new_tensor_4d = _bind(base, "ggml_new_tensor_4d", _P, _P, c_int, c_int64, c_int64, c_int64, c_int64)
-set_name = _bind(base, "ggml_set_name", _P, _P, c_char_p)
-format_name = _bind(base, "ggml_format_name", _P, _P, c_char_p)
-set_input = _bind(base, "ggml_set_input", None, _P)
-set_output = _bind(base, "ggml_set_output", None, _P)
-nbytes = _bind(base, "ggml_nbytes", c_size_t, _P)
-nelements = _bind(base, "ggml_nelements", c_int64, _P)
-row_size = _bind(base, "ggml_row_size", c_size_t, c_int, c_int64)
-type_size = _bind(base, "ggml_type_size", c_size_t, c_int)
-blck_size = _bind(base, "ggml_blck_size", c_int64, c_int)
-type_name = _bind(base, "ggml_type_name", c_char_p, c_int)
-new_graph_custom = _bind(base, "ggml_new_graph_custom", _P, _P, c_size_t, c_bool)
-build_forward_expand = _bind(base, "ggml_build_forward_expand", None, _P, _P)
-graph_n_nodes = _bind(base, "ggml_graph_n_nodes", c_int, _P)
-graph_get_tensor = _bind(base, "ggml_graph_get_tensor", _P, _P, c_char_p)
+_declare("init", "base", "ggml_init", _P, InitParams)
+_declare("free", "base", "ggml_free", None, _P)
+_declare("tensor_overhead", "base", "ggml_tensor_overhead", c_size_t)
+_declare("graph_overhead_custom", "base", "ggml_graph_overhead_custom", c_size_t, c_size_t, c_bool)
+_declare("new_tensor_1d", "base", "ggml_new_tensor_1d", _P, _P, c_int, c_int64)
+_declare("new_tensor_2d", "base", "ggml_new_tensor_2d", _P, _P, c_int, c_int64, c_int64)
+_declare("new_tensor_3d", "base", "ggml_new_tensor_3d", _P, _P, c_int, c_int64, c_int64, c_int64)
+_declare("new_tensor_4d", "base", "ggml_new_tensor_4d", _P, _P, c_int, c_int64, c_int64, c_int64, c_int64)
+_declare("set_name", "base", "ggml_set_name", _P, _P, c_char_p)
+_declare("format_name", "base", "ggml_format_name", _P, _P, c_char_p)
+_declare("set_input", "base", "ggml_set_input", None, _P)
+_declare("set_output", "base", "ggml_set_output", None, _P)
+_declare("nbytes", "base", "ggml_nbytes", c_size_t, _P)
+_declare("nelements", "base", "ggml_nelements", c_int64, _P)
+_declare("row_size", "base", "ggml_row_size", c_size_t, c_int, c_int64)
+_declare("type_size", "base", "ggml_type_size", c_size_t, c_int)
+_declare("blck_size", "base", "ggml_blck_size", c_int64, c_int)
+_declare("type_name", "base", "ggml_type_name", c_char_p, c_int)
+_declare("new_graph_custom", "base", "ggml_new_graph_custom", _P, _P, c_size_t, c_bool)
+_declare("build_forward_expand", "base", "ggml_build_forward_expand", None, _P, _P)
+_declare("graph_n_nodes", "base", "ggml_graph_n_nodes", c_int, _P)
+_declare("graph_get_tensor", "base", "ggml_graph_get_tensor", _P, _P, c_char_p)
 
 # --- operators (ggml.h) ---
-get_rows = _bind(base, "ggml_get_rows", _P, _P, _P, _P)
-set_rows = _bind(base, "ggml_set_rows", _P, _P, _P, _P, _P)
-rms_norm = _bind(base, "ggml_rms_norm", _P, _P, _P, c_float)
-mul = _bind(base, "ggml_mul", _P, _P, _P, _P)
-add = _bind(base, "ggml_add", _P, _P, _P, _P)
-scale = _bind(base, "ggml_scale", _P, _P, _P, c_float)
-mul_mat = _bind(base, "ggml_mul_mat", _P, _P, _P, _P)
-mul_mat_id = _bind(base, "ggml_mul_mat_id", _P, _P, _P, _P, _P)
-prec_set_acc = _bind(base, "ggml_prec_set_acc", c_bool, _P, c_int)
-reshape_2d = _bind(base, "ggml_reshape_2d", _P, _P, _P, c_int64, c_int64)
-reshape_3d = _bind(base, "ggml_reshape_3d", _P, _P, _P, c_int64, c_int64, c_int64)
-reshape_4d = _bind(base, "ggml_reshape_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64)
-view_1d = _bind(base, "ggml_view_1d", _P, _P, _P, c_int64, c_size_t)
-view_2d = _bind(base, "ggml_view_2d", _P, _P, _P, c_int64, c_int64, c_size_t, c_size_t)
-view_3d = _bind(base, "ggml_view_3d", _P, _P, _P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t)
-view_4d = _bind(base, "ggml_view_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t, c_size_t)
-permute = _bind(base, "ggml_permute", _P, _P, _P, c_int, c_int, c_int, c_int)
-transpose = _bind(base, "ggml_transpose", _P, _P, _P)
-cont = _bind(base, "ggml_cont", _P, _P, _P)
-cont_2d = _bind(base, "ggml_cont_2d", _P, _P, _P, c_int64, c_int64)
-cpy = _bind(base, "ggml_cpy", _P, _P, _P, _P)
-concat = _bind(base, "ggml_concat", _P, _P, _P, _P, c_int)
-rope_set_offset = _bind(base, "ggml_rope_set_offset", _P, _P, c_int)
-repeat_4d = _bind(base, "ggml_repeat_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64)
-rope_ext = _bind(base, "ggml_rope_ext", _P, _P, _P, _P, _P, c_int, c_int, c_int, c_float, c_float, c_float, c_float, c_float, c_float)
-soft_max_ext = _bind(base, "ggml_soft_max_ext", _P, _P, _P, _P, c_float, c_float)
-swiglu_split = _bind(base, "ggml_swiglu_split", _P, _P, _P, _P)
-silu = _bind(base, "ggml_silu", _P, _P, _P)
-argsort_top_k = _bind(base, "ggml_argsort_top_k", _P, _P, _P, c_int)
-soft_max = _bind(base, "ggml_soft_max", _P, _P, _P)
-sum_rows = _bind(base, "ggml_sum_rows", _P, _P, _P)
-div = _bind(base, "ggml_div", _P, _P, _P, _P)
-sigmoid = _bind(base, "ggml_sigmoid", _P, _P, _P)
-clamp = _bind(base, "ggml_clamp", _P, _P, _P, c_float, c_float)
-fill = _bind(base, "ggml_fill", _P, _P, _P, c_float)
+_declare("get_rows", "base", "ggml_get_rows", _P, _P, _P, _P)
+_declare("set_rows", "base", "ggml_set_rows", _P, _P, _P, _P, _P)
+_declare("rms_norm", "base", "ggml_rms_norm", _P, _P, _P, c_float)
+_declare("mul", "base", "ggml_mul", _P, _P, _P, _P)
+_declare("add", "base", "ggml_add", _P, _P, _P, _P)
+_declare("scale", "base", "ggml_scale", _P, _P, _P, c_float)
+_declare("mul_mat", "base", "ggml_mul_mat", _P, _P, _P, _P)
+_declare("mul_mat_id", "base", "ggml_mul_mat_id", _P, _P, _P, _P, _P)
+_declare("prec_set_acc", "base", "ggml_prec_set_acc", c_bool, _P, c_int)
+_declare("reshape_2d", "base", "ggml_reshape_2d", _P, _P, _P, c_int64, c_int64)
+_declare("reshape_3d", "base", "ggml_reshape_3d", _P, _P, _P, c_int64, c_int64, c_int64)
+_declare("reshape_4d", "base", "ggml_reshape_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64)
+_declare("view_1d", "base", "ggml_view_1d", _P, _P, _P, c_int64, c_size_t)
+_declare("view_2d", "base", "ggml_view_2d", _P, _P, _P, c_int64, c_int64, c_size_t, c_size_t)
+_declare("view_3d", "base", "ggml_view_3d", _P, _P, _P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t)
+_declare("view_4d", "base", "ggml_view_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t, c_size_t)
+_declare("permute", "base", "ggml_permute", _P, _P, _P, c_int, c_int, c_int, c_int)
+_declare("transpose", "base", "ggml_transpose", _P, _P, _P)
+_declare("cont", "base", "ggml_cont", _P, _P, _P)
+_declare("cont_2d", "base", "ggml_cont_2d", _P, _P, _P, c_int64, c_int64)
+_declare("cpy", "base", "ggml_cpy", _P, _P, _P, _P)
+_declare("concat", "base", "ggml_concat", _P, _P, _P, _P, c_int)
+_declare("rope_set_offset", "base", "ggml_rope_set_offset", _P, _P, c_int)
+_declare("repeat_4d", "base", "ggml_repeat_4d", _P, _P, _P, c_int64, c_int64, c_int64, c_int64)
+_declare("rope_ext", "base", "ggml_rope_ext", _P, _P, _P, _P, _P, c_int, c_int, c_int, c_float, c_float, c_float, c_float, c_float, c_float)
+_declare("soft_max_ext", "base", "ggml_soft_max_ext", _P, _P, _P, _P, c_float, c_float)
+_declare("swiglu_split", "base", "ggml_swiglu_split", _P, _P, _P, _P)
+_declare("silu", "base", "ggml_silu", _P, _P, _P)
+_declare("argsort_top_k", "base", "ggml_argsort_top_k", _P, _P, _P, c_int)
+_declare("soft_max", "base", "ggml_soft_max", _P, _P, _P)
+_declare("sum_rows", "base", "ggml_sum_rows", _P, _P, _P)
+_declare("div", "base", "ggml_div", _P, _P, _P, _P)
+_declare("sigmoid", "base", "ggml_sigmoid", _P, _P, _P)
+_declare("clamp", "base", "ggml_clamp", _P, _P, _P, c_float, c_float)
+_declare("fill", "base", "ggml_fill", _P, _P, _P, c_float)
 
 # --- backends and allocation (ggml-backend.h, ggml-alloc.h, ggml-cpu.h) ---
-backend_free = _bind(base, "ggml_backend_free", None, _P)
-backend_graph_compute = _bind(base, "ggml_backend_graph_compute", c_int, _P, _P)
-backend_get_default_buffer_type = _bind(base, "ggml_backend_get_default_buffer_type", _P, _P)
-backend_tensor_set = _bind(base, "ggml_backend_tensor_set", None, _P, c_void_p, c_size_t, c_size_t)
-backend_tensor_get = _bind(base, "ggml_backend_tensor_get", None, _P, c_void_p, c_size_t, c_size_t)
-backend_tensor_alloc = _bind(base, "ggml_backend_tensor_alloc", c_int, _P, _P, c_void_p)
-backend_buffer_free = _bind(base, "ggml_backend_buffer_free", None, _P)
-backend_buffer_get_size = _bind(base, "ggml_backend_buffer_get_size", c_size_t, _P)
-backend_buffer_clear = _bind(base, "ggml_backend_buffer_clear", None, _P, c_uint8)
-backend_alloc_ctx_tensors = _bind(base, "ggml_backend_alloc_ctx_tensors", _P, _P, _P)
-backend_cpu_buffer_from_ptr = _bind(base, "ggml_backend_cpu_buffer_from_ptr", _P, c_void_p, c_size_t)
-backend_cpu_buffer_type = _bind(base, "ggml_backend_cpu_buffer_type", _P)
-gallocr_new = _bind(base, "ggml_gallocr_new", _P, _P)
-gallocr_free = _bind(base, "ggml_gallocr_free", None, _P)
-gallocr_alloc_graph = _bind(base, "ggml_gallocr_alloc_graph", c_bool, _P, _P)
-gallocr_get_buffer_size = _bind(base, "ggml_gallocr_get_buffer_size", c_size_t, _P, c_int)
-backend_cpu_init = _bind(cpu, "ggml_backend_cpu_init", _P)
-backend_cpu_set_n_threads = _bind(cpu, "ggml_backend_cpu_set_n_threads", None, _P, c_int)
+_declare("backend_free", "base", "ggml_backend_free", None, _P)
+_declare("backend_graph_compute", "base", "ggml_backend_graph_compute", c_int, _P, _P)
+_declare("backend_get_default_buffer_type", "base", "ggml_backend_get_default_buffer_type", _P, _P)
+_declare("backend_tensor_set", "base", "ggml_backend_tensor_set", None, _P, c_void_p, c_size_t, c_size_t)
+_declare("backend_tensor_get", "base", "ggml_backend_tensor_get", None, _P, c_void_p, c_size_t, c_size_t)
+_declare("backend_tensor_alloc", "base", "ggml_backend_tensor_alloc", c_int, _P, _P, c_void_p)
+_declare("backend_buffer_free", "base", "ggml_backend_buffer_free", None, _P)
+_declare("backend_buffer_get_size", "base", "ggml_backend_buffer_get_size", c_size_t, _P)
+_declare("backend_buffer_clear", "base", "ggml_backend_buffer_clear", None, _P, c_uint8)
+_declare("backend_alloc_ctx_tensors", "base", "ggml_backend_alloc_ctx_tensors", _P, _P, _P)
+_declare("backend_cpu_buffer_from_ptr", "base", "ggml_backend_cpu_buffer_from_ptr", _P, c_void_p, c_size_t)
+_declare("backend_cpu_buffer_type", "base", "ggml_backend_cpu_buffer_type", _P)
+_declare("gallocr_new", "base", "ggml_gallocr_new", _P, _P)
+_declare("gallocr_free", "base", "ggml_gallocr_free", None, _P)
+_declare("gallocr_alloc_graph", "base", "ggml_gallocr_alloc_graph", c_bool, _P, _P)
+_declare("gallocr_get_buffer_size", "base", "ggml_gallocr_get_buffer_size", c_size_t, _P, c_int)
+_declare("backend_cpu_init", "cpu", "ggml_backend_cpu_init", _P)
+_declare("backend_cpu_set_n_threads", "cpu", "ggml_backend_cpu_set_n_threads", None, _P, c_int)
 # the CPU backend's "extra" buffer types (weights repacked for faster matmuls; kernels.backend)
-backend_cpu_reg = _bind(cpu, "ggml_backend_cpu_reg", _P)
-backend_reg_dev_get = _bind(base, "ggml_backend_reg_dev_get", _P, _P, c_size_t)
-backend_reg_get_proc_address = _bind(base, "ggml_backend_reg_get_proc_address", c_void_p, _P, c_char_p)
+_declare("backend_cpu_reg", "cpu", "ggml_backend_cpu_reg", _P)
+_declare("backend_reg_dev_get", "base", "ggml_backend_reg_dev_get", _P, _P, c_size_t)
+_declare("backend_reg_get_proc_address", "base", "ggml_backend_reg_get_proc_address", c_void_p, _P, c_char_p)
 DevGetExtraBufts = ctypes.CFUNCTYPE(ctypes.POINTER(c_void_p), c_void_p)  # ggml_backend_dev_get_extra_bufts_t
-backend_buft_name = _bind(base, "ggml_backend_buft_name", c_char_p, _P)
-backend_alloc_ctx_tensors_from_buft = _bind(base, "ggml_backend_alloc_ctx_tensors_from_buft", _P, _P, _P)
-backend_buffer_set_usage = _bind(base, "ggml_backend_buffer_set_usage", None, _P, c_int)
+_declare("backend_buft_name", "base", "ggml_backend_buft_name", c_char_p, _P)
+_declare("backend_alloc_ctx_tensors_from_buft", "base", "ggml_backend_alloc_ctx_tensors_from_buft", _P, _P, _P)
+_declare("backend_buffer_set_usage", "base", "ggml_backend_buffer_set_usage", None, _P, c_int)
 BUFFER_USAGE_WEIGHTS = 1
 
 # --- devices (ggml-backend.h): every backend this build registers, GPUs included ---
-backend_dev_count = _bind(registry, "ggml_backend_dev_count", c_size_t)
-backend_dev_get = _bind(registry, "ggml_backend_dev_get", _P, c_size_t)
-backend_dev_name = _bind(base, "ggml_backend_dev_name", c_char_p, _P)
-backend_dev_description = _bind(base, "ggml_backend_dev_description", c_char_p, _P)
-backend_dev_type = _bind(base, "ggml_backend_dev_type", c_int, _P)
-backend_dev_memory = _bind(base, "ggml_backend_dev_memory", None, _P, ctypes.POINTER(c_size_t),
+_declare("backend_dev_count", "registry", "ggml_backend_dev_count", c_size_t)
+_declare("backend_dev_get", "registry", "ggml_backend_dev_get", _P, c_size_t)
+_declare("backend_dev_name", "base", "ggml_backend_dev_name", c_char_p, _P)
+_declare("backend_dev_description", "base", "ggml_backend_dev_description", c_char_p, _P)
+_declare("backend_dev_type", "base", "ggml_backend_dev_type", c_int, _P)
+_declare("backend_dev_memory", "base", "ggml_backend_dev_memory", None, _P, ctypes.POINTER(c_size_t),
                            ctypes.POINTER(c_size_t))
-backend_dev_init = _bind(base, "ggml_backend_dev_init", _P, _P, c_char_p)
-backend_supports_op = _bind(base, "ggml_backend_supports_op", c_bool, _P, _P)
-graph_node = _bind(base, "ggml_graph_node", _P, _P, c_int)
-backend_sched_new = _bind(base, "ggml_backend_sched_new", _P, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p),
+_declare("backend_dev_init", "base", "ggml_backend_dev_init", _P, _P, c_char_p)
+_declare("backend_supports_op", "base", "ggml_backend_supports_op", c_bool, _P, _P)
+_declare("graph_node", "base", "ggml_graph_node", _P, _P, c_int)
+_declare("backend_sched_new", "base", "ggml_backend_sched_new", _P, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p),
                           c_int, c_size_t, c_bool, c_bool)
-backend_sched_free = _bind(base, "ggml_backend_sched_free", None, _P)
-backend_sched_alloc_graph = _bind(base, "ggml_backend_sched_alloc_graph", c_bool, _P, _P)
-backend_sched_graph_compute = _bind(base, "ggml_backend_sched_graph_compute", c_int, _P, _P)
+_declare("backend_sched_free", "base", "ggml_backend_sched_free", None, _P)
+_declare("backend_sched_alloc_graph", "base", "ggml_backend_sched_alloc_graph", c_bool, _P, _P)
+_declare("backend_sched_graph_compute", "base", "ggml_backend_sched_graph_compute", c_int, _P, _P)
 
-op_desc = _bind(base, "ggml_op_desc", c_char_p, _P)
+_declare("op_desc", "base", "ggml_op_desc", c_char_p, _P)
 # enum ggml_backend_dev_type
 DEVICE_TYPE_CPU, DEVICE_TYPE_GPU, DEVICE_TYPE_IGPU, DEVICE_TYPE_ACCEL, DEVICE_TYPE_META = range(5)
 
-# ggml writes its log to stderr by default; route it to Python logging (debug level) instead, so
-# stderr stays for our own one-line messages.
 _log = logging.getLogger("ggml")
 _LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)(
     lambda level, text, user: _log.debug("%s", (text or b"").decode(errors="replace").rstrip())
 )
-log_set = _bind(base, "ggml_log_set", None, c_void_p, c_void_p)
-log_set(_LOG_CALLBACK, None)
 
 
 def new_context(n_tensors: int, *, graph_nodes: int = 0) -> int:
     """A metadata-only context (no_alloc): tensor data lives in backend buffers, never here."""
-    size = tensor_overhead() * n_tensors
+    size = _fn("tensor_overhead")() * n_tensors
     if graph_nodes:
-        size += graph_overhead_custom(graph_nodes, False)
-    ctx = init(InitParams(size, None, True))
+        size += _fn("graph_overhead_custom")(graph_nodes, False)
+    ctx = _fn("init")(InitParams(size, None, True))
     if not ctx:
         raise MemoryError("ggml_init failed")
     return ctx
@@ -263,17 +289,18 @@ def copy_in(tensor: int, array) -> None:
     """Copy a C-contiguous numpy array into ``tensor`` from its first byte; TensorBoundsError if
     the bytes do not fit (ggml_backend_tensor_set would abort the process on a GGML_ASSERT)."""
     _check_fits(tensor, array, "into")
-    backend_tensor_set(tensor, array.ctypes.data, 0, array.nbytes)
+    _fn("backend_tensor_set")(tensor, array.ctypes.data, 0, array.nbytes)
 
 
 def copy_out(tensor: int, array) -> None:
     """Fill a C-contiguous numpy array from ``tensor``'s first bytes; TensorBoundsError if the
     tensor holds fewer (ggml_backend_tensor_get would abort the process on a GGML_ASSERT)."""
     _check_fits(tensor, array, "out of")
-    backend_tensor_get(tensor, array.ctypes.data, 0, array.nbytes)
+    _fn("backend_tensor_get")(tensor, array.ctypes.data, 0, array.nbytes)
 
 
 def _check_fits(tensor: int, array, direction: str) -> None:
-    if not array.flags.c_contiguous or array.nbytes > nbytes(tensor):
-        raise TensorBoundsError(f"a copy of {array.nbytes} bytes {direction} a tensor of {nbytes(tensor)} "
+    size = _fn("nbytes")(tensor)
+    if not array.flags.c_contiguous or array.nbytes > size:
+        raise TensorBoundsError(f"a copy of {array.nbytes} bytes {direction} a tensor of {size} "
                                 f"(shape {list(tensor_shape(tensor))}) does not fit")
