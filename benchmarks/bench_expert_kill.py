@@ -6,10 +6,10 @@ Issue 29 item 2: a stage waited for a dead expert node's answer until QUIC's idl
 an expert call has a deadline from the node's recent calls and a ping tells slow from dead
 (swarmctl/trunk/call_deadline.py), and the request is replayed as for a dead stage.
 
-The lab (tests/nat_lab.py, --delay-ms per crossing of the public network, so a round trip between
+The lab (harness/nat_lab.py, --delay-ms per crossing of the public network, so a round trip between
 homes is twice that): the host on the public network; stages alice and bob, expert nodes carol
 and erin, each behind a port-preserving NAT of its own; dave asks from behind another. A tiny
-random-weight MoE GGUF (tests/tiny_models.py, --model), `init --expert-nodes 2 --head-layers 1`.
+random-weight MoE GGUF (harness/tiny_models.py, --model), `init --expert-nodes 2 --head-layers 1`.
 Each repeat is a fresh swarm: dave runs `swarmctl ask --raw --temperature 0 --max-tokens N`;
 once --kill-after bytes of the answer have streamed, carol (an expert node) is killed with
 SIGKILL. Measured: seconds from the kill to the end of the answer, the longest pause in the
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit_json  # noqa: E402
 from benchmarks.lab_swarm import BenchError, LabSwarm  # noqa: E402
-from tests.nat_lab import HOST_IP, NatLab  # noqa: E402
-from tests.netns import LabUnavailable  # noqa: E402
+from harness.nat_lab import HOST_IP, NatLab  # noqa: E402
+from harness.netns import LabUnavailable  # noqa: E402
 
 PROMPT = "Once upon a time"
 STAGES, EXPERT_NODES, ASKER, VICTIM = ("alice", "bob"), ("carol", "erin"), "dave", "carol"
@@ -44,11 +44,11 @@ NATS = {name: "cone" for name in (*STAGES, *EXPERT_NODES, ASKER)}
 
 def tiny_model(name: str, directory: Path) -> Path:
     from swarmctl.models import default_model_path
-    from tests.conftest import TINY_CONFIGS
-    from tests.tiny_models import write_tiny_model
+    from harness.tiny_models import TINY_CONFIGS
+    from harness.tiny_models import write_tiny_model
 
     if name not in TINY_CONFIGS or not TINY_CONFIGS[name].n_expert:
-        raise BenchError(f"--model must name a tiny MoE model of tests/conftest.py, not {name!r}")
+        raise BenchError(f"--model must name a tiny MoE model of harness/tiny_models.py, not {name!r}")
     return write_tiny_model(directory / f"{name}.gguf", TINY_CONFIGS[name], Path(default_model_path()))
 
 
@@ -131,7 +131,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay per public-network crossing")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--model", default="qwen3moe-q8_0", help="a tiny MoE model of tests/conftest.py")
+    p.add_argument("--model", default="qwen3moe-q8_0", help="a tiny MoE model of harness/tiny_models.py")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kill-after", type=int, default=24, help="bytes of the answer streamed before the kill")
     p.add_argument("--out", type=Path, help="also write the JSON here")

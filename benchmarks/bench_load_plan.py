@@ -31,7 +31,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.swarm_harness import Swarm  # noqa: E402
+from harness.swarm import Swarm  # noqa: E402
 
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
 REPO = Path(__file__).resolve().parents[1]

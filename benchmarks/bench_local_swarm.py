@@ -143,7 +143,7 @@ def main() -> None:
 
 def wide_model(folder: Path) -> Path:
     """A model wide enough that a step's matrices keep an OpenMP team busy (size_local_swarm's WIDE_MODEL)."""
-    from tests.tiny_models import TinyConfig, write_tiny_model
+    from harness.tiny_models import TinyConfig, write_tiny_model
 
     config = TinyConfig(arch="llama", n_layer=10, n_embd=2048, n_head=16, n_head_kv=4, n_ff=5632, n_ctx=1024,
                         qtype="Q4_0", seed=1)

@@ -28,7 +28,7 @@ from net.endpoint import Address, ask_member, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
 from swarmctl.home import SwarmHome
-from tests.swarm_harness import Swarm
+from harness.swarm import Swarm
 
 CONNECTIONS = 4  # (QUIC grants 128 streams per connection at a time)
 

@@ -48,7 +48,7 @@ from swarmctl.asker import Asker, InprocTrunk, generate_all  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
 from swarmctl.swarm_client import SwarmLink  # noqa: E402
-from tests.tiny_models import TinyConfig, write_tiny_model  # noqa: E402  (the GGUF writer the tests use)
+from harness.tiny_models import TinyConfig, write_tiny_model  # noqa: E402  (the GGUF writer the tests use)
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"

@@ -2,8 +2,8 @@
 
     sudo .venv/bin/python benchmarks/bench_nat.py [--delay-ms 20] [--repeats 5] [--out FILE]
 
-Needs root (network namespaces, iptables): tests/nat_lab.py builds the machines and
-tests/wan_delay.py holds every frame that crosses the "public" network for --delay-ms (one
+Needs root (network namespaces, iptables): harness/nat_lab.py builds the machines and
+harness/wan_delay.py holds every frame that crosses the "public" network for --delay-ms (one
 crossing one way, so a round trip between two machines is twice that). Where namespaces are not
 permitted it prints one line and exits 0.
 
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit_json  # noqa: E402
 from benchmarks.lab_swarm import BenchError, LabSwarm  # noqa: E402
-from tests.nat_lab import HOST_IP, NatLab  # noqa: E402
-from tests.netns import LabUnavailable  # noqa: E402
+from harness.nat_lab import HOST_IP, NatLab  # noqa: E402
+from harness.netns import LabUnavailable  # noqa: E402
 
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
 TRUNKS = ("alice", "bob")

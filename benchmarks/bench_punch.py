@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks.bench_punch [--trials 10] [--skew 0.1] [--no-opening]
 
-Machines as in tests/nat_lab.py: a public network with the host (the rendezvous: an observed-
+Machines as in harness/nat_lab.py: a public network with the host (the rendezvous: an observed-
 address echo) and one public member, members behind port-preserving ("cone", iptables
 MASQUERADE), symmetric (MASQUERADE --random-fully) and open-input (cone, but only forwarded
 datagrams are filtered) NATs. For each pair of kinds: both ends observe their public address at
@@ -29,8 +29,8 @@ from pathlib import Path
 from net.endpoint import Address
 from net.punch import OPENING_TTL, PunchFailed, open_shared, punch
 from net.rendezvous import ObservedAddressEcho, introduce, observe
-from tests.nat_lab import HOST_IP, NatLab
-from tests.netns import LabUnavailable
+from harness.nat_lab import HOST_IP, NatLab
+from harness.netns import LabUnavailable
 
 ECHO_PORT = 3478
 TIMEOUT_S = 3.0  # net.punch.PUNCH_TIMEOUT: what a member waits before asking for a relay

@@ -4,7 +4,7 @@
     .venv-gpu/bin/python benchmarks/gpu_check.py [--device cuda] [--generate 16] [--decode 32] [--repeats 3]
 
 1. Lists the devices this build of llama-cpp-python offers (what ``swarmctl devices`` shows).
-2. The oracle rule (tests/oracle.py) on the device: our engine, whole model and as 4 slices, against
+2. The oracle rule (harness/oracle.py) on the device: our engine, whole model and as 4 slices, against
    llama-cpp-python with every layer on the same device: greedy tokens, then logits teacher-forced
    along llama-cpp-python's tokens.
 3. ``benchmarks/bench_slice.py --device``: decode and prefill against llama-cpp-python on the
@@ -42,7 +42,7 @@ from kernels.devices import Device, DeviceError, available_devices, choose_devic
 from kernels.gguf_file import GGUFFile  # noqa: E402
 from kernels.slice import SliceEngine  # noqa: E402
 from kernels.spec import ModelSpec  # noqa: E402
-from tests.oracle import judge_logits  # noqa: E402
+from harness.oracle import judge_logits  # noqa: E402
 
 PROMPT = "The capital of France is"
 CHILD_TIMEOUT_S = 3600
@@ -55,12 +55,12 @@ MEMORY_TARGET = 1.1  # device weights + KV <= 1.1x tensors + KV (the fixed cost 
 def oracle_child(args: argparse.Namespace, device: Device, out: Path) -> None:
     """llama-cpp-python on the device: the prompt's ids, its greedy tokens, and its logits
     teacher-forced along them, by the schedule our engine follows (forced_then_greedy): the
-    prompt in one batch, then one token per step. Not tests.oracle.oracle_logits' one batch over
+    prompt in one batch, then one token per step. Not harness.oracle.oracle_logits' one batch over
     everything: a row computed in a batch and the same row computed alone differ by more than
     the rule's cosine allows (0.99928 seen, on the CPU as on lavapipe), in either runtime."""
     from kernels.oracle_llama import last_logits, load_llama
     from swarmctl.models import resolve_model
-    from tests.oracle import oracle_greedy
+    from harness.oracle import oracle_greedy
 
     llm = load_llama(resolve_model(args.model), n_ctx=512, n_batch=512, n_threads=args.threads,
                      n_threads_batch=args.threads, **llama_device_args(device))

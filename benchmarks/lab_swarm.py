@@ -1,4 +1,4 @@
-"""Driving a swarm of real `swarmctl` processes on the NAT lab's machines (tests/nat_lab.py), for
+"""Driving a swarm of real `swarmctl` processes on the NAT lab's machines (harness/nat_lab.py), for
 the benchmarks that measure one across home routers (bench_nat.py, bench_expert_kill.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from tests.nat_lab import NatLab
+from harness.nat_lab import NatLab
 
 
 class BenchError(RuntimeError):
@@ -21,7 +21,7 @@ class LabSwarm:
     def __init__(self, lab: NatLab, root: Path, members: Iterable[str]) -> None:
         self.lab, self.root = lab, root
         self.homes = {name: root / name for name in ("host", *members)}
-        self.nodes = {}  # name → the running node's process (tests/netns.py)
+        self.nodes = {}  # name → the running node's process (harness/netns.py)
 
     def swarmctl(self, machine: str, *args: str, timeout: float = 180):
         r = self.lab.net.swarmctl(machine, self.homes[machine], *args, timeout=timeout)

@@ -7,7 +7,7 @@ process, no model loaded into llama.cpp. The marks (registered in pyproject.toml
            in a subprocess. Found here, by reading the test's code, its fixtures' code and the
            helpers they call from tests/ and benchmarks/ (``swarmctl(...)``, ``Swarm``, ``Node``,
            ``LocalSwarm``, ``subprocess``, ...), so a new test needs no mark of its own.
-    netns  the test builds network namespaces (tests/netns.py; root and iproute2). Found the same way.
+    netns  the test builds network namespaces (harness/netns.py; root and iproute2). Found the same way.
     slow   seconds or more in this process (a model loaded, a long search); every swarm and netns
            test is slow too. Given by the modules (``pytestmark``) and SLOW_FIXTURES.
 
@@ -34,7 +34,7 @@ NETNS_NAMES = frozenset({"NetnsLab"})
 # Code of these packages is read when a test calls into it; library code (swarmctl/, kernels/...)
 # is not: it starts processes only on paths (a local swarm for `ask`) that tests reach through
 # the names above.
-READ_PACKAGES = ("tests", "benchmarks")
+READ_PACKAGES = ("tests", "benchmarks", "harness")
 # Fixtures that load a model into llama.cpp: seconds each, several per module.
 SLOW_FIXTURES = frozenset({"oracle", "tiny_model"})
 

@@ -22,7 +22,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.weights import LayerWeights, SliceWeights, _check_layer_shapes
 from swarmctl.models import default_model_path
-from tests.tiny_models import TinyConfig, write_tiny_model
+from harness.tiny_models import TinyConfig, write_tiny_model
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe", "deepseek2")
 

@@ -24,7 +24,7 @@ from swarmctl.audit.meter import AuditSettings, attack_and_score, capture_traffi
 from swarmctl.audit.noise import UplinkNoise, calibrate
 from swarmctl.audit.traffic import run_prompts
 from swarmctl.local_swarm import LocalSwarm, free_udp_port
-from tests.swarm_harness import swarmctl
+from harness.swarm import swarmctl
 
 AUDIT_ROOT = Path(__file__).resolve().parents[1] / "swarmctl" / "audit"
 

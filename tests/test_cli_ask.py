@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import write_unsupported_model
+from harness.tiny_models import write_unsupported_model
 
 PROMPT = "The three primary colours are"
 
@@ -32,7 +32,7 @@ def test_chat_answer_streams_and_logs_to_stderr(oracle, bundled_model):
     """The chat answer is llama-cpp-python's greedy continuation of the same templated prompt. (It
     once asserted the answer's words; which colours 40 greedy tokens name differs between CPUs.)"""
     from kernels.tokenizer import Tokenizer
-    from tests.oracle import oracle_greedy
+    from harness.oracle import oracle_greedy
 
     question = "Name the three primary colours."
     tokenizer = Tokenizer(bundled_model)

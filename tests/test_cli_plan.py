@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from swarmctl.commands.status import format_table
 from swarmctl.home import SwarmHome
 from swarmctl.local_swarm import free_udp_port
 from swarmctl.membership import JoinRefused, admit, create_swarm, issue_invite
-from tests.swarm_harness import Swarm, swarmctl
-from tests.tiny_models import write_unsupported_model
+from harness.swarm import Swarm, swarmctl
+from harness.tiny_models import write_unsupported_model
 
 
 def _one_line_error(r) -> str:

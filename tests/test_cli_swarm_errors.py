@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.swarm_harness import swarmctl
+from harness.swarm import swarmctl
 
 
 @pytest.fixture(scope="module")

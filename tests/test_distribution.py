@@ -16,7 +16,7 @@ from kernels.gguf_file import GGUFFile
 from swarmctl.distribution import CHUNK
 from swarmctl.local_swarm import free_udp_port
 from swarmctl.models import default_model_path
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "24")

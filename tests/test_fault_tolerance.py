@@ -27,7 +27,7 @@ from swarmctl.local_swarm import LocalSwarm, free_udp_port
 from swarmctl.swarm_client import SwarmError, SwarmLink
 from swarmctl.home import SwarmHome
 from tests.conftest import N_THREADS
-from tests.swarm_harness import Node, Swarm, swarmctl
+from harness.swarm import Node, Swarm, swarmctl
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea,"

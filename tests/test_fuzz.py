@@ -32,7 +32,7 @@ from net.tls import join_configuration
 from net.wire import MAX_HOPS, ActivationPacket, DType, FrameType, Hop, PacketKind, WireError, decode_packet, \
     encode_packet
 from swarmctl.home import SwarmHome
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "12")

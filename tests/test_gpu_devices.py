@@ -21,7 +21,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 from tests.conftest import decode_logits, run_split
-from tests.oracle import MIN_COSINE, NEAR_TIE, judge_logits, top2_gap
+from harness.oracle import MIN_COSINE, NEAR_TIE, judge_logits, top2_gap
 
 GPUS = [d for d in available_devices() if not d.is_cpu]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -62,7 +62,7 @@ ORACLE_SCRIPT = """
 import json, sys
 import numpy as np
 from kernels.oracle_llama import load_llama
-from tests.oracle import oracle_greedy
+from harness.oracle import oracle_greedy
 path, prompt, n, gpu_layers, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 llm = load_llama(path, n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=True, n_gpu_layers=gpu_layers)
 ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
@@ -260,7 +260,7 @@ def test_a_swarm_with_one_trunk_on_the_device_and_one_on_the_cpu(tmp_path_factor
     the CPU, an asker (head and tail on the CPU). The swarm's answer is the tokens of the same
     split run in this process with the same devices (prompt in one step, then a token per step)."""
     from kernels.tokenizer import Tokenizer
-    from tests.swarm_harness import Swarm, swarmctl
+    from harness.swarm import Swarm, swarmctl
 
     s = Swarm(tmp_path_factory.mktemp("gpu-swarm"))
     try:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from swarmctl.local_swarm import free_udp_port
-from tests.swarm_harness import swarmctl
+from harness.swarm import swarmctl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def test_harness_nodes_die_with_the_process_that_started_them(tmp_path):
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from tests.swarm_harness import Node
+        from harness.swarm import Node
 
         node = Node(Path({str(home)!r}), "host")
         print(node.process.pid, flush=True)

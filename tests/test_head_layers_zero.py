@@ -39,7 +39,7 @@ from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.requests import StageRequests
 from swarmctl.trunk.results import ResultStreams
 from tests.conftest import N_THREADS, run_split
-from tests.oracle import judge, oracle_greedy
+from harness.oracle import judge, oracle_greedy
 
 PROMPTS = ["The three primary colours are", "Once upon a time, in a land far away, there lived"]
 MAX_TOKENS = 16

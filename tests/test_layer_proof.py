@@ -24,7 +24,7 @@ from net.wire import decode_control, encode_control
 from swarmctl import layer_proof as lp
 from swarmctl.distribution import CHUNK, SliceFile, build_manifest
 from swarmctl.home import SwarmHome
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "16")

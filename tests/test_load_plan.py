@@ -15,7 +15,7 @@ from kernels.sampling import SamplingParams
 from swarmctl.asker import Asker, generate_all
 from swarmctl.home import SwarmHome
 from swarmctl.swarm_client import SwarmLink
-from tests.swarm_harness import Swarm
+from harness.swarm import Swarm
 
 STREAMS = 8
 MAX_TOKENS = 160  # about a minute of steady load here: the old host re-planned 6 times in it

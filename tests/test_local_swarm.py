@@ -16,7 +16,7 @@ from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus
 from swarmctl.session import SessionOptions, open_session
-from tests.oracle import oracle_greedy
+from harness.oracle import oracle_greedy
 
 PROMPT = "The three primary colours are"
 HOST_DELAY_S = 15.0  # longer than the connect timeout (net.endpoint.CONNECT_TIMEOUT, 10 s) the old code raced

@@ -16,7 +16,7 @@ from net.identity import is_revocation
 from net.protocol import RequestOnlyHandler
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
 from swarmctl.home import SwarmHome
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 # A small plan, so that the budget is reached in a few requests: the stages reserve KV for 1
 # request of 4096 tokens, and a member may hold twice that (8192 positions: 32 caches of 256 cells).

@@ -31,7 +31,7 @@ from swarmctl.asker import Asker, InprocTrunk, generate_all
 from swarmctl.home import SwarmHome
 from swarmctl.swarm_client import SwarmLink
 from tests.conftest import N_THREADS
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 TRUNK = SliceSpec(1, 3)  # the tiny models have 4 layers: the asker keeps 0 and 3
 PROMPT = "Once upon a time"

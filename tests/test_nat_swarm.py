@@ -1,7 +1,7 @@
 """The swarm across home routers, as a user runs it (issue 17): only the host is reachable, every
 other member sits behind a NAT of its own with nothing forwarded, and `swarmctl` does the rest.
 
-tests/nat_lab.py builds the machines: the host and erin on the "public" network (erin is a
+harness/nat_lab.py builds the machines: the host and erin on the "public" network (erin is a
 trunk that also relays: `run --relay`), alice and bob behind port-preserving NATs (MASQUERADE),
 carol behind a symmetric one (--random-fully) with gwen, a second trunk, on her home network
 behind the same router; dave (who only asks) behind a fourth, port-preserving, and frank (who
@@ -27,8 +27,8 @@ import time
 
 import pytest
 
-from tests.nat_lab import HOST_IP, NatLab
-from tests.netns import LabUnavailable
+from harness.nat_lab import HOST_IP, NatLab
+from harness.netns import LabUnavailable
 
 pytestmark = pytest.mark.netns
 

@@ -1,7 +1,7 @@
 """Members behind NAT routers reach each other with nothing forwarded (issue 17): hole punching
 through port-preserving NATs, a relay through the host where a symmetric NAT defeats it, and a
 punched link that recovers when its router forgets the mapping. Real namespaces, real iptables
-NAT, real UDP sockets and the swarm's real mutual-TLS QUIC (tests/nat_lab.py).
+NAT, real UDP sockets and the swarm's real mutual-TLS QUIC (harness/nat_lab.py).
 
 The host (198.51.100.1) is the only public machine: it runs the observed-address echo and the
 relay. alice and bob sit behind cone NATs, carol behind a symmetric one, dan behind a router that
@@ -24,8 +24,8 @@ from net.punch import KEEPALIVE_INTERVAL, PunchFailed, SharedSocket, connect_on,
 from net.rendezvous import ObservedAddressEcho, introduce, observe
 from net.turn import NatRelay, RelayFull, keep_registered, register
 from net.wire import FrameType, encode_frame
-from tests.nat_lab import HOST_IP, PRIVATE_MEMBER, NatLab
-from tests.netns import LabUnavailable
+from harness.nat_lab import HOST_IP, PRIVATE_MEMBER, NatLab
+from harness.netns import LabUnavailable
 
 QUIC_PORT = 7471  # every member's swarm port, the same behind each router
 ECHO_PORT = 3478

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "16")
 PROMPTS = ["The three primary colours are", "Once upon a time", "The capital of France is"]
@@ -186,7 +186,7 @@ def test_an_asker_certificate_may_ask_but_not_serve_or_steer_the_plan(swarm, sol
     from net.protocol import RequestOnlyHandler
     from net.wire import ActivationPacket, PacketKind, decode_packet, encode_packet
     from swarmctl.home import SwarmHome
-    from tests.swarm_harness import Node
+    from harness.swarm import Node
 
     rows = {m["name"]: m for m in swarm.status()["members"]}
     assert rows["carol"]["may"] == "asker" and rows["trunk-a"]["may"] == "trunk" and rows["host"]["may"] == "host"

@@ -17,7 +17,7 @@ import asyncio
 
 from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, run_split
-from tests.oracle import judge, oracle_greedy, oracle_logits
+from harness.oracle import judge, oracle_greedy, oracle_logits
 
 PROMPTS = [
     "The three primary colours are",

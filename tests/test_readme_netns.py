@@ -18,7 +18,7 @@ from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import Credentials, make_ca, new_private_key, sign_member
 from net.protocol import RequestOnlyHandler
 from swarmctl.host import reachable_address
-from tests.netns import LabUnavailable, NetnsLab
+from harness.netns import LabUnavailable, NetnsLab
 
 MACHINES = {"host": "10.77.0.1", "alice": "10.77.0.2", "bob": "10.77.0.3", "carol": "10.77.0.4"}
 PROMPT = "Give me three tips for staying healthy."  # README's question

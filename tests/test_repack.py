@@ -24,8 +24,8 @@ from kernels.slice import SliceEngine
 from kernels.spec import SliceSpec
 from kernels.tokenizer import Tokenizer
 from tests.conftest import N_THREADS, make_oracle, run_split
-from tests.oracle import oracle_greedy, oracle_logits
-from tests.tiny_models import TinyConfig, write_tiny_model
+from harness.oracle import oracle_greedy, oracle_logits
+from harness.tiny_models import TinyConfig, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # every matrix Q4_0 (a type ggml repacks on AVX2 and NEON CPUs), 8-row multiples throughout

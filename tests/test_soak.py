@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.soak import IDLE_STREAMS, PROMPTS, Config, run_soak
+from harness.soak.config import IDLE_STREAMS, PROMPTS, Config
+from harness.soak.run import run_soak
 
 SHORT = Config(minutes=0.8, deadline_s=120.0, askers=2, friend_askers=1, api_clients=1, join=False, poll_s=3.0,
                kill_at=0.15, freeze_at=0.5)

@@ -18,8 +18,8 @@ from net.wire import ActivationPacket, FrameDecoder, PacketKind, decode_packet, 
 from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
 from swarmctl.speculate import Draft, DraftLength, ModelDraft, NgramDraft, open_drafting, speculation_for
 from tests.conftest import N_THREADS
-from tests.swarm_harness import swarmctl
-from tests.tiny_models import TinyConfig, write_tiny_model
+from harness.swarm import swarmctl
+from harness.tiny_models import TinyConfig, write_tiny_model
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():

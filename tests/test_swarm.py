@@ -21,7 +21,7 @@ from net.invite import Invite
 from net.protocol import RequestOnlyHandler
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
 from swarmctl.home import SwarmHome
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "24")

@@ -16,7 +16,7 @@ import asyncio
 
 from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, TINY_CONFIGS, make_oracle, run_split
-from tests.oracle import judge, oracle_greedy, oracle_logits
+from harness.oracle import judge, oracle_greedy, oracle_logits
 
 PROMPTS = ["Hello, my name is", "The weather today", "import numpy as np"]
 

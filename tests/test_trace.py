@@ -41,7 +41,7 @@ from swarmctl.batching import StepTiming
 from swarmctl.local_swarm import LocalSwarm
 from swarmctl.swarm_client import SwarmLink
 from swarmctl.trace import ASKER, TraceInfo, generation_trace
-from tests.swarm_harness import swarmctl
+from harness.swarm import swarmctl
 
 PROMPT = "The three primary colours are"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"  # ngram drafts are kept

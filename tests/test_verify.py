@@ -27,7 +27,7 @@ from plans.plan import Plan, StageAssignment
 from swarmctl.asker import Asker, InprocTrunk, TrunkResult, generate_all
 from swarmctl.verify import REL_TOLERANCE, VerifyingTrunk, judge
 from tests.conftest import N_THREADS
-from tests.swarm_harness import Swarm, swarmctl
+from harness.swarm import Swarm, swarmctl
 
 GREEDY = SamplingParams(temperature=0)
 K = 4  # head layers

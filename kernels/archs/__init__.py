@@ -8,7 +8,7 @@
 The spec (kernels.spec), the weight loader (kernels.weights) and the graph builder
 (kernels.graph) all read the record; none of them branches on the architecture's name. Adding an
 architecture means a record here, its builders if llama's do not fit, and a tiny test model
-(tests/tiny_models.py) that the oracle tests run.
+(harness/tiny_models.py) that the oracle tests run.
 """
 
 from __future__ import annotations

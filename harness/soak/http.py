@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from benchmarks.soak_records import Request
+from harness.soak.records import Request
 
 
 class HttpError(Exception):

@@ -10,11 +10,11 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 
-from benchmarks.soak_config import GRACE_S, QUIET_S, RECOVERY_TIMEOUT_S, Config
-from benchmarks.soak_monitor import SwarmMonitor
-from benchmarks.soak_records import Clock, Event
-from benchmarks.soak_swarm import SoakSwarm
-from tests.swarm_harness import Node
+from harness.soak.config import GRACE_S, QUIET_S, RECOVERY_TIMEOUT_S, Config
+from harness.soak.monitor import SwarmMonitor
+from harness.soak.records import Clock, Event
+from harness.soak.swarm import SoakSwarm
+from harness.swarm import Node
 
 LATE_MEMBER = "late"
 

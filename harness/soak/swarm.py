@@ -1,4 +1,4 @@
-"""The swarm under soak, built the way a user builds one, through the CLI (tests/swarm_harness.py):
+"""The swarm under soak, built the way a user builds one, through the CLI (harness/swarm.py):
 a host, two trunks that `join` with invites, an asker member, a second member ("friend"), a member
 that only polls ("monitor"), and `swarmctl serve` on the asker's home. Also the trunks started
 later (a restart after a kill, a member that joins mid-run), each incarnation known by its pid."""
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from swarmctl.local_swarm import free_udp_port
-from tests.swarm_harness import Node, Swarm, die_with_this_process, swarmctl
+from harness.swarm import Node, Swarm, die_with_this_process, swarmctl
 
 FIRST_TRUNKS = ("trunk-a", "trunk-b")
 MEMBERS = (*FIRST_TRUNKS, "asker", "friend", "monitor")

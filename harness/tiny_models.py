@@ -246,3 +246,26 @@ def write_unsupported_model(path: Path, arch: str = "bert") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# The tiny models the tests (and benchmarks) use, by name: tests/conftest.py's tiny_model(name).
+TINY_CONFIGS = {
+    "llama-f32": TinyConfig(arch="llama", qtype="F32"),
+    "llama-q8_0": TinyConfig(arch="llama", qtype="Q8_0", seed=1),
+    "qwen2-f32": TinyConfig(arch="qwen2", qtype="F32", tied_output=False, seed=2),
+    "qwen2-q4_1": TinyConfig(arch="qwen2", qtype="Q4_1", tied_output=False, seed=3),
+    "qwen3-q8_0": TinyConfig(arch="qwen3", qtype="Q8_0", seed=4),
+    "qwen3-f32": TinyConfig(arch="qwen3", qtype="F32", n_head=2, n_head_kv=1, seed=5),
+    "llama-moe-q8_0": TinyConfig(arch="llama", qtype="Q8_0", n_expert=8, n_expert_used=2, seed=6),
+    "qwen3moe-q8_0": TinyConfig(arch="qwen3moe", qtype="Q8_0", n_expert=8, n_expert_used=2, seed=7),
+    # deepseek2 (DeepSeek-V2/V3, Kimi K2): latent attention, dense leading layers, shared experts
+    "deepseek2-f32": TinyConfig(arch="deepseek2", qtype="F32", n_expert=8, n_expert_used=2, n_dense_lead=2,
+                                seed=11),  # V2: Q rank, softmax gating, weights not normalised
+    "deepseek2-q8_0": TinyConfig(arch="deepseek2", qtype="Q8_0", q_rank=0, n_expert=8, n_expert_used=2,
+                                 sigmoid_gating=True, n_groups=4, n_group_used=2, weights_scale=2.5, yarn=True,
+                                 seed=12),  # V2-Lite's plain attn_q with V3's routing and YaRN
+    "deepseek2-q4_1": TinyConfig(arch="deepseek2", qtype="Q4_1", n_expert=8, n_expert_used=2, sigmoid_gating=True,
+                                 n_groups=4, n_group_used=2, seed=13),  # V3 / Kimi K2
+    "deepseek2-unsplit-q8_0": TinyConfig(arch="deepseek2", qtype="Q8_0", n_expert=8, n_expert_used=2,
+                                         unsplit_kv_b=True, seed=14),  # an older conversion's attn_kv_b
+}

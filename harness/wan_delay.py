@@ -1,6 +1,6 @@
 """A WAN delay for the namespace labs, in userspace (this kernel has no ``tc netem``).
 
-The lab's "public" network is a bridge namespace with one veth port per machine (tests/netns.py).
+The lab's "public" network is a bridge namespace with one veth port per machine (harness/netns.py).
 With a delay, the kernel bridge lets go of the ports and this program, run inside the bridge
 namespace, takes its place: it reads every Ethernet frame that arrives on a port with an
 AF_PACKET raw socket, holds it for the one-way delay and then sends it out of the port that
@@ -17,7 +17,7 @@ checksums to "hardware" (CHECKSUM_PARTIAL), which a raw socket would read half d
 turns transmit checksumming off on each machine's side of the veth (``tx_checksum_off``), so the
 sender's kernel fills them in.
 
-    ip netns exec BRIDGE_NS python tests/wan_delay.py --delay-ms 20 port0 port1 ...
+    ip netns exec BRIDGE_NS python harness/wan_delay.py --delay-ms 20 port0 port1 ...
 
 prints ``ready`` once every port is open, forwards until SIGTERM/SIGINT, then prints its counters
 to stderr. ``WanDelay`` starts and stops it from a lab.

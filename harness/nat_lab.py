@@ -1,4 +1,4 @@
-"""Members behind home routers, as network namespaces: a "public" network (tests/netns.py's bridge)
+"""Members behind home routers, as network namespaces: a "public" network (harness/netns.py's bridge)
 with the host and one router per member on it, and behind each router a private network with the
 member alone on it. Routers translate with iptables, as Linux home routers do:
 
@@ -39,7 +39,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from tests.netns import LabUnavailable, Machine, NetnsLab
+from harness.netns import LabUnavailable, Machine, NetnsLab
 
 PUBLIC = "198.51.100"  # TEST-NET-2: documentation addresses, never routed anywhere
 HOST_IP = f"{PUBLIC}.1"
@@ -63,7 +63,7 @@ class NatLab:
     the host, with no NAT (their address is ``lab.net[name].ip``). ``lab.public_ip(name)`` is the
     router's public address; ``lab.udp_socket(name, port)`` a UDP socket bound in that machine's
     namespace. ``wan_delay_ms``: each crossing of the public network takes that much longer (a
-    userspace hub in place of the bridge, tests/wan_delay.py); 0, the default, keeps the bridge."""
+    userspace hub in place of the bridge, harness/wan_delay.py); 0, the default, keeps the bridge."""
 
     def __init__(self, members: dict[str, str], root: Path, public: tuple[str, ...] = (),
                  wan_delay_ms: float = 0, behind: dict[str, str] | None = None) -> None:
@@ -129,11 +129,11 @@ class NatLab:
         self.net.machines[name] = member  # so lab.net.swarmctl / lab.net.start run commands there
 
     def _delay_public_network(self, delay_ms: float) -> None:
-        """Every crossing of the public network takes ``delay_ms`` more (tests/wan_delay.py): the
+        """Every crossing of the public network takes ``delay_ms`` more (harness/wan_delay.py): the
         bridge lets go of its ports and a userspace hub forwards between them instead."""
-        from tests.wan_delay import WanDelay, tx_checksum_off
+        from harness.wan_delay import WanDelay, tx_checksum_off
 
-        ports = [f"port{i}" for i in range(len(self.net.machines))]  # tests/netns.py's names, in order
+        ports = [f"port{i}" for i in range(len(self.net.machines))]  # harness/netns.py's names, in order
         for machine in self.net.machines.values():
             in_netns(machine.netns, lambda: tx_checksum_off("eth0"))
         for port in ports:

@@ -13,11 +13,11 @@ import random
 import sys
 from collections.abc import Sequence
 
-from benchmarks.soak_config import Config, Prompt
-from benchmarks.soak_http import HttpError, api_request
-from benchmarks.soak_records import Clock, Request
-from benchmarks.soak_swarm import SoakSwarm, last_line
-from tests.swarm_harness import die_with_this_process
+from harness.soak.config import Config, Prompt
+from harness.soak.http import HttpError, api_request
+from harness.soak.records import Clock, Request
+from harness.soak.swarm import SoakSwarm, last_line
+from harness.swarm import die_with_this_process
 
 CLIENT_STAGGER_S = 0.5  # clients start this far apart: a cold start of them all at once is not the steady state
 OUTPUT_READ_S = 10.0  # an `ask` process that has exited: its output is read within this

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.soak_config import IDLE_STREAMS, IDLE_WAIT_S, RECOVERY_TIMEOUT_S, STATS_WAIT_S
-from benchmarks.soak_records import Clock, NodeSample, Sample, round_or_none
-from benchmarks.soak_swarm import SoakSwarm, last_line
+from harness.soak.config import IDLE_STREAMS, IDLE_WAIT_S, RECOVERY_TIMEOUT_S, STATS_WAIT_S
+from harness.soak.records import Clock, NodeSample, Sample, round_or_none
+from harness.soak.swarm import SoakSwarm, last_line
 from net.endpoint import Address, ask_member
 from net.messages import MemberStatus, Status
 from swarmctl.commands.status import fetch_status

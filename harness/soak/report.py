@@ -11,9 +11,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.soak_config import (GRACE_S, IDLE_STREAMS, IDLE_WAIT_S, PROCESS_WARMUP_S, RSS_TOLERANCE,
+from harness.soak.config import (GRACE_S, IDLE_STREAMS, IDLE_WAIT_S, PROCESS_WARMUP_S, RSS_TOLERANCE,
                                     STREAMS_SLACK, Config, Prompt)
-from benchmarks.soak_records import Clock, Event, Request, Sample, round_or_none
+from harness.soak.records import Clock, Event, Request, Sample, round_or_none
 
 OUTCOMES = ("ok", "wrong", "failed", "lost")
 UNJUDGED = ("host", "serve")  # not trunks: no stats of their own, RSS only

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from benchmarks.soak_config import Prompt
+from harness.soak.config import Prompt
 
 
 def reference_answers(prompts: Sequence[Prompt], threads: int) -> tuple[list[str], list[int]]:
