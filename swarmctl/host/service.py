@@ -9,7 +9,6 @@ import base64
 import hashlib
 import logging
 import time
-from typing import Callable
 
 from cryptography import x509
 
@@ -17,6 +16,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
 from net.identity import REVOKED_REASON, cert_pem, verify_member
+from net.dispatch import Dispatcher
 from net.probe import ProbeSink
 from net.protocol import SwarmProtocol
 from net.turn import NatRelay
@@ -42,14 +42,6 @@ from .trunks import TrunkInfo, Trunks, observed, reachable_address
 
 log = logging.getLogger("swarmctl.host")
 
-# What the host answers. Some only certain certificates may send (``Message.senders``): a trunk's
-# messages shape the plan; the host's own CLI announces revocations and new settings.
-ANSWERS = m.kinds(m.Register, m.Ready, m.Refuse, m.Links, m.Speed, m.FetchSlice, m.WatchPlan, m.GetPlan,
-                  m.GetNodes, m.GetStatus, m.Recovered, m.BadResult, m.Revoked, m.Reconfigure, m.Probe,
-                  m.Reach, m.Unanswered)
-JOINS = m.kinds(m.Join)
-
-Handler = Callable[[SwarmProtocol, int, m.Message], None]
 
 
 class HostService:
@@ -82,14 +74,18 @@ class HostService:
         self._monitor: asyncio.Task | None = None
         self.server = None
         self.address: Address | None = None
-        self._handlers: dict[type[m.Message], Handler] = {
+        # What the host answers (net/dispatch.py). Some only certain certificates may send
+        # (``Message.senders``): a trunk's messages shape the plan; the host's own CLI announces
+        # revocations and new settings. A joiner (ALPN_JOIN) may send only ``join``.
+        self.answers = Dispatcher({
             m.Register: self._register, m.Ready: self._ready, m.Refuse: self._refuse, m.Links: self._links_report,
             m.Speed: self._speed, m.FetchSlice: self._fetch_slice, m.WatchPlan: self._watch_plan,
             m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
             m.Probe: self._probe, m.Reach: self._reach, m.Unanswered: self._unanswered,
-        }
+        })
+        self.joins = Dispatcher({m.Join: self._join})
         self.rendezvous: Rendezvous | None = None  # once the host listens
 
     @property
@@ -171,23 +167,21 @@ class HostService:
         if joining and kind != "join":
             conn.reject_stream(stream_id, "only 'join' is accepted before joining")
             return
+        dispatcher = self.joins if joining else self.answers
         try:
-            request = m.parse(message, JOINS if joining else ANSWERS)
+            request = dispatcher.parse(message)
         except m.UnknownMessage as e:
             self._reply(conn, stream_id, m.Error(message=str(e)))
             return
         except m.MalformedMessage as e:
             self._error(conn, stream_id, str(e))
             return
-        if joining:
-            asyncio.ensure_future(self._join(conn, stream_id, request))
-            return
-        if request.senders and conn.peer_role not in request.senders:
-            self._error(conn, stream_id, f"{kind!r} needs a {' or '.join(request.senders)} certificate; "
-                                         f"{conn.peer_name} joined as {conn.peer_role}")
+        refusal = None if joining else dispatcher.refusal(request, conn.peer_role, conn.peer_name)
+        if refusal is not None:
+            self._error(conn, stream_id, refusal)
             return
         try:
-            self._handlers[type(request)](conn, stream_id, request)
+            dispatcher.dispatch(request, conn, stream_id)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             self._error(conn, stream_id, f"malformed {kind}: {e}"[:300])
         except Exception as e:  # noqa: BLE001 - the edge: a bug answers the sender, the host carries on
@@ -206,7 +200,10 @@ class HostService:
 
     # --- membership ---
 
-    async def _join(self, conn: SwarmProtocol, stream_id: int, message: m.Join) -> None:
+    def _join(self, conn: SwarmProtocol, stream_id: int, message: m.Join) -> None:
+        asyncio.ensure_future(self._admit(conn, stream_id, message))
+
+    async def _admit(self, conn: SwarmProtocol, stream_id: int, message: m.Join) -> None:
         try:
             secret = base64.urlsafe_b64decode(message.secret + "==")
             cert = await asyncio.to_thread(admit, self.home, token_id=message.token_id, secret=secret,

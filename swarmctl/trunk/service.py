@@ -23,6 +23,7 @@ from net.turn import NatRelay, RelayFull
 from net.identity import REVOKED_REASON, verify_member
 from net.protocol import StreamClosedError, SwarmProtocol
 from net import messages as m
+from net.dispatch import Dispatcher
 from net.probe import ProbeSink, measure_or_none
 from net.wire import Frame, FrameType, WireError, decode_control
 from plans.nodes import ASKER
@@ -41,9 +42,6 @@ from swarmctl.trunk.speed_report import SpeedReport
 from swarmctl.trunk.stats import available_memory, batch_window, proc_status
 
 log = logging.getLogger("swarmctl.trunk")
-
-# What a trunk answers on streams other than the host's plan stream.
-ANSWERS = m.kinds(m.Subscribe, m.Probe, m.GetStats, m.AllocateRelay, *CHALLENGES.values())
 
 # Links are measured again in the background, this often (jittered, so trunks that started
 # together do not probe together), and only while no request passed for IDLE_BEFORE_PROBE_S: a probe
@@ -76,6 +74,10 @@ class TrunkService:
         self._tasks: set[asyncio.Task] = set()
         self._executor = compute_thread()  # steps, loading and unloading all happen on the compute thread
         self._capture_seq = 0
+        # What a trunk answers on streams other than the host's plan stream (net/dispatch.py).
+        self.answers = Dispatcher({m.Subscribe: self._subscribe, m.Probe: self._probe, m.GetStats: self._stats,
+                                   m.AllocateRelay: self._relay_wanted,
+                                   **{challenge: self._challenge for challenge in CHALLENGES.values()}})
         self._server = None
         self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers
         self.offers_relay = relay
@@ -300,25 +302,32 @@ class TrunkService:
             if self.host.is_plan_stream(conn, stream_id):
                 self.host.received(message)
                 return
-            request = m.parse(message, ANSWERS)
+            request = self.answers.parse(message)
         except (m.UnknownMessage, m.MalformedMessage) as e:  # (a JSON object: answered, not reset)
             conn.send(stream_id, m.encode(m.Error(message=str(e))), end=True)
             return
         except WireError as e:
             conn.reject_stream(stream_id, str(e))
             return
-        if type(request) in CHALLENGES.values():  # the host checks we hold our layers, and times us
-            self._spawn(self._answer_challenge(conn, stream_id, request))
-        elif isinstance(request, m.Subscribe):
-            for old in self.results.subscribe(conn, stream_id, request.session):
-                old.conn.finish(old.stream_id)
-            conn.send(stream_id, m.encode(m.Ok()))
-        elif isinstance(request, m.Probe):  # a peer measuring our link (net/probe.py)
-            self.probes.start(conn, stream_id, request)
-        elif isinstance(request, m.AllocateRelay):
-            self._spawn(self._allocate_relay(conn, stream_id))
-        elif isinstance(request, m.GetStats):
-            conn.send(stream_id, m.encode(self.stats()), end=True)
+        self.answers.dispatch(request, conn, stream_id)
+
+    def _challenge(self, conn: SwarmProtocol, stream_id: int, request: m.Message) -> None:
+        """The host checks we hold our layers, and times us."""
+        self._spawn(self._answer_challenge(conn, stream_id, request))
+
+    def _subscribe(self, conn: SwarmProtocol, stream_id: int, request: m.Subscribe) -> None:
+        for old in self.results.subscribe(conn, stream_id, request.session):
+            old.conn.finish(old.stream_id)
+        conn.send(stream_id, m.encode(m.Ok()))
+
+    def _probe(self, conn: SwarmProtocol, stream_id: int, request: m.Probe) -> None:
+        self.probes.start(conn, stream_id, request)  # a peer measuring our link (net/probe.py)
+
+    def _relay_wanted(self, conn: SwarmProtocol, stream_id: int, request: m.AllocateRelay) -> None:
+        self._spawn(self._allocate_relay(conn, stream_id))
+
+    def _stats(self, conn: SwarmProtocol, stream_id: int, request: m.GetStats) -> None:
+        conn.send(stream_id, m.encode(self.stats()), end=True)
 
     async def _allocate_relay(self, conn: SwarmProtocol, stream_id: int) -> None:
         """A relayed link for two other members; only our host may ask (net/turn.py bounds how many)."""
