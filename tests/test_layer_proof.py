@@ -183,7 +183,7 @@ def swarm(tmp_path_factory):
         s.init()
         s.start_host()
         s.wait_host()
-        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast"):
+        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast", "lazy"):
             s.join(name)
         s.start_trunk("trunk-a", capture=False)
         s.start_trunk("trunk-b", capture=False)
@@ -211,6 +211,7 @@ class FakeTrunk:
         self.conn = None
         self.plan_stream = None
         self.challenges: list[str] = []
+        self.plans: list[dict] = []  # every plan the host pushed to it
         self._tasks: set = set()
 
     async def start(self) -> dict:
@@ -220,7 +221,10 @@ class FakeTrunk:
             "type": "register", "listen": "127.0.0.1:9", "memory": self.memory, "ms_per_layer_token": self.claim,
             "device": "cpu", "rtt_ms": 0.5}), stream_id=self.plan_stream)
         self._spawn(self._keep_alive())
-        return decode_control(reply.body)
+        message = decode_control(reply.body)
+        if message["type"] == "plan":  # the answer to registering is a plan, as later pushes are
+            self._plan(message["plan"])
+        return message
 
     async def _keep_alive(self) -> None:  # the host marks a trunk down after a few silent seconds
         while self.conn.is_open:
@@ -249,12 +253,16 @@ class FakeTrunk:
     def frame_received(self, conn, stream_id, frame) -> None:
         message = decode_control(frame.body)
         if stream_id == self.plan_stream:
-            stage = next((s for s in message["plan"]["stages"] if s["member"] == self.name), None)
-            if stage is not None and self.says_ready:
-                self._spawn(conn.request(encode_control({"type": "ready", "plan_version": message["plan"]["version"]})))
+            self._plan(message["plan"])
             return
         self.challenges.append(message["type"])
         self._spawn(self._reply(conn, stream_id, message))
+
+    def _plan(self, plan: dict) -> None:
+        self.plans.append(plan)
+        stage = next((s for s in plan["stages"] if s["member"] == self.name), None)
+        if stage is not None and self.says_ready:
+            self._spawn(self.conn.request(encode_control({"type": "ready", "plan_version": plan["version"]})))
 
     async def _reply(self, conn, stream_id, message) -> None:
         reply = await asyncio.to_thread(self.answer, message)
@@ -278,7 +286,7 @@ async def _row(swarm: Swarm, name: str, until, timeout: float = 90) -> dict:
         row = next((m for m in (await _status(swarm))["members"] if m["name"] == name), {})
         if until(row):
             return row
-        assert time.monotonic() < deadline, (row, swarm.nodes[0].log()[-4000:])
+        assert time.monotonic() < deadline, (row, [l for l in swarm.nodes[0].log().splitlines() if name in l][-12:])
         await asyncio.sleep(0.3)
 
 
@@ -326,7 +334,7 @@ def test_liars_never_become_ready_stages_and_askers_get_exact_answers(swarm, inp
             "wrong": FakeTrunk(swarm, "wrong", memory=10**12, claim=0.001, answer=wrong, says_ready=True),
             # holds the model file, but its timed steps echo their input
             "echo": FakeTrunk(swarm, "echo", memory=10**12, claim=0.001, answer=echo, says_ready=True),
-            # claims no speed (as a trunk that fetches slices does), so it is planned; says ready; never answers
+            # claims no speed (as a trunk that fetches slices does), so it gets a trial; says ready; never answers
             "silent": FakeTrunk(swarm, "silent", memory=10**12, claim=None, answer=lambda m: None, says_ready=True),
         }
         try:
@@ -351,10 +359,10 @@ def test_liars_never_become_ready_stages_and_askers_get_exact_answers(swarm, inp
     assert "failed the speed probe on layer" in rows["echo"]["health"] and "off by" in rows["echo"]["health"]
     assert "failed the layer check: no answer within 10 s" in rows["silent"]["health"], rows["silent"]
     assert "failed a layer check" in rows["again"]["health"]
-    assert any(s["member"] == "silent" for p in plans for s in p["stages"])  # it was planned, and said ready...
     ready = {s["member"] for p in plans for s in p["stages"] if s["ready"]}
-    assert ready <= {"trunk-a", "trunk-b"}, ready  # ...but no liar was ever a ready stage
-    assert not any(s["member"] in ("wrong", "echo") for p in plans for s in p["stages"])  # claims never planned on
+    assert ready <= {"trunk-a", "trunk-b"}, ready  # no liar was ever a ready stage
+    # claims never planned on; the silent one said ready to its trial, failed it, and was never planned
+    assert not any(s["member"] in ("wrong", "echo", "silent") for p in plans for s in p["stages"])
     status = swarm.wait_complete(2)
     assert {m["name"] for m in status["members"] if m["layers"]} == {"trunk-a", "trunk-b"}
     r = swarmctl(swarm.homes["asker"], *ASK, PROMPT)
@@ -398,3 +406,36 @@ def test_honest_trunks_were_checked_and_timed(swarm):
     for name in ("trunk-a", "trunk-b"):
         assert rows[name]["measured_ms_per_layer"] > 0
         assert rows[name]["planned_ms_per_layer"] >= rows[name]["measured_ms_per_layer"]
+
+
+def test_a_trunk_that_proves_nothing_leaves_the_plan_in_use_alone(swarm, inproc_answer):
+    """Issue 30 item 2: a trunk-role member registers with no speed claim ("no model yet") and never
+    fetches, loads or proves anything. It used to be planned at once, breaking the working plan
+    until it was dropped 61 s later. Now it is sent a trial plan of its own; the plan in use stays,
+    and asks answer exactly as before while it is connected."""
+    swarm.wait_complete(2)
+
+    async def scenario():
+        plans: list[dict] = []
+        watcher = asyncio.ensure_future(_watch(swarm, plans))
+        lazy = FakeTrunk(swarm, "lazy", memory=10**12, claim=None, answer=lambda m: None, says_ready=False)
+        try:
+            while not plans:
+                await asyncio.sleep(0.1)
+            await lazy.start()
+            row = await _row(swarm, "lazy", lambda r: r.get("health", "").startswith("on trial"), timeout=30)
+            answer = await asyncio.to_thread(swarmctl, swarm.homes["asker"], *ASK, PROMPT)
+            status = await _status(swarm)
+        finally:
+            await lazy.stop()
+            watcher.cancel()
+        return plans, row, answer, status, lazy.plans
+
+    plans, row, answer, status, pushed = asyncio.run(scenario())
+    assert len({p["version"] for p in plans}) == 1, [p["version"] for p in plans]  # no new public plan
+    assert not any(s["member"] == "lazy" for p in plans for s in p["stages"])
+    assert status["complete"] and {m["name"] for m in status["members"] if m["layers"]} == {"trunk-a", "trunk-b"}
+    trial = next(p for p in pushed if any(s["member"] == "lazy" for s in p["stages"]))
+    assert trial["version"] > plans[0]["version"] and [s["member"] for s in trial["stages"]] == ["lazy"]
+    assert row["health"].startswith("on trial: proving layers")
+    assert answer.returncode == 0 and answer.stdout == inproc_answer, answer.stderr

@@ -1,6 +1,8 @@
 """Checking what trunks claim (swarmctl/layer_proof.py): a trunk becomes a ready stage only once it
 proved it holds its layers, and a claimed speed is planned on only once the host timed the trunk
-itself, and never faster than it timed it. A trunk that fails a check is left out of the plan.
+itself, and never faster than it timed it. A trunk that fails a check is left out of the plan. A
+trunk that proved nothing yet (no model file to be timed on) does not change a plan that serves:
+it proves itself on a trial plan of its own first (planning.py, ``_check_trial``).
 
 A check that could not be made (the host's own side raised: a module missing while packages were
 being reinstalled, a file it could not read) is not the trunk's failure: it is tried again, after
@@ -79,6 +81,11 @@ class ClaimChecks:
     def when_ready(self, name: str, trunk: TrunkInfo, version: int) -> None:
         """The trunk says it loaded its layers for plan ``version``: check it holds them (and time
         it if the host has not yet) before its stage counts as ready."""
+        if trunk.trial is not None and version == trunk.trial[0] and trunk.proving != trunk.trial:
+            key = trunk.proving = trunk.trial
+            self._spawn(self._retrying(name, trunk, lambda: self._check_trial(name, trunk, key),
+                                       lambda: trunk.proving == key and trunk.trial == key))
+            return
         stage = self.plan.stage_for(name) or self.plan.expert_for(name)
         if stage is not None and version == self.plan.version and not stage.ready \
                 and trunk.proving != (version, stage.start, stage.stop):
@@ -176,12 +183,34 @@ class ClaimChecks:
         if not same or excused:
             return  # the plan moved on: the trunk confirms the new one, and is checked again
         current.ready = True
-        trunk.excused = False
+        trunk.excused, trunk.passed_check = False, True
         log.info("trunk %s ready with %s [%d, %d) (layer check: %d bytes, %.1f ms)", name,
                  "experts" if expert else "layers", start, stop, outcome.bytes_read, outcome.proof_ms)
         self.planning.push()
         if outcome.ms_per_layer is not None:
             self._plan_speed(name, trunk)
+
+    async def _check_trial(self, name: str, trunk: TrunkInfo, key: tuple[int, int, int]) -> None:
+        """A trunk that proved nothing loaded the layers of its trial plan (planning.py): it must
+        hold them and be timed on one before it is planned."""
+        _, start, stop = key
+        layers = list(range(start, stop))
+        outcome = await self._challenge(trunk, layers, layers[secrets.randbelow(len(layers))])
+        if trunk.proving == key:
+            trunk.proving = None
+        if not self._current(name, trunk) or trunk.trial != key:
+            return
+        trunk.trial = None
+        if outcome.problem or outcome.missing or outcome.ms_per_layer is None:
+            self._failed(name, trunk, outcome.problem or f"said it loaded its trial layers but does not hold "
+                                                         f"them ({outcome.missing or 'not timed'})")
+            return  # (it was never planned: nothing to re-plan)
+        self._took_measurement(name, trunk, outcome)
+        trunk.passed_check = True
+        log.info("trunk %s proved its trial layers [%d, %d) (layer check: %d bytes, %.1f ms): planned from now on",
+                 name, start, stop, outcome.bytes_read, outcome.proof_ms)
+        self.planning.rebase(name)
+        self.planning.replan(also_send_to=name)  # (the plan in use, also if it does not change)
 
     async def _probe_again(self, name: str, trunk: TrunkInfo, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -16,7 +16,7 @@ from plans.hysteresis import (MAX_DEFER_S, SPEED_FACTOR, ReplanGate, SpeedDecisi
                               decide_on_speed, replan_gain, sticky_links, sticky_speed)
 from plans.layout import ModelLayout
 from plans.nodes import Link, NodeDescriptor
-from plans.plan import ExpertAssignment, Plan
+from plans.plan import ExpertAssignment, Plan, StageAssignment
 from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
 from swarmctl.home import NodeConfig, SwarmHome
 
@@ -25,7 +25,8 @@ from .trunks import Trunks
 log = logging.getLogger("swarmctl.host")
 
 DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
-IDLE_RECHECK_S = 10.0  # a re-plan on speed waiting for the stages to be idle asks them again this often
+IDLE_RECHECK_S = 10.0
+TRIAL_VERSIONS = 2**40  # trial plans' private versions count from here (never a public plan's)  # a re-plan on speed waiting for the stages to be idle asks them again this often
 
 
 class PlanKeeper:
@@ -51,6 +52,10 @@ class PlanKeeper:
         self.stage_requests: Callable[[], Awaitable[int]] | None = None
         self._asking: asyncio.Task | None = None
         self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
+        # Trunks that proved nothing are planned only while the proven ones cannot hold the model
+        # (a swarm starting up); otherwise each is sent a trial plan of its own to prove itself on.
+        self.with_unproven = False
+        self._trials = 0
         self.plan.version = self._load_version()  # a restarted host continues the numbering
 
     def _load_version(self) -> int:
@@ -66,12 +71,16 @@ class PlanKeeper:
 
     # --- the planner's inputs ---
 
-    def descriptors(self) -> list[NodeDescriptor]:
+    def descriptors(self, unproven: bool | None = None) -> list[NodeDescriptor]:
         """The planner's view of the trunks that can serve: speed (its claim, never faster than the
         host timed it; the others' median until the host could time it), memory, and links (to the
-        host standing in for the asker). A trunk whose claims are being checked is not planned yet."""
+        host standing in for the asker). A trunk whose claims are being checked is not planned yet,
+        and one that proved nothing (TrunkInfo.proven) only while the proven ones cannot hold the
+        model (``unproven``: include them or not; None: as the last re-plan had to)."""
+        if unproven is None:
+            unproven = self.with_unproven
         ready = [(name, t) for name, t in sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at)
-                 if not t.refused and not t.checking]
+                 if not t.refused and not t.checking and (unproven or t.proven)]
         for name, t in ready:  # a member's first figure; later ones come through adopt_speed or rebase
             if name not in self.speed_basis and t.planning_speed is not None:
                 self.speed_basis[name] = t.planning_speed
@@ -215,22 +224,42 @@ class PlanKeeper:
 
     # --- planning and telling ---
 
+    def _propose(self, every_node: list[NodeDescriptor]):
+        """(proposal or None for no trunks, placement) over ``every_node``; PlanError if they cannot."""
+        placement = place_experts(self.layout, every_node, self.constraints, self.config.expert_nodes)
+        proposal = plan_layers(placement.stage_layout, placement.stage_nodes, self.constraints) \
+            if placement.stage_nodes else None
+        if proposal is not None:
+            add_expert_calls(proposal, placement, every_node, self.layout)
+        return proposal, placement
+
+    def _try_propose(self):
+        """(proposal, placement, "") over the descriptors, or (None, None, why not)."""
+        try:
+            return *self._propose(self.descriptors()), ""
+        except PlanError as e:
+            return None, None, str(e)
+
     def replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
         # (stages bound each member's KV by what the plan reserves there: swarmctl/budget.py)
         self.plan.context_tokens = self.constraints.context_tokens
         self.plan.max_concurrent = self.constraints.max_concurrent
-        every_node = nodes = self.descriptors()
-        experts: list[ExpertAssignment] = []
-        try:
-            placement = place_experts(self.layout, every_node, self.constraints, self.config.expert_nodes)
-            nodes, experts = placement.stage_nodes, placement.experts
-            proposal = plan_layers(placement.stage_layout, nodes, self.constraints) if nodes else None
-            if proposal is not None:
-                add_expert_calls(proposal, placement, every_node, self.layout)
-        except PlanError as e:
-            proposal = None
-            log.warning("cannot plan: %s", e)
-            self.plan.warnings = [str(e)]
+        unproven = [name for name, t in self.trunks.items() if not t.refused and not t.checking and not t.proven]
+        self.with_unproven = False
+        proposal, placement, problem = self._try_propose()
+        if unproven and proposal is None:  # the proven trunks cannot serve alone (a swarm starting up)
+            self.with_unproven = True
+            proposal, placement, problem = self._try_propose()
+        if problem:
+            log.warning("cannot plan: %s", problem)
+            self.plan.warnings = [problem]
+        for name in unproven:  # planned as they are (the proven cannot serve alone), or sent a trial
+            if self.with_unproven:
+                self.trunks[name].trial = None
+        if unproven and not self.with_unproven:
+            self._send_trials(unproven)
+        nodes = placement.stage_nodes if placement is not None else []
+        experts: list[ExpertAssignment] = placement.experts if placement is not None else []
         if proposal is None:
             changed = bool(self.plan.stages)
             if changed:
@@ -260,11 +289,39 @@ class PlanKeeper:
         elif also_send_to is not None:
             self.push(only=also_send_to)
 
+    def _send_trials(self, unproven: list[str]) -> None:
+        """The proven trunks hold the model, so the plan in use stays as it is: each unproven trunk
+        without a trial gets a plan of its own (a private version, its stage alone) with the layers
+        the planner would give it, to load and prove (checks.py); it is planned once it has. One
+        the planner would not use stands by unproven."""
+        waiting = [name for name in unproven if self.trunks[name].trial is None]
+        if not waiting:
+            return
+        try:
+            would_be, _ = self._propose(self.descriptors(unproven=True))
+        except PlanError:
+            return
+        for stage in would_be.stages if would_be is not None else []:
+            trunk = self.trunks.get(stage.member)
+            if stage.member not in waiting or trunk is None or not trunk.conn.is_open:
+                continue
+            self._trials += 1
+            trial = Plan.from_dict(self.plan.to_dict())
+            trial.version = TRIAL_VERSIONS + self._trials
+            trial.stages = [StageAssignment(stage.member, trunk.listen, stage.start, stage.stop)]
+            trial.experts, trial.warnings = [], ["a trial: prove these layers, then you are planned"]
+            trunk.trial = (trial.version, stage.start, stage.stop)
+            log.info("trunk %s has proved nothing yet: sent a trial with layers [%d, %d) to load and prove; the "
+                     "plan in use (v%d) stays", stage.member, stage.start, stage.stop, self.plan.version)
+            trunk.conn.send(trunk.plan_stream, m.encode(m.PlanPush(plan=trial.to_dict())))
+
     def push(self, only: str | None = None) -> None:
-        """The plan to every trunk (or to ``only``) on its register stream, and to every watcher."""
+        """The plan to every trunk (or to ``only``) on its register stream, and to every watcher.
+        Not to a trunk on trial: it holds its trial plan until it proved itself (a trunk takes the
+        last plan it was sent)."""
         frame = m.encode(m.PlanPush(plan=self.plan.to_dict()))
         for name, trunk in self.trunks.items():
-            if (only is None or name == only) and trunk.conn.is_open:
+            if (only is None or name == only) and trunk.conn.is_open and trunk.trial is None:
                 trunk.conn.send(trunk.plan_stream, frame)
         if only is None:
             self.watchers = [(c, sid) for c, sid in self.watchers if c.is_open]

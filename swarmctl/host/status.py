@@ -48,6 +48,8 @@ def health(src: StatusSources, name: str, revoked: bool) -> str:
         return f"{'checking its claims' if trunk.checking else 'loading'}: {trunk.check_problem()}"
     if trunk is not None and trunk.checking:
         return "checking its claims"
+    if trunk is not None and trunk.trial is not None:  # (planning.py: it proves itself before it is planned)
+        return f"on trial: proving layers [{trunk.trial[1]}, {trunk.trial[2]})"
     if stage is not None:
         return "ready" if stage.ready else "loading"
     if expert is not None:

@@ -107,6 +107,14 @@ class TrunkInfo:
                 f"trying again in {wait:.0f} s")
     excused: bool = False  # a late answer to a layer check was excused (the plan had moved meanwhile)
     proving: tuple[int, int, int] | None = None  # (plan version, start, stop) of a layer check in flight
+    passed_check: bool = False  # it proved layers it loaded (a layer check passed)
+    trial: tuple[int, int, int] | None = None  # (private plan version, start, stop) it was sent to prove itself
+
+    @property
+    def proven(self) -> bool:
+        """The host checked it: timed it itself, or saw it prove layers it loaded. Only a proven
+        trunk may change a plan that serves (an unproven one is sent a trial: planning.py)."""
+        return self.measured_ms_per_layer is not None or self.passed_check
 
     def planned_links(self) -> dict[str, Link]:
         """Its links as the host plans with them (and status shows them): what it reported, and
