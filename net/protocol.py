@@ -19,7 +19,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from .identity import member_name, member_role
-from .tls import CertificateCheck, peer_certificate, require_client_certificates
+from .tls import CertificateCheck, peer_certificate, raise_stream_limits, require_client_certificates
 from .wire import DEFAULT_MAX_FRAME, Frame, FrameDecoder, WireError
 
 log = logging.getLogger("swarmctl.net")
@@ -68,6 +68,7 @@ class SwarmProtocol(QuicConnectionProtocol):
         self._progress: asyncio.Future[None] | None = None
         self.owned_transport: asyncio.DatagramTransport | None = None  # set when we opened the socket
         self.last_heard = self._loop.time()  # when the peer last sent anything (liveness checks)
+        raise_stream_limits(quic)
         if not quic.configuration.is_client and client_check is not None:
             require_client_certificates(quic, client_check, anonymous_alpns)
 

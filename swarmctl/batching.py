@@ -1,9 +1,13 @@
 """Continuous batching for one slice engine.
 
 Coroutines submit steps (one request's new tokens) and await the output. Whenever the engine is
-free, everything waiting (up to a token budget, oldest first) runs as one ``forward_batch`` in
-the engine's own thread, so decode steps of many requests share their matmuls, and a prefill
-shares a batch with decodes. A step that fails its checks fails alone; the rest of the batch runs.
+free, everything waiting (up to a token budget) runs as one ``forward_batch`` in the engine's own
+thread, so decode steps of many requests share their matmuls, and a prefill shares a batch with
+decodes. A step that fails its checks fails alone; the rest of the batch runs.
+
+Which steps go first is fair by member (``fair_batch``): members take turns, one step each, the
+one served least recently first, so a member with a hundred steps queued delays another member's
+step by at most one batch, not by its whole queue (issue 30 item 1).
 """
 
 from __future__ import annotations
@@ -59,7 +63,35 @@ class _Pending:
     step: Step
     n_tokens: int
     future: asyncio.Future
+    member: str = ""  # whose request it is: steps are taken by turns per member
     submitted: float = field(default_factory=time.perf_counter)
+
+
+def fair_batch(pending: list[_Pending], max_tokens: int, last_turn: dict[str, int]) -> list[_Pending]:
+    """The steps of the next batch: members take turns (the one whose last turn is oldest first,
+    then by its oldest step), one step each per round, each member's own steps in the order they
+    came; at most one step per request, and within ``max_tokens`` unless a step is alone."""
+    queues: dict[str, list[_Pending]] = {}
+    for p in pending:  # (pending is in arrival order, so each queue is too)
+        queues.setdefault(p.member, []).append(p)
+    order = sorted(queues, key=lambda member: (last_turn.get(member, -1), queues[member][0].submitted))
+    batch: list[_Pending] = []
+    seen: set[bytes] = set()
+    budget = max_tokens
+    progress = True
+    while progress:
+        progress = False
+        for member in order:
+            queue = queues[member]
+            for i, p in enumerate(queue):
+                if p.step.key in seen or (batch and p.n_tokens > budget):
+                    continue  # a request's next step waits for this one; an oversize step for the next batch
+                batch.append(queue.pop(i))
+                seen.add(p.step.key)
+                budget -= p.n_tokens
+                progress = True
+                break
+    return batch
 
 
 @dataclass(frozen=True)
@@ -94,18 +126,21 @@ class BatchRunner:
         self._executor = compute_thread()
         self._running = False
         self._closed = False
+        self._batches = 0
+        self._last_turn: dict[str, int] = {}  # member → the batch its last step ran in (fair_batch)
 
     @property
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    async def run(self, step: Step) -> tuple[np.ndarray, StepTiming]:
-        """Submit one step; returns its output and how long it queued and computed."""
+    async def run(self, step: Step, member: str = "") -> tuple[np.ndarray, StepTiming]:
+        """Submit one step of ``member``'s request; returns its output and how long it queued
+        and computed."""
         if self._closed:
             raise EngineClosedError("this engine is closed")
         loop = asyncio.get_running_loop()
         n = len(step.tokens) if step.tokens is not None else int(np.asarray(step.hidden).shape[0])
-        pending = _Pending(step, n, loop.create_future())
+        pending = _Pending(step, n, loop.create_future(), member)
         self._pending.append(pending)
         if not self._running:
             self._running = True
@@ -120,20 +155,17 @@ class BatchRunner:
         loop = asyncio.get_running_loop()
         try:
             while self._pending:
-                batch, budget, seen = [], self.max_batch_tokens, set()
                 for pending in [p for p in self._pending if p.future.done()]:
                     self._pending.remove(pending)  # cancelled while queued (a client gone): never run it
-                for pending in list(self._pending):
-                    key = pending.step.key
-                    if key in seen or (batch and pending.n_tokens > budget):
-                        continue  # a request's next step waits for this one; an oversize step for the next batch
-                    batch.append(pending)
-                    seen.add(key)
-                    budget -= pending.n_tokens
+                batch = fair_batch(self._pending, self.max_batch_tokens, self._last_turn)
                 if not batch:
                     continue
+                self._batches += 1
                 for pending in batch:
                     self._pending.remove(pending)
+                    self._last_turn[pending.member] = self._batches
+                if len(self._last_turn) > 4096:  # (members come and go: keep those still waiting)
+                    self._last_turn = {p.member: self._last_turn.get(p.member, -1) for p in self._pending}
                 # A canonical order: the same requests make the same graph shape whatever order they
                 # arrived in, so the engine reuses the built graph instead of building another.
                 batch.sort(key=lambda p: p.step.key)

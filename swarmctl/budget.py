@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from net.tls import MAX_STREAMS
+
 # A member may hold this many times what the plan reserves at a stage for the whole swarm
 # (plan_concurrent requests × plan_context tokens of KV): one member alone may use all of the
 # planned concurrency, with room for bursts and for the cache's 256-cell granularity.
@@ -29,6 +31,10 @@ SHORT_REQUESTS = 16
 # (tests/test_pipelining.py).
 REQUESTS_PER_PLANNED = 32  # × plan_concurrent
 MIN_REQUESTS = 64
+# ... and never more than this share of the streams one connection carries: between two stages
+# every member's requests ride one connection, a stream each, so one member's held requests must
+# leave the path to the others (issue 30 item 1: 128 held requests filled aioquic's 128 streams).
+MEMBER_SHARE_OF_STREAMS = 8  # a member may hold at most MAX_STREAMS / 8 requests at a stage
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class Limits:
         planned = kv_bytes_per_position * context_tokens * concurrent
         member_kv = max(SLACK * planned, SHORT_REQUESTS * smallest_cache_bytes)
         total = member_kv if room_bytes is None else max(room_bytes, member_kv)
-        return cls(max(MIN_REQUESTS, REQUESTS_PER_PLANNED * concurrent), member_kv, total,
+        requests = min(max(MIN_REQUESTS, REQUESTS_PER_PLANNED * concurrent), MAX_STREAMS // MEMBER_SHARE_OF_STREAMS)
+        return cls(requests, member_kv, total,
                    f"the plan reserves KV for {concurrent} × {context_tokens} tokens here")
 
 

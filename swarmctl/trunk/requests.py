@@ -45,6 +45,13 @@ def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
     return (out + np.random.default_rng().standard_normal(out.shape) * scale * rms).astype(np.float32)
 
 
+def member_of(route: Route) -> str:
+    """The member a request is charged to and scheduled for: the first stage takes it from the
+    connection's certificate, later stages from reply_to ("member/session"), which only the stage
+    before them can send."""
+    return route.reply_to.partition("/")[0]
+
+
 class StageRequests:
     def __init__(self, name: str, creds: Credentials, handler: ConnectionHandler, assignment: Assignment,
                  results: ResultStreams, *, capture: Callable[[str, Frame], None], spawn: Callable,
@@ -163,7 +170,8 @@ class StageRequests:
             try:
                 out, timing = await runner.run(Step(rid, packet.start_pos,
                                                     hidden=np.asarray(packet.data, dtype=np.float32),
-                                                    rewind=packet.rewind, verify=packet.verify))
+                                                    rewind=packet.rewind, verify=packet.verify),
+                                               member=member_of(route))
             except EngineError as e:
                 budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))
                 if held.runner is runner and engine.has_request(rid) and rid not in self.routes \
@@ -207,7 +215,7 @@ class StageRequests:
         runs; over that member's budget, why not. The first stage takes the member from the
         connection's certificate, later stages from reply_to ("member/session"), which only the
         stage before them can send: a member is bounded at every stage, not only the first."""
-        member = route.reply_to.partition("/")[0]
+        member = member_of(route)
         needed = self.held.engine.kv_bytes_after(rid, packet.start_pos + int(packet.data.shape[0]))
         problem = self.held.budget.admit(rid, member, needed)
         return f"over budget at {self.name}: {problem}" if problem else ""
