@@ -20,6 +20,11 @@ from .tls import (ALPN_JOIN, ALPN_SWARM, CertificateCheck, check_pinned_host, cl
 from .wire import DEFAULT_MAX_FRAME, decode_control, encode_control
 
 CONNECT_TIMEOUT = 10.0
+# Connections a server holds that are not (yet) a member's: handshakes in progress and joiners.
+# Each costs a QUIC connection and TLS state (200 of them added 63 MB to a host) and may buffer
+# up to ANONYMOUS_BUFFER_BUDGET; beyond this many the oldest is closed (issue 30 item 5). A
+# member's handshake takes a round trip, so a flood must open this many within it to stop one.
+MAX_ANONYMOUS_CONNECTIONS = 64
 QUIC_IDLE_TIMEOUT = "Idle timeout"  # aioquic's reason when a connection heard nothing for idle_timeout
 
 T = TypeVar("T")
@@ -56,6 +61,26 @@ class Address:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+class AnonymousGuard:
+    """A server's protocol factory that keeps at most ``limit`` connections not yet known to be a
+    member's (no certificate checked yet, or a joiner's) by closing the oldest of them."""
+
+    def __init__(self, create: Callable[..., SwarmProtocol], limit: int = MAX_ANONYMOUS_CONNECTIONS) -> None:
+        self.create, self.limit = create, limit
+        self.waiting: list[SwarmProtocol] = []  # oldest first
+        self.closed = 0
+
+    def __call__(self, *args, **kwargs) -> SwarmProtocol:
+        protocol = self.create(*args, **kwargs)
+        self.waiting = [p for p in self.waiting if not p.peer_name and not p.ended]
+        while len(self.waiting) >= self.limit:
+            self.waiting.pop(0).close(error_code=0x100, reason_phrase="too many connections without a member's "
+                                                                       "certificate; try again")
+            self.closed += 1
+        self.waiting.append(protocol)
+        return protocol
+
+
 async def serve_member(address: Address, creds: Credentials, handler: ConnectionHandler, *,
                        client_check: CertificateCheck, accept_joins: bool = False,
                        max_frame: int = DEFAULT_MAX_FRAME, max_datagram_size: int | None = None) -> QuicServer:
@@ -63,8 +88,9 @@ async def serve_member(address: Address, creds: Credentials, handler: Connection
     alpns = [ALPN_SWARM, ALPN_JOIN] if accept_joins else [ALPN_SWARM]
     config = server_configuration(creds, alpns=alpns,
                                   max_datagram_size=max_datagram_size or datagram_size_for(address.host))
-    create = functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame, client_check=client_check,
-                               anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset())
+    create = AnonymousGuard(functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame,
+                                              client_check=client_check,
+                                              anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset()))
     return await serve(address.host, address.port, configuration=config, create_protocol=create)
 
 

@@ -68,6 +68,7 @@ class SwarmProtocol(QuicConnectionProtocol):
         self._progress: asyncio.Future[None] | None = None
         self.owned_transport: asyncio.DatagramTransport | None = None  # set when we opened the socket
         self.last_heard = self._loop.time()  # when the peer last sent anything (liveness checks)
+        self.ended = False  # the connection terminated (or never got anywhere)
         raise_stream_limits(quic)
         if not quic.configuration.is_client and client_check is not None:
             require_client_certificates(quic, client_check, anonymous_alpns)
@@ -84,6 +85,7 @@ class SwarmProtocol(QuicConnectionProtocol):
             self._fail_waiter(event.stream_id, ConnectionResetError("the peer reset the stream"))
         elif isinstance(event, events.ConnectionTerminated):
             self.is_open = False
+            self.ended = True
             self.close_reason = event.reason_phrase or ""
             self._decoders.clear()  # what a closed connection buffered goes now, not at the next full GC
             for stream_id in list(self._waiters):

@@ -45,7 +45,7 @@ from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
-from .endpoint import CONNECT_TIMEOUT, Address, no_answer, resolve
+from .endpoint import CONNECT_TIMEOUT, Address, AnonymousGuard, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
 from .tls import ALPN_SWARM, CertificateCheck, client_configuration, datagram_size_for, server_configuration
@@ -232,7 +232,8 @@ def serve_on(shared: SharedSocket, creds: Credentials, handler: ConnectionHandle
     a socket of its own."""
     config = server_configuration(creds, alpns=[ALPN_SWARM],
                                   max_datagram_size=max_datagram_size or datagram_size_for(shared.local_address.host))
-    create = functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame, client_check=client_check)
+    create = AnonymousGuard(functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame,
+                                              client_check=client_check))
     server = QuicServer(configuration=config, create_protocol=create)
     server.connection_made(shared.transport)
     shared.server = server

@@ -165,3 +165,32 @@ def test_a_home_folder_is_made_private_even_if_it_existed_loose(tmp_path):
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
     assert stat.S_IMODE((home / ".lock").stat().st_mode) == 0o600
     assert stat.S_IMODE((home / "ca.key").stat().st_mode) == 0o600
+
+
+def test_anonymous_connections_are_capped_and_a_member_still_gets_in():
+    """Issue 30 item 5: 200 connections without a member's certificate (joiners) added 63 MB to the
+    host. A server keeps at most MAX_ANONYMOUS_CONNECTIONS of them (the oldest are closed), and a
+    member connecting meanwhile is served."""
+    from net.endpoint import MAX_ANONYMOUS_CONNECTIONS
+
+    async def scenario() -> tuple[int, int, str]:
+        server, address, handler, (ca_key, ca_cert) = await _server()
+        flood = []
+        try:
+            for _ in range(MAX_ANONYMOUS_CONNECTIONS + 36):
+                flood.append(await _connect(address, join_configuration(), RequestOnlyHandler(), 1 << 20))
+            await asyncio.sleep(0.5)  # the closes reach the clients
+            still_open = sum(c.is_open for c in flood)
+            member = await connect_member(address, _member("alice", ca_key, ca_cert), "host", RequestOnlyHandler())
+            answer = decode_control((await member.request(encode_control({"type": "status"}), timeout=5)).body)
+            await close(member)
+            held = sum(1 for c in handler.conns if not c.peer_name and c.is_open)
+            return still_open, held, answer["type"]
+        finally:
+            for conn in flood:
+                await close(conn)
+            server.close()
+
+    still_open, held, answer = asyncio.run(scenario())
+    assert still_open <= MAX_ANONYMOUS_CONNECTIONS and held <= MAX_ANONYMOUS_CONNECTIONS, (still_open, held)
+    assert answer == "ok"
