@@ -56,6 +56,13 @@ class Plan:
     # member may hold by it (swarmctl/budget.py).
     context_tokens: int = 4096
     max_concurrent: int = 4
+    # Members charged to another's budget at the stages: the names of one invite spend the budget
+    # of the first that joined with it (swarmctl/membership.py accounts()).
+    accounts: dict[str, str] = field(default_factory=dict)
+
+    def account(self, member: str) -> str:
+        """Whose budget ``member``'s requests spend at a stage."""
+        return self.accounts.get(member, member)
 
     @property
     def trunk_range(self) -> tuple[int, int]:

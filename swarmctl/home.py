@@ -76,6 +76,7 @@ class MemberRecord:
     joined_at: float
     revoked: bool = False
     role: str = "trunk"  # what its certificate lets it be (net.identity.ROLES)
+    invite: str = ""  # the token id of the invite it joined with ("" before this was kept)
 
 
 @dataclass

@@ -90,10 +90,22 @@ def admit(home: SwarmHome, *, token_id: str, secret: bytes, csr_pem: bytes, name
             raise JoinRefused(f"a member named {name!r} already exists; choose another with --name")
         cert = sign_member(ca_key, ca_cert, public_key, name, role=record.role)  # the host's record decides
         record.uses_left -= 1
-        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time(), role=record.role)
+        members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time(), role=record.role,
+                                     invite=token_id)
         home.save_invites(invites)
         home.save_members(members)
     return cert
+
+
+def accounts(members: dict[str, MemberRecord]) -> dict[str, str]:
+    """Whose budget each member spends (issue 30 item 5): one invite is one person, however many
+    names they joined with, so every name of an invite is charged to the first that joined with it.
+    Only the names that are charged to another are listed (the rest spend their own)."""
+    first: dict[str, str] = {}
+    for record in sorted(members.values(), key=lambda r: (r.joined_at, r.name)):
+        if record.invite:
+            first.setdefault(record.invite, record.name)
+    return {r.name: first[r.invite] for r in members.values() if r.invite and first[r.invite] != r.name}
 
 
 def revoke(home: SwarmHome, name: str) -> MemberRecord:

@@ -199,3 +199,57 @@ def test_revocation_closes_every_connection_at_the_host_and_every_trunk(swarm):
           f"by the revocation, the last {elapsed:.2f} s after `revoke` returned")
     assert still_open == [], f"not closed by the revocation ({elapsed:.1f} s after it): {still_open}"
     assert len(refused) == len(targets) and "ANSWERED" not in refused, refused
+
+
+def test_the_names_of_one_invite_share_one_budget(swarm):
+    """Issue 30 item 5: one invite issued with --uses 3 gave three names, each with its own KV
+    budget (830 MB at one trunk). Every name of an invite spends the budget of the first that
+    joined with it, at every stage."""
+    code = swarm.invite("--role", "asker", "--uses", "3")
+    names = ("ivy", "ivy-2", "ivy-3")
+    for name in names:
+        home = swarm.root / name
+        swarmctl(home, "join", code, "--name", name, check=True)
+        swarm.homes[name] = home
+    plan = asyncio.run(_plan(swarm, SwarmHome(swarm.homes["ivy"]).credentials()))
+    assert plan["accounts"] == {"ivy-2": "ivy", "ivy-3": "ivy"}
+    first, second = plan["stages"][0], plan["stages"][1]
+    limits = swarm.stats_of(first["member"], via="alice")["budget"]["limits"]
+    per_request = 256 * 768 * (first["stop"] - first["start"])
+    each = 16  # three names × 16 one-cache prefills: 48, over the 32 caches one budget allows
+
+    async def attack() -> tuple[int, int, dict]:
+        answers = _Collect()
+        conns = []
+        try:
+            for i, name in enumerate(names):
+                creds = SwarmHome(swarm.homes[name]).credentials()
+                conn = await connect_member(Address.parse(first["address"]), creds, first["member"], answers)
+                last = await connect_member(Address.parse(second["address"]), creds, second["member"], answers)
+                conns += [conn, last]
+                await last.request(encode_control({"type": "subscribe", "session": f"{i}0{i}0"}), timeout=10)
+                x = np.random.default_rng(i).standard_normal((2, 576)).astype(np.float32)
+                for _ in range(each):
+                    stream = conn.open_stream()
+                    conn.send(stream, encode_packet(ActivationPacket(PacketKind.PREFILL, secrets.token_bytes(16),
+                                                                     plan["version"], first["start"], 0, x,
+                                                                     reply_to=f"{i}0{i}0")))
+            keep_alive = [asyncio.ensure_future(_keep_alive(c)) for c in conns]
+            deadline = asyncio.get_running_loop().time() + 60
+            while len(answers.packets) < len(names) * each and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            held = await asyncio.to_thread(swarm.stats_of, first["member"], "alice")
+            for task in keep_alive:
+                task.cancel()
+            ran = sum(p.kind == PacketKind.RESULT for p in answers.packets)
+            refused = sum("over budget" in p.message for p in answers.packets if p.kind != PacketKind.RESULT)
+            return ran, refused, held
+        finally:
+            for conn in conns:
+                await close(conn)
+
+    ran, refused, held = asyncio.run(attack())
+    members = held["budget"]["members"]
+    assert set(members) <= {"ivy", "alice"} and members["ivy"]["kv_bytes"] <= limits["member_kv_bytes"], members
+    assert ran == members["ivy"]["requests"] == limits["member_kv_bytes"] // per_request < len(names) * each
+    assert refused == len(names) * each - ran

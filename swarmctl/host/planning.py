@@ -19,6 +19,7 @@ from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, StageAssignment
 from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
 from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.membership import accounts
 
 from .trunks import Trunks
 
@@ -319,6 +320,7 @@ class PlanKeeper:
         """The plan to every trunk (or to ``only``) on its register stream, and to every watcher.
         Not to a trunk on trial: it holds its trial plan until it proved itself (a trunk takes the
         last plan it was sent)."""
+        self.plan.accounts = accounts(self.home.members())  # (a join since the last push may add one)
         frame = m.encode(m.PlanPush(plan=self.plan.to_dict()))
         for name, trunk in self.trunks.items():
             if (only is None or name == only) and trunk.conn.is_open and trunk.trial is None:

@@ -29,7 +29,7 @@ from plans.nodes import Link
 from plans.plan import Plan
 from swarmctl.distribution import build_manifest, serve_slice
 from swarmctl.home import SwarmHome
-from swarmctl.membership import JoinRefused, admit
+from swarmctl.membership import JoinRefused, accounts, admit
 from swarmctl.models import resolve_model
 
 from .checks import ClaimChecks
@@ -214,6 +214,8 @@ class HostService:
             self._error(conn, stream_id, reason)
             return
         log.info("member %s joined", message.name)
+        if message.name in accounts(self.home.members()):  # another name of an invite: the stages must know now
+            self.planning.push()
         self._reply(conn, stream_id, m.Joined(
             name=message.name, cert=cert_pem(cert).decode(), ca=cert_pem(self.creds.ca_cert).decode(),
             swarm_name=self.config.swarm_name, host_name=self.config.name,

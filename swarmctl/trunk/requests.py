@@ -45,11 +45,11 @@ def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
     return (out + np.random.default_rng().standard_normal(out.shape) * scale * rms).astype(np.float32)
 
 
-def member_of(route: Route) -> str:
-    """The member a request is charged to and scheduled for: the first stage takes it from the
-    connection's certificate, later stages from reply_to ("member/session"), which only the stage
-    before them can send."""
-    return route.reply_to.partition("/")[0]
+def account_of(route: Route, plan: Plan) -> str:
+    """Whose budget a request spends and whose turn it takes: its member's account (one per
+    invite: Plan.account). The member is the connection's certificate's at the first stage, and
+    reply_to's ("member/session") at later ones, which only the stage before them can send."""
+    return plan.account(route.reply_to.partition("/")[0])
 
 
 class StageRequests:
@@ -171,7 +171,7 @@ class StageRequests:
                 out, timing = await runner.run(Step(rid, packet.start_pos,
                                                     hidden=np.asarray(packet.data, dtype=np.float32),
                                                     rewind=packet.rewind, verify=packet.verify),
-                                               member=member_of(route))
+                                               member=account_of(route, plan))
             except EngineError as e:
                 budget.settle(rid, engine.kv_bytes_of(rid), engine.has_request(rid))
                 if held.runner is runner and engine.has_request(rid) and rid not in self.routes \
@@ -211,11 +211,10 @@ class StageRequests:
         return next((s.member for s in self.held.plan.stages if s.stop == self.held.stage.start), None)
 
     def _admit(self, rid: bytes, route: Route, packet: ActivationPacket) -> str:
-        """Charge the KV this step leaves the request holding to the member who asked, before it
-        runs; over that member's budget, why not. The first stage takes the member from the
-        connection's certificate, later stages from reply_to ("member/session"), which only the
-        stage before them can send: a member is bounded at every stage, not only the first."""
-        member = member_of(route)
+        """Charge the KV this step leaves the request holding to the account of the member who
+        asked (account_of), before it runs; over that budget, why not: a member is bounded at every
+        stage, not only the first, and all names of one invite together."""
+        member = account_of(route, self.held.plan)
         needed = self.held.engine.kv_bytes_after(rid, packet.start_pos + int(packet.data.shape[0]))
         problem = self.held.budget.admit(rid, member, needed)
         return f"over budget at {self.name}: {problem}" if problem else ""
