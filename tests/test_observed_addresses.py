@@ -153,3 +153,34 @@ def test_a_connection_that_moved_without_proving_the_new_address_is_not_punched_
     assert followed == moved  # QUIC did follow the unproven address (else this shows nothing)
     assert route.kind == "punch" and route.address == f"{TRUNK_ROUTER}:51234"
     assert [p.peer for p in punches] == [str(Address(*proved))]
+
+
+def test_the_names_of_one_invite_share_one_members_relay_ports():
+    """Issue 30 item 5: eight names took all 64 relay ports. Relayed links (and punches) are
+    counted per invite: the names of one invite together get what one member gets."""
+    from net.turn import NatRelay
+    from swarmctl.host.rendezvous import MAX_RELAYED_PER_MEMBER
+
+    trunk = _registered("carol", "0.0.0.0:7471", (TRUNK_ROUTER, 51234), local="192.168.1.2:7471")
+    accounts = {"ivy-2": "ivy", "ivy-3": "ivy"}
+    names = [StandIn(name, (MALLORY_ROUTER, 7000 + i)) for i, name in enumerate(("ivy", "ivy-2", "ivy-3"))]
+
+    async def scenario() -> tuple[list[str], str]:
+        relay = NatRelay("127.0.0.1")
+        rendezvous = Rendezvous("host", {"carol": trunk}, relay=relay, relay_host="127.0.0.1",
+                                account=lambda name: accounts.get(name, name))
+        answers = []
+        try:
+            for i in range(3 * MAX_RELAYED_PER_MEMBER):
+                try:
+                    answers.append((await rendezvous.route(names[i % 3], "carol", trunk, relay=True)).kind)
+                except NoRoute as e:
+                    answers.append(str(e))
+            other = (await rendezvous.route(StandIn("bob", (BOB_ROUTER, 5000)), "carol", trunk, relay=True)).kind
+            return answers, other
+        finally:
+            rendezvous.close()
+
+    answers, other = asyncio.run(scenario())
+    assert answers.count("relay") == MAX_RELAYED_PER_MEMBER, answers
+    assert "with the other names of its invite" in answers[-1] and other == "relay"

@@ -58,6 +58,7 @@ class PlanKeeper:
         self.with_unproven = False
         self._trials = 0
         self.plan.version = self._load_version()  # a restarted host continues the numbering
+        self.plan.accounts = accounts(home.members())  # (Plan.account: one budget per invite)
 
     def _load_version(self) -> int:
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from net import messages as m
 from net.endpoint import Address
@@ -46,16 +47,19 @@ class NoRoute(Exception):
 
 class Rendezvous:
     def __init__(self, host_name: str, trunks: Trunks, relay: NatRelay | None, relay_host: str | None,
-                 limit: ReachLimit | None = None) -> None:
-        """``relay_host``: the address members reach the relay's ports at (the host's advertised one)."""
+                 limit: ReachLimit | None = None, account: Callable[[str], str] = lambda name: name) -> None:
+        """``relay_host``: the address members reach the relay's ports at (the host's advertised one).
+        ``account``: whose limits a member spends (one per invite: plans.plan.Plan.account), so a
+        person with several names does not get several members' relay ports and punches."""
         self.host_name = host_name
+        self.account = account
         self.limit = limit if limit is not None else ReachLimit()
         self.trunks = trunks
         self.given: dict[str, int] = {}  # relay member → links it was asked for
-        self._asked: dict[str, list[float]] = {}  # requester → when it was given relayed links (this window)
+        self._asked: dict[str, list[float]] = {}  # account → when it was given relayed links (this window)
         self.relay = relay
         self.relay_host = relay_host
-        self._held: dict[str, list[RelayLink]] = {}  # requester → its relayed links, oldest first
+        self._held: dict[str, list[RelayLink]] = {}  # account → its relayed links, oldest first
         # (requester, trunk) → the path the host last gave: "direct", "punched" or "relayed via X",
         # most recent last. (A punch that failed is followed by a relay request, which replaces it.)
         self.paths: dict[tuple[str, str], str] = {}
@@ -114,7 +118,7 @@ class Rendezvous:
             lan = lan_address(trunk.local)
             if mine[0] == seen[0] and lan:  # behind the same router: its address on their network
                 return m.Route(kind="direct", address=lan)
-            self._charge(requester.peer_name, trunk_name)
+            self._charge(self.account(requester.peer_name), trunk_name)
             ticket_requester, ticket_trunk = introduce(Address(*mine), Address(*seen))
             trunk.conn.send(trunk.plan_stream, m.encode(m.PunchWith(
                 peer=str(ticket_trunk.peer), member=requester.peer_name, nonce=ticket_trunk.nonce.hex(),
@@ -135,11 +139,14 @@ class Rendezvous:
         """A relayed link: through a reachable member that offers to relay (the one that was given
         fewest links so far), else through the host's own relay."""
         now = time.monotonic()
-        asked = [t for t in self._asked.get(requester.peer_name, []) if now - t < RELAY_WINDOW_S]
+        account = self.account(requester.peer_name)
+        asked = [t for t in self._asked.get(account, []) if now - t < RELAY_WINDOW_S]
         if len(asked) >= MAX_RELAYED_PER_MEMBER:
-            raise NoRoute(f"{requester.peer_name} was given {len(asked)} relayed links in the last "
+            whose = requester.peer_name if account == requester.peer_name else \
+                f"{requester.peer_name} (with the other names of its invite)"
+            raise NoRoute(f"{whose} was given {len(asked)} relayed links in the last "
                           f"{RELAY_WINDOW_S:g} s, the most a member may; try again later")
-        self._asked[requester.peer_name] = [*asked, now]
+        self._asked[account] = [*asked, now]
         for name in self._relay_members(requester.peer_name, trunk_name):
             candidate = self.trunks[name]
             try:
@@ -156,14 +163,14 @@ class Rendezvous:
                                      reply.token_a, reply.token_b, name)
         if self.relay is None or self.relay_host is None:
             raise NoRoute(f"hole punching to {trunk_name} failed and no relay is available")
-        held = [link for link in self._held.get(requester.peer_name, []) if link.address in self.relay.ports]
+        held = [link for link in self._held.get(account, []) if link.address in self.relay.ports]
         while len(held) >= MAX_RELAYED_PER_MEMBER:
             self.relay.release(held.pop(0))
         try:
             link = await self.relay.allocate()
         except RelayFull as e:
             raise NoRoute(str(e)) from None
-        self._held[requester.peer_name] = [*held, link]
+        self._held[account] = [*held, link]
         return self._relay_route(requester, trunk_name, trunk, Address(self.relay_host, link.address.port),
                                  link.token_a.hex(), link.token_b.hex(), self.host_name)
 

@@ -99,7 +99,8 @@ class HostService:
         port = self.server._transport.get_extra_info("sockname")[1]
         self.address = Address(listen.host, port)
         advertised = Address.parse(self.config.host_addresses[0]) if self.config.host_addresses else self.address
-        self.rendezvous = Rendezvous(self.config.name, self.trunks, NatRelay(listen.host), advertised.host)
+        self.rendezvous = Rendezvous(self.config.name, self.trunks, NatRelay(listen.host), advertised.host,
+                                     account=lambda name: self.plan.account(name))
         self._monitor = asyncio.ensure_future(watch_trunks(self.trunks, self.planning, self.reports.recovery))
         log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
                  self.plan.model_name, self.plan.n_layer)
