@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Protocol
 
 from aioquic.asyncio import QuicConnectionProtocol
@@ -30,7 +31,10 @@ STREAM_ERROR_BAD_FRAME = 0x101  # application error code for a reset stream
 # sends one small CSR; a member's budget leaves room for many large prefills in flight at once.
 ANONYMOUS_MAX_FRAME = 64 * 1024
 ANONYMOUS_BUFFER_BUDGET = 256 * 1024
-MEMBER_BUFFER_BUDGET = 256 * 1024 * 1024
+MEMBER_BUFFER_BUDGET = 256 * 1024 * 1024  # per member, over all its connections to this process
+# Every open connection of each member, so a member's unfinished frames are bounded together: two
+# connections of one member with 150 MB each held 305 MB (issue 30 item 5).
+_MEMBER_CONNECTIONS: dict[str, weakref.WeakSet] = {}
 
 
 class ConnectionHandler(Protocol):
@@ -99,6 +103,8 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.peer_name = member_name(self.peer_cert) if self.peer_cert is not None else ""
         self.peer_role = member_role(self.peer_cert) if self.peer_cert is not None else ""
         self.is_open = True
+        if self.peer_name:
+            _MEMBER_CONNECTIONS.setdefault(self.peer_name, weakref.WeakSet()).add(self)
         self.handler.connection_made(self)
 
     def _stream_data(self, event: events.StreamDataReceived) -> None:
@@ -117,10 +123,16 @@ class SwarmProtocol(QuicConnectionProtocol):
         except WireError as e:
             self.reject_stream(stream_id, str(e))
             return
-        budget = ANONYMOUS_BUFFER_BUDGET if anonymous else MEMBER_BUFFER_BUDGET
-        if decoder.buffered and sum(d.buffered for d in self._decoders.values()) > budget:
-            self.close_with(f"over {budget} bytes of unfinished frames buffered")
-            return
+        if decoder.buffered:
+            if anonymous:
+                budget, held = ANONYMOUS_BUFFER_BUDGET, self.buffered
+            else:
+                budget = MEMBER_BUFFER_BUDGET
+                held = sum(c.buffered for c in _MEMBER_CONNECTIONS.get(self.peer_name, ()) if c.is_open)
+            if held > budget:
+                self.close_with(f"over {budget} bytes of unfinished frames buffered"
+                                + ("" if anonymous else f" from {self.peer_name} over all its connections"))
+                return
         for frame in frames:
             waiter = self._waiters.pop(stream_id, None)
             if waiter is not None and not waiter.done():
@@ -131,6 +143,11 @@ class SwarmProtocol(QuicConnectionProtocol):
             self._decoders.pop(stream_id, None)
             self._fail_waiter(stream_id, ConnectionResetError("the peer ended the stream without answering"))
             self.handler.stream_ended(self, stream_id)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of frames the peer has begun and not finished, on this connection."""
+        return sum(d.buffered for d in self._decoders.values())
 
     def datagram_received(self, data, addr) -> None:
         self.last_heard = self._loop.time()

@@ -194,3 +194,35 @@ def test_anonymous_connections_are_capped_and_a_member_still_gets_in():
     still_open, held, answer = asyncio.run(scenario())
     assert still_open <= MAX_ANONYMOUS_CONNECTIONS and held <= MAX_ANONYMOUS_CONNECTIONS, (still_open, held)
     assert answer == "ok"
+
+
+def test_a_members_unfinished_frames_are_bounded_over_all_its_connections(monkeypatch):
+    """Issue 30 item 5: two connections of one member with 150 MB of unfinished frames each held
+    305 MB. The member's budget covers all its connections to a node (here made 1 MiB, so that the
+    test sends little): the connection that takes it over is closed, and the node serves on."""
+    import net.protocol
+
+    monkeypatch.setattr(net.protocol, "MEMBER_BUFFER_BUDGET", 1 << 20)
+
+    async def scenario() -> tuple[list[bool], str]:
+        server, address, handler, (ca_key, ca_cert) = await _server()
+        alice = _member("alice", ca_key, ca_cert)
+        conns = [await connect_member(address, alice, "host", RequestOnlyHandler()) for _ in range(2)]
+        try:
+            for conn in conns:  # 700 KB of a 4 MB frame on each: each alone is under the budget
+                stream = conn.open_stream()
+                conn.send(stream, FRAME_HEADER.pack(4_000_000, FrameType.CONTROL) + b"x" * 700_000)
+                await conn.drain(stream, 0)
+                await asyncio.sleep(0.3)
+            await asyncio.sleep(0.5)
+            bob = await connect_member(address, _member("bob", ca_key, ca_cert), "host", RequestOnlyHandler())
+            answer = decode_control((await bob.request(encode_control({"type": "status"}), timeout=5)).body)["type"]
+            await close(bob)
+            return [c.is_open for c in conns], answer
+        finally:
+            for conn in conns:
+                await close(conn)
+            server.close()
+
+    still_open, answer = asyncio.run(scenario())
+    assert still_open.count(False) == 1 and answer == "ok", still_open
