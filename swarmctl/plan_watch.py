@@ -9,6 +9,7 @@ from typing import Awaitable, Callable
 
 from kernels.errors import EngineError
 from net import messages as m
+from net.dispatch import Dispatcher
 from net.endpoint import NoAddressAnswered
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
@@ -17,7 +18,6 @@ from plans.plan import Plan
 from swarmctl.home import NodeConfig
 from swarmctl.host_addresses import connect_host
 
-FROM_HOST = m.kinds(m.PlanPush, m.Error)
 CHECK_EVERY_S = 0.5  # while waiting for a complete plan, the host is also asked this often (a missed push)
 
 
@@ -44,6 +44,8 @@ class PlanWatch:
         self.connect_with: Callable[[list[str]], Awaitable[SwarmProtocol]] = \
             lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses)
         self._changed = asyncio.Event()
+        # What the host sends on the watch stream (net/dispatch.py): a plan, or an error.
+        self.from_host = Dispatcher({m.PlanPush: self._plan, m.Error: lambda error: None})
 
     @property
     def is_open(self) -> bool:
@@ -66,11 +68,12 @@ class PlanWatch:
     def received(self, body: bytes) -> Plan | None:
         """A message on the watch stream: the new plan, or None if it was something else."""
         try:
-            push = m.parse(decode_control(body), FROM_HOST)
+            message = self.from_host.parse(decode_control(body))
         except WireError:
             return None
-        if not isinstance(push, m.PlanPush):
-            return None
+        return self.from_host.dispatch(message)
+
+    def _plan(self, push: m.PlanPush) -> Plan:
         self.latest = Plan.from_dict(push.plan)
         self._changed.set()
         return self.latest

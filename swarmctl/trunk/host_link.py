@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import msgspec
 
 from net import messages as m
+from net.dispatch import Dispatcher
 from net.endpoint import close
 from net.identity import Credentials, is_revocation
 from net.liveness import PING_INTERVAL
@@ -28,7 +29,6 @@ log = logging.getLogger("swarmctl.trunk")
 
 RECONNECT_INTERVAL = 2.0
 REVOKED = "the host revoked this member's certificate; ask the host for a new invite to rejoin"
-FROM_HOST = m.kinds(m.PlanPush, m.Error, m.PunchWith, m.RelayEnd)  # what the host sends on the plan stream
 
 
 class HostLink:
@@ -50,6 +50,11 @@ class HostLink:
             lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses)
         self._spawn = spawn
         self._fetches: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
+        # What the host sends on the plan stream (net/dispatch.py); handlers take (fatal, message).
+        self.from_host = Dispatcher({
+            m.PlanPush: lambda fatal, push: self._on_plan(Plan.from_dict(push.plan)),
+            m.PunchWith: lambda fatal, peer: self._on_peer(peer), m.RelayEnd: lambda fatal, peer: self._on_peer(peer),
+            m.Error: self._host_error})
 
     @property
     def is_open(self) -> bool:
@@ -99,18 +104,17 @@ class HostLink:
         """A message the host sent on the plan stream: a plan, or an error (``fatal``: the answer to
         registering, e.g. for an asker's certificate, where retrying cannot help)."""
         try:
-            parsed = m.parse(message, FROM_HOST)
+            parsed = self.from_host.parse(message)
         except WireError as e:
             log.error("host sent %s", e)
             return
-        if isinstance(parsed, m.PlanPush):
-            self._on_plan(Plan.from_dict(parsed.plan))
-        elif isinstance(parsed, (m.PunchWith, m.RelayEnd)):
-            self._on_peer(parsed)
-        elif fatal:
-            self._on_fatal(f"the host refused this trunk: {parsed.message}")
+        self.from_host.dispatch(parsed, fatal)
+
+    def _host_error(self, fatal: bool, error: m.Error) -> None:
+        if fatal:
+            self._on_fatal(f"the host refused this trunk: {error.message}")
         else:
-            log.error("host: %s", parsed.message)
+            log.error("host: %s", error.message)
 
     def is_plan_stream(self, conn: SwarmProtocol, stream_id: int) -> bool:
         return conn is self.conn and stream_id == self.plan_stream
