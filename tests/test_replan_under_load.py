@@ -50,11 +50,12 @@ class FakeHost:
         self.conns = {name: SimpleNamespace(peer_name=name, is_open=True, send=lambda *a, **k: None)
                       for name in figures}
         self.trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=int(2 * GB),
-                                       ms_per_layer_token=figures[name], rtt_ms=1.0, registered_at=float(i))
+                                       ms_per_layer_token=figures[name], rtt_ms=1.0, registered_at=float(i),
+                                       passed_check=True)  # (trunks that proved their layers: planned)
                        for i, (name, conn) in enumerate(self.conns.items())}
         config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective=objective,
                                  plan_max_stages=0, expert_nodes=0)
-        self.planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name), config, SMOL,
+        self.planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
                                    Plan(0, "m", 30, 4), self.trunks)
         self.planning.constraints = constraints(objective)
         self.now = 0.0
