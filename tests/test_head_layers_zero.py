@@ -179,8 +179,8 @@ class _PlanChangesDuringStep:
     def __init__(self, runner: BatchRunner, held: Assignment, plan: Plan) -> None:
         self.runner, self.held, self.plan = runner, held, plan
 
-    async def run(self, step):
-        out = await self.runner.run(step)
+    async def run(self, step, member: str = ""):
+        out = await self.runner.run(step, member)
         self.held.plan = self.plan
         self.held.apply()
         assert self.held.stage is None and self.held.runner is self
