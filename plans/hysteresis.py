@@ -58,7 +58,8 @@ from typing import Sequence
 from .layout import ModelLayout
 from .nodes import ASKER, Link, NodeDescriptor
 from .plan import PlanError
-from .planner import Constraints, _Problem, plan_layers
+from .cost import CostModel
+from .planner import Constraints, plan_layers
 
 SPEED_FACTOR = 1.5
 CONVERGE_FACTOR = 1.1  # a served figure this far from the planned one is adopted
@@ -150,12 +151,12 @@ def assignment_cost(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
     """(one stream's ms per token, the pipeline's bottleneck in ms) of ``stages`` (member, start,
     stop) under the nodes' figures, by the planner's own cost model (compute plus links)."""
     start, stop = constraints.head_layers, layout.n_layer - constraints.head_layers
-    problem = _Problem(layout, list(nodes), constraints, start, stop)
+    problem = CostModel(layout, list(nodes), constraints, start, stop)
     order = [m for m, _, _ in stages]
     compute = [(b - a) * problem.by_name[m].ms_per_layer_token for m, a, b in stages]
     hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
-    link_ms = [problem._link_ms(a, b) for a, b in hops]
-    transfer = max(ms - problem._link_latency(a, b) for ms, (a, b) in zip(link_ms, hops))
+    link_ms = [problem.link_ms(a, b) for a, b in hops]
+    transfer = max(ms - problem.link_latency(a, b) for ms, (a, b) in zip(link_ms, hops))
     return sum(compute) + sum(link_ms), max(max(compute), transfer)
 
 

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from .layout import ModelLayout
 from .nodes import ASKER, NodeDescriptor
 from .plan import PlanError
-from .planner import Constraints, Proposal, _best_paths, _Problem, add_expert_calls, place_experts, plan_layers
+from .planner import Constraints, Proposal, add_expert_calls, describe, place_experts, plan_layers, time_breakdown
+from .search import Search, best_paths
 
 
 def distinct_experts(layout: ModelLayout, rows: int) -> float:
@@ -127,7 +128,7 @@ class Floor:
 def latency_floor(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constraints) -> Floor:
     """The least half-round-trip latency of any trip asker → sites → asker whose sites offer the
     memory the trunk needs (memory summed per site: necessary, so the figure is a floor)."""
-    problem = _Problem(layout, nodes, constraints, constraints.head_layers, layout.n_layer - constraints.head_layers)
+    problem = Search(layout, nodes, constraints, constraints.head_layers, layout.n_layer - constraints.head_layers)
     sites: dict[str, list[str]] = {}
     for n in nodes:
         sites.setdefault(problem.site_of(n.name), []).append(n.name)
@@ -135,11 +136,11 @@ def latency_floor(layout: ModelLayout, nodes: list[NodeDescriptor], constraints:
 
     def half_rtt(a: str, b: str) -> float:
         left, right = sites.get(a, [ASKER]), sites.get(b, [ASKER])
-        return min(problem._link_latency(x, y) for x in left for y in right)
+        return min(problem.link_latency(x, y) for x in left for y in right)
 
     need = sum(problem.need)
     best = Floor((), math.inf)
-    for mask, (ms, order) in _best_paths(keys, half_rtt).items():
+    for mask, (ms, order) in best_paths(keys, half_rtt).items():
         held = sum(problem.usable[m] for site in order for m in sites[site])
         if held >= need and ms < best.latency_ms:
             best = Floor(tuple(order), ms)
@@ -159,12 +160,12 @@ def plan_in_order(layout: ModelLayout, nodes: list[NodeDescriptor], constraints:
                   label: str) -> OrderedPlan:
     """The best stages along a fixed member order (any member may be skipped), as search_by_site
     picks them along its site order: to compare orders."""
-    problem = _Problem(layout, nodes, constraints, constraints.head_layers, layout.n_layer - constraints.head_layers)
-    found = problem._skip_cut([m for m in order if problem.room[m] >= 1])
+    problem = Search(layout, nodes, constraints, constraints.head_layers, layout.n_layer - constraints.head_layers)
+    found = problem.skip_cut([m for m in order if problem.room[m] >= 1])
     if found is None:
         return OrderedPlan(label, math.inf, 0.0, 0, 0)
     members = found[1]
-    proposal = problem.proposal(members, found[2])
+    proposal = describe(problem, members, found[2])
     visits = [problem.site_of(m) for m in members]
     changes = sum(1 for a, b in zip(visits, visits[1:]) if a != b)
     return OrderedPlan(label, proposal.ms_per_token, proposal.tokens_per_s, len(members), changes)
@@ -182,7 +183,6 @@ def report(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constr
            expert_nodes: int = 8) -> dict:
     """The numbers for a plan on paper, as a dict (printed as JSON by ``main``)."""
     plan = _plan(layout, nodes, constraints)
-    from .planner import time_breakdown
 
     parts = time_breakdown(plan, nodes)
     latency = sum(t.latency_ms for t in parts)
@@ -196,8 +196,8 @@ def report(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constr
                             "fastest members first, sites ignored"),
               plan_in_order(layout, nodes, constraints, [m for ms in by_file_site.values() for m in ms],
                             "each site's machines together, sites in the nodes file's order")]
-    problem = _Problem(layout, nodes, constraints, constraints.head_layers, layout.n_layer - constraints.head_layers)
-    compute_floor = problem._compute_floor([n.name for n in nodes])
+    problem = Search(layout, nodes, constraints, constraints.head_layers, layout.n_layer - constraints.head_layers)
+    compute_floor = problem.compute_floor([n.name for n in nodes])
     out = {
         "plan": {"ms_per_token": plan.ms_per_token, "tokens_per_s_single": 1000 / plan.ms_per_token,
                  "tokens_per_s_pipelined": plan.tokens_per_s, "stages": len(plan.stages),

@@ -17,7 +17,8 @@ import pytest
 from kernels.errors import EngineError
 from plans.layout import BITS_PER_WEIGHT, ModelLayout, layout_by_name
 from plans.nodes import ASKER, Link, NodeDescriptor, load_nodes
-from plans.planner import Constraints, _Problem, add_expert_calls, place_experts, plan_layers, time_breakdown
+from plans.planner import Constraints, add_expert_calls, place_experts, plan_layers, time_breakdown
+from plans.search import Search
 from plans.whatif import distinct_experts, latency_floor, report, tokens_per_trip, trip_ms
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "examples" / "kimi-thirty-gpus.json"
@@ -134,8 +135,8 @@ def test_the_search_over_every_member_is_exact_along_its_order():
                                        **{o: Link(rng.uniform(1, 40), rng.uniform(1, 50)) for o in names[i + 1:]}})
                  for i, m in enumerate(names)]
         c = Constraints(head_layers=1, context_tokens=16)
-        problem = _Problem(layout, nodes, c, 1, n_layer - 1)
-        found = problem._skip_cut(names)
+        problem = Search(layout, nodes, c, 1, n_layer - 1)
+        found = problem.skip_cut(names)
         best = math.inf
         for r in range(1, k + 1):
             for used in itertools.combinations(names, r):
@@ -145,7 +146,7 @@ def test_the_search_over_every_member_is_exact_along_its_order():
                         continue
                     compute = [(b - a) * problem.by_name[m].ms_per_layer_token
                                for m, a, b in zip(used, bounds, bounds[1:])]
-                    best = min(best, problem._score(list(used), compute)[0])
+                    best = min(best, problem.score(list(used), compute)[0])
         if best == math.inf:
             assert found is None
         else:

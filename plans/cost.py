@@ -1,0 +1,120 @@
+"""The planner's cost model: what each member can hold (memory less the reserve, the longest run
+of layers that fits), what a link costs a token (measured, or bounded from the measured ones:
+plans/links.py), and how a member order and its stages' compute score under the objective. The
+search (plans/search.py) asks it; it searches nothing itself."""
+
+from __future__ import annotations
+
+import math
+
+from . import units
+from .layout import ModelLayout
+from .links import LinkModel
+from .nodes import ASKER, NodeDescriptor
+from .plan import PlanError
+from .proposal import Constraints
+
+
+class CostModel:
+    def __init__(self, layout: ModelLayout, nodes: list[NodeDescriptor], c: Constraints, start: int, stop: int):
+        self.layout, self.nodes, self.c = layout, nodes, c
+        self.start, self.stop = start, stop
+        self.n = stop - start
+        kv_per_layer = layout.kv_bytes_per_token_per_layer * c.context_tokens * c.max_concurrent
+        self.need = [layout.layer_bytes[i] + kv_per_layer for i in range(start, stop)]  # per trunk layer
+        self.mean_need = sum(self.need) / self.n
+        self.usable = {nd.name: max(0, nd.memory_bytes - c.reserve_bytes) for nd in nodes}
+        self.cap = {nd.name: min(self.n, int(self.usable[nd.name] // self.mean_need)) for nd in nodes}
+        # the most contiguous layers a node could hold anywhere in the trunk: no cut gives it more,
+        # so the cheapest counts within these bound every cut's compute from below
+        self.room = {nd.name: self.longest_window(self.usable[nd.name]) for nd in nodes}
+        self.by_name = {nd.name: nd for nd in nodes}
+        self.act = layout.activation_bytes_per_token
+        self.links = LinkModel(nodes)  # measured, or bounded from the measured ones (plans/links.py)
+
+    def longest_window(self, usable: int) -> int:
+        longest, lo, held = 0, 0, 0
+        for hi, b in enumerate(self.need):
+            held += b
+            while held > usable:
+                held -= self.need[lo]
+                lo += 1
+            longest = max(longest, hi + 1 - lo)
+        return longest
+
+    def check_capacity(self) -> None:
+        needed, offered = sum(self.need), sum(self.usable.values())
+        if offered < needed or sum(self.room.values()) < self.n:
+            missing = max(needed - offered, self.mean_need)
+            raise PlanError(
+                f"the swarm cannot hold the model: its trunk layers [{self.start}, {self.stop}) need "
+                f"{units.size(needed)} (weights + KV for {self.c.context_tokens} tokens × "
+                f"{self.c.max_concurrent} requests) and the members offer {units.size(offered)} after a "
+                f"{units.size(self.c.reserve_bytes)} reserve each: {units.size(missing)} missing")
+
+    def score(self, order: list[str], compute: list[float], path_ms: float | None = None) -> tuple[float, float]:
+        hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
+        if path_ms is None:
+            path_ms = sum(self.link_ms(a, b) for a, b in hops)
+        latency = sum(compute) + path_ms
+        bottleneck = max(max(compute), self.max_transfer(order))
+        return (bottleneck, latency) if self.c.objective == "throughput" else (latency, bottleneck)
+
+    def link_ms(self, a: str, b: str) -> float:
+        return self.links.link(a, b).link.cost_ms(self.act)
+
+    def max_transfer(self, order: list[str]) -> float:
+        hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
+        return max(self.link_ms(a, b) - self.link_latency(a, b) for a, b in hops)
+
+    def link_latency(self, a: str, b: str) -> float:
+        return self.links.link(a, b).link.rtt_ms / 2
+
+    def counts(self, order: list[str], cap: dict[str, int]) -> dict[str, int] | None:
+        """Layers per member, at most ``cap`` each: by memory for "even", fastest first for latency,
+        balanced for throughput (the last two the cheapest counts within the caps)."""
+        caps = {m: cap[m] for m in order}
+        if len(order) > self.n or sum(caps.values()) < self.n:
+            return None
+        speed = {m: self.by_name[m].ms_per_layer_token for m in order}
+        if self.c.objective == "even":
+            total = sum(self.usable[m] for m in order)
+            counts = {m: max(1, min(caps[m], int(self.n * self.usable[m] / total))) for m in order}
+            for m in sorted(order, key=lambda m: -self.usable[m]):  # hand out what rounding left
+                while sum(counts.values()) < self.n and counts[m] < caps[m]:
+                    counts[m] += 1
+            return counts if sum(counts.values()) == self.n else None
+        if self.c.objective == "latency":
+            counts = {m: 1 for m in order}
+            left = self.n - len(order)
+            for m in sorted(order, key=lambda m: speed[m]):
+                take = min(left, caps[m] - 1)
+                counts[m] += take
+                left -= take
+            return counts
+        # throughput: the smallest T such that min(cap, floor(T / speed)) layers per member cover n
+        candidates = sorted({c * speed[m] for m in order for c in range(1, caps[m] + 1)})
+        for t in candidates:
+            counts = {m: min(caps[m], int(t / speed[m] + 1e-9)) for m in order}
+            if all(v >= 1 for v in counts.values()) and sum(counts.values()) >= self.n:
+                extra = sum(counts.values()) - self.n  # give back surplus from the slowest
+                for m in sorted(order, key=lambda m: -speed[m]):
+                    give = min(extra, counts[m] - 1)
+                    counts[m] -= give
+                    extra -= give
+                return counts
+        return None
+
+    def site_of(self, name: str) -> str:
+        """A member's site; a member that names none is a site of its own."""
+        site = self.by_name[name].site if name in self.by_name else ""
+        return site or f"({name})"
+
+    def compute_floor(self, members: list[str]) -> float:
+        """No plan over ``members`` computes faster: the fastest hold all they can, in any order."""
+        left, ms = self.n, 0.0
+        for m in sorted(members, key=lambda m: self.by_name[m].ms_per_layer_token):
+            take = min(left, self.room[m])
+            ms += take * self.by_name[m].ms_per_layer_token
+            left -= take
+        return ms if left == 0 else math.inf

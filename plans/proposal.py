@@ -1,0 +1,89 @@
+"""What the planner is given (Constraints) and what it answers (Proposal: stages, hops, the
+expected time per token), and where a proposal's time goes (time_breakdown)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .nodes import ASKER, NodeDescriptor
+
+
+@dataclass(frozen=True)
+class Constraints:
+    head_layers: int = 4  # the asker keeps [0, K) and [L-K, L)
+    context_tokens: int = 4096
+    max_concurrent: int = 4  # requests whose KV a stage must hold at once
+    objective: str = "latency"  # or "throughput", or "even"
+    reserve_bytes: int = 300_000_000  # per node, for the runtime and compute buffers
+    max_stages: int = 0  # 0 = no limit; members beyond it stay out as standbys
+
+
+@dataclass
+class StagePlan:
+    member: str
+    start: int  # layers [start, stop)
+    stop: int
+    compute_ms: float  # per token
+    memory_used: int
+    memory_free: int
+    expert_calls: int = 0  # expert parallelism: MoE layers whose experts it calls per token
+    expert_ms: float = 0.0  # and what waiting for them costs per token
+    expert_latency_ms: float = 0.0  # of which round-trip latency (the rest: the rows' bytes)
+
+
+@dataclass
+class Hop:
+    """A link the plan uses, as the planner charged it."""
+
+    src: str
+    dst: str
+    rtt_ms: float
+    bandwidth_mb_s: float
+    basis: str  # measured, relayed, site (a LAN estimate), bound (from measured links) or unknown
+    through: tuple[str, ...] = ()  # the relay, or the machines whose links bound it
+    ms: float = 0.0  # what one token's activations cost on it, one way: half the round trip plus the bytes
+
+
+@dataclass
+class Proposal:
+    objective: str
+    stages: list[StagePlan]
+    ms_per_token: float  # single stream: trunk compute + links (the asker's own head and tail not included)
+    tokens_per_s: float  # pipelined bound: 1000 / bottleneck
+    bottleneck: str
+    warnings: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    hops: list[Hop] = field(default_factory=list)  # asker → stage 1 → … → asker
+    search: str = "exact"  # "exact" (subsets of the fastest EXACT_NODES), or "by site" (every member)
+
+
+@dataclass(frozen=True)
+class TimePart:
+    """One line of where a single stream's token spends its time (``time_breakdown``)."""
+
+    part: str
+    count: int  # stages, link crossings or expert calls
+    ms: float  # per token
+    latency_ms: float = 0.0  # of which half round trips: what no bandwidth buys back
+
+
+def time_breakdown(proposal: Proposal, nodes: list[NodeDescriptor]) -> list[TimePart]:
+    """The proposal's ms per token, split into compute, link crossings (to and from the asker,
+    within a site, between sites) and expert calls. The parts add up to ``proposal.ms_per_token``."""
+    site = {n.name: n.site for n in nodes if n.site}
+    crossings: dict[str, list[Hop]] = {"links to and from the asker": [], "links within a site": [],
+                                       "links between sites": []}
+    for h in proposal.hops:
+        if ASKER in (h.src, h.dst):
+            crossings["links to and from the asker"].append(h)
+        elif h.src in site and site.get(h.dst) == site[h.src]:
+            crossings["links within a site"].append(h)
+        else:
+            crossings["links between sites"].append(h)
+    parts = [TimePart("compute on the stages", len(proposal.stages), sum(s.compute_ms for s in proposal.stages))]
+    parts += [TimePart(what, len(hops), sum(h.ms for h in hops), sum(h.rtt_ms / 2 for h in hops))
+              for what, hops in crossings.items()]
+    parts.append(TimePart("expert calls (round trips)", sum(s.expert_calls for s in proposal.stages),
+                          sum(s.expert_ms for s in proposal.stages),
+                          sum(s.expert_latency_ms for s in proposal.stages)))
+    return parts
