@@ -312,7 +312,7 @@ def test_the_host_replans_on_a_material_change_only(tmp_path):
                               ms_per_layer_token=1.0) for i, (name, conn) in enumerate(conns.items())}
     config = SimpleNamespace(head_layers=4, plan_context=1024, plan_concurrent=4, objective="throughput",
                              plan_max_stages=0, expert_nodes=0)
-    home = SimpleNamespace(file=lambda name: tmp_path / name)
+    home = SimpleNamespace(file=lambda name: tmp_path / name, members=dict)
     planning = PlanKeeper(home, config, SMOL, Plan(0, "m", 30, 4), trunks)
     planning.constraints = constraints("throughput")
     host = object.__new__(HostService)  # only what the speed handler reads
@@ -394,7 +394,8 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
                               ms_per_layer_token=1.0, rtt_ms=1.0) for i, (name, conn) in enumerate(conns.items())}
     config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective="latency",
                              plan_max_stages=0, expert_nodes=0)
-    planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name), config, SMOL, Plan(0, "m", 30, 4), trunks)
+    planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
+                          Plan(0, "m", 30, 4), trunks)
     planning.constraints = constraints("latency")
     host = object.__new__(HostService)  # only what the links handler reads
     host.trunks, host.planning = trunks, planning

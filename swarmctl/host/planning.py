@@ -293,28 +293,30 @@ class PlanKeeper:
 
     def _send_trials(self, unproven: list[str]) -> None:
         """The proven trunks hold the model, so the plan in use stays as it is: each unproven trunk
-        without a trial gets a plan of its own (a private version, its stage alone) with the layers
-        the planner would give it, to load and prove (checks.py); it is planned once it has. One
-        the planner would not use stands by unproven."""
-        waiting = [name for name in unproven if self.trunks[name].trial is None]
+        without a trial gets a plan of its own (a private version, its stage alone) to load and
+        prove (checks.py), and is planned once it has: the layers the planner would give it, or,
+        where it would leave it out, the first trunk layer (proving it makes it a standby)."""
+        waiting = [name for name in unproven if self.trunks[name].trial is None and self.trunks[name].conn.is_open]
         if not waiting:
             return
+        lo, _ = self.plan.trunk_range
+        ranges = {name: (lo, lo + 1) for name in waiting}
         try:
             would_be, _ = self._propose(self.descriptors(unproven=True))
+            ranges.update({s.member: (s.start, s.stop) for s in (would_be.stages if would_be else [])
+                           if s.member in ranges})
         except PlanError:
-            return
-        for stage in would_be.stages if would_be is not None else []:
-            trunk = self.trunks.get(stage.member)
-            if stage.member not in waiting or trunk is None or not trunk.conn.is_open:
-                continue
+            pass
+        for name, (start, stop) in ranges.items():
+            trunk = self.trunks[name]
             self._trials += 1
             trial = Plan.from_dict(self.plan.to_dict())
             trial.version = TRIAL_VERSIONS + self._trials
-            trial.stages = [StageAssignment(stage.member, trunk.listen, stage.start, stage.stop)]
+            trial.stages = [StageAssignment(name, trunk.listen, start, stop)]
             trial.experts, trial.warnings = [], ["a trial: prove these layers, then you are planned"]
-            trunk.trial = (trial.version, stage.start, stage.stop)
+            trunk.trial = (trial.version, start, stop)
             log.info("trunk %s has proved nothing yet: sent a trial with layers [%d, %d) to load and prove; the "
-                     "plan in use (v%d) stays", stage.member, stage.start, stage.stop, self.plan.version)
+                     "plan in use (v%d) stays", name, start, stop, self.plan.version)
             trunk.conn.send(trunk.plan_stream, m.encode(m.PlanPush(plan=trial.to_dict())))
 
     def push(self, only: str | None = None) -> None:
