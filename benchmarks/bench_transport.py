@@ -29,7 +29,7 @@ from net.identity import (Credentials, load_cert, load_private_key, make_ca, new
 from net.protocol import RequestOnlyHandler, SwarmProtocol  # noqa: E402
 from net.wire import FRAME_HEADER, Frame, FrameType, encode_control, encode_frame  # noqa: E402
 
-SIZES = {"16KB": 16 * 1024, "1MB": 1024 * 1024, "16MB": 16 * 1024 * 1024}
+SIZES = {"16KB": 16 * 1024, "28KB": 28 * 1024, "1MB": 1024 * 1024, "16MB": 16 * 1024 * 1024}  # 28 KB: a Kimi row in f32
 DATAGRAMS = [1200, 1350, 1452, 4096, 16000, 16384, 32768]
 
 
@@ -138,6 +138,8 @@ def main() -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--datagram", type=int, default=1350)
     p.add_argument("--creds")
+    p.add_argument("--datagrams", default=",".join(map(str, DATAGRAMS)), help="datagram sizes to time (comma-separated)")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"frame sizes to time, of {', '.join(SIZES)}")
     args = p.parse_args()
     if args.serve:
         coro = serve_quic(Path(args.creds), args.port, args.datagram) if args.serve == "quic" else \
@@ -150,12 +152,13 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="bench-transport-"))
     make_credentials(folder)
     results: dict = {"repeats": args.repeats, "quic": {}, "tcp_tls": {}}
-    for datagram in DATAGRAMS:
+    sizes = {label: SIZES[label] for label in args.sizes.split(",")}
+    for datagram in [int(d) for d in args.datagrams.split(",")]:
         port = free_udp_port()
         receiver = start_receiver(folder, "quic", port, datagram)
         try:
             row = {}
-            for label, size in SIZES.items():
+            for label, size in sizes.items():
                 try:
                     times = asyncio.run(time_quic(folder, port, datagram, size, args.repeats))
                 except (ConnectionError, asyncio.TimeoutError) as e:  # reported, not hidden
@@ -169,7 +172,7 @@ def main() -> None:
     port = free_udp_port()
     receiver = start_receiver(folder, "tls", port, 0)
     try:
-        for label, size in SIZES.items():
+        for label, size in sizes.items():
             times = asyncio.run(time_tls(folder, port, size, args.repeats))
             results["tcp_tls"][label] = {"median_ms": statistics.median(times) * 1e3,
                                          "mb_per_s": size / statistics.median(times) / 1e6}
