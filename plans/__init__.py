@@ -11,6 +11,7 @@ made on paper (``swarmctl plan``) as well as by the running host.
     cost.py        the cost model: what a member holds, what a link costs, how an order scores
     search.py      the search over members, orders and cuts, on the cost model (Search extends CostModel)
     experts.py     expert placement (expert parallelism) and what expert calls cost
+    options.py     the planner's options, written once for init, plan, config and the host
     plan.py        the Plan (stage and expert assignments, version) as it travels from the host as JSON
     hysteresis.py  when a changed speed or link figure is worth a new plan
     whatif.py      a plan's floors, speculative steps and stage orders, by the planner's cost model

@@ -30,10 +30,8 @@ from net.endpoint import Address, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.wire import WireError
 from swarmctl.errors import UsageError
+from plans.options import OPTIONS, PlannerOption
 from swarmctl.home import NodeConfig, SwarmHome
-
-OBJECTIVES = ("latency", "throughput", "even")
-
 
 @dataclass(frozen=True)
 class Setting:
@@ -42,31 +40,17 @@ class Setting:
     describe: Callable[[object], str] = str
 
 
-def _objective(key: str, text: str) -> str:
-    if text not in OBJECTIVES:
-        raise UsageError(f"swarmctl config: {key} must be one of {', '.join(OBJECTIVES)}, not {text!r}")
-    return text
-
-
-def _count(minimum: int) -> Callable[[str, str], int]:
-    def parse(key: str, text: str) -> int:
+def _parse(option: PlannerOption) -> Callable[[str, str], object]:
+    def parse(key: str, text: str) -> object:
         try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise UsageError(f"swarmctl config: {key} must be a whole number of at least {minimum}, not {text!r}")
-        return value
+            return option.parse(text, "swarmctl config")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return parse
 
 
-SETTINGS: dict[str, Setting] = {
-    "objective": Setting("objective", _objective),
-    "context": Setting("plan_context", _count(1), lambda v: f"{v} tokens"),
-    "concurrent": Setting("plan_concurrent", _count(1), lambda v: f"{v} requests"),
-    "max-stages": Setting("plan_max_stages", _count(0), lambda v: f"{v}" if v else "0 (no limit)"),
-    "expert-nodes": Setting("expert_nodes", _count(0), lambda v: f"{v}" if v else "0 (none)"),
-}
+# The planner's options a running host may change (plans/options.py; head layers are fixed at init).
+SETTINGS: dict[str, Setting] = {o.key: Setting(o.config_field, _parse(o), o.describe) for o in OPTIONS if o.configurable}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import argparse
 import socket
 
 from net.endpoint import Address
+from plans import options
 from swarmctl.home import DEFAULT_PORT, SwarmHome
 from swarmctl.membership import create_swarm
 from swarmctl.models import checked_model
@@ -24,20 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise", action="append", metavar="HOST:PORT",
                         help="address members use to reach the host (repeatable; default: this machine's)")
     parser.add_argument("--model", metavar="PATH", help="the GGUF the swarm runs (default: the bundled SmolLM2)")
-    parser.add_argument("--head-layers", type=int, default=4, metavar="K",
-                        help="layers each asker keeps at each end of the model (default 4)")
-    parser.add_argument("--objective", choices=["latency", "throughput", "even"], default="latency",
-                        help="what the planner optimises: one stream's latency (default), the pipeline's "
-                             "throughput, or every trunk used in proportion to its memory")
-    parser.add_argument("--context", type=int, default=4096, metavar="TOKENS",
-                        help="KV room per request each stage must hold (default 4096)")
-    parser.add_argument("--concurrent", type=int, default=4, metavar="N",
-                        help="requests whose KV each stage must hold at once (default 4)")
-    parser.add_argument("--expert-nodes", type=int, default=0, metavar="N",
-                        help="mixture-of-experts models: N trunks hold the experts (split between them) and the "
-                             "others run attention and the routers (expert parallelism; default 0: none)")
-    parser.add_argument("--max-stages", type=int, default=0, metavar="N",
-                        help="use at most N trunks at once; the others stand by to take over (default: no limit)")
+    options.add_arguments(parser)  # the planner's (plans/options.py)
 
 
 def _default_advertise(listen: Address) -> list[str]:
@@ -61,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
     home = SwarmHome()
     config = create_swarm(home, swarm_name=args.swarm, host_name=args.name, listen=str(listen),
                           advertise=advertise, model=model, head_layers=args.head_layers)
-    config.objective, config.plan_context, config.plan_concurrent = args.objective, args.context, args.concurrent
-    config.plan_max_stages = args.max_stages
-    config.expert_nodes = args.expert_nodes
+    options.PlannerSettings(**options.given(args)).into_config(config)
     home.save_config(config)
     print(f"created swarm '{config.swarm_name}' in {home.path}")
     print(f"host: {config.name}, reachable at {', '.join(config.host_addresses)} (UDP)")

@@ -19,38 +19,31 @@ import argparse
 import asyncio
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 
 from kernels.errors import EngineError
-from plans import units
-
-# A plan on paper (--nodes) without options: the defaults `swarmctl init` gives a new swarm.
-ON_PAPER = dict(objective="latency", head_layers=4, context=4096, concurrent=4, max_stages=0, expert_nodes=0)
-
+from plans import options, units
+from plans.options import PlannerSettings
 
 @dataclass(frozen=True)
 class Settings:
-    """What the planner is asked to plan under: the host's settings (`swarmctl config`), or
-    ON_PAPER, with any option given on the command line in their place."""
+    """What the planner is asked to plan under: the host's settings (`swarmctl config`), or the
+    defaults `swarmctl init` gives a new swarm (on paper), with any option given in their place."""
 
-    objective: str
-    head_layers: int
-    context: int
-    concurrent: int
-    max_stages: int
-    expert_nodes: int
+    planner: PlannerSettings
     source: str = "on paper"  # where the ones not given as options came from
 
     def constraints(self):
-        from plans.planner import Constraints
+        return self.planner.constraints()
 
-        return Constraints(self.head_layers, self.context, self.concurrent, self.objective,
-                           max_stages=self.max_stages)
+    def as_dict(self) -> dict:
+        return {**asdict(self.planner), "source": self.source}
 
     def describe(self) -> str:
-        return (f"objective {self.objective}, head layers {self.head_layers}, KV for {self.context} tokens × "
-                f"{self.concurrent} requests, max stages {self.max_stages or 'no limit'}, expert nodes "
-                f"{self.expert_nodes} ({self.source})")
+        p = self.planner
+        return (f"objective {p.objective}, head layers {p.head_layers}, KV for {p.context} tokens × "
+                f"{p.concurrent} requests, max stages {p.max_stages or 'no limit'}, expert nodes "
+                f"{p.expert_nodes} ({self.source})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,32 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", metavar="PATH", help="a GGUF (only its metadata is read)")
     source.add_argument("--layout", metavar="NAME", help="a model on paper, e.g. llama-3-70b-q4_k_m")
     parser.add_argument("--nodes", metavar="FILE", help="JSON list of nodes (default: the running swarm's)")
-    # Each setting defaults to the running swarm's (on paper: ON_PAPER's), so a plan asked for
+    # Each setting defaults to the running swarm's (on paper: init's defaults), so a plan asked for
     # inside a swarm is the swarm's plan unless an option says otherwise.
-    parser.add_argument("--objective", choices=["latency", "throughput", "even"], default=None,
-                        help="default: the swarm's; on paper, latency")
-    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
-                        help="layers the asker keeps at each end (default: the swarm's; on paper, 4)")
-    parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
-                        help="KV room per request (default: the swarm's; on paper, 4096)")
-    parser.add_argument("--concurrent", type=int, default=None, metavar="N",
-                        help="requests whose KV each stage holds (default: the swarm's; on paper, 4)")
-    parser.add_argument("--max-stages", type=int, default=None, metavar="N",
-                        help="use at most N members, the others stand by (0: no limit; default: the swarm's)")
-    parser.add_argument("--expert-nodes", type=int, default=None, metavar="N",
-                        help="mixture-of-experts models: N nodes hold the experts, the rest run the stages "
-                             "(default: the swarm's; on paper, 0)")
+    options.add_arguments(parser, inherit="the swarm's")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def settings_from(args: argparse.Namespace, base: dict, source: str) -> Settings:
-    """``base`` (the swarm's settings, or ON_PAPER) with the options given in their place."""
-    given = {f.name: getattr(args, f.name) for f in fields(Settings)
-             if f.name != "source" and getattr(args, f.name, None) is not None}
-    settings = Settings(**{**base, **given}, source=source + (" and options" if given else ""))
-    if settings.expert_nodes < 0 or settings.max_stages < 0:
-        raise EngineError("--expert-nodes and --max-stages must be 0 or more")
-    return settings
+def settings_from(args: argparse.Namespace, base: PlannerSettings, source: str) -> Settings:
+    """``base`` (the swarm's settings, or the defaults) with the options given in their place."""
+    given = options.given(args)
+    return Settings(replace(base, **given), source + (" and options" if given else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,14 +72,14 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes:
         nodes = load_nodes(args.nodes)
         layout = layout_by_name(args.layout) if args.layout else ModelLayout.from_gguf(resolve_model(args.model))
-        settings = settings_from(args, ON_PAPER, "on paper")
+        settings = settings_from(args, PlannerSettings(), "on paper")
     else:
         layout, nodes, running, base, source = asyncio.run(_from_swarm(args))
         settings = settings_from(args, base, source)
     proposal, placement = plan_with(layout, nodes, settings)
     if args.json:
-        shown = {"model": layout.name, "n_layer": layout.n_layer, "head_layers": settings.head_layers,
-                 "settings": asdict(settings), **asdict(proposal), "experts": [asdict(e) for e in placement.experts],
+        shown = {"model": layout.name, "n_layer": layout.n_layer, "head_layers": settings.planner.head_layers,
+                 "settings": settings.as_dict(), **asdict(proposal), "experts": [asdict(e) for e in placement.experts],
                  "time": [asdict(t) for t in _time_breakdown(proposal, nodes)]}
         if running is not None:
             shown["running"] = running.to_dict()
@@ -113,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_running(running))
         print()
         print(f"a re-plan now, with the members' current figures ({settings.describe()}):")
-    print(format_plan(layout, settings.head_layers, proposal, placement.experts, nodes))
+    print(format_plan(layout, settings.planner.head_layers, proposal, placement.experts, nodes))
     if running is not None:
         changes = plan_changes(running, proposal, placement.experts, settings)
         print("a re-plan would change: " + ("; ".join(changes) if changes else "nothing"))
@@ -125,8 +102,8 @@ def plan_with(layout, nodes, settings: Settings):
     from plans.planner import add_expert_calls, place_experts, plan_layers
 
     constraints = settings.constraints()
-    placement = place_experts(layout, nodes, constraints, settings.expert_nodes)
-    if settings.expert_nodes and not layout.n_expert:
+    placement = place_experts(layout, nodes, constraints, settings.planner.expert_nodes)
+    if settings.planner.expert_nodes and not layout.n_expert:
         placement.warnings.append(f"{layout.name} has no experts: --expert-nodes ignored")
     proposal = plan_layers(placement.stage_layout, placement.stage_nodes, constraints)
     proposal.warnings += placement.warnings
@@ -164,13 +141,12 @@ async def _from_swarm(args: argparse.Namespace):
         raise EngineError("the swarm has no trunk members to plan with yet")
     config = home.load_config()
     if config.role == "host":
-        base = dict(objective=config.objective, head_layers=config.head_layers, context=config.plan_context,
-                    concurrent=config.plan_concurrent, max_stages=config.plan_max_stages,
-                    expert_nodes=config.expert_nodes)
+        base = PlannerSettings.from_config(config)
         source = "the swarm's settings"
     else:
-        base = dict(objective=running.objective, head_layers=running.head_layers, context=running.context_tokens,
-                    concurrent=running.max_concurrent, max_stages=0, expert_nodes=len(running.experts))
+        base = PlannerSettings(objective=running.objective, head_layers=running.head_layers,
+                               context=running.context_tokens, concurrent=running.max_concurrent, max_stages=0,
+                               expert_nodes=len(running.experts))
         source = "the running plan's settings"
     if args.layout:
         layout = layout_by_name(args.layout)
@@ -205,8 +181,8 @@ def plan_changes(running, proposal, experts, settings: Settings) -> list[str]:
         return f"[{start_stop[0]}, {start_stop[1]})" if start_stop else "standby"
 
     changes = []
-    if settings.head_layers != running.head_layers:
-        changes.append(f"head layers {running.head_layers} → {settings.head_layers}")
+    if settings.planner.head_layers != running.head_layers:
+        changes.append(f"head layers {running.head_layers} → {settings.planner.head_layers}")
     before = {s.member: (s.start, s.stop) for s in running.stages}
     after = {s.member: (s.start, s.stop) for s in proposal.stages}
     for member in [*after, *(n for n in before if n not in after)]:

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import statistics
 import time
-from dataclasses import replace
 from typing import Awaitable, Callable
 
 from net import messages as m
@@ -17,7 +16,8 @@ from plans.hysteresis import (MAX_DEFER_S, SPEED_FACTOR, ReplanGate, SpeedDecisi
 from plans.layout import ModelLayout
 from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, StageAssignment
-from plans.planner import Constraints, PlanError, add_expert_calls, place_experts, plan_layers
+from plans.options import OPTIONS, PlannerSettings
+from plans.planner import PlanError, add_expert_calls, place_experts, plan_layers
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.membership import accounts
 
@@ -38,8 +38,7 @@ class PlanKeeper:
         self.layout = layout
         self.plan = plan
         self.trunks = trunks
-        self.constraints = Constraints(config.head_layers, config.plan_context, config.plan_concurrent,
-                                       config.objective, max_stages=config.plan_max_stages)
+        self.constraints = PlannerSettings.from_config(config).constraints()
         # The speed each member is planned with: a new figure replaces it only when it moved past
         # its band (plans/hysteresis.py), so a wobble reshuffles no plan. Only ``adopt_speed`` and
         # ``rebase`` change it: a decision must compare the new figure with the one planned with.
@@ -341,12 +340,12 @@ class PlanKeeper:
 
     def reconfigure(self, saved: NodeConfig) -> None:
         """The planner's settings again from node.json, and a new plan under them, pushed to everyone."""
-        for key in ("objective", "plan_context", "plan_concurrent", "plan_max_stages", "expert_nodes"):
-            setattr(self.config, key, getattr(saved, key))
-        self.constraints = replace(self.constraints, objective=saved.objective, context_tokens=saved.plan_context,
-                                   max_concurrent=saved.plan_concurrent, max_stages=saved.plan_max_stages)
+        for option in OPTIONS:
+            if option.configurable:
+                setattr(self.config, option.config_field, getattr(saved, option.config_field))
+        settings = PlannerSettings.from_config(self.config)
+        self.constraints = settings.constraints()
         self.plan.objective = saved.objective  # also while no trunk is there to plan for
-        log.info("settings changed: objective %s, context %d, concurrent %d, max stages %d, expert nodes %d",
-                 saved.objective, saved.plan_context, saved.plan_concurrent, saved.plan_max_stages,
-                 saved.expert_nodes)
+        log.info("settings changed: %s", ", ".join(f"{o.key} {getattr(settings, o.field)}" for o in OPTIONS
+                                                   if o.configurable))
         self.replan(force_push=True)
