@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # bits per weight of the GGML types a layout on paper may use (block bytes × 8 / block size)
+# (tests/test_kimi_plan.py checks each against ggml's own type_size / blck_size)
 BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5,
-                   "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q3_K": 3.4375, "Q2_K": 2.625}
+                   "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q3_K": 3.4375, "Q2_K": 2.625,
+                   "IQ2_XXS": 2.0625, "IQ2_XS": 2.3125, "IQ1_S": 1.5625}
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,16 @@ LAYOUTS = {
 _DEEPSEEK_V3 = dict(n_layer=61, n_dense_layers=3, n_embd=7168, n_ff=18432, n_expert=256, n_expert_used=8,
                     n_expert_shared=1, n_ff_expert=2048, n_head=128, q_lora_rank=1536, kv_lora_rank=512,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_vocab=129280)
+_KIMI_K2 = {**_DEEPSEEK_V3, "n_dense_layers": 1, "n_expert": 384, "n_head": 64, "n_vocab": 163840}
+# Each at one quantization for every matrix (uniform: not llama.cpp's _M/_S/_XL mixes, which give
+# some tensors more bits), the token embedding and the output at Q6_K as those mixes keep them, and
+# the Q4_K layouts as before (every matrix at Q4_K, embedding and output included).
+QUANTIZATIONS = ("Q2_K", "Q3_K", "Q4_K", "Q8_0", "IQ2_XXS", "IQ2_XS")
 MLA_MOE_LAYOUTS = {
-    "deepseek-v3-q4_k": _DEEPSEEK_V3,
+    f"{model}-{q.lower()}": ({**base, "weight_type": q, "embedding_type": "Q6_K", "output_type": "Q6_K"}
+                             if q != "Q4_K" else base)
     # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, a larger vocabulary
-    "kimi-k2-q4_k": {**_DEEPSEEK_V3, "n_dense_layers": 1, "n_expert": 384, "n_head": 64, "n_vocab": 163840},
+    for model, base in (("deepseek-v3", _DEEPSEEK_V3), ("kimi-k2", _KIMI_K2)) for q in QUANTIZATIONS
 }
 ALIASES = {"deepseek-v3": "deepseek-v3-q4_k", "kimi-k2": "kimi-k2-q4_k"}
 

@@ -218,3 +218,24 @@ def test_the_what_if_figures_bound_the_plan(kimi, friends):
     ignored = next(o for o in out["orders"] if "ignored" in o["label"])
     assert ignored["ms_per_token"] > out["plan"]["ms_per_token"] and ignored["site_changes"] > 5
     assert out["expert_parallel"]["ms_per_token"] > 5 * out["plan"]["ms_per_token"]
+
+
+def test_bits_per_weight_are_ggmls_block_sizes_and_every_quantization_has_a_layout():
+    """Issue 33 item 2: layouts for the quantizations people run, from ggml's block sizes (as the
+    gguf package states them: weights per block, bytes per block)."""
+    import gguf
+
+    from plans.layout import BITS_PER_WEIGHT, QUANTIZATIONS
+
+    for name, bits in BITS_PER_WEIGHT.items():
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+        assert bits == size * 8 / block, name
+    sizes = {}
+    for q in QUANTIZATIONS:
+        layout = layout_by_name(f"kimi-k2-{q.lower()}")
+        sizes[q] = sum(layout.layer_bytes) + layout.embedding_bytes + layout.lm_head_bytes
+        assert layout_by_name(f"deepseek-v3-{q.lower()}").n_layer == 61
+    assert sizes["IQ2_XXS"] < sizes["Q2_K"] < sizes["Q3_K"] < sizes["Q4_K"] < sizes["Q8_0"]
+    assert 1.0e12 < layout_by_name("kimi-k2-q8_0").n_params < 1.05e12  # Kimi K2: 1.03 T parameters
+    with pytest.raises(EngineError, match="kimi-k2-q2_k"):
+        layout_by_name("kimi-k2-q5_0")
