@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# bits per weight of the GGML types a layout on paper may use (block bytes × 8 / block size)
-# (tests/test_kimi_plan.py checks each against ggml's own type_size / blck_size)
-BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5,
-                   "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q3_K": 3.4375, "Q2_K": 2.625,
-                   "IQ2_XXS": 2.0625, "IQ2_XS": 2.3125, "IQ1_S": 1.5625}
+from plans.quant import BLOCKS, MIX_DEFAULT, UNIFORM_TYPES, bits_per_weight
+
+# bits per weight of the GGML types a layout on paper may use (block bytes × 8 / block size, from
+# ggml's block sizes in plans/quant.py)
+BITS_PER_WEIGHT = {t: bits_per_weight(t) for t in BLOCKS}
 
 
 @dataclass(frozen=True)
@@ -107,59 +107,54 @@ class ModelLayout:
                    lm_head_bytes=int(n_vocab * n_embd * bits[output_type] / 8) + n_embd * 4, n_vocab=n_vocab)
 
     @classmethod
-    def from_mla_moe(cls, name: str, *, n_layer: int, n_dense_layers: int, n_embd: int, n_ff: int, n_expert: int,
-                     n_expert_used: int, n_expert_shared: int, n_ff_expert: int, n_head: int, q_lora_rank: int,
-                     kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, n_vocab: int,
-                     weight_type: str = "Q4_K", embedding_type: str = "Q4_K",
-                     output_type: str = "Q4_K") -> "ModelLayout":
+    def from_mla_moe(cls, name: str, *, quantization: str = "Q4_K", mix: bool = False,
+                     **dims: int) -> "ModelLayout":
         """A DeepSeek-V3-style layout on paper (GGUF arch ``deepseek2``: DeepSeek-V3, Kimi K2): MLA
         attention, the first ``n_dense_layers`` with a dense FFN, the rest MoE with ``n_expert``
-        routed experts (``n_expert_used`` per token) and ``n_expert_shared`` shared ones. Every matrix
-        is ``weight_type``; norms, the router and its bias stay F32, as in GGUFs of these models."""
-        bits = BITS_PER_WEIGHT
-        w, f32 = bits[weight_type] / 8, 4  # bytes per weight
-        qk_head = qk_nope_head_dim + qk_rope_head_dim
-        attention = (n_embd * q_lora_rank  # attn_q_a
-                     + q_lora_rank * n_head * qk_head  # attn_q_b
-                     + n_embd * (kv_lora_rank + qk_rope_head_dim)  # attn_kv_a_mqa
-                     + n_head * qk_nope_head_dim * kv_lora_rank  # attn_k_b
-                     + n_head * kv_lora_rank * v_head_dim  # attn_v_b
-                     + n_head * v_head_dim * n_embd)  # attn_output
-        norms = 2 * n_embd + q_lora_rank + kv_lora_rank  # attn_norm, ffn_norm, attn_q_a_norm, attn_kv_a_norm
-        one_expert = 3 * n_embd * n_ff_expert  # gate, up, down
-        router = n_embd * n_expert + n_expert  # ffn_gate_inp and the routing bias (exp_probs_b)
-        layer_bytes, layer_flops, experts, shared, expert_flops = [], [], [], [], []
-        attention_bytes = int(attention * w)
-        n_params = n_active = 0
-        for il in range(n_layer):
-            if il < n_dense_layers:
-                ffn = 3 * n_embd * n_ff
-                layer_bytes.append(int((attention + ffn) * w + norms * f32))
-                layer_flops.append(2 * (attention + ffn))
-                experts.append(0), shared.append(0), expert_flops.append(0)
-                n_params += attention + ffn + norms
-                n_active += attention + ffn + norms
-                continue
-            routed, common = n_expert * one_expert, n_expert_shared * one_expert
-            layer_bytes.append(int((attention + routed + common) * w + (norms + router) * f32))
+        routed experts (``n_expert_used`` per token) and ``n_expert_shared`` shared ones. Summed over
+        the tensor list a real GGUF holds (plans/quant.py), each tensor at the type llama-quantize
+        gives it: with ``mix``, what its file type ``quantization`` (e.g. Q4_K_M) chooses; without,
+        ``--pure``: every quantizable tensor at the type ``quantization``. Norms, the router and its
+        bias stay F32 either way."""
+        from plans.quant import deepseek2_tensors, mix_types, uniform_types
+
+        n_layer, n_embd = dims["n_layer"], dims["n_embd"]
+        n_expert, n_expert_used = dims["n_expert"], dims["n_expert_used"]
+        tensors = deepseek2_tensors(**dims)
+        types = mix_types(tensors, quantization, n_layer) if mix else uniform_types(tensors, quantization)
+        layer_bytes, flops, experts, shared, expert_flops, attention = ([0] * n_layer for _ in range(6))
+        embedding = lm_head = n_params = n_active = 0
+        for t, ggml_type in zip(tensors, types):
+            size, n = t.n_bytes(ggml_type), t.n_params
+            routed = "_exps." in t.name
             # a token runs attention, the router, the shared expert and only the experts it was routed to
-            used = n_expert_used * one_expert
-            layer_flops.append(2 * (attention + common + n_embd * n_expert + used))
-            experts.append(int(routed * w)), shared.append(int(common * w)), expert_flops.append(2 * used)
-            n_params += attention + routed + common + norms + router
-            n_active += attention + used + common + norms + router
-        embedding, output = n_vocab * n_embd, n_vocab * n_embd  # untied
+            used = n * n_expert_used // n_expert if routed else n
+            n_params, n_active = n_params + n, n_active + used
+            il = t.layer
+            if il is None:
+                if t.name == "token_embd.weight":
+                    embedding += size
+                else:  # the output matrix and the output norm
+                    lm_head += size
+                continue
+            layer_bytes[il] += size
+            if len(t.shape) >= 2:
+                flops[il] += 2 * used
+            if routed:
+                experts[il] += size
+                expert_flops[il] += 2 * used
+            elif "_shexp." in t.name:
+                shared[il] += size
+            elif ".attn_" in t.name and len(t.shape) >= 2:  # q_a, q_b, kv_a, k_b, v_b and the output
+                attention[il] += size
         return cls(name=name, n_layer=n_layer, n_embd=n_embd, layer_bytes=tuple(layer_bytes),
-                   layer_flops=tuple(layer_flops),
+                   layer_flops=tuple(flops),
                    # MLA caches the compressed latent and the shared rope key, not K and V per head
-                   kv_bytes_per_token_per_layer=2 * (kv_lora_rank + qk_rope_head_dim),
-                   embedding_bytes=int(embedding * bits[embedding_type] / 8),
-                   lm_head_bytes=int(output * bits[output_type] / 8) + n_embd * f32, n_vocab=n_vocab,
+                   kv_bytes_per_token_per_layer=2 * (dims["kv_lora_rank"] + dims["qk_rope_head_dim"]),
+                   embedding_bytes=embedding, lm_head_bytes=lm_head, n_vocab=dims["n_vocab"],
                    expert_bytes=tuple(experts), n_expert=n_expert, n_expert_used=n_expert_used,
                    shared_expert_bytes=tuple(shared), expert_flops=tuple(expert_flops),
-                   attention_bytes=(attention_bytes,) * n_layer,
-                   n_params=n_params + embedding + output + n_embd,
-                   n_active_params=n_active + embedding + output + n_embd)
+                   attention_bytes=tuple(attention), n_params=n_params, n_active_params=n_active)
 
 
 # Layouts on paper, for `swarmctl plan --layout NAME` (dimensions from the models' published configs).
@@ -172,21 +167,23 @@ LAYOUTS = {
                                weight_type="Q4_K", wide_type="Q6_K"),
 }
 
-# MLA + MoE layouts (GGUF arch deepseek2), every matrix Q4_K (4.5 bits per weight): not llama.cpp's
-# Q4_K_M mix, which gives some tensors more bits, so a real Q4_K_M file is somewhat larger.
+# MLA + MoE layouts (GGUF arch deepseek2), summed over the real tensor list (plans/quant.py).
 _DEEPSEEK_V3 = dict(n_layer=61, n_dense_layers=3, n_embd=7168, n_ff=18432, n_expert=256, n_expert_used=8,
                     n_expert_shared=1, n_ff_expert=2048, n_head=128, q_lora_rank=1536, kv_lora_rank=512,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_vocab=129280)
+# Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, a larger vocabulary
 _KIMI_K2 = {**_DEEPSEEK_V3, "n_dense_layers": 1, "n_expert": 384, "n_head": 64, "n_vocab": 163840}
-# Each at one quantization for every matrix (uniform: not llama.cpp's _M/_S/_XL mixes, which give
-# some tensors more bits), the token embedding and the output at Q6_K as those mixes keep them, and
-# the Q4_K layouts as before (every matrix at Q4_K, embedding and output included).
-QUANTIZATIONS = ("Q2_K", "Q3_K", "Q4_K", "Q8_0", "IQ2_XXS", "IQ2_XS")
+_MODELS = (("deepseek-v3", _DEEPSEEK_V3), ("kimi-k2", _KIMI_K2))
+# NAME-TYPE (e.g. kimi-k2-q2_k) is uniform, `llama-quantize --pure TYPE`: every quantizable tensor at
+# TYPE, the token embedding and the output included. NAME-FTYPE is llama-quantize's own mix for that
+# file type (kimi-k2-q4_k_m), named NAME-FTYPE-mix where FTYPE is also a type's name (kimi-k2-q2_k-mix);
+# Q8_0's mix is its uniform layout (llama-quantize keeps every tensor at Q8_0), so it has no -mix name.
+QUANTIZATIONS = UNIFORM_TYPES
+MIXES = tuple(f for f in MIX_DEFAULT if f != "Q8_0")
 MLA_MOE_LAYOUTS = {
-    f"{model}-{q.lower()}": ({**base, "weight_type": q, "embedding_type": "Q6_K", "output_type": "Q6_K"}
-                             if q != "Q4_K" else base)
-    # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, a larger vocabulary
-    for model, base in (("deepseek-v3", _DEEPSEEK_V3), ("kimi-k2", _KIMI_K2)) for q in QUANTIZATIONS
+    **{f"{model}-{q.lower()}": {**dims, "quantization": q} for model, dims in _MODELS for q in QUANTIZATIONS},
+    **{f"{model}-{f.lower()}" + ("-mix" if f in UNIFORM_TYPES else ""): {**dims, "quantization": f, "mix": True}
+       for model, dims in _MODELS for f in MIXES},
 }
 ALIASES = {"deepseek-v3": "deepseek-v3-q4_k", "kimi-k2": "kimi-k2-q4_k"}
 
