@@ -4,6 +4,7 @@ set up only through the CLI (init / invite / join / run), talking QUIC with mTLS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -143,6 +144,27 @@ class Swarm:
                 return status
             time.sleep(0.3)
         raise AssertionError(f"swarm not complete with {n_stages} stages: {self.status()}")
+
+    @classmethod
+    @contextlib.contextmanager
+    def two_trunks(cls, root: Path, *, askers: tuple[str, ...] = (), init: tuple[str, ...] = ()):
+        """The swarm most multi-process tests want: a host, trunk-a and trunk-b serving (plan
+        complete), and ``askers`` joined as asker-only members; stopped afterwards."""
+        swarm = cls(root)
+        try:
+            swarm.init(*init)
+            swarm.start_host()
+            swarm.wait_host()
+            for name in ("trunk-a", "trunk-b"):
+                swarm.join(name)
+            for name in askers:
+                swarm.join(name, role="asker")
+            swarm.start_trunk("trunk-a", capture=False)
+            swarm.start_trunk("trunk-b", capture=False)
+            swarm.wait_complete(2)
+            yield swarm
+        finally:
+            swarm.close()
 
     def close(self) -> None:
         for node in reversed(self.nodes):

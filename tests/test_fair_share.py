@@ -64,21 +64,8 @@ def test_a_members_share_of_a_stage_is_well_below_what_a_connection_carries():
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    s = Swarm(tmp_path_factory.mktemp("fair"))
-    try:
-        s.init()
-        s.start_host()
-        s.wait_host()
-        for name in ("trunk-a", "trunk-b"):
-            s.join(name)
-        for name in ("alice", "eve"):
-            s.join(name, role="asker")
-        s.start_trunk("trunk-a", capture=False)
-        s.start_trunk("trunk-b", capture=False)
-        s.wait_complete(2)
+    with Swarm.two_trunks(tmp_path_factory.mktemp("fair"), askers=("alice", "eve")) as s:
         yield s
-    finally:
-        s.close()
 
 
 class _Count(RequestOnlyHandler):

@@ -26,21 +26,8 @@ ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "12")
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    s = Swarm(tmp_path_factory.mktemp("limits"))
-    try:
-        s.init(*PLAN)
-        s.start_host()
-        s.wait_host()
-        for name in ("trunk-a", "trunk-b"):
-            s.join(name)
-        for name in ("alice", "eve", "mallory"):
-            s.join(name, role="asker")
-        s.start_trunk("trunk-a", capture=False)
-        s.start_trunk("trunk-b", capture=False)
-        s.wait_complete(2)
+    with Swarm.two_trunks(tmp_path_factory.mktemp("limits"), askers=("alice", "eve", "mallory"), init=PLAN) as s:
         yield s
-    finally:
-        s.close()
 
 
 async def _plan(swarm: Swarm, creds) -> dict:
