@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate, llama_cpp_decode  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
-from swarmctl.asker import Asker, generate_all  # noqa: E402
+from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
 from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402

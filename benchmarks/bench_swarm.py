@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.sampling import SamplingParams  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
-from swarmctl.asker import Asker, Generation, InprocTrunk, generate_all, u_split  # noqa: E402
+from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, generate_all, u_split  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm, free_udp_port  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
-from swarmctl.swarm_client import SwarmLink  # noqa: E402
+from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
@@ -203,7 +203,7 @@ SPECULATIVE_TASKS = {
 
 async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: int) -> dict:
     """Section g: single-stream tok/s per task and --speculate mode, and 8 concurrent requests."""
-    from swarmctl.speculate import ModelDraft, speculation_for
+    from swarmctl.asker.speculate import ModelDraft, speculation_for
 
     out: dict = {"links": WAN, "one_way_links_per_token": 3, "threads_per_process": threads,
                  "max_tokens": max_tokens, "repeats": repeats, "tasks": {}}

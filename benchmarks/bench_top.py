@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import process_cpu_s  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
-from swarmctl.asker import Asker, generate_all  # noqa: E402
+from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.commands.top import DEFAULT_NICE  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
-from swarmctl.swarm_client import SwarmLink  # noqa: E402
+from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 REPO = Path(__file__).resolve().parents[1]

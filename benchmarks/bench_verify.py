@@ -1,4 +1,4 @@
-"""What spot checks cost (``--verify P``, swarmctl/verify.py); prints JSON.
+"""What spot checks cost (``--verify P``, swarmctl/asker/verify.py); prints JSON.
 
     python benchmarks/bench_verify.py [--decode 64] [--rounds 3] [--threads 1] [--out FILE]
 
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
-from swarmctl.asker import Asker, generate_all  # noqa: E402
+from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
-from swarmctl.swarm_client import SwarmLink  # noqa: E402
-from swarmctl.verify import MIN_COSINE, REL_TOLERANCE, VerifyingTrunk, VerifyStats  # noqa: E402
+from swarmctl.asker.link import SwarmLink  # noqa: E402
+from swarmctl.asker.verify import MIN_COSINE, REL_TOLERANCE, VerifyingTrunk, VerifyStats  # noqa: E402
 
 SHARES = (0.0, 0.1, 0.5, 1.0)
 CONCURRENCY = 4

@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_top import keep_busy  # noqa: E402
-from swarmctl.asker import Asker  # noqa: E402
+from swarmctl.asker.head_tail import Asker  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
-from swarmctl.swarm_client import SwarmLink  # noqa: E402
+from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 SESSION = "swarmctl-top-screenshot"
 

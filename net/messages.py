@@ -289,7 +289,7 @@ class MemberStatus(Part, kw_only=True):
     measured_ms_per_layer: float | None = None  # what the host timed itself
     planned_ms_per_layer: float | None = None  # what it is planned with (never below the timing)
     slice_bytes_sent: int = 0
-    bad_results: int = 0  # spot checks that caught it (swarmctl/verify.py)
+    bad_results: int = 0  # spot checks that caught it (swarmctl/asker/verify.py)
     bad_result_reporters: int = 0
     last_seen_s: float | None = None  # seconds since its last connection to the host closed (None: connected, or not seen)
 

@@ -33,7 +33,7 @@ from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.membership import create_swarm, issue_direct
 
 if TYPE_CHECKING:
-    from swarmctl.swarm_client import SwarmLink
+    from swarmctl.asker.link import SwarmLink
 
 log = logging.getLogger("swarmctl.local")
 
@@ -189,7 +189,7 @@ class LocalSwarm:
         """The asker's link, once this swarm is ready: the host listening (its ready file), then a
         complete plan of every trunk (``SwarmLink.open``'s wait). Progress is logged every few
         seconds; EngineError only when a node exited or after ``bound`` seconds from the start."""
-        from swarmctl.swarm_client import SwarmLink
+        from swarmctl.asker.link import SwarmLink
 
         deadline = self.started + bound
         await self._wait_host(deadline, bound)

@@ -31,9 +31,9 @@ import pytest
 
 from swarmctl.api.errors import from_exception
 from swarmctl.api.stops import StopScanner
-from swarmctl.asker import Asker, BusyError, TrunkResult
+from swarmctl.asker.head_tail import Asker, BusyError, TrunkResult
 from swarmctl.commands.serve import is_loopback
-from swarmctl.swarm_client import SwarmError
+from swarmctl.asker.link import SwarmError
 
 API_KEY = "test-key-0123456789"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -812,7 +812,7 @@ def test_open_address_without_a_key_warns_loudly(tmp_path):
 def test_speculative_steps_report_predictions_in_usage_and_keep_the_text(inproc, trunk):
     """serve --speculate ngram: the same greedy text, and usage says how many drafted tokens were
     kept and thrown away (OpenAI's completion_tokens_details names for predicted outputs)."""
-    from swarmctl.speculate import Drafting
+    from swarmctl.asker.speculate import Drafting
 
     prompt = "Repeat after me: red green blue, red green blue, red green blue, red green blue,"
     client = inproc.client()

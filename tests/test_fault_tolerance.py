@@ -22,9 +22,9 @@ import pytest
 from kernels.sampling import SamplingParams
 from net.endpoint import Address
 from net.relay import ImpairedLink
-from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
+from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
 from swarmctl.local_swarm import LocalSwarm, free_udp_port
-from swarmctl.swarm_client import SwarmError, SwarmLink
+from swarmctl.asker.link import SwarmError, SwarmLink
 from swarmctl.home import SwarmHome
 from tests.conftest import N_THREADS
 from harness.swarm import Node, Swarm, swarmctl

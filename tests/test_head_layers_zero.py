@@ -31,10 +31,10 @@ from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import ActivationPacket, Frame, FrameType, PacketKind, decode_packet, encode_packet
 from plans.plan import Plan, StageAssignment
-from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
+from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
 from swarmctl.batching import BatchRunner
 from swarmctl.budget import MemberBudget
-from swarmctl.speculate import speculation_for
+from swarmctl.asker.speculate import speculation_for
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.requests import StageRequests
 from swarmctl.trunk.results import ResultStreams

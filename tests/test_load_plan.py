@@ -12,9 +12,9 @@ import re
 import time
 
 from kernels.sampling import SamplingParams
-from swarmctl.asker import Asker, generate_all
+from swarmctl.asker.head_tail import Asker, generate_all
 from swarmctl.home import SwarmHome
-from swarmctl.swarm_client import SwarmLink
+from swarmctl.asker.link import SwarmLink
 from harness.swarm import Swarm
 
 STREAMS = 8

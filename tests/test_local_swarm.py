@@ -15,7 +15,7 @@ import pytest
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus
-from swarmctl.session import SessionOptions, open_session
+from swarmctl.asker.session import SessionOptions, open_session
 from harness.oracle import oracle_greedy
 
 PROMPT = "The three primary colours are"
@@ -84,7 +84,7 @@ def _start_host_late(monkeypatch, delay_s: float) -> None:
 
 async def _ask_local(text: str, max_tokens: int) -> tuple[list[int], list[int]]:
     """What `swarmctl ask --raw --temperature 0` does with no swarm joined: (prompt, answer) tokens."""
-    from swarmctl.asker import generate_all
+    from swarmctl.asker.head_tail import generate_all
 
     async with open_session(SessionOptions(trunk_nodes=1, threads=1)) as session:
         prompt = session.asker.tokenizer.encode_prompt(text)

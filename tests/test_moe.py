@@ -27,9 +27,9 @@ from plans.layout import ModelLayout
 from plans.nodes import NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, PlanError
 from plans.planner import Constraints, place_experts
-from swarmctl.asker import Asker, InprocTrunk, generate_all
+from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all
 from swarmctl.home import SwarmHome
-from swarmctl.swarm_client import SwarmLink
+from swarmctl.asker.link import SwarmLink
 from tests.conftest import N_THREADS
 from harness.swarm import Swarm, swarmctl
 

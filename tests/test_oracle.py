@@ -15,7 +15,7 @@ from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine
 import asyncio
 
-from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
+from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, run_split
 from harness.oracle import judge, oracle_greedy, oracle_logits
 

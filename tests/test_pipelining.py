@@ -10,9 +10,9 @@ import pytest
 
 from kernels.sampling import SamplingParams
 from net.endpoint import Address, ask_member
-from swarmctl.asker import Asker, BusyError, InprocTrunk, generate_all, u_split
+from swarmctl.asker.head_tail import Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.local_swarm import LocalSwarm
-from swarmctl.swarm_client import SwarmLink
+from swarmctl.asker.link import SwarmLink
 from tests.conftest import N_THREADS
 
 GREEDY = SamplingParams(temperature=0)
@@ -191,7 +191,7 @@ def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm
     processes, concurrently with plain requests so that checks share batches: every request's
     tokens equal its plain greedy run, drafts were both kept and rejected (rewinds happened), and
     every stage is idle afterwards."""
-    from swarmctl.speculate import ModelDraft, speculation_for
+    from swarmctl.asker.speculate import ModelDraft, speculation_for
 
     async def scenario():
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)

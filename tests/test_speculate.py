@@ -15,8 +15,8 @@ from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine, Step
 from kernels.spec import ModelSpec, SliceSpec
 from net.wire import ActivationPacket, FrameDecoder, PacketKind, decode_packet, encode_packet
-from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
-from swarmctl.speculate import Draft, DraftLength, ModelDraft, NgramDraft, open_drafting, speculation_for
+from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
+from swarmctl.asker.speculate import Draft, DraftLength, ModelDraft, NgramDraft, open_drafting, speculation_for
 from tests.conftest import N_THREADS
 from harness.swarm import swarmctl
 from harness.tiny_models import TinyConfig, write_tiny_model
@@ -78,7 +78,7 @@ def _single_steps(engine, rid, prompt, n):
 
 def test_a_checked_step_gives_each_row_the_bits_of_single_steps(whole_engine, bundled_model):
     """A step of 8 positions marked verify equals 8 one-token steps bit for bit (a plain step of 8
-    need not: its attention products are summed in another order; swarmctl/speculate.py)."""
+    need not: its attention products are summed in another order; swarmctl/asker/speculate.py)."""
     from kernels.tokenizer import Tokenizer
 
     text = Tokenizer(bundled_model).encode_prompt("Once upon a time, in a land far away, a dragon read books. " * 8)

@@ -14,7 +14,7 @@ from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 import asyncio
 
-from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
+from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
 from tests.conftest import N_THREADS, TINY_CONFIGS, make_oracle, run_split
 from harness.oracle import judge, oracle_greedy, oracle_logits
 

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from kernels.sampling import SamplingParams
 from net.messages import MemberStatus, RecoveryStatus, Stats, Status
-from swarmctl.asker import Asker, generate_all
+from swarmctl.asker.head_tail import Asker, generate_all
 from swarmctl.cli import main as cli_main
 from swarmctl.home import SwarmHome
 from swarmctl.local_swarm import LocalSwarm, free_udp_port
@@ -32,7 +32,7 @@ from swarmctl.membership import create_swarm
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.poller import Monitor, MonitorConfig
 from swarmctl.monitor.recording import Recorder, RecordingError, ReplayFeed, read_recording
-from swarmctl.swarm_client import SwarmLink
+from swarmctl.asker.link import SwarmLink
 from swarmctl.tui.app import TopApp
 from swarmctl.tui.chart import IDLE, lane_cells
 from swarmctl.tui.help import HelpScreen

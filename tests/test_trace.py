@@ -36,11 +36,11 @@ import pytest
 
 from kernels.sampling import SamplingParams
 from net.wire import Hop, HopCall
-from swarmctl.asker import Generation, TokenTiming, TrunkResult
+from swarmctl.asker.head_tail import Generation, TokenTiming, TrunkResult
 from swarmctl.batching import StepTiming
 from swarmctl.local_swarm import LocalSwarm
-from swarmctl.swarm_client import SwarmLink
-from swarmctl.trace import ASKER, TraceInfo, generation_trace
+from swarmctl.asker.link import SwarmLink
+from swarmctl.asker.trace import ASKER, TraceInfo, generation_trace
 from harness.swarm import swarmctl
 
 PROMPT = "The three primary colours are"

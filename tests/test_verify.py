@@ -1,4 +1,4 @@
-"""Spot checks of trunk results (``--verify P``, swarmctl/verify.py).
+"""Spot checks of trunk results (``--verify P``, swarmctl/asker/verify.py).
 
 In process: the tolerance against the engine's own batched-vs-incremental differences and against
 lies; the verifying trunk over a fake link (honest and lying) gives the honest tokens and names the
@@ -24,8 +24,8 @@ from kernels.spec import SliceSpec
 from net.messages import as_dict
 from net.wire import DType
 from plans.plan import Plan, StageAssignment
-from swarmctl.asker import Asker, InprocTrunk, TrunkResult, generate_all
-from swarmctl.verify import REL_TOLERANCE, VerifyingTrunk, judge
+from swarmctl.asker.head_tail import Asker, InprocTrunk, TrunkResult, generate_all
+from swarmctl.asker.verify import REL_TOLERANCE, VerifyingTrunk, judge
 from tests.conftest import N_THREADS
 from harness.swarm import Swarm, swarmctl
 

@@ -14,7 +14,7 @@ def reference_answers(prompts: Sequence[Prompt], threads: int) -> tuple[list[str
     """Each prompt's greedy answer as `swarmctl ask --temperature 0` would print it (without the
     final newline), computed in this process; and each prompt's length in tokens."""
     from kernels.sampling import SamplingParams
-    from swarmctl.asker import Asker, InprocTrunk, generate_all, u_split
+    from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
     from swarmctl.models import default_model_path
 
     asker = Asker(default_model_path(), 4, n_threads=threads)

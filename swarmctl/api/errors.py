@@ -48,8 +48,8 @@ def http_error_body(status: int, message: str, code: str | None = None) -> bytes
 def from_exception(error: BaseException) -> ApiError:
     """A failure while generating → the error the client gets. The trunk link failing or the
     admission bound timing out mean the swarm cannot take the request now: 503."""
-    from swarmctl.asker import BusyError
-    from swarmctl.swarm_client import SwarmError
+    from swarmctl.asker.head_tail import BusyError
+    from swarmctl.asker.link import SwarmError
 
     message = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, ApiError):

@@ -8,8 +8,8 @@ from typing import AsyncIterator, Sequence
 from kernels.sampling import SamplingParams
 from swarmctl.api.shapes import FINISH_REASONS, Usage
 from swarmctl.api.stops import StopScanner
-from swarmctl.asker import Asker, Generation, Trunk
-from swarmctl.speculate import Speculation
+from swarmctl.asker.head_tail import Asker, Generation, Trunk
+from swarmctl.asker.speculate import Speculation
 
 
 class TextGeneration:

@@ -25,9 +25,9 @@ from swarmctl.api.generation import TextGeneration
 from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, model_list, model_object
-from swarmctl.asker import Asker, Trunk
-from swarmctl.speculate import Drafting
-from swarmctl.trace import TraceError, TraceFolder
+from swarmctl.asker.head_tail import Asker, Trunk
+from swarmctl.asker.speculate import Drafting
+from swarmctl.asker.trace import TraceError, TraceFolder
 
 log = logging.getLogger("swarmctl.serve")
 

@@ -10,9 +10,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kernels.sampling import SamplingParams
-from swarmctl.asker import Asker, generate_all
+from swarmctl.asker.head_tail import Asker, generate_all
 from swarmctl.local_swarm import LocalSwarm
-from swarmctl.swarm_client import SwarmLink
+from swarmctl.asker.link import SwarmLink
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -58,14 +58,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--uplink-noise must be 0 or more")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.trace is not None:
-        from swarmctl.trace import check_trace_file
+        from swarmctl.asker.trace import check_trace_file
 
         check_trace_file(args.trace)  # before any swarm starts: a path that cannot be written is one line at once
     return asyncio.run(_ask(args, sampling))
 
 
 async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
-    from swarmctl.session import SessionOptions, open_session
+    from swarmctl.asker.session import SessionOptions, open_session
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
@@ -105,7 +105,7 @@ class _TraceTo:
         self.session = session
 
     def write(self, gen) -> None:
-        from swarmctl.trace import TraceInfo, generation_trace, write_trace
+        from swarmctl.asker.trace import TraceInfo, generation_trace, write_trace
 
         if not (gen.timings or gen.fill_timings):
             return  # it stopped before its first step: nothing to show
@@ -124,7 +124,7 @@ def _prompt_tokens(asker, args: argparse.Namespace) -> list[int]:
 
 async def _stream(asker, trunk, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                   speculation=None, trace: _TraceTo | None = None, noted: bool = False) -> int:
-    from swarmctl.asker import Generation
+    from swarmctl.asker.head_tail import Generation
 
     decoder = asker.tokenizer.stream_decoder()
     gen = Generation(b"", len(prompt))

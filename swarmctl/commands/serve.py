@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--tls-cert and --tls-key go together: give both, or neither for plain HTTP")
     api_key = args.api_key or os.environ.get("SWARMCTL_API_KEY") or None
     if args.trace is not None:
-        from swarmctl.trace import check_trace_dir
+        from swarmctl.asker.trace import check_trace_dir
 
         check_trace_dir(args.trace)  # before anything starts: a folder that cannot be written is one line at once
     # Checked before anything starts: a certificate that cannot be used stops the command at once.
@@ -123,8 +123,8 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
     from swarmctl.api.http import Limits, start_server
     from swarmctl.api.server import ApiServer
     from swarmctl.api.startup import StartingServer
-    from swarmctl.session import SessionOptions, open_session
-    from swarmctl.trace import TraceFolder
+    from swarmctl.asker.session import SessionOptions, open_session
+    from swarmctl.asker.trace import TraceFolder
 
     options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
                              head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,

@@ -34,7 +34,7 @@ class AskerReports:
         self.recovery.last_recovery_s = recovery_s
 
     def bad_result(self, accuser: str, report: BadResult, serving: set[str]) -> list[str]:
-        """An asker recomputed a step itself (swarmctl/verify.py) and its route's result was wrong.
+        """An asker recomputed a step itself (swarmctl/asker/verify.py) and its route's result was wrong.
         Counted per accused member and accuser, logged, shown in status; nothing more. One
         asker's word removes no trunk: the host cannot check the claim (it never sees the asker's
         activations), so a lying asker could otherwise evict honest trunks one by one. The accuser

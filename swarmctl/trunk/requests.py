@@ -75,7 +75,7 @@ class StageRequests:
         self._refusals = LogLimit(log)
         # Test-only fault injection, like SWARMCTL_TEST_FETCH_CRASH_AFTER: a dishonest trunk that adds
         # Gaussian noise of this size (relative to each output row's RMS) to what it sends on, for the
-        # spot-check tests and benchmark (swarmctl/verify.py). Unset or 0 in any real run.
+        # spot-check tests and benchmark (swarmctl/asker/verify.py). Unset or 0 in any real run.
         self._test_corrupt = float(os.environ.get("SWARMCTL_TEST_CORRUPT") or 0)
 
     # --- events from the connections ---

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from swarmctl.asker import Generation, TokenTiming, TrunkResult
+from swarmctl.asker.head_tail import Generation, TokenTiming, TrunkResult
 from swarmctl.batching import StepTiming
 
 ASKER = "asker"  # the asker's process row; a stage's row is its member name

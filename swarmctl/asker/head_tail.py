@@ -30,7 +30,7 @@ from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import Hop
 from swarmctl.batching import BatchRunner, StepTiming
-from swarmctl.speculate import Draft, Speculation, accept
+from swarmctl.asker.speculate import Draft, Speculation, accept
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
 DEFAULT_MAX_IN_FLIGHT = 16
@@ -45,7 +45,7 @@ class TrunkResult:
     hidden: np.ndarray  # [n_tokens, n_embd] float32
     hops: tuple[Hop, ...]  # one record per trunk stage
     round_trip_s: float  # from handing the activations over to getting the output back
-    # For the per-token trace (swarmctl/trace.py), all on this process's clock; 0 where unknown.
+    # For the per-token trace (swarmctl/asker/trace.py), all on this process's clock; 0 where unknown.
     sent_at: float = 0.0  # time.perf_counter() as the activations left
     received_at: float = 0.0  # ... and as the output came back
     sent_bytes: int = 0  # the frames this process sent and received (0: the trunk is in this process)
@@ -196,7 +196,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     timings: list[TokenTiming] = field(default_factory=list)  # one per step (a speculative step yields several tokens)
     finish_reason: str | None = None  # "stop" (end of generation), "length" (max tokens), "context"
-    drafted: int = 0  # speculative tokens drafted, and of those kept (swarmctl/speculate.py)
+    drafted: int = 0  # speculative tokens drafted, and of those kept (swarmctl/asker/speculate.py)
     accepted: int = 0
     started: float = field(default_factory=time.perf_counter)
     fill_timings: list[TokenTiming] = field(default_factory=list)  # prompt chunks before the last (over 512 tokens)
@@ -239,7 +239,7 @@ class Asker:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
         included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
         past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos);
-        ``speculation`` drafts tokens to check several per step (swarmctl/speculate.py), and
+        ``speculation`` drafts tokens to check several per step (swarmctl/asker/speculate.py), and
         counts what it drafted and kept."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")

@@ -16,10 +16,10 @@ from typing import AsyncIterator
 
 from kernels.devices import choose_device
 from kernels.errors import EngineError
-from swarmctl.asker import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
-from swarmctl.speculate import MAX_DRAFT, Drafting, open_drafting
+from swarmctl.asker.head_tail import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
+from swarmctl.asker.speculate import MAX_DRAFT, Drafting, open_drafting
 
-log = logging.getLogger("swarmctl.session")
+log = logging.getLogger("swarmctl.asker.session")
 
 DEFAULT_HEAD_LAYERS = 4
 
@@ -35,9 +35,9 @@ class SessionOptions:
     threads: int | None = None
     ctx: int | None = None
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
-    verify: float = 0.0  # share of trunk steps recomputed here and compared (swarmctl/verify.py); 0: none
+    verify: float = 0.0  # share of trunk steps recomputed here and compared (swarmctl/asker/verify.py); 0: none
     device: str = "auto"  # where this process's slices compute (kernels.devices)
-    speculate: str = "off"  # drafting: off, ngram or draft (swarmctl/speculate.py)
+    speculate: str = "off"  # drafting: off, ngram or draft (swarmctl/asker/speculate.py)
     draft_model: str | None = None  # with speculate "draft": a GGUF with the model's vocabulary
     draft_tokens: int = MAX_DRAFT  # drafted tokens per step at most
     trace: bool = False  # stages list their expert calls in their hop records (--trace; costs bytes per hop)
@@ -84,7 +84,7 @@ async def open_session(options: SessionOptions) -> AsyncIterator[Session]:
 
 @asynccontextmanager
 async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
-    from swarmctl.asker import InprocTrunk, u_split
+    from swarmctl.asker.head_tail import InprocTrunk, u_split
     from swarmctl.models import resolve_model
 
     if options.verify:
@@ -123,7 +123,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.home import SwarmHome
     from swarmctl.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
     from swarmctl.models import checked_model
-    from swarmctl.swarm_client import SwarmLink
+    from swarmctl.asker.link import SwarmLink
 
     home = SwarmHome()
     local = link = asker = verifier = None
@@ -161,7 +161,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
                       max_in_flight=options.max_in_flight, device=device)
         link.check_model(asker.gguf)
         if options.verify:
-            from swarmctl.verify import VerifyingTrunk
+            from swarmctl.asker.verify import VerifyingTrunk
 
             verifier = VerifyingTrunk(link, asker.gguf, share=options.verify, n_threads=threads,
                                       max_context=asker.max_context)

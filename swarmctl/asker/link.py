@@ -4,7 +4,7 @@
 activations, get back the last trunk stage's output and the per-hop timings. Each request gets its
 own stream to the first stage; results come back on one results stream this asker opened at the
 last stage. Many requests can be in flight at once; the stages batch them. The plan comes from
-the host through ``PlanWatch`` (swarmctl/plan_watch.py).
+the host through ``PlanWatch`` (swarmctl/asker/plan_watch.py).
 
 Failures: the link keeps every step it sent for each request (its start position and the head's
 activations). When a route fails (a stage dies, the plan changes, a link drops), it waits for the
@@ -20,7 +20,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -34,10 +34,11 @@ from net import messages as m
 from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_packet, \
     encode_packet
 from plans.plan import Plan
-from swarmctl.asker import TrunkResult
+from swarmctl.asker.head_tail import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
-from swarmctl.plan_watch import PlanWatch, SwarmError, cannot_serve
+from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable
+from swarmctl.asker.plan_watch import PlanWatch, SwarmError, cannot_serve
 from swarmctl.reach import Dialer, ask_route
 
 __all__ = ["SwarmError", "SwarmLink"]
@@ -53,19 +54,9 @@ class _RouteFailed(Exception):
 
 
 @dataclass
-class _SentStep:
-    start_pos: int
-    hidden: np.ndarray  # the activations as sent
-    verify: bool  # a speculative check (replayed as one, so the cells get the same bits)
+class _Waiting:
+    """The I/O side of a request's step in flight (the replay table keeps the rest)."""
 
-
-@dataclass
-class _Request:
-    history: list[_SentStep] = field(default_factory=list)  # what the swarm holds, oldest first
-    stream_id: int | None = None  # on conn (the first stage's connection when the route opened), under plan_version
-    conn: SwarmProtocol | None = None
-    plan_version: int = -1
-    expect_pos: int = -1  # the start position whose RESULT the waiting step needs
     result: asyncio.Future | None = None
     sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
     received_bytes: int = 0
@@ -97,7 +88,8 @@ class SwarmLink:
         # This process's results address at the last stage: other processes of the same member
         # (another terminal, serve, top) subscribe with their own, so results never cross.
         self.session = secrets.token_hex(16)
-        self._requests: dict[bytes, _Request] = {}
+        self.table = ReplayTable()  # what each request's stages hold, and its stream (swarmctl/asker/replay.py)
+        self._waiting: dict[bytes, _Waiting] = {}
         self._reconnecting: asyncio.Lock | None = None
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
@@ -141,57 +133,58 @@ class SwarmLink:
 
     async def forward(self, rid: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
                       verify: bool = False) -> TrunkResult:
-        request = self._requests.setdefault(rid, _Request())
-        # A restart or a rewind: the stages drop the cells from start_pos on, so does the record.
-        request.history = [_SentStep(s.start_pos, s.hidden[:start_pos - s.start_pos], s.verify)
-                           for s in request.history if s.start_pos < start_pos]
+        self.table.begin(rid, start_pos)
+        waiting = self._waiting.setdefault(rid, _Waiting())
         deadline = time.monotonic() + self.request_timeout
         failed_at: float | None = None
         replayed = 0
         while True:
             try:
-                if request.stream_id is None or request.plan_version != self.plan.version:
-                    replayed += await self._open_route(rid, request)
+                route = self.table.route(rid, self.plan.version)
+                if route is None:
+                    route, bytes_out = await self._open_route(rid)
+                    replayed += bytes_out
                 t0 = time.perf_counter()
-                result = await self._step(rid, request, hidden, start_pos, deadline, rewind, verify)
-                request.history.append(_SentStep(start_pos, np.array(hidden, dtype=np.float32, copy=True), verify))
+                result = await self._step(rid, route, waiting, hidden, start_pos, deadline, rewind, verify)
+                self.table.answered(rid, start_pos, hidden, verify)
                 if failed_at is not None:
                     self._recovered(time.monotonic() - failed_at, replayed)
                 # The round trip ends as the result's frame arrived, before this coroutine woke up.
-                received_at = request.received_at or time.perf_counter()
+                received_at = waiting.received_at or time.perf_counter()
                 return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
-                                   sent_at=t0, received_at=received_at, sent_bytes=request.sent_bytes,
-                                   received_bytes=request.received_bytes,
+                                   sent_at=t0, received_at=received_at, sent_bytes=waiting.sent_bytes,
+                                   received_bytes=waiting.received_bytes,
                                    activation_bytes=hidden.shape[0] * hidden.shape[1] * self.dtype.numpy.itemsize)
             except _RouteFailed as e:
                 failed_at = failed_at or time.monotonic()
                 log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
-                if request.conn is not None and request.stream_id is not None:
-                    request.conn.finish(request.stream_id)  # abandoned: let QUIC forget it
-                request.stream_id = None
+                self._carry_out(self.table.failed(rid))
                 await self._await_reroute(deadline)
 
     async def release(self, rid: bytes) -> None:
-        request = self._requests.pop(rid, None)
-        if request is None or request.stream_id is None or request.conn is None or not request.conn.is_open:
-            return
-        if request.plan_version != self.plan.version:
-            request.conn.finish(request.stream_id)  # a stream of an old route: just end it
-            return
-        end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
-                               np.empty((0, 0), np.float32))
-        try:
-            request.conn.send(request.stream_id, encode_packet(end), end=True)
-        except ConnectionError:
-            pass  # the stage already reset the stream: it holds nothing for this request
+        self._waiting.pop(rid, None)
+        self._carry_out(self.table.release(rid, self.plan.version), rid)
 
-    # --- for spot checks (swarmctl/verify.py) ---
+    def _carry_out(self, actions: list[Action], rid: bytes = b"") -> None:
+        for action in actions:
+            if not action.conn.is_open:
+                continue
+            if isinstance(action, Free):
+                action.conn.finish(action.stream_id)  # abandoned: let QUIC forget it
+                continue
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
+                                   np.empty((0, 0), np.float32))
+            try:
+                action.conn.send(action.stream_id, encode_packet(end), end=True)
+            except ConnectionError:
+                pass  # the stage already reset the stream: it holds nothing for this request
+
+    # --- for spot checks (swarmctl/asker/verify.py) ---
 
     def sent_steps(self, rid: bytes) -> list[tuple[int, np.ndarray]]:
         """The request's steps the swarm answered, oldest first: (start position, the activations
         as the head computed them). The same record a failover replays."""
-        request = self._requests.get(rid)
-        return [(s.start_pos, s.hidden) for s in request.history] if request is not None else []
+        return [(s.start_pos, s.hidden) for s in self.table.history(rid)]
 
     def route_members(self, rid: bytes) -> list[str]:
         """The members whose stages run the request's steps now: the current plan's route."""
@@ -218,15 +211,15 @@ class SwarmLink:
 
     # --- one step, and the route it travels ---
 
-    async def _step(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int,
+    async def _step(self, rid: bytes, route: OpenRoute, waiting: _Waiting, hidden: np.ndarray, start_pos: int,
                     deadline: float, rewind: bool = False, verify: bool = False) -> ActivationPacket:
-        request.expect_pos = start_pos
-        request.result = asyncio.get_running_loop().create_future()
-        request.received_at, request.received_bytes = 0.0, 0
-        request.sent_bytes = self._send(rid, request, hidden, start_pos, rewind, verify)
-        await request.conn.drain(request.stream_id, SEND_BACKLOG)
+        waiting.result = asyncio.get_running_loop().create_future()
+        waiting.received_at, waiting.received_bytes = 0.0, 0
+        waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
+        self.table.sent(rid, start_pos)
+        await route.conn.drain(route.stream_id, SEND_BACKLOG)
         try:
-            result = await asyncio.wait_for(asyncio.shield(request.result), max(0.1, deadline - time.monotonic()))
+            result = await asyncio.wait_for(asyncio.shield(waiting.result), max(0.1, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s") from None
         if result.kind == PacketKind.ERROR:
@@ -235,37 +228,36 @@ class SwarmLink:
             raise SwarmError(f"the swarm refused the request: {result.message}")
         return result
 
-    def _send(self, rid: bytes, request: _Request, hidden: np.ndarray, start_pos: int, rewind: bool = False,
+    def _send(self, rid: bytes, route: OpenRoute, hidden: np.ndarray, start_pos: int, rewind: bool = False,
               verify: bool = False) -> int:
         """Send one step; returns the frame's size in bytes."""
         kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
-        packet = ActivationPacket(kind, rid, self.plan.version, self.plan.head_layers, start_pos, hidden,
+        packet = ActivationPacket(kind, rid, route.version, self.plan.head_layers, start_pos, hidden,
                                   self.dtype, self.session, rewind=rewind, verify=verify, trace=self.trace)
-        conn = request.conn
-        if conn is None or not conn.is_open:
+        if not route.conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
         frame = encode_packet(packet)
         try:
-            conn.send(request.stream_id, frame)
+            route.conn.send(route.stream_id, frame)
         except ConnectionError as e:  # the stage reset the stream, or the connection just closed
             raise _RouteFailed(str(e)) from None
         return len(frame)
 
-    async def _open_route(self, rid: bytes, request: _Request) -> int:
-        """A new stream on the current route, and every step of the request's history replayed
-        on it back to back (the stages run them in order; their results are not waited for)."""
+    async def _open_route(self, rid: bytes) -> tuple[OpenRoute, int]:
+        """A new stream on the current route, and every step the swarm held for the request
+        replayed on it back to back (the stages run them in order; their results are not waited
+        for). Returns the route and the bytes replayed."""
         if self.host.latest is not None and self.host.latest.version != self.plan.version:
             await self._follow_plan()
-        request.stream_id = self.first_conn.open_stream()
-        request.conn = self.first_conn
-        request.plan_version = self.plan.version
-        request.expect_pos = -1
+        conn = self.first_conn
+        stream_id = conn.open_stream()
+        route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
-        for sent in request.history:
-            self._send(rid, request, sent.hidden, sent.start_pos, verify=sent.verify)
+        for sent in self.table.opened(rid, conn, stream_id, self.plan.version):
+            self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
             replayed += sent.hidden.nbytes
-            await request.conn.drain(request.stream_id, SEND_BACKLOG)
-        return replayed
+            await conn.drain(stream_id, SEND_BACKLOG)
+        return route, replayed
 
     async def _await_reroute(self, deadline: float) -> None:
         """After a route failure: the host's next complete plan, or, if the plan stays the same
@@ -338,12 +330,13 @@ class SwarmLink:
     def _plan_arrived(self, plan: Plan | None) -> None:
         if plan is not None and self.plan is not None and plan.version != self.plan.version:
             # the route the waiting steps travel is gone: reroute them now, not at a timeout
-            self._fail_waiting(f"the plan changed to v{plan.version}")
+            self._fail_waiting(f"the plan changed to v{plan.version}", self.table.plan_changed(plan.version))
 
-    def _fail_waiting(self, reason: str) -> None:
-        for request in self._requests.values():
-            if request.result is not None and not request.result.done():
-                request.result.set_exception(_RouteFailed(reason))
+    def _fail_waiting(self, reason: str, rids: list[bytes] | None = None) -> None:
+        for rid in self.table.waiting() if rids is None else rids:
+            waiting = self._waiting.get(rid)
+            if waiting is not None and waiting.result is not None and not waiting.result.done():
+                waiting.result.set_exception(_RouteFailed(reason))
 
     async def _keep_alive(self) -> None:
         """Ping the stages and the host every second; a stage gone silent while steps wait on it
@@ -356,7 +349,7 @@ class SwarmLink:
             for conn in {self.host.conn, self.first_conn, self.last_conn} - {None}:
                 if conn.is_open:
                     asyncio.ensure_future(quiet_ping(conn))
-            waiting = any(r.result is not None and not r.result.done() for r in self._requests.values())
+            waiting = bool(self.table.waiting())
             silent = [c for c in (self.first_conn, self.last_conn) if c is not None and
                       clock.silence(c) > SILENCE_LIMIT]
             if waiting and silent:
@@ -398,13 +391,13 @@ class SwarmLink:
         except WireError as e:
             conn.reject_stream(stream_id, str(e))
             return
-        request = self._requests.get(packet.request_id)
-        if request is None or request.result is None or request.result.done():
+        waiting = self._waiting.get(packet.request_id)
+        if waiting is None or waiting.result is None or waiting.result.done():
             return
-        if packet.kind == PacketKind.ERROR:
-            if conn is request.conn and stream_id == request.stream_id:  # not an abandoned route's
-                request.result.set_result(packet)
-        elif packet.start_pos == request.expect_pos:
-            request.received_at = time.perf_counter()
-            request.received_bytes = FRAME_HEADER.size + len(frame.body)
-            request.result.set_result(packet)  # results of replayed steps are not what we wait for
+        error = packet.kind == PacketKind.ERROR
+        if not self.table.is_answer(packet.request_id, conn, stream_id, packet.start_pos, error):
+            return  # results of replayed steps, and errors of an abandoned route, are not what it waits for
+        if not error:
+            waiting.received_at = time.perf_counter()
+            waiting.received_bytes = FRAME_HEADER.size + len(frame.body)
+        waiting.result.set_result(packet)

@@ -74,10 +74,10 @@ from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from net import messages as m
 from net.wire import DType, Hop
-from swarmctl.asker import TrunkResult
+from swarmctl.asker.head_tail import TrunkResult
 from swarmctl.batching import BatchRunner
 
-log = logging.getLogger("swarmctl.verify")
+log = logging.getLogger("swarmctl.asker.verify")
 
 REL_TOLERANCE = 0.10
 MIN_COSINE = 0.995
