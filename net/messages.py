@@ -149,6 +149,7 @@ class BadResult(Message, tag="bad_result"):
     bad_rows: int = 0
     rel_error: float | None = None
     cosine: float | None = None
+    attributed: bool = False  # members names the one stage a re-check stage by stage found wrong
 
 
 class WatchPlan(Message, tag="watch_plan"):

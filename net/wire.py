@@ -9,7 +9,8 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
     type 2     := activation packet:
 
       version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s     (flags: bit 0 on ERROR: RETRY;
-                                                                 bit 1 REWIND, bit 2 VERIFY on steps;
+                                                                 bit 1 REWIND, bit 2 VERIFY, bit 4
+                                                                 ONE_STAGE on steps and results;
                                                                  bit 3 TRACE on any kind)
       plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
       reply_to_len:u8  reply_to:utf-8[reply_to_len]
@@ -51,6 +52,7 @@ FLAG_RETRY = 1
 FLAG_REWIND = 2  # the step starts before the request's filled length: drop the cells from start_pos on
 FLAG_VERIFY = 4  # a speculative check: every row attends on its own, as a one-token step (kernels/slice.Step)
 FLAG_TRACE = 8  # the hop records carry their expert calls (see the module docstring)
+FLAG_ONE_STAGE = 16  # a step that enters a stage and comes back from it on the same stream (a re-check)
 MAX_HOPS = 64
 MAX_HOP_CALLS = 4096  # expert calls one hop may list (a 64-layer MoE step over 64 expert nodes)
 _HOP_CALL = struct.Struct("<IIIII")
@@ -124,6 +126,7 @@ class ActivationPacket:
     rewind: bool = False  # steps: FLAG_REWIND
     verify: bool = False  # steps: FLAG_VERIFY
     trace: bool = False  # FLAG_TRACE: stages list their expert calls in their hop records
+    one_stage: bool = False  # steps: FLAG_ONE_STAGE, the RESULT comes back from the stage it entered
 
     @property
     def n_tokens(self) -> int:
@@ -197,7 +200,8 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
     if p.kind == PacketKind.ERROR:
         flags = FLAG_RETRY if p.retry else 0
     else:
-        flags = (FLAG_REWIND if p.rewind else 0) | (FLAG_VERIFY if p.verify else 0)
+        flags = (FLAG_REWIND if p.rewind else 0) | (FLAG_VERIFY if p.verify else 0) | \
+            (FLAG_ONE_STAGE if p.one_stage else 0)
     if p.trace:
         flags |= FLAG_TRACE
     elif any(hop.calls for hop in p.hops):
@@ -256,7 +260,8 @@ def decode_packet(body: bytes) -> ActivationPacket:
         raise WireError("activation packet carries no tokens")
     data = np.frombuffer(payload, dtype=dtype.numpy).reshape(n_tokens, n_embd)
     return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops,
-                            rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY), trace=trace)
+                            rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY), trace=trace,
+                            one_stage=bool(flags & FLAG_ONE_STAGE))
 
 
 def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:

@@ -204,16 +204,32 @@ def test_an_asker_certificate_may_ask_but_not_serve_or_steer_the_plan(swarm, sol
     plan = swarm.status()
     second = sorted((m for m in plan["members"] if m["layers"]), key=lambda m: m["layers"][0])[1]
 
-    async def skip_the_first_stage() -> str:
-        conn = await connect_member(Address.parse(second["address"]), carol, second["name"], RequestOnlyHandler())
+    class Replies(RequestOnlyHandler):
+        def __init__(self) -> None:
+            self.frames: asyncio.Queue = asyncio.Queue()
+
+        def frame_received(self, conn, stream_id, frame) -> None:
+            self.frames.put_nowait(frame)
+
+    async def skip_the_first_stage() -> ActivationPacket:
+        """Entering at a later stage (what --verify's re-check stage by stage does, here with the
+        answer sent back from that stage alone) is carol's own request: its results address is
+        bound to her certificate, whatever it names (here trunk-a's results stream)."""
+        replies = Replies()
+        conn = await connect_member(Address.parse(second["address"]), carol, second["name"], replies)
         try:
             packet = ActivationPacket(PacketKind.PREFILL, b"c" * 16, plan["plan_version"], second["layers"][0], 0,
-                                      np.zeros((2, 576), np.float32))
-            return decode_packet((await conn.request(encode_packet(packet), timeout=10)).body).message
+                                      np.zeros((2, 576), np.float32), reply_to="trunk-a/" + "a" * 32,
+                                      one_stage=True)
+            stream_id = conn.open_stream()
+            conn.send(stream_id, encode_packet(packet))
+            return decode_packet((await asyncio.wait_for(replies.frames.get(), 10)).body)
         finally:
             await close(conn)
 
-    assert "only from the stage before" in asyncio.run(skip_the_first_stage())
+    answer = asyncio.run(skip_the_first_stage())
+    assert answer.kind == PacketKind.RESULT, answer.message
+    assert answer.reply_to == "carol/trunk-a/" + "a" * 32 and answer.data.shape == (2, 576)
 
     trunk = Node(swarm.homes["carol"], "trunk")
     try:

@@ -253,6 +253,104 @@ def test_a_wrong_result_later_in_a_request_is_replayed_here_bit_for_bit(asker, h
         link.close()
 
 
+class FakeRoute:
+    """A route of several in-process stages (one SliceEngine each) whose stage ``liar`` adds noise
+    to what it sends on; ``lies_to_checks``: also to a re-check of it alone (run_stage), else it
+    answers those honestly."""
+
+    def __init__(self, gguf: GGUFFile, plan: Plan, *, liar: int, lies_to_checks: bool = True) -> None:
+        self.plan = plan
+        self.dtype = DType.F32
+        self.liar, self.lies_to_checks = liar, lies_to_checks
+        self.engines = [SliceEngine(gguf, SliceSpec(s.start, s.stop), n_threads=N_THREADS, max_context=512)
+                        for s in plan.stages]
+        self.history: dict[bytes, list] = {}
+        self.reports: list[dict] = []
+        self.checked: list[int] = []  # the stages re-checked alone
+
+    def _run(self, i, rid, hidden, start_pos, lie: bool) -> np.ndarray:
+        x = self.engines[i].forward(rid, start_pos=start_pos, hidden=np.asarray(hidden, np.float32))
+        if i == self.liar and lie:
+            rms = np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True))
+            x = (x + np.random.default_rng().standard_normal(x.shape) * 0.3 * rms).astype(np.float32)
+        return x
+
+    async def forward(self, rid, hidden, start_pos, *, rewind=False, verify=False):
+        out = hidden
+        for i in range(len(self.engines)):
+            out = self._run(i, rid, out, start_pos, lie=True)
+        steps = [(p, h) for p, h in self.history.get(rid, []) if p < start_pos]
+        self.history[rid] = steps + [(start_pos, np.array(hidden, dtype=np.float32))]
+        return TrunkResult(out, (), 0.0)
+
+    async def run_stage(self, stage, steps):
+        self.checked.append(stage)
+        rid = os.urandom(16)
+        try:
+            for p, h in steps:
+                out = self._run(stage, rid, h, p, lie=self.lies_to_checks)
+            return out
+        finally:
+            self.engines[stage].release(rid)
+
+    async def release(self, rid):
+        self.history.pop(rid, None)
+        for engine in self.engines:
+            engine.release(rid)
+
+    def sent_steps(self, rid):
+        return list(self.history.get(rid, []))
+
+    def route_members(self, rid):
+        return [s.member for s in self.plan.stages]
+
+    async def report(self, message):
+        self.reports.append(as_dict(message))
+
+    def close(self):
+        for engine in self.engines:
+            engine.close()
+
+
+def _route_plan(gguf: GGUFFile, n_layer: int, members: tuple[str, ...]) -> Plan:
+    bounds = np.linspace(K, n_layer - K, len(members) + 1).astype(int)
+    return Plan(version=3, model_name="m", n_layer=n_layer, head_layers=K,
+                layer_hashes=[gguf.layer_hash(i) for i in range(n_layer)],
+                stages=[StageAssignment(name, "127.0.0.1:1", int(a), int(b), ready=True)
+                        for name, a, b in zip(members, bounds[:-1], bounds[1:])])
+
+
+@pytest.mark.parametrize("liar", [0, 1, 2])
+def test_a_route_of_three_is_rechecked_stage_by_stage_and_only_the_liar_is_named(asker, honest_tokens, liar):
+    members = ("alpha", "beta", "gamma")
+    link = FakeRoute(asker.gguf, _route_plan(asker.gguf, asker.spec.n_layer, members), liar=liar)
+    verifier = VerifyingTrunk(link, asker.gguf, share=1.0, n_threads=N_THREADS, max_context=512)
+    try:
+        assert _generate(asker, verifier, prompts=PROMPTS[:1]) == honest_tokens[:1]
+        assert verifier.suspects == {members[liar]}
+        assert [(r["members"], r["attributed"]) for r in link.reports] == [([members[liar]], True)]
+        assert link.checked == [0, 1, 2]
+    finally:
+        verifier.close()
+        link.close()
+
+
+def test_a_liar_that_answers_the_recheck_honestly_gets_nobody_else_named(asker, honest_tokens):
+    """It cannot be told apart then: the whole route is named, as without a re-check, never the
+    honest neighbour alone."""
+    members = ("alpha", "beta")
+    link = FakeRoute(asker.gguf, _route_plan(asker.gguf, asker.spec.n_layer, members), liar=1,
+                     lies_to_checks=False)
+    verifier = VerifyingTrunk(link, asker.gguf, share=1.0, n_threads=N_THREADS, max_context=512)
+    try:
+        assert _generate(asker, verifier, prompts=PROMPTS[:1]) == honest_tokens[:1]
+        assert verifier.suspects == set(members)
+        assert [(r["members"], r["attributed"]) for r in link.reports] == [(list(members), False)]
+    finally:
+        verifier.close()
+        link.close()
+
+
 def test_the_askers_copy_of_the_trunk_layers_must_be_the_swarms(asker):
     plan = _plan(asker.gguf, asker.spec.n_layer)
     plan.layer_hashes[K + 3] = "0" * 64

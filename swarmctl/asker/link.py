@@ -186,6 +186,35 @@ class SwarmLink:
         as the head computed them). The same record a failover replays."""
         return [(s.start_pos, s.hidden) for s in self.table.history(rid)]
 
+    async def run_stage(self, stage: int, steps: list[tuple[int, np.ndarray]]) -> np.ndarray:
+        """Run ``steps`` (start position, activations at the stage's first layer) as a new request
+        through the current plan's stage ``stage`` alone, which sends each result back (ONE_STAGE);
+        returns the last step's. For ``--verify``'s re-check stage by stage: one attempt, no
+        failover (a failure raises SwarmError)."""
+        target = self.plan.stages[stage]
+        rid = secrets.token_bytes(16)
+        conn = self.first_conn if stage == 0 else self.last_conn if stage == len(self.plan.stages) - 1 else \
+            await self.dialer.connect(target.member, target.address, self)
+        waiting = self._waiting.setdefault(rid, _Waiting())
+        deadline = time.monotonic() + self.request_timeout
+        try:
+            self.table.begin(rid, 0)
+            stream_id = conn.open_stream()
+            self.table.opened(rid, conn, stream_id, self.plan.version)
+            route = OpenRoute(conn, stream_id, self.plan.version)
+            result = None
+            for start_pos, hidden in steps:
+                try:
+                    result = await self._step(rid, route, waiting, hidden, start_pos, deadline, layer=target.start)
+                except _RouteFailed as e:
+                    raise SwarmError(f"stage {target.member} did not answer the check: {e}") from None
+                self.table.answered(rid, start_pos, hidden[:0], False)  # (nothing to replay: one attempt)
+            return np.asarray(result.data, dtype=np.float32)
+        finally:
+            await self.release(rid)
+            if conn not in (self.first_conn, self.last_conn):
+                await close(conn)
+
     def route_members(self, rid: bytes) -> list[str]:
         """The members whose stages run the request's steps now: the current plan's route."""
         return [s.member for s in self.plan.stages] if self.plan is not None else []
@@ -212,10 +241,11 @@ class SwarmLink:
     # --- one step, and the route it travels ---
 
     async def _step(self, rid: bytes, route: OpenRoute, waiting: _Waiting, hidden: np.ndarray, start_pos: int,
-                    deadline: float, rewind: bool = False, verify: bool = False) -> ActivationPacket:
+                    deadline: float, rewind: bool = False, verify: bool = False,
+                    layer: int | None = None) -> ActivationPacket:
         waiting.result = asyncio.get_running_loop().create_future()
         waiting.received_at, waiting.received_bytes = 0.0, 0
-        waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
+        waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify, layer)
         self.table.sent(rid, start_pos)
         await route.conn.drain(route.stream_id, SEND_BACKLOG)
         try:
@@ -229,11 +259,13 @@ class SwarmLink:
         return result
 
     def _send(self, rid: bytes, route: OpenRoute, hidden: np.ndarray, start_pos: int, rewind: bool = False,
-              verify: bool = False) -> int:
-        """Send one step; returns the frame's size in bytes."""
+              verify: bool = False, layer: int | None = None) -> int:
+        """Send one step (activations at ``layer``: the head's output unless said, and then the
+        step comes back from that stage alone); returns the frame's size in bytes."""
         kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
-        packet = ActivationPacket(kind, rid, route.version, self.plan.head_layers, start_pos, hidden,
-                                  self.dtype, self.session, rewind=rewind, verify=verify, trace=self.trace)
+        packet = ActivationPacket(kind, rid, route.version, self.plan.head_layers if layer is None else layer,
+                                  start_pos, hidden, self.dtype, self.session, rewind=rewind, verify=verify,
+                                  trace=self.trace, one_stage=layer is not None)
         if not route.conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
         frame = encode_packet(packet)

@@ -46,10 +46,17 @@ request; a smaller P only batches that work into fewer, larger passes. P sets th
 catching a wrong step, not the cost (benchmarks/bench_verify.py: on this 2-core machine the
 single-stream decode rate fell to 0.76-0.78 of unchecked for P = 0.1, 0.5 and 1 alike).
 
-A mismatch: the route's members are marked bad here (with several stages the asker cannot tell
-which stage lied: all are named), reported to the host (``bad_result``, which counts it and shows
-it in status, but removes nobody on one asker's word), and the request is replayed on another
-route: this machine. Its steps, exactly as they were sent, run again on a fresh local cache (the
+A mismatch: the route's members are marked bad here and reported to the host (``bad_result``).
+With several stages, the route is first re-checked stage by stage (``_attribute``): the request's
+steps up to the drawn one are computed here one stage at a time (every stage's clean input and
+output), and each stage is sent its clean input as a new request that comes back from that stage
+alone; the stages whose answers are wrong are named (``attributed``). A stage is named only on its
+own answer, so a liar cannot get an honest neighbour named; one that lies only now and then, or only
+to requests that pass on through it, can come out of the re-check clean, and then every member of
+the route is named, as before. The host counts reports and shows them in status (and checks a
+named member itself; askers of two invites naming it take it out of the plan: host/service.py);
+one asker's word alone removes nobody (swarmctl/host/reports.py). The request is replayed on
+another route: this machine. Its steps, exactly as they were sent, run again on a fresh local cache (the
 same steps and kernels as an honest trunk: the same bits), the drawn step's correct output is
 returned, and the request goes on here to its end. Later requests whose route passes through a
 member marked bad run here from the start. Steps not drawn are not checked: with P < 1 a wrong
@@ -75,6 +82,7 @@ from kernels.spec import SliceSpec
 from net import messages as m
 from net.wire import DType, Hop
 from swarmctl.asker.head_tail import TrunkResult
+from swarmctl.asker.plan_watch import SwarmError
 from swarmctl.batching import BatchRunner
 
 log = logging.getLogger("swarmctl.asker.verify")
@@ -82,6 +90,7 @@ log = logging.getLogger("swarmctl.asker.verify")
 REL_TOLERANCE = 0.10
 MIN_COSINE = 0.995
 CATCH_UP_CHUNK = 512  # tokens per verification pass (the asker's prefill chunk): bounds its graph's memory
+ATTRIBUTION_TIMEOUT_S = 60.0  # each part of the re-check stage by stage (see _attribute)
 LOCAL_STAGE = "asker (verified route)"  # the hop name of steps this machine ran in place of the trunk
 
 
@@ -138,6 +147,8 @@ class VerifiableLink(Protocol):
 
     async def report(self, message: m.Message) -> None: ...
 
+    async def run_stage(self, stage: int, steps: list[tuple[int, np.ndarray]]) -> np.ndarray: ...
+
 
 @dataclass
 class VerifyStats:
@@ -176,6 +187,7 @@ class VerifyingTrunk:
         start, stop = link.plan.trunk_range
         self.layers = (start, stop)
         check_trunk_layers(gguf, link.plan)
+        self.gguf, self.n_threads, self.max_context = gguf, n_threads, max_context  # (for a re-check stage by stage)
         self.engine = SliceEngine(gguf, SliceSpec(start, stop), n_threads=n_threads, max_context=max_context)
         self.runner = BatchRunner(self.engine)
         self.stats = VerifyStats()
@@ -203,7 +215,8 @@ class VerifyingTrunk:
         if verdict.ok:
             self.stats.worst_rel_ok = max(self.stats.worst_rel_ok, verdict.worst_rel)
             return result
-        self._accuse(members, verdict)
+        found = await self._attribute(request_id, start_pos) if len(members) > 1 else []
+        self._accuse(found or members, verdict, attributed=bool(found))
         await self._move_here(request_id, state, start_pos)
         return await self._local_step(request_id, hidden, start_pos, verify)
 
@@ -250,17 +263,68 @@ class VerifyingTrunk:
         self.stats.checked_tokens += len(x)
         return judge(got, local)
 
-    def _accuse(self, members: list[str], verdict: Verdict) -> None:
+    async def _attribute(self, rid: bytes, start_pos: int) -> list[str]:
+        """Which stages of a route of several returned wrong rows: the request's steps up to the
+        drawn one are computed here stage by stage (every stage's clean input and output), and
+        each stage is sent its clean input as a new request that comes back from it alone
+        (ONE_STAGE); the stages whose rows are wrong are named. Empty when none is (a stage that lies
+        only now and then, or only to requests that pass on through it), or a re-check failed: a
+        stage is only ever named on its own answer, so one that lies cannot get another named."""
+        stages = list(self.link.plan.stages)
+        steps = [(p, h) for p, h in self.link.sent_steps(rid) if p <= start_pos]
+        if not steps or steps[0][0] != 0 or steps[-1][0] != start_pos:
+            return []
+        wrong = []
+        try:
+            inputs = await asyncio.wait_for(self._stage_inputs(steps, stages), ATTRIBUTION_TIMEOUT_S)
+            for i, stage in enumerate(stages):
+                chunks = [(a, inputs[i][a:a + CATCH_UP_CHUNK]) for a in range(0, len(inputs[i]), CATCH_UP_CHUNK)]
+                got = await asyncio.wait_for(self.link.run_stage(i, chunks), ATTRIBUTION_TIMEOUT_S)
+                want = inputs[i + 1][chunks[-1][0]:]
+                if not judge(got, want).ok:
+                    wrong.append(stage.member)
+        except (EngineError, SwarmError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+            log.warning("could not re-check the route stage by stage: %s", e)
+            return []
+        return wrong
+
+    async def _stage_inputs(self, steps: list[tuple[int, np.ndarray]], stages: list) -> list[np.ndarray]:
+        """Every stage's input for positions [0, end of the drawn step), and the last stage's
+        output, computed here on engines of each stage's layers (made for this and closed)."""
+        x = self._as_received(np.concatenate([h for _, h in steps]).astype(np.float32, copy=False))
+        inputs = [x]
+        for stage in stages:
+            engine = SliceEngine(self.gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                                 max_context=self.max_context)
+            runner = BatchRunner(engine)
+            try:
+                outs = []
+                for a in range(0, len(x), CATCH_UP_CHUNK):
+                    out, _ = await runner.run(Step(b"attribute", a, hidden=x[a:a + CATCH_UP_CHUNK]))
+                    outs.append(out)
+            finally:
+                runner.close()
+                engine.close()
+            x = self._as_received(np.concatenate(outs))
+            inputs.append(x)
+        return inputs
+
+    def _as_received(self, x: np.ndarray) -> np.ndarray:
+        """Rows as the wire delivers them (f16 rounds them)."""
+        return x.astype(np.float16).astype(np.float32) if self.link.dtype == DType.F16 else x
+
+    def _accuse(self, members: list[str], verdict: Verdict, attributed: bool = False) -> None:
         self.stats.mismatches += 1
         version = int(getattr(self.link.plan, "version", -1))
         self.suspects.update(members)
         self.accusations.append(Accusation(tuple(members), version, verdict))
         who = f"trunk {members[0]}" if len(members) == 1 else f"one of the trunks {', '.join(members)}"
-        log.warning("%s returned a wrong result (verified locally: %s); reported to the host; the request "
-                    "continues on this machine", who, verdict.describe())
+        how = "; found by re-checking the route stage by stage" if attributed else ""
+        log.warning("%s returned a wrong result (verified locally: %s%s); reported to the host; the request "
+                    "continues on this machine", who, verdict.describe(), how)
         report = m.BadResult(members=list(members), plan_version=version, layers=list(self.layers),
                              rows=verdict.rows, bad_rows=verdict.bad_rows, rel_error=_json_float(verdict.worst_rel),
-                             cosine=_json_float(verdict.worst_cosine))
+                             cosine=_json_float(verdict.worst_cosine), attributed=attributed)
         task = asyncio.ensure_future(self.link.report(report))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)

@@ -18,7 +18,8 @@ Control messages (JSON frames, one request per stream unless noted):
                                                        or seen while serving) → ok; re-plans if material
     recovered   {recovery_s, replayed_bytes}           an asker rerouted a request after a failure → ok
     bad_result  {members, plan_version, layers, ...}   an asker's spot check (--verify) caught its route
-                                                       returning a wrong result → ok (counted, shown in status)
+                                                       returning a wrong result → ok (counted, shown in status;
+                                                       attributed: found stage by stage, see service.py)
     watch_plan  {}                                     asker → plan now, and every new plan after
     fetch_slice {start, stop, have}                    a trunk without the model → manifest, data
     nodes       {}                                     anyone → the planner's view of the members

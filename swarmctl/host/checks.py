@@ -27,6 +27,7 @@ from .trunks import TrunkInfo
 
 log = logging.getLogger("swarmctl.host")
 
+RECHECK_EVERY_S = 30.0  # a member named by askers' reports is checked again at most this often
 FAILED_CHECK_HOLD_S = 300.0  # a member that failed a layer check is refused again if it re-registers this soon
 REPROBES = 3  # a claim faster than the host measured is timed again this often, after 10, 20, 40 s
 REPROBE_AFTER_S = 10.0
@@ -44,6 +45,7 @@ class ClaimChecks:
         self.measured_speeds: dict[str, float] = {}  # member → the fastest the host timed it (kept across rejoins)
         self._timing_lock = asyncio.Lock()  # one speed probe at a time
         self._tasks: set[asyncio.Task] = set()
+        self._rechecked: dict[str, float] = {}  # member → when an askers' report last made us check it
 
     @property
     def plan(self):
@@ -99,6 +101,19 @@ class ClaimChecks:
         if trunk.reprobes < REPROBES:
             self._spawn(self._probe_again(name, trunk, REPROBE_AFTER_S * 2 ** trunk.reprobes))
             trunk.reprobes += 1
+
+    def recheck(self, name: str, trunk: TrunkInfo) -> None:
+        """An asker found ``name`` wrong stage by stage: check a layer of its stage now (the host's
+        input, its outputs checked against the host's copy), at most once per RECHECK_EVERY_S."""
+        now = time.monotonic()
+        if now - self._rechecked.get(name, -RECHECK_EVERY_S) >= RECHECK_EVERY_S:
+            self._rechecked[name] = now
+            self._spawn(self._probe_again(name, trunk, 0.0))
+
+    def evict(self, name: str, trunk: TrunkInfo, problem: str) -> None:
+        """Leave ``name`` out of the plan (as a failed layer check does, for FAILED_CHECK_HOLD_S)."""
+        self._failed(name, trunk, problem)
+        self.planning.replan()
 
     # --- the checks ---
 

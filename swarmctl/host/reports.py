@@ -1,5 +1,6 @@
 """What askers tell the host about their routes: recoveries after a failure, and wrong results
-their spot checks caught. Counted and shown in status; nothing more."""
+their spot checks caught. Counted and shown in status; what the host does about a wrong result
+found stage by stage is HostService's (service.py: a check of its own, and two invites' word)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Recovery:
 class AskerReports:
     recovery: Recovery = field(default_factory=Recovery)
     bad_results: dict[str, dict[str, int]] = field(default_factory=dict)  # accused → {accuser: reports}
+    attributed: dict[str, set[str]] = field(default_factory=dict)  # accused → accusers who found it stage by stage
     _log: LogLimit = field(default_factory=lambda: LogLimit(log))  # a flood of reports must not fill the disk
 
     def recovered(self, recovery_s: float, replayed_bytes: int) -> None:
@@ -35,15 +37,18 @@ class AskerReports:
 
     def bad_result(self, accuser: str, report: BadResult, serving: set[str]) -> list[str]:
         """An asker recomputed a step itself (swarmctl/asker/verify.py) and its route's result was wrong.
-        Counted per accused member and accuser, logged, shown in status; nothing more. One
-        asker's word removes no trunk: the host cannot check the claim (it never sees the asker's
-        activations), so a lying asker could otherwise evict honest trunks one by one. The accuser
-        already routes around the trunk for itself; the operator decides (``swarmctl revoke``).
-        Returns the members counted (those serving, the accuser never)."""
+        Counted per accused member and accuser, logged, shown in status. One asker's word removes
+        no trunk: the host cannot check the claim (it never sees the asker's activations), so a
+        lying asker could otherwise evict honest trunks one by one. The accuser already routes
+        around the trunk for itself; the operator decides (``swarmctl revoke``), or askers of two
+        invites who found the same member stage by stage do (HostService). Returns the members
+        counted (those serving, the accuser never)."""
         counted = sorted({m[:64] for m in report.members} & serving - {accuser})
         for name in counted:
             by = self.bad_results.setdefault(name, {})
             by[accuser] = by.get(accuser, 0) + 1
+        for name in counted if report.attributed else ():
+            self.attributed.setdefault(name, set()).add(accuser)
         tally = "; ".join(f"{n}: {self.reports_on(n)} reports from {len(self.bad_results[n])} members"
                           for n in counted) or "ignored"
         self._log.warning("%s reports a wrong result from %s (plan v%s, relative error %s): %s",
@@ -56,3 +61,7 @@ class AskerReports:
 
     def reporters_of(self, name: str) -> int:
         return len(self.bad_results.get(name, {}))
+
+    def found_by(self, name: str) -> set[str]:
+        """The members whose re-check stage by stage named ``name`` (on its own answer)."""
+        return set(self.attributed.get(name, ()))

@@ -42,6 +42,7 @@ from .trunks import TrunkInfo, Trunks, observed, reachable_address
 
 log = logging.getLogger("swarmctl.host")
 
+EVICT_INVITES = 2  # askers of this many invites naming one member stage by stage take it out of the plan
 
 
 class HostService:
@@ -418,8 +419,24 @@ class HostService:
         self._ok(conn, stream_id)
 
     def _bad_result(self, conn: SwarmProtocol, stream_id: int, message: m.BadResult) -> None:
+        """An asker's spot check caught a wrong result. When its re-check stage by stage named one
+        member: the host checks that member's computation itself at once (a layer of its stage, on
+        the host's own input: a trunk that lies to everyone fails it and leaves the plan), and once
+        askers of two invites have named it, it leaves the plan on their word (one invite's word
+        alone could frame an honest member)."""
         serving = {s.member for s in self.plan.stages} | set(self.trunks)
-        self._ok(conn, stream_id, counted=self.reports.bad_result(conn.peer_name, message, serving))
+        counted = self.reports.bad_result(conn.peer_name, message, serving)
+        self._ok(conn, stream_id, counted=counted)
+        for name in counted if message.attributed else ():
+            trunk = self.trunks.get(name)
+            if trunk is None or trunk.refused:
+                continue
+            invites = {self.plan.account(accuser) for accuser in self.reports.found_by(name)}
+            if len(invites) >= EVICT_INVITES:
+                self.checks.evict(name, trunk, f"returned wrong results (found stage by stage by askers of "
+                                               f"{len(invites)} invites)")
+            else:
+                self.checks.recheck(name, trunk)
 
 
 async def run_host(home: SwarmHome, stop: asyncio.Event, ready_file=None) -> None:

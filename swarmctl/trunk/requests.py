@@ -47,8 +47,8 @@ def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
 
 def account_of(route: Route, plan: Plan) -> str:
     """Whose budget a request spends and whose turn it takes: its member's account (one per
-    invite: Plan.account). The member is the connection's certificate's at the first stage, and
-    reply_to's ("member/session") at later ones, which only the stage before them can send."""
+    invite: Plan.account): reply_to's ("member/session"), which is bound to the sender's
+    certificate wherever a request enters and only passed on by the stage before."""
     return plan.account(route.reply_to.partition("/")[0])
 
 
@@ -149,13 +149,16 @@ class StageRequests:
                 return
             held = self.held
             stage, plan = held.stage, held.plan
-            is_first = stage.start == plan.head_layers
-            if not is_first and conn.peer_name != self._previous_member():
-                # Only an asker's packets enter at the first stage; later stages take the stage before.
-                self._refuse(conn, stream_id, rid, f"layers [{stage.start}, {stage.stop}) take activations "
-                                                   "only from the stage before them in the plan")
+            # From the stage before: a hop of a request that entered earlier, whose results address
+            # that stage passes on. From anyone else: a request entering here (at the first stage,
+            # an ask; at a later one, an asker re-checking the route stage by stage: verify.py), whose
+            # results can only go to the sender's own results streams, on the sender's budget.
+            entering = stage.start == plan.head_layers or conn.peer_name != self._previous_member()
+            if packet.one_stage and not entering:
+                self._refuse(conn, stream_id, rid, "a one-stage step comes from whoever asks, not from the stage "
+                                                   "before")
                 return
-            reply_to = results_key(conn.peer_name, packet.reply_to) if is_first else packet.reply_to
+            reply_to = results_key(conn.peer_name, packet.reply_to) if entering else packet.reply_to
             route, actions, problem = self.routes.claim(rid, conn, stream_id, packet.start_pos, reply_to)
             if problem:
                 self._refuse(conn, stream_id, rid, problem, retry=True)
@@ -244,10 +247,13 @@ class StageRequests:
         step ran (``self.held`` may change under any await from here on)."""
         rid = packet.request_id
         is_last = stage.stop == plan.trunk_range[1]
-        onward = ActivationPacket(PacketKind.RESULT if is_last else packet.kind, rid, plan.version,
-                                  stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
+        onward = ActivationPacket(PacketKind.RESULT if is_last or packet.one_stage else packet.kind, rid,
+                                  plan.version, stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
                                   hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify,
-                                  trace=packet.trace)
+                                  trace=packet.trace, one_stage=packet.one_stage)
+        if packet.one_stage:  # a re-check of this stage alone (swarmctl/asker/verify.py): back to its sender
+            await self._send_and_drain(route.in_conn, route.in_stream, onward)
+            return
         if is_last:
             results = self.results.stream_for(route.reply_to)
             if results is None:
