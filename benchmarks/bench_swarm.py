@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.sampling import SamplingParams  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, generate_all, u_split  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm, free_udp_port  # noqa: E402
+from swarmctl.local_swarm import Fronts, LocalSwarm, free_udp_port  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
@@ -155,9 +155,8 @@ async def wan_swarm(model: Path, threads: int):
                               cwd=Path(__file__).resolve().parents[1])
     try:
         assert relays.stdout.readline().strip() == "ready"
-        with LocalSwarm(model=str(model), n_trunks=2, head_layers=4, threads=threads, host_port=host_port,
-                        host_advertise=f"127.0.0.1:{relay_ports[0]}", trunk_ports=trunk_ports,
-                        trunk_advertise=[f"127.0.0.1:{p}" for p in relay_ports[1:]]) as swarm:
+        fronts = Fronts.behind([host_port, *trunk_ports], [f"127.0.0.1:{p}" for p in relay_ports])
+        with LocalSwarm(model=str(model), n_trunks=2, head_layers=4, threads=threads, fronts=fronts) as swarm:
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
                                         min_stages=2)
             try:

@@ -118,13 +118,27 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Fronts:
+    """Where a local swarm's nodes listen, and the address others reach each at instead: an
+    impairing relay in front of it (WAN emulation: net/relay.py, harness/wan_delay.py)."""
+
+    host_port: int
+    host_address: str  # what the host advertises (its relay)
+    trunk_ports: list[int]
+    trunk_addresses: list[str]  # what each trunk advertises
+
+    @classmethod
+    def behind(cls, ports: list[int], relays: list[str]) -> "Fronts":
+        """The host at ports[0] behind relays[0], trunk i at ports[i + 1] behind relays[i + 1]."""
+        return cls(ports[0], relays[0], list(ports[1:]), list(relays[1:]))
+
+
 class LocalSwarm:
     def __init__(self, *, model: str | None, n_trunks: int, head_layers: int, threads: int | None = None,
-                 capture: bool = False, host_port: int | None = None, host_advertise: str | None = None,
-                 trunk_ports: list[int] | None = None, trunk_advertise: list[str] | None = None,
-                 expert_nodes: int = 0) -> None:
-        """``*_port``/``*_advertise`` place nodes at chosen ports and make others reach them at
-        another address (an impairing relay in front of them, for WAN emulation). ``expert_nodes``:
+                 capture: bool = False, fronts: Fronts | None = None, expert_nodes: int = 0) -> None:
+        """``fronts``: chosen ports, and other addresses to reach the nodes at (an impairing relay
+        in front of each); ``capture``: the trunks keep every frame (the audit); ``expert_nodes``:
         for a mixture-of-experts model, that many of the trunks hold experts (expert parallelism)."""
         if n_trunks < 1:
             raise EngineError("--trunk-nodes must be at least 1")
@@ -136,24 +150,25 @@ class LocalSwarm:
         self.host_ready_file = self.root / "host.ready"  # the host writes its address there once it listens
         try:
             self.host_home = SwarmHome(self.root / "host")
-            address = f"127.0.0.1:{host_port or free_udp_port()}"
+            address = f"127.0.0.1:{fronts.host_port if fronts else free_udp_port()}"
             create_swarm(self.host_home, swarm_name="local", host_name="host", listen=address,
-                         advertise=[host_advertise or address], model=model, head_layers=head_layers)
+                         advertise=[fronts.host_address if fronts else address], model=model,
+                         head_layers=head_layers)
             # Every trunk here shares one machine: plan "even", so each of the N trunks asked for serves
             # layers (the latency planner would rightly put them all on one, as an extra hop buys nothing).
             config = self.host_home.load_config()
             config.objective = "even"
             config.expert_nodes = expert_nodes
             self.host_home.save_config(config)
-            ports = trunk_ports or [0] * n_trunks
+            ports = fronts.trunk_ports if fronts else [0] * n_trunks
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
                                 for i in range(n_trunks)]
             self.asker_home = self._member_home("asker", model, "127.0.0.1:0")
             self._spawn(self.host_home, ["run", "--role", "host", "--ready-file", str(self.host_ready_file)])
             for i, home in enumerate(self.trunk_homes):
                 extra = ["--threads", str(threads)] if threads else []
-                if trunk_advertise:
-                    extra += ["--advertise", trunk_advertise[i]]
+                if fronts:
+                    extra += ["--advertise", fronts.trunk_addresses[i]]
                 if capture:
                     self.capture_dirs.append(self.root / f"capture-{i + 1}")
                     self.capture_dirs[-1].mkdir()

@@ -73,21 +73,23 @@ class Dialer:
     """A member's swarm socket and the paths it took to each trunk. ``ask_host`` sends a
     ``reach`` to the host over the connection that leaves from this socket."""
 
-    def __init__(self, shared: SharedSocket, creds: Credentials, memo: PathMemoFile | None = None) -> None:
+    def __init__(self, shared: SharedSocket, creds: Credentials, memo: PathMemoFile | None = None, *,
+                 ask_host: AskHost | None = None, asking: bool = False) -> None:
+        """``asking``: an asker's dialer (the host tells its routes apart from trunks' own links)."""
         self.shared = shared
         self.creds = creds
-        self.ask_host: AskHost | None = None
+        self.ask_host = ask_host
         self.paths: dict[str, Path] = {}  # trunk → how we reached it last
         self.memo = memo if memo is not None else PathMemoFile()  # what attempts found (in memory by default)
-        self.asking = False  # an asker's dialer: the host tells its routes apart from trunks' own links
+        self.asking = asking
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    async def open(cls, creds: Credentials, listen: Address | None = None,
-                   memo: PathMemoFile | None = None) -> "Dialer":
+    async def open(cls, creds: Credentials, listen: Address | None = None, memo: PathMemoFile | None = None, *,
+                   ask_host: AskHost | None = None, asking: bool = False) -> "Dialer":
         """A dialer on a new socket: ``listen`` for a trunk (its swarm port), else any port."""
         host, port = (listen.host, listen.port) if listen is not None else ("0.0.0.0", 0)
-        return cls(await open_shared(udp_socket(host, port)), creds, memo)
+        return cls(await open_shared(udp_socket(host, port)), creds, memo, ask_host=ask_host, asking=asking)
 
     async def connect_host(self, addresses: Iterable[str], host_name: str, handler: ConnectionHandler) -> SwarmProtocol:
         """The connection to the host, from this socket (so the host sees where it leads)."""

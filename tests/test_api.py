@@ -347,7 +347,7 @@ class InprocServer:
 
         self.trunk = CueTrunk()
         self.asker = Asker(model, 15, n_threads=1)
-        self.api = ApiServer(self.asker, self.trunk, model_id=MODEL)
+        self.api = ApiServer(self.asker, self.trunk, MODEL)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -463,7 +463,7 @@ def test_while_starting_every_request_is_a_503_with_retry_after_then_the_api_ans
     the API is handed over, then the API's routes on the same listener."""
     from swarmctl.api.errors import http_error_body
     from swarmctl.api.http import start_server
-    from swarmctl.api.server import ApiServer
+    from swarmctl.api.server import ApiServer, ApiSettings
     from swarmctl.api.startup import StartingServer
 
     front = StartingServer(API_KEY)
@@ -480,7 +480,7 @@ def test_while_starting_every_request_is_a_503_with_retry_after_then_the_api_ans
             assert e.value.code == 503 and e.value.headers["Retry-After"] == "2"
             assert_error_shape(json.loads(e.value.read()), "starting")
         assert raw_request(base, "/v1/models", None, method="GET")[0] == 401  # no key: refused, starting or not
-        front.ready(ApiServer(inproc.asker, inproc.trunk, model_id=MODEL, api_key=API_KEY))
+        front.ready(ApiServer(inproc.asker, inproc.trunk, MODEL, ApiSettings(api_key=API_KEY)))
         assert raw_request(base, "/v1/completions", body, key)[0] == 200
         status, described = raw_request(base, "/", None, key, method="GET")
         assert status == 200 and described["model"] == MODEL

@@ -23,7 +23,7 @@ from swarmctl.audit.capture import read_capture, received_streams
 from swarmctl.audit.meter import AuditSettings, attack_and_score, capture_traffic, load_prompts
 from swarmctl.audit.noise import UplinkNoise, calibrate
 from swarmctl.audit.traffic import run_prompts
-from swarmctl.local_swarm import LocalSwarm, free_udp_port
+from swarmctl.local_swarm import Fronts, LocalSwarm, free_udp_port
 from harness.swarm import swarmctl
 
 AUDIT_ROOT = Path(__file__).resolve().parents[1] / "swarmctl" / "audit"
@@ -133,9 +133,9 @@ def test_no_plaintext_on_the_wire(bundled_model):
         for relay in relays:
             await relay.start()
         try:
+            fronts = Fronts.behind([host_port, *trunk_ports], [str(r.address) for r in relays])
             with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1, capture=True,
-                            host_port=host_port, host_advertise=str(relays[0].address), trunk_ports=trunk_ports,
-                            trunk_advertise=[str(r.address) for r in relays[1:]]) as swarm:
+                            fronts=fronts) as swarm:
                 runs = await run_prompts(swarm, bundled_model, [text], max_tokens=4, n_threads=1)
                 packets = read_capture(f for d in swarm.capture_dirs for f in sorted(d.iterdir()))
             return runs[0], packets, [r.recorded for r in relays]

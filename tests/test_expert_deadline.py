@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -85,13 +86,13 @@ class _Node:
 
 
 def _client(node: _Node, policy: DeadlinePolicy) -> ExpertClient:
-    client = ExpertClient(None, None, lambda: [ExpertAssignment("experts-a", "10.0.0.2:7471", 0, 8)])
-    client.deadlines = CallDeadlines(policy)
-
     async def connect(member, address, handler):
         return node
 
-    client.connect = connect
+    ctx = SimpleNamespace(creds=None, handler=None, connect=connect, loop=None)  # what ExpertClient reads of a TrunkContext
+    client = ExpertClient(ctx, lambda: [ExpertAssignment("experts-a", "10.0.0.2:7471", 0, 8)],
+                          on_unanswered=lambda member: None)
+    client.deadlines = CallDeadlines(policy)
     return client
 
 
@@ -142,7 +143,6 @@ class _Planning:
 def test_the_host_marks_an_unanswered_member_down_only_if_it_has_not_heard_it_either():
     """A stage's report speeds the verdict up; it does not replace it: a member the host heard
     from within two ping intervals stays (the stage's trouble was its own link)."""
-    from types import SimpleNamespace
 
     from swarmctl.host.liveness import SUSPECT_SILENCE, unanswered
     from swarmctl.host.reports import Recovery

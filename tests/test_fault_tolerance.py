@@ -23,7 +23,7 @@ from kernels.sampling import SamplingParams
 from net.endpoint import Address
 from net.relay import ImpairedLink
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
-from swarmctl.local_swarm import LocalSwarm, free_udp_port
+from swarmctl.local_swarm import Fronts, LocalSwarm, free_udp_port
 from swarmctl.asker.link import SwarmError, SwarmLink
 from swarmctl.home import SwarmHome
 from tests.conftest import N_THREADS
@@ -256,9 +256,8 @@ def test_lossy_jittery_links_and_a_3s_cut_change_nothing(bundled_model):
                                  seed=len(relays))
             await relay.start()
             relays.append(relay)
-        with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1, host_port=host_port,
-                        host_advertise=str(relays[0].address), trunk_ports=trunk_ports,
-                        trunk_advertise=[str(r.address) for r in relays[1:]]) as local:
+        fronts = Fronts.behind([host_port, *trunk_ports], [str(r.address) for r in relays])
+        with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1, fronts=fronts) as local:
             link = await SwarmLink.open(local.asker_home, alive_check=local.check_alive, min_stages=2,
                                         ready_timeout=120)
             asker = Asker(bundled_model, 4, n_threads=1)

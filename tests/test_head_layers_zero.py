@@ -36,6 +36,7 @@ from swarmctl.batching import BatchRunner
 from swarmctl.budget import MemberBudget
 from swarmctl.asker.speculate import speculation_for
 from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.context import TrunkContext
 from swarmctl.trunk.requests import StageRequests
 from swarmctl.trunk.results import ResultStreams
 from tests.conftest import N_THREADS, run_split
@@ -205,15 +206,17 @@ def test_a_plan_that_takes_the_stage_away_mid_step_gets_a_retry_not_a_crash(tiny
         spawn = lambda coro: tasks.append(asyncio.ensure_future(coro))  # noqa: E731
         with GGUFFile(path) as gguf, ThreadPoolExecutor(1) as executor:
             n_layer = ModelSpec.from_gguf(gguf).n_layer
-            held = Assignment("trunk-a", path, tmp_path, memory=1 << 30, n_threads=N_THREADS, executor=executor,
-                              host=None, speed=None, remote_experts=None, drop_routes=lambda why: None,
-                              on_fatal=lambda why: None, on_serving=None, spawn=spawn)
+            ctx = TrunkContext(name="trunk-a", creds=None, config=None, model_path=path, slices_dir=tmp_path,
+                               memory=1 << 30, n_threads=N_THREADS, device=None, executor=executor,
+                               loop=asyncio.get_running_loop(), handler=None, spawn=spawn, connect=None,
+                               connect_host=None)
+            held = Assignment(ctx, events=None, host=None, speed=None, remote_experts=None)
             held.plan = _plan(1, "trunk-a", n_layer)
             held.stage = held.plan.stages[0]
             held.engine = SliceEngine(gguf, SliceSpec(1, n_layer - 1), n_threads=N_THREADS)
             held.budget = MemberBudget(held.budget_limits())
             held.runner = _PlanChangesDuringStep(BatchRunner(held.engine), held, _plan(2, "trunk-b", n_layer))
-            stage = StageRequests("trunk-a", None, None, held, ResultStreams(), capture=lambda *a: None, spawn=spawn)
+            stage = StageRequests(ctx, held, ResultStreams(), capture=lambda *a: None)
             conn = _Conn()
             session = secrets.token_hex(8)
             stage.results.subscribe(conn, 3, session)

@@ -205,13 +205,13 @@ def test_a_symmetric_nat_fails_to_punch_and_goes_through_the_relay_which_sees_on
             assert len(relayed) == link.stats.forwarded > 10
             assert all(d[0] & 0xC0 for d in relayed)  # QUIC packets: long header or fixed bit set
             assert not any(MARKER in d for d in relayed) and MARKER[:8] not in b"".join(relayed)
-            # Anyone else who sends to the link's port is dropped, not forwarded.
-            forwarded = link.stats.forwarded
+            # Anyone else who sends to the link's port is dropped, not forwarded (a datagram is one
+            # or the other; the connection's own keepalives may pass meanwhile, so count drops).
             stranger = await open_shared(lab.udp_socket("bob", 9999))
             stranger.sendto(relayed[-1], link.address)
             stranger.sendto(b"\x00swR" + b"x" * 16, link.address)  # a guessed token
             await asyncio.sleep(0.2)
-            assert link.stats.dropped_stranger == 2 and link.stats.forwarded == forwarded
+            assert link.stats.dropped_stranger == 2
             stranger.close()
         finally:
             if conn is not None:

@@ -286,7 +286,9 @@ def test_a_stage_tells_the_host_the_speed_it_serves_at():
     from swarmctl.trunk.speed_report import SpeedReport
 
     sent = []
-    report = SpeedReport(Path("/nonexistent.gguf"), None, None, tell_host=sent.append, spawn=lambda _: None)
+    ctx = SimpleNamespace(model_path=Path("/nonexistent.gguf"), n_threads=None, device=None, executor=None,
+                          spawn=lambda _: None)  # (what SpeedReport reads of a TrunkContext)
+    report = SpeedReport(ctx, tell_host=sent.append)
     report.ms_per_layer_token = 0.27
     t0 = time.time() - 60
     records = [batch(t0 + i, 22 * 0.29e-3) for i in range(10)]

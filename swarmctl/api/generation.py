@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from kernels.sampling import SamplingParams
@@ -12,17 +13,26 @@ from swarmctl.asker.head_tail import Asker, Generation, Trunk
 from swarmctl.asker.speculate import Speculation
 
 
+@dataclass(frozen=True)
+class TextRequest:
+    """What one request asks for: its prompt's tokens and how to continue them."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: Sequence[str] = ()
+
+
 class TextGeneration:
-    def __init__(self, asker: Asker, trunk: Trunk | None, prompt: Sequence[int], *, max_tokens: int,
-                 sampling: SamplingParams, stops: Sequence[str], timeout: float | None,
+    def __init__(self, asker: Asker, trunk: Trunk | None, request: TextRequest, *, timeout: float | None,
                  speculation: Speculation | None = None) -> None:
-        self.generation = Generation(secrets.token_bytes(16), len(prompt))
+        self.generation = Generation(secrets.token_bytes(16), len(request.prompt))
         self.speculates = speculation is not None
         self.finish_reason: str | None = None  # OpenAI's: "stop" or "length", once the text has ended
-        self._tokens = asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
-                                      generation=self.generation, speculation=speculation)
+        self._tokens = asker.generate(request.prompt, trunk, max_tokens=request.max_tokens, sampling=request.sampling,
+                                      timeout=timeout, generation=self.generation, speculation=speculation)
         self._decoder = asker.tokenizer.stream_decoder()
-        self._stops = StopScanner(stops)
+        self._stops = StopScanner(request.stops)
         self._first: int | None = None
 
     async def start(self) -> None:

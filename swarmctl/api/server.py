@@ -16,12 +16,13 @@ import secrets
 import socket
 import ssl
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from kernels.errors import ModelFileError
 from swarmctl.api import sse
 from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
-from swarmctl.api.generation import TextGeneration
+from swarmctl.api.generation import TextGeneration, TextRequest
 from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, model_list, model_object
@@ -34,20 +35,27 @@ log = logging.getLogger("swarmctl.serve")
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # the whole request, the wait for a free slot included
 
 
+@dataclass(frozen=True)
+class ApiSettings:
+    """How ``serve`` answers, beyond the model it runs."""
+
+    api_key: str | None = None  # required of every request when set
+    created: int = 0  # the model's timestamp in /v1/models
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S  # the whole request, the wait for a slot included
+    drafting: Drafting | None = None  # speculative steps for every request (serve --speculate; default off)
+    traces: TraceFolder | None = None  # write each request's per-token trace there (serve --trace DIR)
+
+
 class ApiServer:
-    def __init__(self, asker: Asker, trunk: Trunk | None, *, model_id: str, api_key: str | None = None,
-                 created: int = 0, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-                 drafting: Drafting | None = None, traces: TraceFolder | None = None) -> None:
-        """``drafting``: speculative steps for every request (serve --speculate; default off);
-        ``traces``: write each request's per-token trace there (serve --trace DIR)."""
+    def __init__(self, asker: Asker, trunk: Trunk | None, model_id: str, settings: ApiSettings = ApiSettings()) -> None:
         self.asker = asker
-        self.traces = traces
-        self.drafting = drafting or Drafting()
+        self.traces = settings.traces
+        self.drafting = settings.drafting or Drafting()
         self.trunk = trunk
         self.model_id = model_id
-        self.api_key = api_key or None
-        self.created = created  # the model's timestamp in /v1/models
-        self.request_timeout = request_timeout
+        self.api_key = settings.api_key or None
+        self.created = settings.created
+        self.request_timeout = settings.request_timeout
         self.routes: dict[str, tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]] = {
             "/": ("GET", self._root),  # what this server is (a web page will take its place: issue 35)
             "/v1": ("GET", self._root),
@@ -160,8 +168,9 @@ class ApiServer:
                                    f"{len(prompt)}, which leaves no room for the completion.")
         # Like llama.cpp's server (and `swarmctl ask`), a completion that reaches the end of the
         # context stops there with finish_reason "length" rather than being refused up front.
-        generation = TextGeneration(self.asker, self.trunk, prompt, max_tokens=params.max_tokens or context,
-                                    sampling=params.sampling, stops=params.stop, timeout=self.request_timeout,
+        request = TextRequest(prompt, max_tokens=params.max_tokens or context, sampling=params.sampling,
+                              stops=params.stop)
+        generation = TextGeneration(self.asker, self.trunk, request, timeout=self.request_timeout,
                                     speculation=self.drafting.for_request())
         try:
             await generation.start()

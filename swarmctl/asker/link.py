@@ -81,7 +81,7 @@ class SwarmLink:
         self.dtype = dtype
         self.trace = trace
         self.plan: Plan | None = None  # the plan the stage connections follow
-        self.host = PlanWatch(config, creds, self)  # the newest plan, as the host pushes it
+        self.host = PlanWatch(config, creds, self, self._connect_host)  # the newest plan, as the host pushes it
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
         self.stats = RecoveryStats()
@@ -102,10 +102,8 @@ class SwarmLink:
         a local swarm knows how many trunks it started), connect to the first and last stage."""
         link = cls(home.load_config(), home.credentials(), **kwargs)
         try:
-            link.dialer = await Dialer.open(link.creds, memo=PathMemoFile(home.file(PATH_MEMO_FILE)))
-            link.dialer.ask_host = lambda message: ask_route(link.host.conn, message)
-            link.dialer.asking = True
-            link.host.connect_with = lambda addresses: link.dialer.connect_host(addresses, link.config.host_name, link)
+            link.dialer = await Dialer.open(link.creds, memo=PathMemoFile(home.file(PATH_MEMO_FILE)), asking=True,
+                                            ask_host=lambda message: ask_route(link.host.conn, message))
             await link.host.connect()
             link.plan = await link.host.complete(ready_timeout, alive_check, min_stages)
             await link._connect_stages()
@@ -114,6 +112,12 @@ class SwarmLink:
             await link.close()
             raise
         return link
+
+    async def _connect_host(self, addresses: list[str]) -> SwarmProtocol:
+        """The host, from our swarm socket (so the host sees where it leads and answers our reach)."""
+        if self.dialer is None:
+            raise ConnectionError("the link has no socket yet")
+        return await self.dialer.connect_host(addresses, self.config.host_name, self)
 
     @property
     def head_layers(self) -> int:

@@ -33,16 +33,18 @@ def cannot_serve(plan: Plan | None) -> str:
 
 
 class PlanWatch:
-    def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler) -> None:
+    def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler,
+                 connect_with: Callable[[list[str]], Awaitable[SwarmProtocol]] | None = None) -> None:
+        """``connect_with``: how to reach the host (the asker's swarm socket: swarmctl/reach.py;
+        by default a socket of its own)."""
         self.config = config
         self.creds = creds
         self.handler = handler  # receives the host connection's frames (and passes plan pushes to received())
         self.conn: SwarmProtocol | None = None
         self.stream: int | None = None  # the watch stream: every new plan arrives on it
         self.latest: Plan | None = None
-        # How to reach the host: from the asker's swarm socket once it has one (swarmctl/reach.py).
-        self.connect_with: Callable[[list[str]], Awaitable[SwarmProtocol]] = \
-            lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses)
+        self.connect_with = connect_with or \
+            (lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses))
         self._changed = asyncio.Event()
         # What the host sends on the watch stream (net/dispatch.py): a plan, or an error.
         self.from_host = Dispatcher({m.PlanPush: self._plan, m.Error: lambda error: None})

@@ -88,6 +88,7 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
         return None
     from kernels.devices import choose_device
     from swarmctl.trunk import TrunkService
+    from swarmctl.trunk.context import TrunkOptions
 
     device = choose_device(args.device)
     if args.gpu_memory and device.is_cpu:
@@ -100,13 +101,13 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
         log.warning("--memory %s is host memory; this trunk computes on %s and offers its device memory "
                     "(--gpu-memory)", args.memory, device.label)
     memory = parse_size(offered) if offered else None
-    service = TrunkService(home, memory=memory, n_threads=args.threads, device=device,
+    options = TrunkOptions(memory=memory, n_threads=args.threads, device=device,
                            capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise,
                            relay=args.relay)
+    service = TrunkService(home, options, stop)
     log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
              f", offering {service.memory / 1e9:.1f} GB of its memory" if not device.is_cpu else "")
-    service.on_fatal = stop.set
-    await service.run(stop)
+    await service.run()
     return service.fatal
 
 

@@ -121,7 +121,7 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
                  tls: ssl.SSLContext | None) -> int:
     from swarmctl.api.errors import http_error_body
     from swarmctl.api.http import Limits, start_server
-    from swarmctl.api.server import ApiServer
+    from swarmctl.api.server import ApiServer, ApiSettings
     from swarmctl.api.startup import StartingServer
     from swarmctl.asker.session import SessionOptions, open_session
     from swarmctl.asker.trace import TraceFolder
@@ -148,9 +148,10 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
             model_id = session.model.name.removesuffix(".gguf")
             traces = TraceFolder(Path(args.trace), session.model.name, session.describe_nodes) \
                 if args.trace is not None else None
-            front.ready(ApiServer(session.asker, session.trunk, model_id=model_id, api_key=api_key,
-                                  created=int(session.model.stat().st_mtime), request_timeout=args.timeout,
-                                  drafting=session.drafting, traces=traces))
+            front.ready(ApiServer(session.asker, session.trunk, model_id,
+                                  ApiSettings(api_key=api_key, created=int(session.model.stat().st_mtime),
+                                              request_timeout=args.timeout, drafting=session.drafting,
+                                              traces=traces)))
             print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
                   flush=True)
             try:

@@ -31,8 +31,10 @@ TRIAL_VERSIONS = 2**40  # trial plans' private versions count from here (never a
 
 
 class PlanKeeper:
-    def __init__(self, home: SwarmHome, config: NodeConfig, layout: ModelLayout, plan: Plan,
-                 trunks: Trunks) -> None:
+    def __init__(self, home: SwarmHome, config: NodeConfig, layout: ModelLayout, plan: Plan, trunks: Trunks,
+                 stage_requests: Callable[[], Awaitable[int]] | None = None) -> None:
+        """``stage_requests``: how many requests the current stages hold (the host asks them);
+        without it, a re-plan on speed does not wait for them to be idle."""
         self.home = home
         self.config = config
         self.layout = layout
@@ -47,9 +49,8 @@ class PlanKeeper:
         self.gate = ReplanGate()
         self.clock: Callable[[], float] = time.monotonic
         self._look_again: asyncio.TimerHandle | None = None
-        # How many requests the current stages hold (HostService asks them); None: not known, idle.
-        # A re-plan on speed waits while they hold any: moving would replay every one of them.
-        self.stage_requests: Callable[[], Awaitable[int]] | None = None
+        # A re-plan on speed waits while the stages hold requests: moving would replay every one of them.
+        self.stage_requests = stage_requests
         self._asking: asyncio.Task | None = None
         self.watchers: list[tuple[SwarmProtocol, int]] = []  # askers following the plan
         # Trunks that proved nothing are planned only while the proven ones cannot hold the model

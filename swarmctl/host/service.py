@@ -60,8 +60,8 @@ class HostService:
                     model_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
                     objective=self.config.objective, n_expert=spec.n_expert)
         self.trunks: Trunks = {}
-        self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks)
-        self.planning.stage_requests = self._stage_requests
+        self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks,
+                                   stage_requests=self._stage_requests)
         self.checks = ClaimChecks(self.gguf, self.planning)
         self.reports = AskerReports()
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,

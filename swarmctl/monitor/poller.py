@@ -170,8 +170,7 @@ class Monitor:
         """The dialer whose socket the host connection leaves from, so the host sees where to
         send a trunk's punch (our NAT's mapping of it), and answers our ``reach`` over it."""
         if self._dialer is None:
-            self._dialer = await Dialer.open(self.creds)
-            self._dialer.ask_host = lambda message: ask_route(self._host, message)
+            self._dialer = await Dialer.open(self.creds, ask_host=lambda message: ask_route(self._host, message))
         return self._dialer
 
     async def _request(self, conn: SwarmProtocol, request: Message, reply: type[Reply]) -> Reply:

@@ -12,22 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.devices import Device
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine
+from kernels.slice import RemoteExperts, SliceEngine
 from kernels.spec import SliceSpec
 from net import messages as m
 from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
 from plans.planner import Constraints
 from swarmctl.batching import BatchRunner
 from swarmctl.budget import Limits, MemberBudget
+from swarmctl.trunk.context import TrunkContext, TrunkEvents
 from swarmctl.trunk.host_link import HostLink
 from swarmctl.trunk.speed_report import SpeedReport
 
@@ -63,17 +61,16 @@ def open_checked(model: Path, layers: range, plan: Plan) -> GGUFFile:
 
 
 class Assignment:
-    def __init__(self, name: str, model_path: Path, slices_dir: Path, *, memory: int, n_threads: int | None,
-                 executor: Executor, host: HostLink, speed: SpeedReport,
-                 remote_experts: Callable, drop_routes: Callable[[str], None],
-                 on_fatal: Callable[[str], None], on_serving: Callable[[Plan], Awaitable[None]],
-                 spawn: Callable, device: Device | None = None) -> None:
-        self.name = name
-        self.device = device  # where stage slices compute (experts stay on the CPU)
-        self.model_path = model_path
-        self.slices_dir = slices_dir  # layers fetched from the swarm when the model file is missing
-        self.memory = memory
-        self.n_threads = n_threads
+    def __init__(self, ctx: TrunkContext, events: TrunkEvents, host: HostLink, speed: SpeedReport,
+                 remote_experts: RemoteExperts | None) -> None:
+        """``remote_experts``: how a stage's slice calls the routed experts other nodes hold
+        (ExpertClient.forward), for plans that place experts on expert nodes."""
+        self.name = ctx.name
+        self.device = ctx.device  # where stage slices compute (experts stay on the CPU)
+        self.model_path = ctx.model_path
+        self.slices_dir = ctx.slices_dir  # layers fetched from the swarm when the model file is missing
+        self.memory = ctx.memory
+        self.n_threads = ctx.n_threads
         self.plan: Plan | None = None
         self.stage: StageAssignment | None = None
         self.engine: SliceEngine | None = None
@@ -82,14 +79,12 @@ class Assignment:
         self.gguf: GGUFFile | None = None
         self.budget = MemberBudget(NO_LAYERS)  # requests and KV per member
         self.fetched_bytes = 0
-        self._executor = executor
+        self._executor = ctx.executor
         self._host = host
         self._speed = speed
         self._remote_experts = remote_experts
-        self._drop_routes = drop_routes
-        self._on_fatal = on_fatal
-        self._on_serving = on_serving
-        self._spawn = spawn
+        self._events = events
+        self._spawn = ctx.spawn
         self._loading: asyncio.Task | None = None
         self._confirmed: Confirmed | None = None
 
@@ -156,7 +151,7 @@ class Assignment:
             except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
                 log.error("%s", e)
                 await self._host.tell(m.Refuse(reason=str(e)))
-                self._on_fatal(str(e))
+                self._events.fail(str(e))
                 return
         self.stage = stage
         latest = self.plan.stage_for(self.name) if self.plan else None
@@ -166,7 +161,7 @@ class Assignment:
         if await self._confirm(Confirmed(self.plan.version, "stage", stage.start, stage.stop)):
             log.info("serving layers [%d, %d) under plan v%d on %s", stage.start, stage.stop, self.plan.version,
                      self.engine.placement() if self.engine else "?")
-            self._spawn(self._on_serving(self.plan))
+            self._spawn(self._events.serving(self.plan))
 
     def _open_stage(self, stage: StageAssignment, model: Path) -> None:
         """On the compute thread."""
@@ -252,7 +247,7 @@ class Assignment:
     async def _let_go(self, why: str) -> None:
         """Before loading something else: every request here retries elsewhere, the runner ends
         (what it held is unloaded on the compute thread, first thing in the load)."""
-        self._drop_routes("the plan changed")
+        self._events.drop_routes("the plan changed")
         if self.runner is not None:
             await self.runner.aclose(why)
 

@@ -20,13 +20,12 @@ import numpy as np
 
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine, rows_for
-from net.identity import Credentials
 from net.liveness import SILENCE_LIMIT
 from net.ping import ping_ms
-from net.protocol import ConnectionHandler, SwarmProtocol
+from net.protocol import SwarmProtocol
 from net.wire import ExpertCall, ExpertCallKind, Frame, HopCall, WireError, decode_expert_call, encode_expert_call
-from swarmctl.reach import ConnectPeer, connect_direct
 from swarmctl.trunk.call_deadline import CallDeadlines
+from swarmctl.trunk.context import TrunkContext
 from plans.plan import ExpertAssignment
 
 log = logging.getLogger("swarmctl.trunk")
@@ -59,20 +58,20 @@ class CallTiming:
 
 
 class ExpertClient:
-    def __init__(self, creds: Credentials, handler: ConnectionHandler,
-                 assignments: Callable[[], list[ExpertAssignment]]) -> None:
-        self.creds = creds
-        self.handler = handler
-        self.connect: ConnectPeer = connect_direct  # the trunk's dialer, once it runs
+    def __init__(self, ctx: TrunkContext, assignments: Callable[[], list[ExpertAssignment]],
+                 on_unanswered: Callable[[str], None]) -> None:
+        """``on_unanswered``: told the member a call gave up on (the trunk tells the host, which
+        then judges the member by its own link at once instead of at its next silence verdict)."""
+        self.creds = ctx.creds
+        self.handler = ctx.handler
+        self.connect = ctx.connect  # the trunk's dialer
         self.conns: dict[str, SwarmProtocol] = {}  # expert node → our link to it
         self._assignments = assignments  # the current plan's expert nodes
         self.call_bytes = 0  # sent and answered
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop = ctx.loop
         self.recent: deque[CallTiming] = deque(maxlen=RECENT_CALLS)  # newest last
         self.deadlines = CallDeadlines()  # how long each node's next answer may take (call_deadline.py)
-        # Told the member a call gave up on (the trunk tells the host, which then judges the
-        # member by its own link at once instead of at its next silence verdict).
-        self.on_unanswered: Callable[[str], None] = lambda member: None
+        self.on_unanswered = on_unanswered
         self._given_up: dict[str, float] = {}  # node → until when (monotonic) its calls fail at once
 
     def forward(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from net import messages as m
 from net.dispatch import Dispatcher
 from net.endpoint import close
-from net.identity import Credentials, is_revocation
+from net.identity import is_revocation
 from net.liveness import PING_INTERVAL
 from net.ping import quiet_ping, round_trip_ms
-from net.protocol import ConnectionHandler, SwarmProtocol
+from net.protocol import SwarmProtocol
 from net.wire import Frame, WireError, decode_control
 from plans.plan import Plan
-from swarmctl.home import NodeConfig
-from swarmctl.host_addresses import connect_host
+from swarmctl.trunk.context import TrunkContext, TrunkEvents
 
 log = logging.getLogger("swarmctl.trunk")
 
@@ -32,28 +31,22 @@ REVOKED = "the host revoked this member's certificate; ask the host for a new in
 
 
 class HostLink:
-    def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler, *,
-                 on_plan: Callable[[Plan], None], on_fatal: Callable[[str], None],
-                 spawn: Callable, on_peer: Callable[[m.Message], None] = lambda message: None) -> None:
-        """``on_peer``: the host's word that a member is about to connect (punch_with, relay_end)."""
-        self.config = config
-        self.creds = creds
-        self.handler = handler  # the trunk: frames on the host connection go to it first
+    def __init__(self, ctx: TrunkContext, events: TrunkEvents) -> None:
+        self.config = ctx.config
+        self.creds = ctx.creds
+        self.handler = ctx.handler  # the trunk: frames on the host connection go to it first
         self.conn: SwarmProtocol | None = None
         self.plan_stream: int | None = None  # where the host pushes plans
         self.rtt_ms: float | None = None
-        self._on_plan = on_plan
-        self._on_fatal = on_fatal
-        self._on_peer = on_peer
-        # How to reach the host: from the trunk's swarm socket once it has one (swarmctl/reach.py).
-        self.connect: Callable[[list[str]], Awaitable[SwarmProtocol]] = \
-            lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses)
-        self._spawn = spawn
+        self._events = events
+        self._connect = ctx.connect_host  # from the trunk's swarm socket once it has one (swarmctl/reach.py)
+        self._spawn = ctx.spawn
         self._fetches: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
         # What the host sends on the plan stream (net/dispatch.py); handlers take (fatal, message).
         self.from_host = Dispatcher({
-            m.PlanPush: lambda fatal, push: self._on_plan(Plan.from_dict(push.plan)),
-            m.PunchWith: lambda fatal, peer: self._on_peer(peer), m.RelayEnd: lambda fatal, peer: self._on_peer(peer),
+            m.PlanPush: lambda fatal, push: events.plan_received(Plan.from_dict(push.plan)),
+            m.PunchWith: lambda fatal, peer: events.peer_coming(peer),
+            m.RelayEnd: lambda fatal, peer: events.peer_coming(peer),
             m.Error: self._host_error})
 
     @property
@@ -68,14 +61,14 @@ class HostLink:
         while not stop.is_set():
             if not self.is_open:
                 if self.conn is not None and is_revocation(self.conn.close_reason):
-                    self._on_fatal(REVOKED)
+                    self._events.fail(REVOKED)
                     return
                 try:
                     await self._register(registration)
                 except (ConnectionError, asyncio.TimeoutError, OSError) as e:
                     reason = str(e) or (self.conn.close_reason if self.conn else "") or type(e).__name__
                     if is_revocation(reason):
-                        self._on_fatal(REVOKED)
+                        self._events.fail(REVOKED)
                         return
                     log.warning("cannot reach the host: %s (retrying)", reason)
                     await asyncio.sleep(RECONNECT_INTERVAL)
@@ -92,7 +85,7 @@ class HostLink:
 
     async def _register(self, registration: Callable[[], m.Register]) -> None:
         # (the advertised addresses only, even on the host's own machine)
-        conn = await self.connect(self.config.host_addresses)
+        conn = await self._connect(self.config.host_addresses)
         self.conn = conn
         self.rtt_ms = await round_trip_ms(conn)
         self.plan_stream = conn.open_stream()
@@ -112,7 +105,7 @@ class HostLink:
 
     def _host_error(self, fatal: bool, error: m.Error) -> None:
         if fatal:
-            self._on_fatal(f"the host refused this trunk: {error.message}")
+            self._events.fail(f"the host refused this trunk: {error.message}")
         else:
             log.error("host: %s", error.message)
 

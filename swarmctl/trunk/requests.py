@@ -20,15 +20,14 @@ import numpy as np
 from kernels.errors import EngineError, RequestStateError
 from kernels.slice import Step
 from net.endpoint import close
-from net.identity import Credentials
-from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
+from net.protocol import StreamClosedError, SwarmProtocol
 from net.wire import FRAME_HEADER, MAX_HOPS, ActivationPacket, DType, Frame, FrameType, Hop, HopCall, PacketKind, \
     WireError, decode_packet, encode_packet
 from plans.plan import Plan, StageAssignment
 from swarmctl.batching import EngineClosedError
 from swarmctl.log_limit import LogLimit
-from swarmctl.reach import ConnectPeer, connect_direct
 from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.context import TrunkContext
 from swarmctl.trunk.experts import RemoteExpertError
 from swarmctl.trunk.results import ResultStreams, results_key
 from swarmctl.trunk.routes import (Action, EndOnward, FinishStream, FreeRequest, PassBack, Release, Route,
@@ -53,16 +52,17 @@ def account_of(route: Route, plan: Plan) -> str:
 
 
 class StageRequests:
-    def __init__(self, name: str, creds: Credentials, handler: ConnectionHandler, assignment: Assignment,
-                 results: ResultStreams, *, capture: Callable[[str, Frame], None], spawn: Callable,
+    def __init__(self, ctx: TrunkContext, assignment: Assignment, results: ResultStreams, *,
+                 capture: Callable[[str, Frame], None],
                  expert_calls: Callable[[float, float], tuple[HopCall, ...]] = lambda start, stop: ()) -> None:
-        """``expert_calls(start, stop)``: the expert calls made in that window of a batch's compute
-        (swarmctl/trunk/experts.py), listed in a traced packet's hop record."""
-        self.name = name
+        """``capture``: keep a frame sent (--capture); ``expert_calls(start, stop)``: the expert
+        calls made in that window of a batch's compute (swarmctl/trunk/experts.py), listed in a
+        traced packet's hop record."""
+        self.name = ctx.name
         self._expert_calls = expert_calls
-        self.creds = creds
-        self.handler = handler  # for the connection we open to the next stage
-        self.connect: ConnectPeer = connect_direct  # how we open it (the trunk's dialer, once it runs)
+        self.creds = ctx.creds
+        self.handler = ctx.handler  # for the connection we open to the next stage
+        self.connect = ctx.connect  # how we open it (the trunk's dialer)
         self.held = assignment  # the plan, the stage, its engine, runner and budget
         self.routes = RouteTable()
         self.results = results
@@ -71,7 +71,7 @@ class StageRequests:
         self.activation_bytes_sent = 0
         self.peak_kv_bytes = 0
         self._capture = capture
-        self._spawn = spawn
+        self._spawn = ctx.spawn
         self._refusals = LogLimit(log)
         # Test-only fault injection, like SWARMCTL_TEST_FETCH_CRASH_AFTER: a dishonest trunk that adds
         # Gaussian noise of this size (relative to each output row's RMS) to what it sends on, for the

@@ -14,14 +14,13 @@ import random
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Callable
 
-from kernels.devices import Device, device_budget
+from kernels.devices import device_budget
 from net.endpoint import Address, close
 from net.punch import serve_on
 from net.turn import NatRelay, RelayFull
 from net.identity import REVOKED_REASON, verify_member
-from net.protocol import StreamClosedError, SwarmProtocol
+from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
 from net import messages as m
 from net.dispatch import Dispatcher
 from net.probe import ProbeSink, measure_or_none
@@ -34,6 +33,7 @@ from swarmctl.layer_proof import CHALLENGES, ProofError, Prover
 from swarmctl.models import resolve_model
 from swarmctl.reach import Dialer, ask_route, local_ip_towards
 from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.context import TrunkContext, TrunkOptions
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
 from swarmctl.trunk.requests import StageRequests
@@ -51,83 +51,87 @@ IDLE_BEFORE_PROBE_S = 10.0
 
 
 class TrunkService:
-    def __init__(self, home: SwarmHome, *, memory: int | None = None, n_threads: int | None = None,
-                 idle_timeout: float = 300.0, capture_dir: Path | None = None, advertise: str | None = None,
-                 device: Device | None = None, relay: bool = False) -> None:
-        """``device``: where the slices compute (default the CPU); on a GPU, ``memory`` is what
-        the device may hold (default: what it reports free, less a reserve). ``relay``: also
-        relay links for members that cannot punch one (net/turn.py), when the host asks."""
-        self.config = home.load_config()
-        self.creds = home.credentials()
-        self.name = self.creds.name
-        self.model_path = resolve_model(self.config.model)
-        self.device = device
-        self.memory = memory or (device_budget(device) if device is not None and not device.is_cpu
-                                 else available_memory())
-        self.idle_timeout = idle_timeout
-        self.capture_dir = capture_dir
-        self.advertise = Address.parse(advertise) if advertise else None
+    def __init__(self, home: SwarmHome, options: TrunkOptions, stop: asyncio.Event) -> None:
+        """Built on the event loop it will run on; ``stop`` ends ``run`` (set by the caller, or here
+        when this trunk cannot serve: ``fatal`` says why)."""
+        config = home.load_config()
+        creds = home.credentials()
+        device = options.device
+        self.ctx = TrunkContext(
+            name=creds.name, creds=creds, config=config, model_path=resolve_model(config.model),
+            slices_dir=home.path / "slices",
+            memory=options.memory or (device_budget(device) if device is not None and not device.is_cpu
+                                      else available_memory()),
+            n_threads=options.n_threads, device=device,
+            executor=compute_thread(),  # steps, loading and unloading all happen on the compute thread
+            loop=asyncio.get_running_loop(), handler=self, spawn=self._spawn, connect=self._connect_member,
+            connect_host=self._connect_host)
+        self.options = options
+        self.config, self.creds, self.name = config, creds, creds.name
+        self.model_path, self.device, self.memory = self.ctx.model_path, device, self.ctx.memory
+        self.advertise = Address.parse(options.advertise) if options.advertise else None
         self.address: Address | None = None  # where we listen, once we do
         self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
-        self.on_fatal: Callable[[], None] = lambda: None
+        self._stop = stop
         self._tasks: set[asyncio.Task] = set()
-        self._executor = compute_thread()  # steps, loading and unloading all happen on the compute thread
         self._capture_seq = 0
         # What a trunk answers on streams other than the host's plan stream (net/dispatch.py).
         self.answers = Dispatcher({m.Subscribe: self._subscribe, m.Probe: self._probe, m.GetStats: self._stats,
                                    m.AllocateRelay: self._relay_wanted,
                                    **{challenge: self._challenge for challenge in CHALLENGES.values()}})
         self._server = None
-        self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers
-        self.offers_relay = relay
+        self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers (once run)
         self.relay: NatRelay | None = None  # once we listen, with --relay
-        self.host = HostLink(self.config, self.creds, self, on_plan=self._plan_received, on_fatal=self._fail,
-                             spawn=self._spawn, on_peer=self._peer_coming)
-        self.speed = SpeedReport(self.model_path, n_threads, self._executor, self.host.tell, self._spawn,
-                                 device=device)
-        self.expert_client = ExpertClient(self.creds, self, lambda: self.held.plan.experts)
-        self.expert_client.on_unanswered = lambda member: self._spawn(self.host.tell(m.Unanswered(member=member)))
-        self.held = Assignment(self.name, self.model_path, home.path / "slices", memory=self.memory,
-                               n_threads=n_threads, executor=self._executor, host=self.host, speed=self.speed,
-                               remote_experts=self.expert_client.forward, drop_routes=self._drop_routes,
-                               on_fatal=self._fail, on_serving=self._measure_peers, spawn=self._spawn,
-                               device=device)
-        self.expert_server = ExpertServer(self._executor, lambda: self.held.experts)
+        self.host = HostLink(self.ctx, self)
+        self.speed = SpeedReport(self.ctx, self.host.tell)
+        self.expert_client = ExpertClient(
+            self.ctx, lambda: self.held.plan.experts,
+            on_unanswered=lambda member: self._spawn(self.host.tell(m.Unanswered(member=member))))
+        self.held = Assignment(self.ctx, self, self.host, self.speed, remote_experts=self.expert_client.forward)
+        self.expert_server = ExpertServer(self.ctx.executor, lambda: self.held.experts)
         self.results = ResultStreams()
-        self.requests = StageRequests(self.name, self.creds, self, self.held, self.results, capture=self._capture,
-                                      spawn=self._spawn, expert_calls=self.expert_client.calls_between)
-        self._prover = Prover(self._proof_sources, n_threads)  # answers the host's layer checks
+        self.requests = StageRequests(self.ctx, self.held, self.results, capture=self._capture,
+                                      expert_calls=self.expert_client.calls_between)
+        self._prover = Prover(self._proof_sources, options.n_threads)  # answers the host's layer checks
         self.probes = ProbeSink()  # peers measuring their link to us (net/probe.py)
         self._measuring = asyncio.Lock()  # one round of link measurements at a time
 
     # --- lifecycle ---
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self.expert_client.loop = asyncio.get_running_loop()
+    async def run(self) -> None:
         if self.model_path.exists():
             await self.speed.measure_at_start()
         else:
             log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
         listen = Address.parse(self.config.listen)
-        self.dialer = await Dialer.open(self.creds, listen)
-        self.dialer.ask_host = lambda message: ask_route(self.host.conn, message)
-        if self.offers_relay:
+        self.dialer = await Dialer.open(self.creds, listen, ask_host=lambda message: ask_route(self.host.conn, message))
+        if self.options.relay:
             self.relay = NatRelay(listen.host)
         self._server = serve_on(self.dialer.shared, self.creds, self, client_check=self._check_member)
         self.address = Address(listen.host, self.dialer.shared.local_address.port)
-        self.host.connect = lambda addresses: self.dialer.connect_host(addresses, self.config.host_name, self)
-        self.requests.connect = self.expert_client.connect = self.dialer.connect
         log.info("trunk %s listening on %s", self.name, self.address)
-        tasks = [asyncio.ensure_future(self.host.keep(stop, self._registration, self._own_links, self._tick)),
-                 asyncio.ensure_future(self.requests.reap_idle(self.idle_timeout)),
+        tasks = [asyncio.ensure_future(self.host.keep(self._stop, self._registration, self._own_links, self._tick)),
+                 asyncio.ensure_future(self.requests.reap_idle(self.options.idle_timeout)),
                  asyncio.ensure_future(self._refresh_links())]
         try:
-            await stop.wait()
+            await self._stop.wait()
         finally:
             for task in tasks:
                 task.cancel()
             await self._shutdown()
+
+    async def _connect_member(self, member: str, address: str, handler: ConnectionHandler) -> SwarmProtocol:
+        """A member, by the path the host gives (our dialer: swarmctl/reach.py)."""
+        if self.dialer is None:
+            raise ConnectionError("this trunk is not listening yet")
+        return await self.dialer.connect(member, address, handler)
+
+    async def _connect_host(self, addresses: list[str]) -> SwarmProtocol:
+        """The host, from our swarm socket (so the host sees where it leads)."""
+        if self.dialer is None:
+            raise ConnectionError("this trunk is not listening yet")
+        return await self.dialer.connect_host(addresses, self.config.host_name, self)
 
     async def _shutdown(self) -> None:
         await self.host.close()
@@ -136,13 +140,30 @@ class TrunkService:
             self.dialer.close()  # (the server and every connection on the socket)
         if self.relay is not None:
             self.relay.close()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.held.unload)
+        await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self.held.unload)
 
-    def _fail(self, reason: str) -> None:
+    # --- what the parts tell the trunk (TrunkEvents) ---
+
+    def fail(self, reason: str) -> None:
         """This trunk cannot serve (revoked, refused, its layers unloadable): stop, and say why."""
         self.fatal = reason
         log.error("%s", reason)
-        self.on_fatal()
+        self._stop.set()
+
+    def plan_received(self, plan: Plan) -> None:
+        if not self.held.accept(plan):
+            return
+        revoked = set(plan.revoked_serials)
+        for conn in list(self.connections):  # every one: a member may hold several (a trunk and asks)
+            if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
+                conn.close_with(REVOKED_REASON)
+        self.held.apply()
+
+    def drop_routes(self, reason: str) -> None:
+        self.requests.drop_all(reason)
+
+    async def serving(self, plan: Plan) -> None:
+        await self._measure_peers(plan)
 
     def _check_member(self, cert) -> None:
         plan = self.held.plan
@@ -181,7 +202,7 @@ class TrunkService:
                 return str(Address(ip, self.address.port))
         return ""
 
-    def _peer_coming(self, message: m.Message) -> None:
+    def peer_coming(self, message: m.Message) -> None:
         """The host says a member is about to connect: punch towards it, or register at the relay
         its link goes through."""
         if self.dialer is None:
@@ -205,18 +226,6 @@ class TrunkService:
         serving = held.runner is not None and held.stage is not None and not (held.plan and held.plan.experts)
         self.speed.refresh((held.runner, held.stage.stop - held.stage.start) if serving else None,
                            idle=held.stage is None and held.experts is None)
-
-    def _plan_received(self, plan: Plan) -> None:
-        if not self.held.accept(plan):
-            return
-        revoked = set(plan.revoked_serials)
-        for conn in list(self.connections):  # every one: a member may hold several (a trunk and asks)
-            if conn.peer_cert is not None and conn.peer_cert.serial_number in revoked:
-                conn.close_with(REVOKED_REASON)
-        self.held.apply()
-
-    def _drop_routes(self, reason: str) -> None:
-        self.requests.drop_all(reason)
 
     async def _measure_peers(self, plan: Plan) -> None:
         """Round trip and throughput to the plan's other stages and to the host (which stands in
@@ -354,7 +363,7 @@ class TrunkService:
             reply = m.Error(message=f"only the host sends {kind!r}")
         else:
             try:
-                reply = await asyncio.get_running_loop().run_in_executor(self._executor, self._prover.answer, message)
+                reply = await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self._prover.answer, message)
             except ProofError as e:
                 reply = m.Error(message=str(e), missing=e.missing)
             except Exception as e:  # noqa: BLE001 - the edge: answer the host, carry on serving
@@ -403,8 +412,8 @@ class TrunkService:
     def _capture(self, direction: str, frame: Frame) -> None:
         """With --capture DIR, keep every frame this stage receives and sends, exactly as bytes:
         what a curious member running this stage could see."""
-        if self.capture_dir is None:
+        if self.options.capture_dir is None:
             return
         self._capture_seq += 1
         kind = frame.type.name.lower()
-        (self.capture_dir / f"{self._capture_seq:06d}-{direction}-{kind}.bin").write_bytes(frame.body)
+        (self.options.capture_dir / f"{self._capture_seq:06d}-{direction}-{kind}.bin").write_bytes(frame.body)

@@ -13,29 +13,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from pathlib import Path
 
 from kernels.gguf_file import GGUFFile
-from kernels.devices import Device
 from kernels.speed import REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_speed, worth_reporting
 from net import messages as m
+from swarmctl.trunk.context import TrunkContext
 
 log = logging.getLogger("swarmctl.trunk")
 
 
 class SpeedReport:
-    def __init__(self, model_path: Path, n_threads: int | None, executor: Executor,
-                 tell_host: Callable[[m.Message], Awaitable[None]], spawn: Callable[[Awaitable], None],
-                 device: Device | None = None) -> None:
-        self.model_path = model_path
-        self.n_threads = n_threads
-        self.device = device  # measured where the slices will run
+    def __init__(self, ctx: TrunkContext, tell_host: Callable[[m.Message], Awaitable[None]]) -> None:
+        self.model_path = ctx.model_path
+        self.n_threads = ctx.n_threads
+        self.device = ctx.device  # measured where the slices will run
         self.ms_per_layer_token: float | None = None  # the figure the host has
         self.tracker = SpeedTracker()
-        self._executor = executor
+        self._executor = ctx.executor
         self._tell_host = tell_host
-        self._spawn = spawn
+        self._spawn = ctx.spawn
 
     def measure(self, model: Path | None = None, layer: int | None = None) -> float:
         """On the compute thread: repeats, after a warm-up, with the repeats that other processes
