@@ -102,13 +102,13 @@ def child(variant: str, model: Path, tokens: list[int], n_decode: int, threads: 
     gguf_file = None
     if variant.startswith("engine"):
         from kernels.gguf_file import GGUFFile
-        from kernels.slice import SliceEngine
+        from kernels.slice import Placement, SliceEngine
         from kernels.spec import ModelSpec, SliceSpec
 
         gguf_file = GGUFFile(model)
         spec = ModelSpec.from_gguf(gguf_file)
         with SliceEngine(gguf_file, SliceSpec(0, spec.n_layer, True, True), n_threads=threads,
-                         max_context=256, repack=variant == "engine_repacked") as probe:
+                         max_context=256, placement=Placement(repack=variant == "engine_repacked")) as probe:
             out["engine_repacked_matrices"] = len(probe.weights.repacked)
     for n in PROMPT_LENGTHS:
         if variant.startswith("engine"):

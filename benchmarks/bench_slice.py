@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.devices import Device, DeviceError, available_devices, choose_device  # noqa: E402
 from kernels.gguf_file import GGUFFile  # noqa: E402
-from kernels.slice import SliceEngine  # noqa: E402
+from kernels.slice import Placement, SliceEngine  # noqa: E402
 from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -139,7 +139,7 @@ def make_engines(gguf: GGUFFile, cuts: list[int], threads: int, *, repack: bool 
     try:
         for a, b in zip(bounds, bounds[1:]):
             engines.append(SliceEngine(gguf, SliceSpec(a, b, a == 0, b == n_layer), n_threads=threads,
-                                       max_context=max_context, repack=repack, device=device))
+                                       max_context=max_context, placement=Placement(device=device, repack=repack)))
     except BaseException:
         for e in engines:
             e.close()

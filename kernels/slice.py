@@ -87,21 +87,36 @@ class _Request:
         self.n_filled = 0  # positions processed so far (also the next start position)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a slice's weights, KV cache and graphs live.
+
+    ``device``: where the slice computes (kernels.devices; None: the CPU); on a GPU its weights, KV
+    cache and graphs live in the device's memory. ``gpu_memory``: bytes the slice may take on a GPU
+    (None: what it reports free, less a reserve); when its layers (weights, and one request's KV
+    cache at the full context) need more, the first ones that fit go there and the rest stay on the
+    CPU, as llama.cpp's ``n_gpu_layers`` does (``SliceEngine.backend.device_layers``). ``upload``:
+    copy the weights even on the CPU, the device path without a device (tests). ``repack``: copy
+    the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights)."""
+
+    device: Device | None = None
+    gpu_memory: int | None = None
+    upload: bool = False
+    repack: bool = False
+
+
+ON_THE_CPU = Placement()
+
+
 class SliceEngine:
     def __init__(self, gguf: GGUFFile, slice_spec: SliceSpec, *, n_threads: int | None = None,
-                 max_context: int | None = None, owns_file: bool = False,
-                 remote_experts: RemoteExperts | None = None, repack: bool = False,
-                 device: Device | None = None, upload: bool = False, gpu_memory: int | None = None) -> None:
+                 max_context: int | None = None, remote_experts: RemoteExperts | None = None,
+                 placement: Placement = ON_THE_CPU) -> None:
         """``remote_experts``: the slice's MoE experts live on other nodes (expert parallelism);
         the engine runs each layer up to its router, calls this for the experts' outputs, and
         combines them itself. Called on the compute thread; it may block on the network.
-        ``repack``: copy the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights).
-        ``device``: where the slice computes (kernels.devices; default the CPU): on a GPU its
-        weights, KV cache and graphs live in the device's memory. ``upload``: copy the weights
-        even on the CPU, the device path without a device (tests). ``gpu_memory``: bytes the slice
-        may take on a GPU (default: what it reports free, less a reserve); when its layers (weights, and one request's KV cache at the full
-        context) need more, the first ones that fit go there and the rest stay on the CPU, as
-        llama.cpp's ``n_gpu_layers`` does (``self.backend.device_layers``)."""
+        ``placement``: where it computes and keeps its weights (``Placement``; default the CPU)."""
+        device, gpu_memory = placement.device, placement.gpu_memory
         self.gguf = gguf
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
@@ -114,15 +129,15 @@ class SliceEngine:
         if device is not None and not device.is_cpu:
             budget = device_budget(device) if gpu_memory is None else gpu_memory
             device_layers = layers_that_fit(self.spec, slice_spec, budget, self.max_context)
-        self.backend = Backend(n_threads, device, upload=upload, device_layers=device_layers)
+        self.backend = Backend(n_threads, device, upload=placement.upload, device_layers=device_layers)
         try:
             self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
-                                        with_experts=self.remote_experts is None, repack=repack)
+                                        with_experts=self.remote_experts is None, repack=placement.repack)
         except BaseException:
             self.backend.close()
             raise
         self.stats = ForwardStats()
-        self._owns_file = owns_file
+        self._owns_file = False  # (open() makes it True: the engine closes the file it opened)
         self._transient: PlacedGraph | None = None  # a prompt graph, freed after its one run
         self._requests: dict[bytes, _Request] = {}
         self._graphs: GraphCache[GraphShape] = GraphCache(GRAPH_CACHE_SIZE)  # decode graphs by shape
@@ -134,10 +149,12 @@ class SliceEngine:
     def open(cls, path: str | os.PathLike[str], slice_spec: SliceSpec, **kwargs) -> "SliceEngine":
         gguf = GGUFFile(path)
         try:
-            return cls(gguf, slice_spec, owns_file=True, **kwargs)
+            engine = cls(gguf, slice_spec, **kwargs)
         except BaseException:
             gguf.close()
             raise
+        engine._owns_file = True
+        return engine
 
     def placement(self) -> str:
         """Where the slice computes, for logs and status: ``cpu``, ``vulkan:0``, or under partial

@@ -173,7 +173,7 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
                   repeats: int = REPEATS, budget_s: float = BUDGET_S, min_repeat_s: float = MIN_REPEAT_S,
                   device: Device | None = None) -> SpeedMeasurement:
     """ms per decode token through one layer, as described at the top of this file."""
-    from .slice import SliceEngine
+    from .slice import Placement, SliceEngine
     from .spec import ModelSpec, SliceSpec
 
     spec = ModelSpec.from_gguf(gguf)
@@ -184,7 +184,8 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
     rng = np.random.default_rng(0)
     clocks = _Clocks()
     cpus = n_cpus()
-    with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256, device=device) as engine:
+    with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256,
+                     placement=Placement(device=device)) as engine:
         threads = engine.backend.n_threads
         rid = b"speed-probe-0000"
         engine.forward(rid, start_pos=0, hidden=rng.standard_normal((16, spec.n_embd)).astype(np.float32))

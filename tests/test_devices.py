@@ -15,7 +15,7 @@ import pytest
 from kernels import ggml
 from kernels.devices import Device, DeviceError, available_devices, choose_device
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine
+from kernels.slice import Placement, SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 from tests.conftest import decode_logits, run_split
 
@@ -76,8 +76,8 @@ def test_the_upload_path_is_bit_identical_to_the_zero_copy_path(gguf):
     map), the KV cache and graphs allocated by the backend. Same kernels, same bytes: same bits,
     whole model and as three slices, prefill and decode across the KV cache's growth."""
     mapped = _engines(gguf, [])
-    uploaded = _engines(gguf, [], upload=True)
-    sliced = _engines(gguf, [10, 20], upload=True)
+    uploaded = _engines(gguf, [], placement=Placement(upload=True))
+    sliced = _engines(gguf, [10, 20], placement=Placement(upload=True))
     try:
         lo, hi = gguf.address, gguf.address + gguf.size
         for engine in uploaded + sliced:
@@ -100,7 +100,7 @@ def test_the_upload_path_is_bit_identical_to_the_zero_copy_path(gguf):
 
 
 def test_the_cpu_device_keeps_weights_in_the_map(gguf):
-    (engine,) = _engines(gguf, [], device=choose_device("cpu"))
+    (engine,) = _engines(gguf, [], placement=Placement(device=choose_device("cpu")))
     try:
         assert engine.weights.uploaded == () and engine.weights.copied_bytes == 0
         assert engine.backend.name == "cpu"

@@ -18,7 +18,7 @@ import pytest
 
 from kernels.devices import available_devices
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine
+from kernels.slice import Placement, SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 from tests.conftest import decode_logits, run_split
 from harness.oracle import MIN_COSINE, NEAR_TIE, judge_logits, top2_gap
@@ -96,7 +96,7 @@ def _engines(gguf, device, cuts: list[int]) -> list[SliceEngine]:
     n = ModelSpec.from_gguf(gguf).n_layer
     bounds = [0, *cuts, n]
     return [SliceEngine(gguf, SliceSpec(a, b, has_embedding=a == 0, has_lm_head=b == n), n_threads=2,
-                        max_context=512, device=device) for a, b in zip(bounds, bounds[1:])]
+                        max_context=512, placement=Placement(device=device)) for a, b in zip(bounds, bounds[1:])]
 
 
 def _greedy(engines: list[SliceEngine], prompt: list[int], n: int) -> list[int]:
@@ -165,8 +165,9 @@ def test_partial_offload_follows_all_on_device(gguf, device, on_device):
     spec = ModelSpec.from_gguf(gguf)
     budget = sum(spec.layer_bytes[4:7]) + 3 * 2 * 2 * spec.n_embd_kv * 512 + 1
     trunk = SliceSpec(4, 15)
-    partial = SliceEngine(gguf, trunk, n_threads=2, max_context=512, device=device, gpu_memory=budget)
-    full = SliceEngine(gguf, trunk, n_threads=2, max_context=512, device=device)
+    partial = SliceEngine(gguf, trunk, n_threads=2, max_context=512,
+                          placement=Placement(device=device, gpu_memory=budget))
+    full = SliceEngine(gguf, trunk, n_threads=2, max_context=512, placement=Placement(device=device))
     head = on_device[1][0]
     try:
         assert partial.backend.device_layers == range(4, 7)
@@ -196,7 +197,7 @@ def test_device_and_cpu_slices_mix(gguf, device, bundled_model, tmp_path):
     n = ModelSpec.from_gguf(gguf).n_layer
     specs = [SliceSpec(0, 4, has_embedding=True), SliceSpec(4, 15), SliceSpec(15, 26), SliceSpec(26, n, has_lm_head=True)]
     devices = [None, device, None, None]
-    engines = [SliceEngine(gguf, s, n_threads=2, max_context=512, device=d) for s, d in zip(specs, devices)]
+    engines = [SliceEngine(gguf, s, n_threads=2, max_context=512, placement=Placement(device=d)) for s, d in zip(specs, devices)]
     try:
         ids, theirs, ref = oracle_run(bundled_model, PROMPTS[0], N_GENERATE, False, tmp_path)
         ours = _greedy(engines, ids, N_GENERATE)
@@ -284,7 +285,7 @@ def test_a_swarm_with_one_trunk_on_the_device_and_one_on_the_cpu(tmp_path_factor
     specs = [(SliceSpec(0, head, has_embedding=True), None)]
     specs += [(SliceSpec(a, b), device if name == "trunk-gpu" else None) for (a, b), name in stages]
     specs += [(SliceSpec(n - head, n, has_lm_head=True), None)]
-    engines = [SliceEngine(gguf, spec, n_threads=2, max_context=512, device=d) for spec, d in specs]
+    engines = [SliceEngine(gguf, spec, n_threads=2, max_context=512, placement=Placement(device=d)) for spec, d in specs]
     try:
         tokenizer = Tokenizer(bundled_model)
         ours = _greedy_stepwise(engines, tokenizer.encode_prompt(PROMPTS[0]), N_GENERATE)

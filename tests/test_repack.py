@@ -20,12 +20,14 @@ import pytest
 from kernels.backend import REPACK_BUFFER_TYPE, cpu_extra_buffer_types
 from kernels.gguf_file import GGUFFile
 from kernels.oracle_llama import load_llama
-from kernels.slice import SliceEngine
+from kernels.slice import Placement, SliceEngine
 from kernels.spec import SliceSpec
 from kernels.tokenizer import Tokenizer
 from tests.conftest import N_THREADS, make_oracle, run_split
 from harness.oracle import oracle_greedy, oracle_logits
 from harness.tiny_models import TinyConfig, write_tiny_model
+
+REPACKED = Placement(repack=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 # every matrix Q4_0 (a type ggml repacks on AVX2 and NEON CPUs), 8-row multiples throughout
@@ -136,7 +138,7 @@ def test_engine_repack_matches_llama_cpp_repacked(q4_0_models):
                     "it is no reference for CPU_REPACK here")
     path = q4_0_models["untied"]
     with SliceEngine.open(path, SliceSpec(0, 4, True, True), n_threads=N_THREADS, max_context=512,
-                          repack=True) as engine:
+                          placement=REPACKED) as engine:
         if not engine.weights.repacked:
             pytest.skip("ggml has no repacked Q4_0 layout for this CPU (it needs AVX2 or NEON)")
         with GGUFFile(path) as g:
@@ -160,8 +162,8 @@ def test_repacked_split_equals_repacked_whole(q4_0_models):
     path = q4_0_models["untied"]
     tokens = [10, 200, 3000, 40000, 5, 77, 123]
     with GGUFFile(path) as g:
-        whole = SliceEngine(g, SliceSpec(0, 4, True, True), n_threads=N_THREADS, repack=True)
-        parts = [SliceEngine(g, s, n_threads=N_THREADS, repack=True) for s in
+        whole = SliceEngine(g, SliceSpec(0, 4, True, True), n_threads=N_THREADS, placement=REPACKED)
+        parts = [SliceEngine(g, s, n_threads=N_THREADS, placement=REPACKED) for s in
                  (SliceSpec(0, 1, has_embedding=True), SliceSpec(1, 3), SliceSpec(3, 4, has_lm_head=True))]
         try:
             np.testing.assert_array_equal(run_split(parts, tokens), run_split([whole], tokens))
@@ -173,11 +175,11 @@ def test_repacked_split_equals_repacked_whole(q4_0_models):
 def test_tied_embedding_is_repacked_only_where_nothing_looks_rows_up(q4_0_models):
     _needs_cpu_repack()
     with GGUFFile(q4_0_models["tied"]) as g:
-        with SliceEngine(g, SliceSpec(3, 4, has_lm_head=True), n_threads=N_THREADS, repack=True) as tail:
+        with SliceEngine(g, SliceSpec(3, 4, has_lm_head=True), n_threads=N_THREADS, placement=REPACKED) as tail:
             if not tail.weights.repacked:
                 pytest.skip("ggml has no repacked Q4_0 layout for this CPU (it needs AVX2 or NEON)")
             assert "token_embd.weight" in tail.weights.repacked  # the LM head only multiplies by it
-        with SliceEngine(g, SliceSpec(0, 4, True, True), n_threads=N_THREADS, repack=True) as whole, \
+        with SliceEngine(g, SliceSpec(0, 4, True, True), n_threads=N_THREADS, placement=REPACKED) as whole, \
                 SliceEngine(g, SliceSpec(0, 4, True, True), n_threads=N_THREADS) as plain:
             assert "token_embd.weight" not in whole.weights.repacked  # get_rows reads it too
             # the embedding lookup reads the same (mapped) bytes either way
@@ -190,7 +192,7 @@ def test_tied_embedding_is_repacked_only_where_nothing_looks_rows_up(q4_0_models
 def test_repack_changes_nothing_for_q4_1(bundled_model):
     """ggml has no repacked Q4_1 layout: the bundled model's weights stay mapped, bits unchanged."""
     tokens = [1, 504, 3458, 282, 260, 1345]
-    with SliceEngine.open(bundled_model, SliceSpec(0, 30, True, True), n_threads=N_THREADS, repack=True) as a, \
+    with SliceEngine.open(bundled_model, SliceSpec(0, 30, True, True), n_threads=N_THREADS, placement=REPACKED) as a, \
             SliceEngine.open(bundled_model, SliceSpec(0, 30, True, True), n_threads=N_THREADS) as b:
         assert a.weights.repacked == ()
         np.testing.assert_array_equal(run_split([a], tokens), run_split([b], tokens))

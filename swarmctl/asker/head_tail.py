@@ -25,7 +25,7 @@ from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Sampler, SamplingParams
-from kernels.slice import Outputs, SliceEngine, Step
+from kernels.slice import Outputs, Placement, SliceEngine, Step
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import Hop
@@ -103,7 +103,7 @@ class InprocTrunk:
         try:
             for stage in stages:
                 self.engines.append(SliceEngine(gguf, stage, n_threads=n_threads, max_context=max_context,
-                                                device=device))
+                                                placement=Placement(device=device)))
         except BaseException:
             self.close()
             raise
@@ -218,8 +218,10 @@ class Asker:
         try:
             self.spec = ModelSpec.from_gguf(self.gguf)
             head, tail = u_ends(self.spec.n_layer, head_layers)
-            self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context, device=device)
-            self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context, device=device)
+            self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context,
+                                    placement=Placement(device=device))
+            self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context,
+                                    placement=Placement(device=device))
             self.max_context = self.head.max_context
             self.tokenizer = Tokenizer(model_path)
         except BaseException:

@@ -18,7 +18,7 @@ from pathlib import Path
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
-from kernels.slice import RemoteExperts, SliceEngine
+from kernels.slice import Placement, RemoteExperts, SliceEngine
 from kernels.spec import SliceSpec
 from net import messages as m
 from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
@@ -169,7 +169,7 @@ class Assignment:
         gguf = open_checked(model, range(stage.start, stage.stop), self.plan)
         try:
             self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                                      device=self.device, gpu_memory=self.memory,
+                                      placement=Placement(device=self.device, gpu_memory=self.memory),
                                       remote_experts=self._remote_experts if self.plan.experts else None)
             self.budget = MemberBudget(self.budget_limits())  # a new engine holds no request yet
             self.runner = BatchRunner(self.engine)
