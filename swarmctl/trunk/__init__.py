@@ -4,6 +4,7 @@ A trunk registers with the host, receives the plan, checks its own copy of the m
 host's per-layer hashes, loads what the plan gives it and serves it. Its parts:
 
     service       TrunkService: lifecycle, and the dispatch of frames and control messages to the parts
+    context       TrunkContext: what the parts share, built once by the service; TrunkEvents: what they tell it
     host_link     HostLink: register, keepalive, telling the host, receiving plans
     assignment    Assignment: applying a plan; loading a stage or experts (slice fetch, hash-checked open)
     requests      StageRequests: the data path (run a request's steps, pass results on, errors back)
