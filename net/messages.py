@@ -45,6 +45,7 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Memory = Annotated[int, msgspec.Meta(ge=0, le=MAX_MEMORY)]
 MsPerLayer = Annotated[float, msgspec.Meta(ge=MS_PER_LAYER[0], le=MS_PER_LAYER[1])]
 RttMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_RTT_MS)]
+DatagramUs = Annotated[float, msgspec.Meta(ge=0.01, le=100_000)]  # plans/nodes.py MAX_DATAGRAM_US
 Bandwidth = Annotated[float, msgspec.Meta(ge=0, le=MAX_BANDWIDTH_MB_S)]
 Layer = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Version = Annotated[int, msgspec.Meta(ge=-1, le=2**62)]
@@ -81,6 +82,7 @@ class Register(Message, tag="register"):
     # by hole punching or through a relay, not at an address it listens on.
     local: Annotated[str, msgspec.Meta(max_length=64)] = ""
     relay: bool = False  # it offers to relay links (run --relay)
+    datagram_us: DatagramUs | None = None  # CPU per datagram of a hop, both ends (net/packet_cost.py)
 
 
 class Ready(Message, tag="ready"):
@@ -269,6 +271,7 @@ class NodeInfo(Part):
     device: str
     address: str
     links: dict[str, LinkInfo] = {}
+    datagram_us: float | None = None  # CPU per datagram of a hop, both ends, as it measured
 
 
 class Nodes(Message, tag="nodes"):

@@ -10,7 +10,7 @@ import math
 from . import units
 from .layout import ModelLayout
 from .links import LinkModel
-from .nodes import ASKER, NodeDescriptor
+from .nodes import ASKER, DEFAULT_DATAGRAM_US, NodeDescriptor, hop_datagrams
 from .plan import PlanError
 from .proposal import Constraints
 
@@ -61,7 +61,16 @@ class CostModel:
         return (bottleneck, latency) if self.c.objective == "throughput" else (latency, bottleneck)
 
     def link_ms(self, a: str, b: str) -> float:
-        return self.links.link(a, b).link.cost_ms(self.act)
+        """One token's activations from ``a`` to ``b``: the link's time (half the round trip, the
+        bytes at its rate) and the CPU both ends spend on its datagrams."""
+        return self.links.link(a, b).link.cost_ms(self.act) + self.packet_ms(a, b)
+
+    def packet_ms(self, a: str, b: str) -> float:
+        """The CPU a hop's datagrams cost: their number at the path's datagram size times what one
+        costs, both ends' work together (each member's measurement, averaged over the two ends; the
+        asker's side at the default)."""
+        us = [self.by_name[x].packet_us if x in self.by_name else DEFAULT_DATAGRAM_US for x in (a, b)]
+        return hop_datagrams(self.act) * (us[0] + us[1]) / 2 / 1e3
 
     def max_transfer(self, order: list[str]) -> float:
         hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]

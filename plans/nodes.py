@@ -12,6 +12,19 @@ from pathlib import Path
 
 GB = 1e9
 ASKER = "asker"  # link key for the asker's side of a node (the host stands in for it when planning)
+# The datagram size paths between machines carry (net/tls.py's DEFAULT_DATAGRAM_SIZE: no path MTU
+# discovery yet), and what one datagram of a hop costs the CPU, sender's and receiver's work
+# together, where a member has not measured its own (net/packet_cost.py): the median of runs on the
+# 2-core development box (AMD EPYC, Python 3.11, aioquic 1.7), 74-75 us.
+PATH_DATAGRAM_BYTES = 1350
+DATAGRAM_OVERHEAD_BYTES = 60  # of a 1-RTT packet that are not stream data, about
+DEFAULT_DATAGRAM_US = 75.0
+MAX_DATAGRAM_US = 100_000.0  # a claim above this is not a machine's (it would take a member out of every plan)
+
+
+def hop_datagrams(n_bytes: int, datagram_bytes: int = PATH_DATAGRAM_BYTES) -> int:
+    """The datagrams that carry ``n_bytes`` of activations over one hop."""
+    return max(1, math.ceil(n_bytes / (datagram_bytes - DATAGRAM_OVERHEAD_BYTES)))
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,12 @@ class NodeDescriptor:
     address: str = ""
     links: dict[str, Link] = field(default_factory=dict)  # measured, to other nodes by name, and to ASKER
     site: str = ""  # machines that share a site (a house, a lab) and have no measured link count as on a LAN
+    datagram_us: float | None = None  # CPU per datagram of a hop, both ends (net/packet_cost.py); None: not measured
+
+    @property
+    def packet_us(self) -> float:
+        """What a datagram through this machine costs its CPU: measured, else the default."""
+        return self.datagram_us if self.datagram_us is not None else DEFAULT_DATAGRAM_US
 
     def measured_link(self, other: str) -> Link | None:
         return self.links.get(other)
@@ -57,7 +76,7 @@ def link_between(a: NodeDescriptor, b: NodeDescriptor) -> Link:
 
 def load_nodes(path: str | Path) -> list[NodeDescriptor]:
     """Nodes from JSON: a list of {"name", "memory_gb", "ms_per_layer_token", "device"?, "site"?,
-    "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
+    "datagram_us"?, "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
     from kernels.errors import EngineError
 
     try:
@@ -81,7 +100,16 @@ def _node(n: dict) -> NodeDescriptor:
     return NodeDescriptor(name=name, memory_bytes=int(float(n["memory_gb"]) * GB),
                           ms_per_layer_token=float(n["ms_per_layer_token"]), device=str(n.get("device", "cpu")),
                           links={str(k): _link(name, str(k), v) for k, v in (n.get("links") or {}).items()},
-                          site=str(n.get("site") or ""))
+                          site=str(n.get("site") or ""), datagram_us=_datagram_us(n.get("datagram_us")))
+
+
+def _datagram_us(value) -> float | None:
+    if value is None:
+        return None
+    us = float(value)
+    if not 0 < us <= MAX_DATAGRAM_US:
+        raise ValueError(f"datagram_us must be more than 0 and at most {MAX_DATAGRAM_US:g}")
+    return us
 
 
 def _link(name: str, peer: str, v: dict) -> Link:

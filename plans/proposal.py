@@ -41,7 +41,8 @@ class Hop:
     bandwidth_mb_s: float
     basis: str  # measured, relayed, site (a LAN estimate), bound (from measured links) or unknown
     through: tuple[str, ...] = ()  # the relay, or the machines whose links bound it
-    ms: float = 0.0  # what one token's activations cost on it, one way: half the round trip plus the bytes
+    ms: float = 0.0  # what one token's activations cost on it, one way: half the round trip, the bytes, the packets
+    packet_ms: float = 0.0  # of which the CPU both ends spend on its datagrams (plans/cost.py packet_ms)
 
 
 @dataclass
@@ -69,7 +70,8 @@ class TimePart:
 
 def time_breakdown(proposal: Proposal, nodes: list[NodeDescriptor]) -> list[TimePart]:
     """The proposal's ms per token, split into compute, link crossings (to and from the asker,
-    within a site, between sites) and expert calls. The parts add up to ``proposal.ms_per_token``."""
+    within a site, between sites: their latency and bytes), the packets' CPU on every crossing, and
+    expert calls. The parts add up to ``proposal.ms_per_token``."""
     site = {n.name: n.site for n in nodes if n.site}
     crossings: dict[str, list[Hop]] = {"links to and from the asker": [], "links within a site": [],
                                        "links between sites": []}
@@ -81,8 +83,10 @@ def time_breakdown(proposal: Proposal, nodes: list[NodeDescriptor]) -> list[Time
         else:
             crossings["links between sites"].append(h)
     parts = [TimePart("compute on the stages", len(proposal.stages), sum(s.compute_ms for s in proposal.stages))]
-    parts += [TimePart(what, len(hops), sum(h.ms for h in hops), sum(h.rtt_ms / 2 for h in hops))
+    parts += [TimePart(what, len(hops), sum(h.ms - h.packet_ms for h in hops), sum(h.rtt_ms / 2 for h in hops))
               for what, hops in crossings.items()]
+    parts.append(TimePart("packets (CPU per datagram, both ends)", len(proposal.hops),
+                          sum(h.packet_ms for h in proposal.hops)))
     parts.append(TimePart("expert calls (round trips)", sum(s.expert_calls for s in proposal.stages),
                           sum(s.expert_ms for s in proposal.stages),
                           sum(s.expert_latency_ms for s in proposal.stages)))

@@ -58,3 +58,20 @@ def test_an_asker_that_came_and_went_is_an_asker_last_seen(swarm):
             break
         time.sleep(0.3)  # (its connection's close may reach the host a moment later)
     assert row.split()[1] == "asker" and re.search(r"  asker, seen (just now|\d+[smhd] ago)$", row), out  # was "down"
+
+
+def test_a_trunk_reports_what_a_datagram_costs_it_and_plan_charges_the_hops(swarm):
+    """The trunk measured its datagram cost at start (net/packet_cost.py) and registered it; the host
+    plans with it, and `plan` shows the hops' packet CPU on its own line."""
+    import asyncio
+
+    from net import messages as m
+    from swarmctl.commands.status import ask_host
+    from swarmctl.home import SwarmHome
+
+    nodes = asyncio.run(ask_host(SwarmHome(swarm.homes["carol"]), m.GetNodes(), m.Nodes)).nodes
+    (trunk,) = [n for n in nodes if n.name == "trunk-a"]
+    assert trunk.datagram_us is not None and 1 < trunk.datagram_us < 10_000, trunk
+    out = swarmctl(swarm.homes["carol"], "plan", check=True).stdout
+    row = next(line for line in out.splitlines() if line.strip().startswith("packets (CPU per datagram"))
+    assert row.split()[6] == "2", out  # count: asker → trunk-a → asker

@@ -19,8 +19,8 @@ from kernels.errors import EngineError
 from plans.hysteresis import LINK_NOISE_MS, MIN_GAIN, assignment_cost, decide_on_links, link_moved, sticky_links
 from plans.layout import ModelLayout, layout_by_name
 from plans.links import FALLBACK, LAN, LinkModel
-from plans.nodes import ASKER, Link, NodeDescriptor, load_nodes
-from plans.planner import Constraints, PlanError, plan_layers
+from plans.nodes import ASKER, DEFAULT_DATAGRAM_US, Link, NodeDescriptor, hop_datagrams, load_nodes
+from plans.planner import Constraints, PlanError, plan_layers, time_breakdown
 
 GB = 1e9
 
@@ -88,12 +88,16 @@ def brute_force(layout: ModelLayout, nodes: list[NodeDescriptor], c: Constraints
     def link(a: str, b: str) -> Link:
         return model.link(a, b).link
 
+    def packets_ms(a: str, b: str) -> float:  # the hop's datagrams, each end's cost averaged
+        us = [by[x].packet_us if x in by else DEFAULT_DATAGRAM_US for x in (a, b)]
+        return hop_datagrams(act) * sum(us) / 2 / 1e3
+
     best = (math.inf, math.inf)
     for k in range(1, len(nodes) + 1):
         for order in itertools.permutations([nd.name for nd in nodes], k):
             hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]
-            path = sum(link(a, b).cost_ms(act) for a, b in hops)
-            transfer = max(link(a, b).cost_ms(act) - link(a, b).rtt_ms / 2 for a, b in hops)
+            path = sum(link(a, b).cost_ms(act) + packets_ms(a, b) for a, b in hops)
+            transfer = max(link(a, b).cost_ms(act) + packets_ms(a, b) - link(a, b).rtt_ms / 2 for a, b in hops)
             for cuts in itertools.combinations(range(1, n), k - 1):
                 bounds = [0, *cuts, n]
                 ok, compute = True, []
@@ -389,3 +393,40 @@ def test_a_link_that_got_better_replans_only_when_it_pays():
         assert decision.replan == replans, decision.reason
     worse_c = decide_on_links(SMALL, nodes, c, current, "a", {"b": Link(1.0, 100.0), "c": Link(90.0, 100.0)})
     assert worse_c.replan, worse_c.reason
+
+
+# --- the CPU a hop's datagrams cost (issue 32 item 4) ---
+
+def test_a_hop_is_charged_its_datagrams_and_a_member_with_costly_packets_stays_out():
+    """A Kimi-width row (7168 floats: 23 datagrams at 1350 bytes) per hop, at each end's measured
+    cost; the plan needs two of three equal members, and the one whose packets cost 40x the others'
+    is the one left out although it is listed first and computes a little faster."""
+    layout = ModelLayout("wide", 20, 7168, (1_000_000_000,) * 20, (1,) * 20, 1024, 0, 0)
+    near = {ASKER: Link(2.0, 1000.0)}
+    nodes = [NodeDescriptor("costly", int(10 * GB), 0.99, links=near, datagram_us=3000.0),
+             NodeDescriptor("a", int(10 * GB), 1.0, links=near, datagram_us=75.0),
+             NodeDescriptor("b", int(10 * GB), 1.0, links=near)]  # (not measured: the default)
+    c = Constraints(head_layers=2, context_tokens=16)
+    p = plan_layers(layout, nodes, c)
+    assert sorted(s.member for s in p.stages) == ["a", "b"] and "costly" in p.left_out
+    datagrams = hop_datagrams(7168 * 4)
+    assert datagrams == 23
+    first = p.hops[0]  # asker (the default) → the first stage
+    us = {"a": 75.0, "b": DEFAULT_DATAGRAM_US}
+    assert first.packet_ms == pytest.approx(datagrams * (DEFAULT_DATAGRAM_US + us[first.dst]) / 2 / 1e3)
+    parts = {t.part: t for t in time_breakdown(p, nodes)}
+    packets = parts["packets (CPU per datagram, both ends)"]
+    assert packets.count == 3 and packets.ms == pytest.approx(sum(h.packet_ms for h in p.hops)) and packets.ms > 4.5
+    assert sum(t.ms for t in parts.values()) == pytest.approx(p.ms_per_token)
+    # without the charge, the slightly faster member would have been planned
+    free = [NodeDescriptor(n.name, n.memory_bytes, n.ms_per_layer_token, links=near, datagram_us=0.001) for n in nodes]
+    assert "costly" in {s.member for s in plan_layers(layout, free, c).stages}
+
+
+def test_a_nodes_file_may_give_each_member_its_datagram_cost(tmp_path):
+    f = tmp_path / "nodes.json"
+    f.write_text('[{"name": "a", "memory_gb": 8, "ms_per_layer_token": 1, "datagram_us": 30}]')
+    assert load_nodes(f)[0].packet_us == 30
+    f.write_text('[{"name": "a", "memory_gb": 8, "ms_per_layer_token": 1, "datagram_us": -1}]')
+    with pytest.raises(EngineError, match="datagram_us must be more than 0"):
+        load_nodes(f)

@@ -265,7 +265,8 @@ class HostService:
         speed = message.ms_per_layer_token
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
                                                         device=message.device, rtt_ms=message.rtt_ms,
-                                                        local=message.local, relay=message.relay)
+                                                        local=message.local, relay=message.relay,
+                                                        datagram_us=message.datagram_us)
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured")
         self.checks.at_registration(conn.peer_name, trunk)

@@ -58,6 +58,7 @@ class TrunkInfo:
     placement: str = ""  # its stage's layers by device, as it said when ready (partial offload)
     local: str = ""  # its swarm socket as it sees itself ("": it advertises an address of its own)
     relay: bool = False  # it offers to relay links (run --relay)
+    datagram_us: float | None = None  # what a hop's datagram costs its CPU, as it measured (net/packet_cost.py)
 
     @property
     def behind_nat(self) -> bool:

@@ -23,6 +23,7 @@ from net.identity import REVOKED_REASON, verify_member
 from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
 from net import messages as m
 from net.dispatch import Dispatcher
+from net.packet_cost import measure_datagram_cost
 from net.probe import ProbeSink, measure_or_none
 from net.wire import Frame, FrameType, WireError, decode_control
 from plans.nodes import ASKER
@@ -73,6 +74,7 @@ class TrunkService:
         self.address: Address | None = None  # where we listen, once we do
         self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
+        self.datagram_us: float | None = None  # measured as run() starts (net/packet_cost.py)
         self._stop = stop
         self._tasks: set[asyncio.Task] = set()
         self._capture_seq = 0
@@ -104,6 +106,7 @@ class TrunkService:
             await self.speed.measure_at_start()
         else:
             log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
+        self.datagram_us = await self._measure_datagram_cost()
         listen = Address.parse(self.config.listen)
         self.dialer = await Dialer.open(self.creds, listen, ask_host=lambda message: ask_route(self.host.conn, message))
         if self.options.relay:
@@ -120,6 +123,17 @@ class TrunkService:
             for task in tasks:
                 task.cancel()
             await self._shutdown()
+
+    async def _measure_datagram_cost(self) -> float | None:
+        """What a hop's datagram costs this machine (net/packet_cost.py): the planner charges it."""
+        try:
+            cost = await measure_datagram_cost()
+        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+            log.warning("could not measure what a datagram costs here (%s): planned with the default", e)
+            return None
+        log.info("a %d-byte datagram costs this machine %.0f us of CPU (both ends of a hop)", cost.datagram_bytes,
+                 cost.us_per_datagram)
+        return cost.us_per_datagram
 
     async def _connect_member(self, member: str, address: str, handler: ConnectionHandler) -> SwarmProtocol:
         """A member, by the path the host gives (our dialer: swarmctl/reach.py)."""
@@ -186,7 +200,8 @@ class TrunkService:
         return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
                           ms_per_layer_token=self.speed.ms_per_layer_token,
                           device=self.device.label if self.device is not None else "cpu",
-                          local="" if self.advertise else self._local_address(), relay=self.relay is not None)
+                          local="" if self.advertise else self._local_address(), relay=self.relay is not None,
+                          datagram_us=self.datagram_us)
 
     def _local_address(self) -> str:
         """Our swarm socket as we see it on the route to the host (the host compares it with where
