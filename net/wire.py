@@ -76,13 +76,72 @@ class PacketKind(enum.IntEnum):
     ERROR = 5  # data is a UTF-8 message
 
 
+Q8_0_BLOCK = 32
+_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", Q8_0_BLOCK)])  # ggml's block_q8_0: 34 bytes per 32 values
+
+
 class DType(enum.IntEnum):
+    """How activations travel: f32 as computed, f16, or q8_0 (ggml's block_q8_0 layout: per 32
+    values of a row an f16 scale and 32 signed bytes, x ~ q * d with d = max|x| / 127)."""
+
     F32 = 0
     F16 = 1
+    Q8_0 = 2
+
+    @classmethod
+    def named(cls, name: str) -> "DType":
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown wire dtype {name!r}: choose f32, f16 or q8_0") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
     @property
     def numpy(self) -> np.dtype:
+        """The element type of an f32 or f16 payload (q8_0 travels in blocks, not elements)."""
+        if self is DType.Q8_0:
+            raise ValueError("q8_0 activations travel in blocks, not as one numpy element type")
         return np.dtype("<f4") if self is DType.F32 else np.dtype("<f2")
+
+    def nbytes(self, n_tokens: int, n_embd: int) -> int:
+        if self is DType.Q8_0:
+            return n_tokens * (n_embd // Q8_0_BLOCK) * _Q8_0.itemsize
+        return n_tokens * n_embd * (4 if self is DType.F32 else 2)
+
+    def encode(self, data: np.ndarray) -> bytes:
+        """A [n_tokens, n_embd] array as this type's bytes."""
+        if self is not DType.Q8_0:
+            return np.ascontiguousarray(data, dtype="<f4" if self is DType.F32 else "<f2").tobytes()
+        n_tokens, n_embd = data.shape
+        if n_embd % Q8_0_BLOCK:
+            raise WireError(f"q8_0 carries rows whose width is a multiple of {Q8_0_BLOCK}, not {n_embd}")
+        x = np.asarray(data, dtype=np.float32).reshape(n_tokens, n_embd // Q8_0_BLOCK, Q8_0_BLOCK)
+        d = (np.abs(x).max(axis=2) / 127.0).astype(np.float16)
+        # Quantized against the scale as stored (not ggml's f32 one): a receiver's rows encode to
+        # the same bytes again, and a scale that underflows f16 gives a block of zeros.
+        stored = d.astype(np.float32)
+        inverse = np.divide(1.0, stored, out=np.zeros_like(stored), where=stored > 0)
+        blocks = np.empty(d.shape, dtype=_Q8_0)
+        blocks["d"] = d
+        blocks["qs"] = np.clip(np.rint(x * inverse[..., None]), -127, 127).astype(np.int8)
+        return blocks.tobytes()
+
+    def decode(self, payload: bytes, n_tokens: int, n_embd: int) -> np.ndarray:
+        """The array the bytes carry: a view for f32 and f16, dequantized f32 for q8_0."""
+        if self is not DType.Q8_0:
+            return np.frombuffer(payload, dtype="<f4" if self is DType.F32 else "<f2").reshape(n_tokens, n_embd)
+        blocks = np.frombuffer(payload, dtype=_Q8_0).reshape(n_tokens, n_embd // Q8_0_BLOCK)
+        x = blocks["qs"].astype(np.float32) * blocks["d"].astype(np.float32)[..., None]
+        return x.reshape(n_tokens, n_embd)
+
+    def as_received(self, data: np.ndarray) -> np.ndarray:
+        """What the receiver of ``data`` sent in this type gets, as f32."""
+        if self is DType.F32:
+            return np.asarray(data, dtype=np.float32)
+        return np.asarray(self.decode(self.encode(data), *data.shape), dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -189,11 +248,10 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
     elif p.kind == PacketKind.END:
         payload, n_tokens, n_embd = b"", 0, 0
     else:
-        data = np.ascontiguousarray(p.data, dtype=p.dtype.numpy)
-        if data.ndim != 2:
+        if p.data.ndim != 2:
             raise WireError("activations must be a 2-D array [n_tokens, n_embd]")
-        n_tokens, n_embd = data.shape
-        payload = data.tobytes()
+        n_tokens, n_embd = p.data.shape
+        payload = p.dtype.encode(p.data)
     reply = p.reply_to.encode("utf-8")
     if len(reply) > 255 or len(p.request_id) != 16 or len(p.hops) > MAX_HOPS:
         raise WireError("reply_to longer than 255 bytes, request_id not 16 bytes, or too many hops")
@@ -252,13 +310,15 @@ def decode_packet(body: bytes) -> ActivationPacket:
         return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, np.empty((0, 0), np.float32),
                                 dtype, reply_to, payload.decode("utf-8", errors="replace")[:500], hops,
                                 bool(flags & FLAG_RETRY), trace=trace)
-    expected = n_tokens * n_embd * dtype.numpy.itemsize
+    if dtype is DType.Q8_0 and n_embd % Q8_0_BLOCK:
+        raise WireError(f"q8_0 activations of width {n_embd}: not a multiple of {Q8_0_BLOCK}")
+    expected = dtype.nbytes(n_tokens, n_embd)
     if len(payload) != expected:
         raise WireError(f"activation data has {len(payload)} bytes; shape [{n_tokens}, {n_embd}] "
                         f"in {dtype.name.lower()} needs {expected}")
     if kind in (PacketKind.PREFILL, PacketKind.DECODE, PacketKind.RESULT) and n_tokens == 0:
         raise WireError("activation packet carries no tokens")
-    data = np.frombuffer(payload, dtype=dtype.numpy).reshape(n_tokens, n_embd)
+    data = dtype.decode(payload, n_tokens, n_embd)
     return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops,
                             rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY), trace=trace,
                             one_stage=bool(flags & FLAG_ONE_STAGE))

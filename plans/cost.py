@@ -9,10 +9,11 @@ import math
 
 from . import units
 from .layout import ModelLayout
-from .links import LinkModel
+from .links import MEASURED, SITE, LinkModel
 from .nodes import ASKER, DEFAULT_DATAGRAM_US, NodeDescriptor, hop_datagrams
 from .plan import PlanError
 from .proposal import Constraints
+from .wire import SITE_RTT_MS, hop_bytes, hop_dtype
 
 
 class CostModel:
@@ -31,6 +32,7 @@ class CostModel:
         self.by_name = {nd.name: nd for nd in nodes}
         self.act = layout.activation_bytes_per_token
         self.links = LinkModel(nodes)  # measured, or bounded from the measured ones (plans/links.py)
+        self.site = {nd.name: nd.site for nd in nodes if nd.site}
 
     def longest_window(self, usable: int) -> int:
         longest, lo, held = 0, 0, 0
@@ -62,15 +64,27 @@ class CostModel:
 
     def link_ms(self, a: str, b: str) -> float:
         """One token's activations from ``a`` to ``b``: the link's time (half the round trip, the
-        bytes at its rate) and the CPU both ends spend on its datagrams."""
-        return self.links.link(a, b).link.cost_ms(self.act) + self.packet_ms(a, b)
+        bytes at its rate) and the CPU both ends spend on its datagrams, in the hop's dtype."""
+        return self.links.link(a, b).link.cost_ms(self.hop_bytes(a, b)) + self.packet_ms(a, b)
+
+    def hop_dtype(self, a: str, b: str) -> str:
+        """What the hop carries under the swarm's --wire-dtype (plans/wire.py)."""
+        if self.c.wire_dtype != "auto":
+            return self.c.wire_dtype
+        estimate = self.links.link(a, b)
+        within = estimate.basis == SITE or (a in self.site and self.site.get(b) == self.site[a]) or \
+            (estimate.basis == MEASURED and estimate.link.rtt_ms <= SITE_RTT_MS)
+        return hop_dtype("auto", within)
+
+    def hop_bytes(self, a: str, b: str) -> float:
+        return hop_bytes(self.act, self.hop_dtype(a, b))
 
     def packet_ms(self, a: str, b: str) -> float:
         """The CPU a hop's datagrams cost: their number at the path's datagram size times what one
         costs, both ends' work together (each member's measurement, averaged over the two ends; the
         asker's side at the default)."""
         us = [self.by_name[x].packet_us if x in self.by_name else DEFAULT_DATAGRAM_US for x in (a, b)]
-        return hop_datagrams(self.act) * (us[0] + us[1]) / 2 / 1e3
+        return hop_datagrams(int(self.hop_bytes(a, b))) * (us[0] + us[1]) / 2 / 1e3
 
     def max_transfer(self, order: list[str]) -> float:
         hops = [(ASKER, order[0]), *zip(order, order[1:]), (order[-1], ASKER)]

@@ -13,6 +13,7 @@ from typing import Callable
 from .proposal import Constraints
 
 OBJECTIVES = ("latency", "throughput", "even")
+WIRE_DTYPES = ("f32", "f16", "q8_0", "auto")  # auto: f32 within a site, f16 between sites (plans/wire.py)
 
 
 @dataclass(frozen=True)
@@ -23,15 +24,16 @@ class PlannerOption:
     default: object
     metavar: str
     help: str
-    minimum: int | None = None  # a whole number of at least this; None: one of OBJECTIVES
+    minimum: int | None = None  # a whole number of at least this; None: one of ``choices``
+    choices: tuple[str, ...] = OBJECTIVES
     configurable: bool = True  # `swarmctl config` may change it on a running host
     describe: Callable[[object], str] = str  # how `swarmctl config` shows a value
 
     def parse(self, text: str, who: str) -> object:
         """A value as typed (``who``: the command, for the one-line error)."""
         if self.minimum is None:
-            if text not in OBJECTIVES:
-                raise ValueError(f"{who}: {self.key} must be one of {', '.join(OBJECTIVES)}, not {text!r}")
+            if text not in self.choices:
+                raise ValueError(f"{who}: {self.key} must be one of {', '.join(self.choices)}, not {text!r}")
             return text
         try:
             value = int(text)
@@ -59,6 +61,10 @@ OPTIONS: tuple[PlannerOption, ...] = (
                   "mixture-of-experts models: N trunks hold the experts (split between them) and the others run "
                   "attention and the routers (expert parallelism; 0: none)", minimum=0,
                   describe=lambda v: f"{v}" if v else "0 (none)"),
+    PlannerOption("wire-dtype", "wire_dtype", "wire_dtype", "f32", "",
+                  "how activations travel between machines: f32 as computed (answers identical to one machine's), "
+                  "f16 or q8_0 (half or about a quarter of the bytes and datagrams), or auto: f32 within a site "
+                  "and f16 between sites", choices=WIRE_DTYPES),
 )
 BY_KEY = {option.key: option for option in OPTIONS}
 
@@ -71,10 +77,11 @@ class PlannerSettings:
     concurrent: int = 4
     max_stages: int = 0
     expert_nodes: int = 0
+    wire_dtype: str = "f32"
 
     def constraints(self) -> Constraints:
         return Constraints(self.head_layers, self.context, self.concurrent, self.objective,
-                           max_stages=self.max_stages)
+                           max_stages=self.max_stages, wire_dtype=self.wire_dtype)
 
     @classmethod
     def from_config(cls, config) -> "PlannerSettings":
@@ -95,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, inherit: str = "") -> None
     names in the help); else to their defaults."""
     for o in OPTIONS:
         default = f"default: {inherit}; on paper, {o.default}" if inherit else f"default {o.default}"
-        kind = {"choices": OBJECTIVES} if o.minimum is None else {"type": _whole(o), "metavar": o.metavar}
+        kind = {"choices": o.choices} if o.minimum is None else {"type": _whole(o), "metavar": o.metavar}
         parser.add_argument(f"--{o.key}", default=None if inherit else o.default, help=f"{o.help} ({default})",
                             **kind)
 

@@ -18,6 +18,7 @@ class StageAssignment:
     compute_ms: float = 0.0  # expected per token
     memory_used: int = 0  # bytes: weights + KV for the planned context × concurrency
     memory_free: int = 0
+    send_dtype: str = "f32"  # how its output travels on (to the next stage; the last's, to the asker): plans/wire.py
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Plan:
     # Members charged to another's budget at the stages: the names of one invite spend the budget
     # of the first that joined with it (swarmctl/membership.py accounts()).
     accounts: dict[str, str] = field(default_factory=dict)
+    entry_dtype: str = "f32"  # how the asker's activations travel to the first stage (plans/wire.py)
 
     def account(self, member: str) -> str:
         """Whose budget ``member``'s requests spend at a stage."""
@@ -123,13 +125,17 @@ class Plan:
         """Take a planner's proposal; returns True (and bumps the version) if assignments changed.
         Stages that keep their member and range keep their readiness."""
         old = {(s.member, s.start, s.stop): s for s in self.stages}
+        sends = {h.src: h.dtype for h in proposal.hops}  # each stage's outgoing hop (plans/wire.py)
         stages = []
         for p in proposal.stages:
             kept = old.get((p.member, p.start, p.stop))
             stages.append(StageAssignment(p.member, addresses[p.member], p.start, p.stop,
                                           kept.ready if kept else False, p.compute_ms, p.memory_used,
-                                          p.memory_free))
-        changed = [(s.member, s.start, s.stop) for s in stages] != [(s.member, s.start, s.stop) for s in self.stages]
+                                          p.memory_free, sends.get(p.member, "f32")))
+        entry = proposal.hops[0].dtype if proposal.hops else "f32"
+        changed = [(s.member, s.start, s.stop, s.send_dtype) for s in stages] != \
+            [(s.member, s.start, s.stop, s.send_dtype) for s in self.stages] or entry != self.entry_dtype
+        self.entry_dtype = entry
         if changed:
             self.version += 1
             for s in stages:

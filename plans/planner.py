@@ -127,7 +127,7 @@ def describe(search: Search, order: list[str], stages: list[StagePlan]) -> Propo
     for (a, b), ms in zip(hops, link_ms):  # which of the plan's links are estimates, and what they cost
         estimate = search.links.link(a, b)
         result.hops.append(Hop(a, b, estimate.link.rtt_ms, estimate.link.bandwidth_mb_s, estimate.basis,
-                               estimate.through, ms, search.packet_ms(a, b)))
+                               estimate.through, ms, search.packet_ms(a, b), search.hop_dtype(a, b)))
         if estimate.describe(a, b):
             result.warnings.append(estimate.describe(a, b))
     return result

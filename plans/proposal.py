@@ -16,6 +16,7 @@ class Constraints:
     objective: str = "latency"  # or "throughput", or "even"
     reserve_bytes: int = 300_000_000  # per node, for the runtime and compute buffers
     max_stages: int = 0  # 0 = no limit; members beyond it stay out as standbys
+    wire_dtype: str = "f32"  # how activations travel between machines: f32, f16, q8_0, or auto (plans/wire.py)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Hop:
     through: tuple[str, ...] = ()  # the relay, or the machines whose links bound it
     ms: float = 0.0  # what one token's activations cost on it, one way: half the round trip, the bytes, the packets
     packet_ms: float = 0.0  # of which the CPU both ends spend on its datagrams (plans/cost.py packet_ms)
+    dtype: str = "f32"  # what it carries (plans/wire.py)
 
 
 @dataclass

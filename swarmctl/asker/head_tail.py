@@ -28,7 +28,7 @@ from kernels.sampling import Sampler, SamplingParams
 from kernels.slice import Outputs, Placement, SliceEngine, Step
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
-from net.wire import Hop
+from net.wire import DType, Hop
 from swarmctl.batching import BatchRunner, StepTiming
 from swarmctl.asker.speculate import Draft, Speculation, accept
 
@@ -98,7 +98,12 @@ class InprocTrunk:
     """Trunk stages as slice engines in this process (``--transport inproc``), each batching."""
 
     def __init__(self, gguf: GGUFFile, stages: Sequence[SliceSpec], *, n_threads: int | None, max_context: int,
-                 device: Device | None = None):
+                 device: Device | None = None, wire: Sequence[DType] | None = None):
+        """``wire``: the dtype of each hop, asker → first stage, …, last stage → asker (a swarm's
+        --wire-dtype, emulated: rows rounded as that hop would deliver them); None: f32 throughout."""
+        self.wire = list(wire) if wire is not None else [DType.F32] * (len(stages) + 1)
+        if len(self.wire) != len(stages) + 1:
+            raise EngineError(f"{len(stages)} stages have {len(stages) + 1} hops, not {len(self.wire)}")
         self.engines: list[SliceEngine] = []
         try:
             for stage in stages:
@@ -113,8 +118,10 @@ class InprocTrunk:
                       verify: bool = False) -> TrunkResult:
         t0 = time.perf_counter()
         hops = []
+        hidden = self.wire[0].as_received(hidden)
         for i, runner in enumerate(self.runners):
             hidden, timing = await runner.run(Step(request_id, start_pos, hidden=hidden, rewind=rewind, verify=verify))
+            hidden = self.wire[i + 1].as_received(hidden)
             hops.append(Hop(f"stage-{i + 1}", int(timing.queued_s * 1e6), int(timing.compute_s * 1e6),
                             timing.batch_requests))
         t1 = time.perf_counter()

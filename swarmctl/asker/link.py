@@ -72,13 +72,14 @@ class RecoveryStats:
 
 class SwarmLink:
     def __init__(self, config: NodeConfig, creds: Credentials, *, request_timeout: float = 300.0,
-                 dtype: DType = DType.F32, trace: bool = False) -> None:
-        """``trace``: ask every stage to list its expert calls in its hop record (for
+                 dtype: DType | None = None, trace: bool = False) -> None:
+        """``dtype``: how the head's activations travel to the first stage (None: as the plan says,
+        plans/wire.py); ``trace``: ask every stage to list its expert calls in its hop record (for
         ``--trace``; it costs bytes on every hop, so it is off otherwise)."""
         self.config = config
         self.creds = creds
         self.request_timeout = request_timeout
-        self.dtype = dtype
+        self._dtype = dtype
         self.trace = trace
         self.plan: Plan | None = None  # the plan the stage connections follow
         self.host = PlanWatch(config, creds, self, self._connect_host)  # the newest plan, as the host pushes it
@@ -120,6 +121,15 @@ class SwarmLink:
         return await self.dialer.connect_host(addresses, self.config.host_name, self)
 
     @property
+    def dtype(self) -> DType:
+        if self._dtype is not None:
+            return self._dtype
+        try:
+            return DType.named(self.plan.entry_dtype) if self.plan is not None else DType.F32
+        except ValueError:
+            return DType.F32  # (a plan from a newer host: as computed)
+
+    @property
     def head_layers(self) -> int:
         assert self.plan is not None
         return self.plan.head_layers
@@ -158,7 +168,7 @@ class SwarmLink:
                 return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
                                    sent_at=t0, received_at=received_at, sent_bytes=waiting.sent_bytes,
                                    received_bytes=waiting.received_bytes,
-                                   activation_bytes=hidden.shape[0] * hidden.shape[1] * self.dtype.numpy.itemsize)
+                                   activation_bytes=self.dtype.nbytes(*hidden.shape))
             except _RouteFailed as e:
                 failed_at = failed_at or time.monotonic()
                 log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)

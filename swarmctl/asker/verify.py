@@ -245,9 +245,7 @@ class VerifyingTrunk:
         if not steps or steps[0][0] != begin or steps[-1][0] != start_pos:
             raise EngineError(f"cannot verify request {rid.hex()[:8]}: the link's record of its steps is "
                               f"incomplete")
-        x = np.concatenate([h for _, h in steps]).astype(np.float32, copy=False)
-        if self.link.dtype == DType.F16:  # what the trunk received
-            x = x.astype(np.float16).astype(np.float32)
+        x = self.link.dtype.as_received(np.concatenate([h for _, h in steps]))  # what the trunk received
         t0 = time.perf_counter()
         outs = []
         for a in range(0, len(x), CATCH_UP_CHUNK):
@@ -255,9 +253,7 @@ class VerifyingTrunk:
                                                 rewind=True))
             outs.append(out)
         state.checked_pos = begin + len(x)
-        local = np.concatenate(outs)[-n:]
-        if self.link.dtype == DType.F16:  # what an honest trunk sends back
-            local = local.astype(np.float16).astype(np.float32)
+        local = self._sent_on(len(self.link.plan.stages) - 1, np.concatenate(outs)[-n:])  # what an honest trunk sends back
         self.stats.check_s += time.perf_counter() - t0
         self.stats.checked += 1
         self.stats.checked_tokens += len(x)
@@ -291,9 +287,9 @@ class VerifyingTrunk:
     async def _stage_inputs(self, steps: list[tuple[int, np.ndarray]], stages: list) -> list[np.ndarray]:
         """Every stage's input for positions [0, end of the drawn step), and the last stage's
         output, computed here on engines of each stage's layers (made for this and closed)."""
-        x = self._as_received(np.concatenate([h for _, h in steps]).astype(np.float32, copy=False))
+        x = self.link.dtype.as_received(np.concatenate([h for _, h in steps]))
         inputs = [x]
-        for stage in stages:
+        for i, stage in enumerate(stages):
             engine = SliceEngine(self.gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
                                  max_context=self.max_context)
             runner = BatchRunner(engine)
@@ -305,13 +301,18 @@ class VerifyingTrunk:
             finally:
                 runner.close()
                 engine.close()
-            x = self._as_received(np.concatenate(outs))
+            x = self._sent_on(i, np.concatenate(outs))
             inputs.append(x)
         return inputs
 
-    def _as_received(self, x: np.ndarray) -> np.ndarray:
-        """Rows as the wire delivers them (f16 rounds them)."""
-        return x.astype(np.float16).astype(np.float32) if self.link.dtype == DType.F16 else x
+    def _sent_on(self, stage: int, x: np.ndarray) -> np.ndarray:
+        """Stage ``stage``'s output rows as the next hop delivers them (in the plan's dtype for it)."""
+        stages = getattr(self.link.plan, "stages", [])
+        name = stages[stage].send_dtype if 0 <= stage < len(stages) else "f32"
+        try:
+            return DType.named(name).as_received(x)
+        except ValueError:
+            return np.asarray(x, dtype=np.float32)
 
     def _accuse(self, members: list[str], verdict: Verdict, attributed: bool = False) -> None:
         self.stats.mismatches += 1

@@ -44,6 +44,13 @@ def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
     return (out + np.random.default_rng().standard_normal(out.shape) * scale * rms).astype(np.float32)
 
 
+def _wire_dtype(name: str) -> DType:
+    try:
+        return DType.named(name)
+    except ValueError:
+        return DType.F32  # (a plan from a newer host: as computed)
+
+
 def account_of(route: Route, plan: Plan) -> str:
     """Whose budget a request spends and whose turn it takes: its member's account (one per
     invite: Plan.account): reply_to's ("member/session"), which is bound to the sender's
@@ -247,8 +254,11 @@ class StageRequests:
         step ran (``self.held`` may change under any await from here on)."""
         rid = packet.request_id
         is_last = stage.stop == plan.trunk_range[1]
+        # The plan says how this stage's output travels on (plans/wire.py); a re-check goes back
+        # the way it came.
+        dtype = packet.dtype if packet.one_stage else _wire_dtype(stage.send_dtype)
         onward = ActivationPacket(PacketKind.RESULT if is_last or packet.one_stage else packet.kind, rid,
-                                  plan.version, stage.stop, packet.start_pos, out, packet.dtype, route.reply_to,
+                                  plan.version, stage.stop, packet.start_pos, out, dtype, route.reply_to,
                                   hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify,
                                   trace=packet.trace, one_stage=packet.one_stage)
         if packet.one_stage:  # a re-check of this stage alone (swarmctl/asker/verify.py): back to its sender
