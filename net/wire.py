@@ -124,9 +124,15 @@ class DType(enum.IntEnum):
         # the same bytes again, and a scale that underflows f16 gives a block of zeros.
         stored = d.astype(np.float32)
         inverse = np.divide(1.0, stored, out=np.zeros_like(stored), where=stored > 0)
+        q = np.clip(np.rint(x * inverse[..., None]), -127, 127)
+        # Each block's largest value is ±127 steps exactly (the f16 scale's rounding could make it
+        # 126 or 128): then what a receiver decodes has the very same scale, and re-encodes alike.
+        top = np.abs(x).argmax(axis=2)[..., None]
+        top_sign = np.sign(np.take_along_axis(x, top, axis=2))
+        np.put_along_axis(q, top, np.where(stored[..., None] > 0, top_sign * 127, 0), axis=2)
         blocks = np.empty(d.shape, dtype=_Q8_0)
         blocks["d"] = d
-        blocks["qs"] = np.clip(np.rint(x * inverse[..., None]), -127, 127).astype(np.int8)
+        blocks["qs"] = q.astype(np.int8)
         return blocks.tobytes()
 
     def decode(self, payload: bytes, n_tokens: int, n_embd: int) -> np.ndarray:
