@@ -40,6 +40,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT_PROMPT = "Name the three primary colours."
 RAW_PROMPT = "The three primary colours are"
 MAX_TOKENS = 24
+LOGPROB_TOLERANCE = 0.01  # nats (measured here: 2e-7 at most); other CPUs order sums differently
 STARTUP_TIMEOUT = 120
 
 
@@ -284,6 +285,54 @@ def test_error_cases_get_their_status_and_openai_shape(served):
     status, body = raw_request(served.base_url, "/embeddings", b"{}", {"Authorization": f"Bearer {API_KEY}"})
     assert status == 404
     assert_error_shape(body)
+
+
+def test_completion_logprobs_are_llama_cpp_pythons(served, oracle):
+    """logprobs come from the logits the asker has: the model's log-softmax at each position, as
+    llama-cpp-python reports it for the same greedy completion of the same GGUF."""
+    got = served.client().completions.create(model=MODEL, prompt=RAW_PROMPT, temperature=0, max_tokens=MAX_TOKENS,
+                                             logprobs=3)
+    want = oracle.create_completion(RAW_PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=3)["choices"][0]
+    assert got.choices[0].text == want["text"]
+    ours, theirs = got.choices[0].logprobs, want["logprobs"]
+    assert "".join(ours.tokens) == want["text"] and len(ours.tokens) == MAX_TOKENS
+    gaps = [abs(a - b) for a, b in zip(ours.token_logprobs, theirs["token_logprobs"])]
+    assert len(gaps) == MAX_TOKENS and max(gaps) < LOGPROB_TOLERANCE, gaps
+    for mine, llama in zip(ours.top_logprobs, theirs["top_logprobs"]):
+        assert len(mine) == 3
+        shared = set(mine) & set(llama)
+        assert len(shared) >= 2, (mine, llama)  # (a near tie for third place may differ)
+        assert all(abs(mine[t] - llama[t]) < LOGPROB_TOLERANCE for t in shared)
+    assert ours.text_offset == [sum(len(t) for t in ours.tokens[:i]) for i in range(MAX_TOKENS)]
+
+
+def test_chat_logprobs_stream_or_not_and_greedy_picks_the_top_one(served, asked):
+    client = served.client()
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert whole.choices[0].message.content == asked["chat"].text
+    assert len(content) == MAX_TOKENS
+    assert b"".join(bytes(c.bytes) for c in content).decode() == asked["chat"].text
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob == c.top_logprobs[0].logprob and c.token == c.top_logprobs[0].token  # greedy: the argmax
+        assert c.logprob <= 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}, {"logprobs": "yes"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **bad)
+        assert e.value.param in ("logprobs", "top_logprobs"), bad
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=RAW_PROMPT, max_tokens=4, logprobs=6)
+    assert e.value.param == "logprobs"
 
 
 def test_server_logs_one_line_per_error_and_no_traceback(served):

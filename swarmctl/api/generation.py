@@ -10,6 +10,7 @@ from kernels.sampling import SamplingParams
 from swarmctl.api.shapes import FINISH_REASONS, Usage
 from swarmctl.api.stops import StopScanner
 from swarmctl.asker.head_tail import Asker, Generation, Trunk
+from swarmctl.asker.logprobs import TokenLogprob
 from swarmctl.asker.speculate import Speculation
 
 
@@ -21,6 +22,7 @@ class TextRequest:
     max_tokens: int
     sampling: SamplingParams
     stops: Sequence[str] = ()
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
 
 
 class TextGeneration:
@@ -30,7 +32,11 @@ class TextGeneration:
         self.speculates = speculation is not None
         self.finish_reason: str | None = None  # OpenAI's: "stop" or "length", once the text has ended
         self._tokens = asker.generate(request.prompt, trunk, max_tokens=request.max_tokens, sampling=request.sampling,
-                                      timeout=timeout, generation=self.generation, speculation=speculation)
+                                      timeout=timeout, generation=self.generation, speculation=speculation,
+                                      logprobs=request.logprobs)
+        self.wants_logprobs = request.logprobs is not None
+        self._pushed = 0  # tokens turned into text so far (their log-probabilities go out with it)
+        self._taken = 0
         self._decoder = asker.tokenizer.stream_decoder()
         self._stops = StopScanner(request.stops)
         self._first: int | None = None
@@ -44,6 +50,7 @@ class TextGeneration:
         """Text as it becomes final (never empty), until end of generation, max tokens or a stop."""
         token = self._first
         while token is not None:
+            self._pushed += 1
             text, stopped = self._stops.push(self._decoder.push(token))
             if text:
                 yield text
@@ -56,6 +63,14 @@ class TextGeneration:
         if text:
             yield text
         self.finish_reason = "stop" if stopped else FINISH_REASONS[self.generation.finish_reason or "length"]
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens turned into text since the last call (a stream sends
+        them with the text they made; a text held back for a stop string or an unfinished
+        character goes out later, its tokens' figures with an earlier chunk)."""
+        taken = self.generation.logprobs[self._taken:self._pushed]
+        self._taken += len(taken)
+        return taken
 
     @property
     def usage(self) -> Usage:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kernels.sampling import SamplingParams
@@ -21,7 +21,8 @@ MAX_STOPS = 4  # as OpenAI
 SEED_MASK = 2**64 - 1  # numpy's generators take seeds of 0 or more; negative ones wrap
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Parameters whose meaning we cannot honour: refused rather than silently ignored.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("echo", "suffix", "tools", "functions", "logit_bias")
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # as OpenAI
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         raise bad_request("'messages' must be a non-empty list", "messages")
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     name = next((n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None), None)
-    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), _generation(body, max_tokens, name))
+    params = replace(_generation(body, max_tokens, name), logprobs=_chat_logprobs(body))
+    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), params)
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -112,7 +115,33 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise bad_request("only best_of = 1 is supported", "best_of")
     max_tokens = _positive_int(body, "max_tokens")
     name = None if max_tokens is None else "max_tokens"
-    return CompletionRequest(prompt, _generation(body, max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, name))
+    params = replace(_generation(body, max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, name),
+                     logprobs=_completion_logprobs(body))
+    return CompletionRequest(prompt, params)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat: ``logprobs`` true asks for them, ``top_logprobs`` (0 to 20) for alternatives too."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad_request("'logprobs' must be true or false", "logprobs")
+    if top is not None and not (_is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS["chat"]):
+        raise bad_request(f"'top_logprobs' must be a whole number from 0 to {MAX_TOP_LOGPROBS['chat']}",
+                          "top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions: ``logprobs`` N (0 to 5) asks for them with N alternatives."""
+    n = body.get("logprobs")
+    if n is None:
+        return None
+    if not (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS["completion"]):
+        raise bad_request(f"'logprobs' must be a whole number from 0 to {MAX_TOP_LOGPROBS['completion']}",
+                          "logprobs")
+    return n
 
 
 def _generation(body: dict[str, Any], max_tokens: int | None, max_tokens_param: str | None) -> GenerationParams:

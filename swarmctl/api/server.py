@@ -25,7 +25,7 @@ from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_ex
 from swarmctl.api.generation import TextGeneration, TextRequest
 from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
-from swarmctl.api.shapes import Envelope, model_list, model_object
+from swarmctl.api.shapes import Envelope, chat_logprobs, completion_logprobs, model_list, model_object
 from swarmctl.asker.head_tail import Asker, Trunk
 from swarmctl.asker.speculate import Drafting
 from swarmctl.asker.trace import TraceError, TraceFolder
@@ -169,7 +169,7 @@ class ApiServer:
         # Like llama.cpp's server (and `swarmctl ask`), a completion that reaches the end of the
         # context stops there with finish_reason "length" rather than being refused up front.
         request = TextRequest(prompt, max_tokens=params.max_tokens or context, sampling=params.sampling,
-                              stops=params.stop)
+                              stops=params.stop, logprobs=params.logprobs)
         generation = TextGeneration(self.asker, self.trunk, request, timeout=self.request_timeout,
                                     speculation=self.drafting.for_request())
         try:
@@ -179,11 +179,19 @@ class ApiServer:
             else:
                 async with aclosing(generation.pieces()) as pieces:
                     text = "".join([piece async for piece in pieces])
-                await _send_json(responder, envelope.response(text, generation.finish_reason, generation.usage),
-                                 request_id)
+                logprobs = self._logprobs(envelope, generation) if generation.wants_logprobs else None
+                await _send_json(responder, envelope.response(text, generation.finish_reason, generation.usage,
+                                                              logprobs), request_id)
         finally:
             await generation.aclose()
             await self._write_trace(request_id, generation)
+
+    def _logprobs(self, envelope: Envelope, generation: TextGeneration, offset: int = 0) -> dict:
+        """The log-probabilities of the tokens whose text has gone out since the last call, in the
+        endpoint's shape (swarmctl/asker/logprobs.py computes them from the asker's logits)."""
+        taken = generation.take_logprobs()
+        piece = self.asker.tokenizer.piece
+        return chat_logprobs(taken, piece) if envelope.chat else completion_logprobs(taken, piece, offset)
 
     async def _write_trace(self, request_id: str, generation: TextGeneration) -> None:
         """serve --trace: the request's steps, whether it finished or not. The answer has gone out
@@ -202,6 +210,7 @@ class ApiServer:
                                                         {**sse.HEADERS, "x-request-id": request_id}))
         if envelope.chat:
             await events.send(envelope.chunk("", first=True))
+        offset = 0  # (completions' text_offset)
         async with aclosing(generation.pieces()) as pieces:
             while True:
                 try:
@@ -214,8 +223,11 @@ class ApiServer:
                     await events.send(error.body())
                     await events.close(done=False)
                     return
-                await events.send(envelope.chunk(text))  # a ConnectionError here: the client is gone
-        await events.send(envelope.chunk(None if envelope.chat else "", generation.finish_reason))
+                logprobs = self._logprobs(envelope, generation, offset) if generation.wants_logprobs else None
+                offset += len(text)
+                await events.send(envelope.chunk(text, logprobs=logprobs))  # a ConnectionError here: the client is gone
+        rest = self._logprobs(envelope, generation, offset) if generation.wants_logprobs else None
+        await events.send(envelope.chunk(None if envelope.chat else "", generation.finish_reason, logprobs=rest))
         if params.include_usage:
             await events.send(envelope.usage_chunk(generation.usage))
         await events.close()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from swarmctl.asker.logprobs import TokenLogprob
 
 # The asker's finish reasons → OpenAI's. "context": the context filled up, which OpenAI also
 # reports as "length".
@@ -44,23 +47,24 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict:
+    def response(self, text: str, finish_reason: str, usage: Usage, logprobs: dict | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
+              logprobs: dict | None = None) -> dict:
         """A stream chunk carrying ``text`` (chat: a delta; the first also names the role)."""
         if self.chat:
             delta: dict = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -75,3 +79,28 @@ def model_object(model_id: str, created: int) -> dict:
 
 def model_list(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [model_object(model_id, created)]}
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], piece: Callable[[int], bytes]) -> dict:
+    """OpenAI's chat ``logprobs``: each token with its text, log-probability, UTF-8 bytes and the
+    alternatives asked for (``top_logprobs``)."""
+    def entry(token: int, logprob: float) -> dict:
+        raw = piece(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
+                        for i in items], "refusal": None}
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], piece: Callable[[int], bytes], offset: int = 0) -> dict:
+    """OpenAI's (legacy) completions ``logprobs``: parallel lists; ``text_offset`` counts characters
+    from the start of the completion's text (``offset``: where this part of it starts)."""
+    texts = [piece(i.token).decode("utf-8", errors="replace") for i in items]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{piece(t).decode("utf-8", errors="replace"): lp for t, lp in i.top} for i in items],
+            "text_offset": offsets}
+

@@ -30,6 +30,7 @@ from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import DType, Hop
 from swarmctl.batching import BatchRunner, StepTiming
+from swarmctl.asker.logprobs import TokenLogprob, token_logprob
 from swarmctl.asker.speculate import Draft, Speculation, accept
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
@@ -207,6 +208,7 @@ class Generation:
     accepted: int = 0
     started: float = field(default_factory=time.perf_counter)
     fill_timings: list[TokenTiming] = field(default_factory=list)  # prompt chunks before the last (over 512 tokens)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in ``tokens``, when asked for
 
 
 class Asker:
@@ -244,12 +246,13 @@ class Asker:
     async def generate(self, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
                        sampling: SamplingParams, timeout: float | None = None,
                        generation: Generation | None = None, ignore_eos: bool = False,
-                       speculation: Speculation | None = None) -> AsyncIterator[int]:
+                       speculation: Speculation | None = None, logprobs: int | None = None) -> AsyncIterator[int]:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
         included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
         past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos);
         ``speculation`` drafts tokens to check several per step (swarmctl/asker/speculate.py), and
-        counts what it drafted and kept."""
+        counts what it drafted and kept; ``logprobs``: record each token's log-probability and that
+        many alternatives in ``generation.logprobs`` (None: none)."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")
         if not prompt:
@@ -270,7 +273,7 @@ class Asker:
         self.in_flight[gen.request_id] = gen
         try:
             sampler = Sampler(sampling)
-            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation)
+            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation, logprobs)
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -291,7 +294,8 @@ class Asker:
             await self._release(gen.request_id, trunk)
 
     async def _steps(self, prompt: list[int], trunk: Trunk | None, max_tokens: int, sample: Sampler,
-                     gen: Generation, ignore_eos: bool, speculation: Speculation | None = None):
+                     gen: Generation, ignore_eos: bool, speculation: Speculation | None = None,
+                     logprobs: int | None = None):
         rid = gen.request_id
         start = 0
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
@@ -318,7 +322,8 @@ class Asker:
             filled = start + len(new_tokens) + len(draft.tokens)
             start += len(new_tokens)
             sampling_started = time.perf_counter()
-            tokens, kept = accept(sample, logits[len(logits) - len(draft.tokens) - 1:], draft)
+            rows = logits[len(logits) - len(draft.tokens) - 1:]  # row j: what follows the step's j-th last position
+            tokens, kept = accept(sample, rows, draft)
             timing.done = time.perf_counter()
             timing.sample_s = timing.done - sampling_started
             timing.first_token, timing.tokens = len(gen.tokens), tuple(tokens)
@@ -326,10 +331,12 @@ class Asker:
             if speculation is not None:
                 speculation.record(len(draft.tokens), kept, timing, len(new_tokens) + len(draft.tokens))
                 gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
-            for token in tokens:
+            for j, token in enumerate(tokens):
                 if not ignore_eos and self.tokenizer.is_end_of_generation(token):
                     gen.finish_reason = "stop"
                     return
+                if logprobs is not None:
+                    gen.logprobs.append(token_logprob(rows[j], token, logprobs))
                 gen.tokens.append(token)
                 context.append(token)
                 yield token
