@@ -65,6 +65,11 @@ class Tokenizer:
         rendered = formatter(messages=list(messages))
         return self._llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
 
+    @property
+    def vocab(self):
+        """llama.cpp's vocabulary handle (for its grammar engine: kernels/grammar.py)."""
+        return self._model.vocab
+
     def is_end_of_generation(self, token: int) -> bool:
         import llama_cpp
 

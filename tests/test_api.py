@@ -335,6 +335,53 @@ def test_chat_logprobs_stream_or_not_and_greedy_picks_the_top_one(served, asked)
     assert e.value.param == "logprobs"
 
 
+SCHEMAS = {  # bounded (maxLength, maxItems) so that a small model's answer ends within max_tokens
+    "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                              "age": {"type": "integer"}}, "required": ["name", "age"]},
+    "enum": {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                              "sure": {"type": "boolean"}}, "required": ["colour", "sure"]},
+    "nested": {"type": "object", "properties": {"city": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["name", "country"]}}, "required": ["city"]},
+    "array": {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                           "minItems": 1, "maxItems": 3}}, "required": ["colours"]},
+    "number": {"type": "object", "properties": {"celsius": {"type": "number"}, "unit": {"const": "C"}},
+               "required": ["celsius", "unit"]},
+}
+JSON_PROMPTS = ["Name the three primary colours.", "Describe the city of Paris in a few words."]
+
+
+def test_json_schema_answers_validate_stream_or_not(served):
+    """response_format at the asker: llama.cpp's grammar engine masks the logits, so even the
+    135M model answers JSON that parses and validates, for every schema and prompt."""
+    import jsonschema
+
+    client = served.client()
+    for name, schema in SCHEMAS.items():
+        for prompt in JSON_PROMPTS:
+            r = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0.7, seed=3,
+                max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+            assert r.choices[0].finish_reason == "stop", (name, prompt, r.choices[0].message.content)
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[1]}], max_tokens=200, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "nested", "schema": SCHEMAS["nested"]}}))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)),
+                        SCHEMAS["nested"])
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[0]}],
+                                       max_tokens=200, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[0]}],
+                                           temperature=0, max_tokens=12)
+    assert not plain.choices[0].message.content.lstrip().startswith("{")  # (what the grammar changed)
+    for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           response_format=bad)
+        assert e.value.param == "response_format", bad
+
+
 def test_server_logs_one_line_per_error_and_no_traceback(served):
     log = served.stderr.read_text()
     assert "Traceback" not in log
@@ -877,3 +924,28 @@ def test_speculative_steps_report_predictions_in_usage_and_keep_the_text(inproc,
     assert details.accepted_prediction_tokens > 0
     assert details.rejected_prediction_tokens >= 0
     assert spec.usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_drafts_are_checked_against_the_grammar_too(inproc, trunk):
+    """serve --speculate ngram with response_format: a draft the grammar forbids is never kept, so
+    greedy structured answers are the same with speculation as without, and still validate."""
+    import jsonschema
+
+    from swarmctl.asker.speculate import Drafting
+
+    schema = {"type": "object", "properties": {"colours": {"type": "array", "maxItems": 6, "items": {
+        "enum": ["red", "green", "blue"]}}}, "required": ["colours"]}
+    prompt = "Repeat after me: red green blue, red green blue, red green blue. Now as JSON:"
+    fmt = {"type": "json_schema", "json_schema": {"name": "colours", "schema": schema}}
+    client = inproc.client()
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0,
+                                      extra_body={"response_format": fmt})
+    inproc.api.drafting = Drafting("ngram")
+    try:
+        spec = client.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0,
+                                         extra_body={"response_format": fmt})
+    finally:
+        inproc.api.drafting = Drafting()
+    assert spec.choices[0].text == plain.choices[0].text
+    jsonschema.validate(json.loads(spec.choices[0].text), schema)
+    assert spec.usage.completion_tokens_details.accepted_prediction_tokens > 0

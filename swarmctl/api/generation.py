@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+from kernels.grammar import Grammar
 from kernels.sampling import SamplingParams
 from swarmctl.api.shapes import FINISH_REASONS, Usage
 from swarmctl.api.stops import StopScanner
@@ -23,6 +24,7 @@ class TextRequest:
     sampling: SamplingParams
     stops: Sequence[str] = ()
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
+    grammar: Grammar | None = None  # structured output: only what it allows (closed with the generation)
 
 
 class TextGeneration:
@@ -33,7 +35,8 @@ class TextGeneration:
         self.finish_reason: str | None = None  # OpenAI's: "stop" or "length", once the text has ended
         self._tokens = asker.generate(request.prompt, trunk, max_tokens=request.max_tokens, sampling=request.sampling,
                                       timeout=timeout, generation=self.generation, speculation=speculation,
-                                      logprobs=request.logprobs)
+                                      logprobs=request.logprobs, grammar=request.grammar)
+        self._grammar = request.grammar
         self.wants_logprobs = request.logprobs is not None
         self._pushed = 0  # tokens turned into text so far (their log-probabilities go out with it)
         self._taken = 0
@@ -80,3 +83,5 @@ class TextGeneration:
     async def aclose(self) -> None:
         """Stop generating (a stop string, an error, a client gone): the asker frees the request."""
         await self._tokens.aclose()
+        if self._grammar is not None:
+            self._grammar.close()

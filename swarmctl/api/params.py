@@ -35,6 +35,7 @@ class GenerationParams:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
+    json_schema: dict | None = None  # response_format: {} for any JSON object, else the schema to follow
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,29 @@ def _generation(body: dict[str, Any], max_tokens: int | None, max_tokens_param: 
         raise bad_request("'stream_options' must be an object", "stream_options")
     return GenerationParams(model=model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
                             sampling=_sampling(body), stop=_stops(body),
-                            stream=bool(stream), include_usage=bool(options.get("include_usage")))
+                            stream=bool(stream), include_usage=bool(options.get("include_usage")),
+                            json_schema=_response_format(body))
+
+
+def _response_format(body: dict[str, Any]) -> dict | None:
+    """``response_format``: text (None), ``json_object`` ({}: any JSON object) or ``json_schema``
+    (the schema); constrained at the asker by llama.cpp's grammar engine (kernels/grammar.py)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
+                              "response_format")
+        return schema
+    raise bad_request("'response_format.type' must be text, json_object or json_schema", "response_format")
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from kernels.errors import ModelFileError
+from kernels.grammar import Grammar, GrammarError
 from swarmctl.api import sse
 from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
 from swarmctl.api.generation import TextGeneration, TextRequest
@@ -169,7 +170,7 @@ class ApiServer:
         # Like llama.cpp's server (and `swarmctl ask`), a completion that reaches the end of the
         # context stops there with finish_reason "length" rather than being refused up front.
         request = TextRequest(prompt, max_tokens=params.max_tokens or context, sampling=params.sampling,
-                              stops=params.stop, logprobs=params.logprobs)
+                              stops=params.stop, logprobs=params.logprobs, grammar=self._grammar(params))
         generation = TextGeneration(self.asker, self.trunk, request, timeout=self.request_timeout,
                                     speculation=self.drafting.for_request())
         try:
@@ -185,6 +186,18 @@ class ApiServer:
         finally:
             await generation.aclose()
             await self._write_trace(request_id, generation)
+
+    def _grammar(self, params: GenerationParams) -> Grammar | None:
+        """response_format as a grammar for this request (kernels/grammar.py); a schema llama.cpp's
+        converter cannot take is a 400."""
+        if params.json_schema is None:
+            return None
+        try:
+            if not params.json_schema:
+                return Grammar.for_json(self.asker.tokenizer)
+            return Grammar.for_json_schema(self.asker.tokenizer, params.json_schema)
+        except GrammarError as e:
+            raise bad_request(str(e), "response_format") from None
 
     def _logprobs(self, envelope: Envelope, generation: TextGeneration, offset: int = 0) -> dict:
         """The log-probabilities of the tokens whose text has gone out since the last call, in the

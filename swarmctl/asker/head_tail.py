@@ -31,6 +31,7 @@ from kernels.tokenizer import Tokenizer
 from net.wire import DType, Hop
 from swarmctl.batching import BatchRunner, StepTiming
 from swarmctl.asker.logprobs import TokenLogprob, token_logprob
+from kernels.grammar import Grammar, GrammarError
 from swarmctl.asker.speculate import Draft, Speculation, accept
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
@@ -211,6 +212,30 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in ``tokens``, when asked for
 
 
+class GrammarRows:
+    """A checked step's rows of logits, each masked by the grammar as its turn comes (structured
+    output): row i is masked in the state after drafts 0..i-1, which ``accept`` only asks for once
+    it kept them, so a draft the grammar forbids is never kept."""
+
+    def __init__(self, grammar: Grammar, rows: np.ndarray, drafts: Sequence[int]) -> None:
+        self.grammar, self.rows, self.drafts = grammar, rows, drafts
+        self._masked: list[np.ndarray] = []
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        while len(self._masked) <= i:
+            j = len(self._masked)
+            if j > 0:
+                self.grammar.accept(self.drafts[j - 1])  # (kept: accept() reached the row after it)
+            row = self.grammar.mask(self.rows[j])
+            if not np.isfinite(row).any():
+                raise GrammarError("the grammar allows no token here")
+            self._masked.append(row)
+        return self._masked[i]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 class Asker:
     """Embedding, head, tail, LM head, tokenizer and sampling: everything the asker keeps."""
 
@@ -246,13 +271,15 @@ class Asker:
     async def generate(self, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
                        sampling: SamplingParams, timeout: float | None = None,
                        generation: Generation | None = None, ignore_eos: bool = False,
-                       speculation: Speculation | None = None, logprobs: int | None = None) -> AsyncIterator[int]:
+                       speculation: Speculation | None = None, logprobs: int | None = None,
+                       grammar: Grammar | None = None) -> AsyncIterator[int]:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
         included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
         past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos);
         ``speculation`` drafts tokens to check several per step (swarmctl/asker/speculate.py), and
         counts what it drafted and kept; ``logprobs``: record each token's log-probability and that
-        many alternatives in ``generation.logprobs`` (None: none)."""
+        many alternatives in ``generation.logprobs`` (None: none); ``grammar``: only tokens it
+        allows are chosen, drafts included (kernels/grammar.py: structured output)."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")
         if not prompt:
@@ -273,7 +300,8 @@ class Asker:
         self.in_flight[gen.request_id] = gen
         try:
             sampler = Sampler(sampling)
-            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation, logprobs)
+            steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation, logprobs,
+                                grammar)
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -295,7 +323,7 @@ class Asker:
 
     async def _steps(self, prompt: list[int], trunk: Trunk | None, max_tokens: int, sample: Sampler,
                      gen: Generation, ignore_eos: bool, speculation: Speculation | None = None,
-                     logprobs: int | None = None):
+                     logprobs: int | None = None, grammar: Grammar | None = None):
         rid = gen.request_id
         start = 0
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
@@ -323,7 +351,12 @@ class Asker:
             start += len(new_tokens)
             sampling_started = time.perf_counter()
             rows = logits[len(logits) - len(draft.tokens) - 1:]  # row j: what follows the step's j-th last position
-            tokens, kept = accept(sample, rows, draft)
+            if grammar is None:
+                tokens, kept = accept(sample, rows, draft)
+            else:
+                constrained = GrammarRows(grammar, rows, draft.tokens)
+                tokens, kept = accept(sample, constrained, draft)
+                grammar.accept(tokens[-1])
             timing.done = time.perf_counter()
             timing.sample_s = timing.done - sampling_started
             timing.first_token, timing.tokens = len(gen.tokens), tuple(tokens)
