@@ -16,6 +16,7 @@ import asyncio
 import json
 import secrets
 import struct
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from net import messages as m
 from net.endpoint import Address, _connect, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.tls import join_configuration
-from net.wire import MAX_HOPS, ActivationPacket, DType, FrameType, Hop, PacketKind, WireError, decode_packet, \
+from net.wire import MAX_HOPS, Q8_0_BLOCK, ActivationPacket, DType, FrameType, Hop, PacketKind, WireError, decode_packet, \
     encode_packet
 from swarmctl.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
@@ -212,7 +213,9 @@ class HostileStep:
     def packet(self, rid: bytes, start_pos: int, plan_version: int, first_layer: int, n_embd: int,
                session: str) -> ActivationPacket:
         rng = np.random.default_rng(start_pos + 7 * self.rows)
-        data = rng.standard_normal((self.rows, n_embd + self.width_delta)).astype(np.float32)
+        # (q8_0 rows come in blocks of 32: its width is off by a whole block)
+        width = n_embd + self.width_delta * (Q8_0_BLOCK if self.dtype is DType.Q8_0 else 1)
+        data = rng.standard_normal((self.rows, width)).astype(np.float32)
         if self.values == "nan":
             data[:, ::3] = np.nan
         elif self.values == "inf":
@@ -288,7 +291,7 @@ class StepThrower:
             waiter = self.loop.create_future()
             self.answers.waiting[rid] = waiter
             start = filled if step.start_pos == CONTINUE else step.start_pos
-            with np.errstate(over="ignore"):  # "huge" in f16 is inf on the wire, as a peer may send it
+            with np.errstate(over="ignore", invalid="ignore"):  # "huge" in f16 is inf on the wire, as a peer may send it
                 frame = encode_packet(step.packet(rid, start, self.plan_version, self.first_layer, self.n_embd,
                                                   self.session))
             self.conn.send(stream, frame)
@@ -380,6 +383,11 @@ def last_layer_swarm(tmp_path_factory, tiny_model):
         s.start_trunk("stage", "--threads", "1", "--memory", "1G", capture=False)
         s.start_trunk("experts", "--threads", "1", "--memory", "2G", capture=False)
         s.wait_complete(1)
+        deadline = time.monotonic() + 60  # (a plan of "stage" alone may come first, while "experts" registers)
+        while not any(m["name"] == "experts" and m.get("experts") for m in s.status().get("members", [])) \
+                or not s.status().get("complete"):
+            assert time.monotonic() < deadline, s.status()
+            time.sleep(0.3)
         yield s, model
     finally:
         s.close()
