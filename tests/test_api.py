@@ -382,6 +382,61 @@ def test_json_schema_answers_validate_stream_or_not(served):
         assert e.value.param == "response_format", bad
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}}, "required": ["zone"]}}}
+
+
+def _valid_call(call, tools=(WEATHER, CLOCK)):
+    import jsonschema
+
+    (tool,) = [t for t in tools if t["function"]["name"] == call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_the_official_clients_tool_calling_loop(served):
+    """tools with tool_choice required (or a named function): the answer is constrained to the
+    tools' schemas, so the 135M model calls a tool with valid arguments; its result goes back as a
+    role "tool" message, and the next answer is text."""
+    client = served.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                           tool_choice="required", max_tokens=120, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _valid_call(call)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                            tool_choice="none", max_tokens=30, temperature=0)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+    named = client.chat.completions.create(model=MODEL, messages=messages[:1], tools=[WEATHER, CLOCK], max_tokens=120,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    _valid_call(named.choices[0].message.tool_calls[0])
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages[:1], tools=[WEATHER],
+                                                 tool_choice="required", max_tokens=120, stream=True))
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0][0].index == 0
+    _valid_call(deltas[0][0], (WEATHER,))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
+                {"tool_choice": "required"}, {"tools": [{"type": "function", "function": {}}]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, **bad)
+        assert e.value.param.startswith(("tool_choice", "tools")), bad
+
+
 def test_server_logs_one_line_per_error_and_no_traceback(served):
     log = served.stderr.read_text()
     assert "Traceback" not in log
@@ -949,3 +1004,14 @@ def test_drafts_are_checked_against_the_grammar_too(inproc, trunk):
     assert spec.choices[0].text == plain.choices[0].text
     jsonschema.validate(json.loads(spec.choices[0].text), schema)
     assert spec.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_tool_choice_auto_takes_an_answer_as_a_call_only_when_it_is_one():
+    from swarmctl.api.tools import Tool, parse_call
+
+    tools = (Tool("get_weather", "", {"type": "object"}),)
+    call = parse_call(' {"name": "get_weather", "arguments": {"city": "Oslo"}}\n', tools)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    assert parse_call('{"name": "rm_rf", "arguments": {}}', tools) is None
+    assert parse_call("It is sunny in Oslo.", tools) is None
+    assert parse_call('["get_weather"]', tools) is None

@@ -14,6 +14,7 @@ from typing import Any
 
 from kernels.sampling import SamplingParams
 from swarmctl.api.errors import bad_request
+from swarmctl.api.tools import Tool, ToolChoice, call_text, parse_tool_choice, parse_tools
 
 DEFAULT_SAMPLING = SamplingParams(temperature=0.2, top_k=40, top_p=0.9)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
@@ -21,7 +22,7 @@ MAX_STOPS = 4  # as OpenAI
 SEED_MASK = 2**64 - 1  # numpy's generators take seeds of 0 or more; negative ones wrap
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Parameters whose meaning we cannot honour: refused rather than silently ignored.
-UNSUPPORTED = ("echo", "suffix", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("echo", "suffix", "functions", "logit_bias")
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # as OpenAI
 
 
@@ -42,16 +43,21 @@ class GenerationParams:
 class Message:
     role: str
     content: str
+    tool_calls: tuple[tuple[str, str], ...] = ()  # an assistant's earlier calls: (name, arguments JSON)
 
     def as_template_input(self) -> dict[str, str]:
-        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system message.
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system
+        # message; an assistant's calls are written as the model writes them (swarmctl/api/tools.py).
+        content = "\n".join([self.content] * bool(self.content) + [call_text(n, a) for n, a in self.tool_calls])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     messages: tuple[Message, ...]
     params: GenerationParams
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,11 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     name = next((n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None), None)
     params = replace(_generation(body, max_tokens, name), logprobs=_chat_logprobs(body))
-    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), params)
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    if choice.mode in ("required", "function") and params.json_schema is not None:
+        raise bad_request("a required tool call and response_format cannot both shape the answer", "tool_choice")
+    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), params, tools, choice)
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -231,7 +241,13 @@ def _message(value: Any, index: int) -> Message:
         content = "".join(p["text"] for p in content)
     elif not isinstance(content, str):
         raise bad_request(f"{param}.content must be a string or a list of text parts", f"{param}.content")
-    return Message(value["role"], content)
+    calls = value.get("tool_calls") or []
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+        raise bad_request(f"{param}.tool_calls must be a list of function calls", f"{param}.tool_calls")
+    return Message(value["role"], content, tuple((c["function"]["name"], c["function"].get("arguments", "{}"))
+                                                 for c in calls))
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:

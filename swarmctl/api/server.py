@@ -16,7 +16,7 @@ import secrets
 import socket
 import ssl
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Sequence
 
 from kernels.errors import ModelFileError
@@ -27,6 +27,7 @@ from swarmctl.api.generation import TextGeneration, TextRequest
 from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, chat_logprobs, completion_logprobs, model_list, model_object
+from swarmctl.api.tools import Tool, call_schema, parse_call, tool_prompt
 from swarmctl.asker.head_tail import Asker, Trunk
 from swarmctl.asker.speculate import Drafting
 from swarmctl.asker.trace import TraceError, TraceFolder
@@ -133,11 +134,22 @@ class ApiServer:
         self._check_model(chat.params.model)
         from jinja2 import TemplateError
 
+        messages = [m.as_template_input() for m in chat.messages]
+        params, tools = chat.params, ()
+        if chat.tools and chat.tool_choice.mode != "none":  # swarmctl/api/tools.py
+            tools = chat.tools
+            told = tool_prompt(tools, chat.tool_choice)
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{told}"}
+            else:
+                messages.insert(0, {"role": "system", "content": told})
+            if chat.tool_choice.mode in ("required", "function"):
+                params = replace(params, json_schema=call_schema(tools, chat.tool_choice))
         try:
-            prompt = self.asker.tokenizer.encode_chat([m.as_template_input() for m in chat.messages])
+            prompt = self.asker.tokenizer.encode_chat(messages)
         except (TemplateError, ModelFileError) as e:
             raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
-        await self._generate(Envelope(chat=True, model=self.model_id), prompt, chat.params, responder, request_id)
+        await self._generate(Envelope(chat=True, model=self.model_id), prompt, params, responder, request_id, tools)
 
     async def _completions(self, request: Request, responder: Responder, request_id: str) -> None:
         completion = parse_completion(parse_json(request.body))
@@ -155,7 +167,7 @@ class ApiServer:
     # --- generation ---
 
     async def _generate(self, envelope: Envelope, prompt: Sequence[int], params: GenerationParams,
-                        responder: Responder, request_id: str) -> None:
+                        responder: Responder, request_id: str, tools: tuple[Tool, ...] = ()) -> None:
         context = self.asker.max_context
         if params.max_tokens_param is not None and params.max_tokens is not None and params.max_tokens > context:
             # As OpenAI: a limit no request could reach is refused, naming the most there is.
@@ -175,14 +187,18 @@ class ApiServer:
                                     speculation=self.drafting.for_request())
         try:
             await generation.start()
-            if params.stream:
+            if params.stream and not tools:
                 await self._stream(envelope, generation, params, responder, request_id)
+            elif params.stream:
+                await self._stream_call(envelope, generation, params, responder, request_id, tools)
             else:
                 async with aclosing(generation.pieces()) as pieces:
                     text = "".join([piece async for piece in pieces])
                 logprobs = self._logprobs(envelope, generation) if generation.wants_logprobs else None
+                call = parse_call(text, tools) if tools else None
                 await _send_json(responder, envelope.response(text, generation.finish_reason, generation.usage,
-                                                              logprobs), request_id)
+                                                              logprobs, [call.as_dict()] if call else None),
+                                 request_id)
         finally:
             await generation.aclose()
             await self._write_trace(request_id, generation)
@@ -216,6 +232,34 @@ class ApiServer:
             await asyncio.to_thread(self.traces.write, request_id, gen)  # off the loop: other streams go on
         except TraceError as e:
             log.warning("%s: %s", request_id, e)
+
+    async def _stream_call(self, envelope: Envelope, generation: TextGeneration, params: GenerationParams,
+                           responder: Responder, request_id: str, tools: tuple[Tool, ...]) -> None:
+        """A stream that may be a tool call: the answer is read whole first (a call is only a call
+        once it parses), then sent as one call delta, or as text."""
+        events = sse.EventStream(await responder.stream(200, sse.CONTENT_TYPE,
+                                                        {**sse.HEADERS, "x-request-id": request_id}))
+        await events.send(envelope.chunk("", first=True))
+        try:
+            async with aclosing(generation.pieces()) as pieces:
+                text = "".join([piece async for piece in pieces])
+        except Exception as e:  # noqa: BLE001 - the status is out: the error goes in the stream
+            error = from_exception(e)
+            log.warning("%s %s stream -> %s", request_id, envelope.id, error.message)
+            await events.send(error.body())
+            await events.close(done=False)
+            return
+        logprobs = self._logprobs(envelope, generation) if generation.wants_logprobs else None
+        call = parse_call(text, tools)
+        if call is not None:
+            await events.send(envelope.chunk(None, tool_calls=[call.as_dict()], logprobs=logprobs))
+            await events.send(envelope.chunk(None, "tool_calls"))
+        else:
+            await events.send(envelope.chunk(text, logprobs=logprobs))
+            await events.send(envelope.chunk(None, generation.finish_reason))
+        if params.include_usage:
+            await events.send(envelope.usage_chunk(generation.usage))
+        await events.close()
 
     async def _stream(self, envelope: Envelope, generation: TextGeneration, params: GenerationParams,
                       responder: Responder, request_id: str) -> None:

@@ -47,21 +47,28 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def response(self, text: str, finish_reason: str, usage: Usage, logprobs: dict | None = None) -> dict:
+    def response(self, text: str, finish_reason: str, usage: Usage, logprobs: dict | None = None,
+                 tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": logprobs, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": None if tool_calls else text, "refusal": None}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": "tool_calls" if tool_calls else finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
-              logprobs: dict | None = None) -> dict:
-        """A stream chunk carrying ``text`` (chat: a delta; the first also names the role)."""
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """A stream chunk carrying ``text`` (chat: a delta; the first also names the role) or
+        ``tool_calls`` (each with its index in the list, as OpenAI streams them)."""
         if self.chat:
             delta: dict = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
