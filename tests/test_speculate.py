@@ -247,3 +247,34 @@ def test_a_draft_only_proposes_within_the_context_left(tiny_pair):
         assert len(out.tokens) == 2 and isinstance(out, Draft)
     finally:
         draft.close()
+
+
+def test_layerskip_drafts_with_the_askers_own_ends_and_greedy_output_is_unchanged(bundled_model):
+    """--speculate layerskip: the model's head layers feed its tail layers and LM head directly (the
+    trunk skipped) as the draft. Greedy answers equal plain decoding token for token, and some
+    drafts go through the checked path (how many are kept is measured, not asserted: on SmolLM2 with
+    K = 4 of 30 layers almost none are; docs/speculation.md has the figures)."""
+    from swarmctl.asker.speculate import LayerSkipDraft
+
+    asker = Asker(bundled_model, 4, n_threads=N_THREADS, max_context=512)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
+                        max_context=asker.max_context)
+    draft = LayerSkipDraft(bundled_model, 4, n_threads=N_THREADS, max_context=512)
+    prompt = asker.tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty in words."}])
+    try:
+        async def both():
+            plain = await generate_all(asker, prompt, trunk, max_tokens=40, sampling=SamplingParams(temperature=0))
+            spec = await generate_all(asker, prompt, trunk, max_tokens=40, sampling=SamplingParams(temperature=0),
+                                      speculation=speculation_for("layerskip", draft))
+            return plain, spec
+
+        plain, spec = asyncio.run(both())
+    finally:
+        draft.close()
+        trunk.close()
+        asker.close()
+    assert spec.tokens == plain.tokens
+    assert spec.drafted > 0
+    print(f"layerskip on SmolLM2 (K=4, counting): {spec.accepted} of {spec.drafted} drafts kept")
+    with pytest.raises(EngineError, match="head layers do not fit"):
+        LayerSkipDraft(bundled_model, 20)

@@ -57,9 +57,10 @@ class Session:
         return describe() if describe is not None else {}
 
 
-def _drafting(options: SessionOptions, model: Path, threads: int | None) -> Drafting:
+def _drafting(options: SessionOptions, model: Path, threads: int | None, head_layers: int | None = None) -> Drafting:
+    """``head_layers``: the asker's, once known (``--speculate layerskip`` drafts with them)."""
     drafting = open_drafting(options.speculate, options.draft_model, model, k_max=options.draft_tokens,
-                             n_threads=threads, max_context=options.ctx)
+                             n_threads=threads, max_context=options.ctx, head_layers=head_layers)
     if drafting.mode != "off":
         log.info("speculative steps: %s, up to %d drafted tokens per step%s", drafting.mode, drafting.k_max,
                  f" (draft model {Path(options.draft_model).name})" if options.draft_model else "")
@@ -94,7 +95,7 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
     head_layers = DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers
     device = choose_device(options.device)
     t0 = time.perf_counter()
-    drafting = _drafting(options, model, options.threads)
+    drafting = _drafting(options, model, options.threads, head_layers)
     try:
         asker = Asker(model, head_layers, n_threads=options.threads, max_context=options.ctx,
                       max_in_flight=options.max_in_flight, device=device)
@@ -160,6 +161,9 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
                       max_in_flight=options.max_in_flight, device=device)
         link.check_model(asker.gguf)
+        if options.speculate == "layerskip":  # (it drafts with the head layers the plan gives this asker)
+            drafting.close()
+            drafting = _drafting(options, model, threads, link.head_layers)
         if options.verify:
             from swarmctl.asker.verify import VerifyingTrunk
 

@@ -25,6 +25,9 @@ are not the same draws as a plain run with that seed.
             proposes what followed it then (code edits, extraction, quoting chat); q is a point
             mass on the proposed token
     draft   a small GGUF with the same vocabulary, run whole on the asker (``ModelDraft``)
+    layerskip  the model itself with its trunk skipped: the asker's own head layers feed its own
+            tail layers and LM head directly (``LayerSkipDraft``); no other file, no crossing,
+            any architecture, and low acceptance where the trunk does most of the work
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from kernels.spec import ModelSpec, SliceSpec
 from swarmctl.batching import BatchRunner
 from swarmctl.models import checked_model
 
-MODES = ("off", "ngram", "draft")
+MODES = ("off", "ngram", "draft", "layerskip")
 MAX_DRAFT = 8  # drafted tokens per step at most
 MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
@@ -133,8 +136,7 @@ class ModelDraft:
         new = list(context[common:])
         # A catch-up of several tokens after the prompt runs as a check does, so the draft's rows
         # are the bits its one-token steps would give (kernels.slice.Step.verify).
-        logits, _ = await self.runner.run(Step(rid, common, tokens=new, rewind=common < len(held),
-                                               verify=common > 0))
+        logits = await self._logits(Step(rid, common, tokens=new, rewind=common < len(held), verify=common > 0))
         held[common:] = new
         out = Draft()
         for i in range(k):
@@ -143,9 +145,13 @@ class ModelDraft:
             out.tokens.append(token)
             out.q.append(None if sampling.greedy else q)
             if i + 1 < k:
-                logits, _ = await self.runner.run(Step(rid, len(held), tokens=[token]))
+                logits = await self._logits(Step(rid, len(held), tokens=[token]))
                 held.append(token)
         return out
+
+    async def _logits(self, step: Step) -> np.ndarray:
+        logits, _ = await self.runner.run(step)
+        return logits
 
     async def release(self, rid: bytes) -> None:
         self._held.pop(rid, None)
@@ -156,6 +162,50 @@ class ModelDraft:
         self.runner.close()
         self.engine.close()
         self.gguf.close()
+
+
+class LayerSkipDraft(ModelDraft):
+    """The target as its own draft, its trunk skipped (``--speculate layerskip``): embedding and
+    head layers [0, K), then straight into tail layers [L-K, L) and the LM head: the layers the
+    asker holds anyway, in engines of their own (their own KV caches; on the CPU the weights stay
+    in the file's map, so they are not held twice). It drafts without a crossing, for any
+    architecture; how often the trunk agrees with it is measured, not assumed."""
+
+    def __init__(self, path: str | Path, head_layers: int, *, n_threads: int | None = None,
+                 max_context: int | None = None) -> None:
+        self.gguf = GGUFFile(path)
+        try:
+            n = ModelSpec.from_gguf(self.gguf).n_layer
+            if not 0 <= head_layers <= n // 2:
+                raise EngineError(f"--speculate layerskip: {head_layers} head layers do not fit a model of {n}")
+            self.head = SliceEngine(self.gguf, SliceSpec(0, head_layers, has_embedding=True), n_threads=n_threads,
+                                    max_context=max_context)
+            self.engine = SliceEngine(self.gguf, SliceSpec(n - head_layers, n, has_lm_head=True),
+                                      n_threads=n_threads, max_context=max_context)
+        except BaseException:
+            if getattr(self, "head", None) is not None:
+                self.head.close()
+            self.gguf.close()
+            raise
+        self.head_runner = BatchRunner(self.head)
+        self.runner = BatchRunner(self.engine)
+        self._held = {}
+        self._samplers = {}
+
+    async def _logits(self, step: Step) -> np.ndarray:
+        hidden, _ = await self.head_runner.run(step)
+        logits, _ = await self.runner.run(Step(step.request_id, step.start_pos, hidden=hidden, rewind=step.rewind,
+                                               verify=step.verify))
+        return logits
+
+    async def release(self, rid: bytes) -> None:
+        await super().release(rid)
+        await self.head_runner.call(self.head.release, rid)
+
+    def close(self) -> None:
+        self.head_runner.close()
+        self.head.close()
+        super().close()
 
 
 def _draft_params(sampling: SamplingParams) -> SamplingParams:
@@ -305,6 +355,9 @@ class Drafting:
     draft model that requests share."""
 
     def __init__(self, mode: str = "off", draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT) -> None:
+        if mode == "layerskip" and draft_model is None:
+            raise EngineError("--speculate layerskip drafts with the asker's own head and tail: open it with "
+                              "open_drafting(..., head_layers=K)")
         speculation_for(mode, draft_model, k_max)  # a bad mode or a missing draft: one line now
         self.mode, self.draft_model, self.k_max = mode, draft_model, k_max
 
@@ -318,15 +371,22 @@ class Drafting:
 
 
 def open_drafting(mode: str, draft_path: str | None, model_path: str | Path, *, k_max: int = MAX_DRAFT,
-                  n_threads: int | None = None, max_context: int | None = None) -> Drafting:
+                  n_threads: int | None = None, max_context: int | None = None,
+                  head_layers: int | None = None) -> Drafting:
     """The drafting for ``--speculate MODE [--draft-model PATH] [--draft-tokens K]``; a draft model
-    whose vocabulary differs from the model's is refused here, in one line."""
+    whose vocabulary differs from the model's is refused here, in one line. ``layerskip`` needs the
+    asker's ``head_layers`` (None: not known yet, and then it is opened again once it is)."""
     if mode not in MODES:
         raise EngineError(f"--speculate {mode!r}: expected one of {', '.join(MODES)}")
     if not 1 <= k_max <= 32:
         raise EngineError(f"--draft-tokens must be between 1 and 32, not {k_max}")
     if draft_path is not None and mode != "draft":
         raise EngineError("--draft-model is used only with --speculate draft")
+    if mode == "layerskip":
+        if head_layers is None:
+            return Drafting("off", None, k_max)
+        return Drafting(mode, LayerSkipDraft(model_path, head_layers, n_threads=n_threads, max_context=max_context),
+                        k_max)
     if mode != "draft":
         return Drafting(mode, None, k_max)
     if draft_path is None:
@@ -342,7 +402,7 @@ def speculation_for(mode: str, draft_model: ModelDraft | None = None, k_max: int
         return None
     if mode == "ngram":
         return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max))
-    if mode == "draft":
+    if mode in ("draft", "layerskip"):
         if draft_model is None:
             raise EngineError("--speculate draft needs --draft-model PATH (a small GGUF with the same vocabulary)")
         return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max))
