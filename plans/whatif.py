@@ -109,6 +109,69 @@ def speculation(proposal: Proposal, layout: ModelLayout, acceptances=(0.5, 0.7, 
     return out
 
 
+def bottleneck_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_experts: bool = False) -> float:
+    """The slowest part a step of ``rows`` rows passes through (a stage's compute, or a hop's bytes
+    and packets): how often the pipeline can take the next one."""
+    worst = 0.0
+    for s in proposal.stages:
+        per_layer = s.compute_ms / (s.stop - s.start)
+        stage_ms = sum(per_layer * row_factor(layout, il, rows, same_experts) for il in range(s.start, s.stop))
+        worst = max(worst, stage_ms + s.expert_latency_ms + (s.expert_ms - s.expert_latency_ms) * rows)
+    for h in proposal.hops:
+        worst = max(worst, (h.ms - h.rtt_ms / 2) * rows)
+    return worst
+
+
+@dataclass(frozen=True)
+class WindowsInFlight:
+    """Speculative windows sent before the previous one's verdict (issue 34 item 1): modelled here;
+    the asker sends one window per round trip today."""
+
+    routing: str
+    acceptance: float
+    drafts: int  # k per window
+    windows: int  # in flight at most
+    tokens_per_s: float
+    one_window_tokens_per_s: float  # the same drafts, one window per round trip
+    gain: float  # over one window per round trip
+
+
+def windows_in_flight(proposal: Proposal, layout: ModelLayout, acceptance: float, k: int, windows: int,
+                      same_experts: bool = False) -> WindowsInFlight:
+    """Tokens/s of one stream that keeps up to ``windows`` windows of ``k`` drafts in flight. Window
+    n + 1 is drafted on the guess that window n keeps its k drafts and that the token after them is
+    the one guessed: with probability a^(k+1) it holds and the window yields k + 1 tokens one
+    pipeline slot after the previous one; else later windows are dropped and the next verdict costs
+    a whole round trip again (a renewal process: expected tokens over expected time per burst)."""
+    trip = trip_ms(proposal, layout, k + 1, same_experts)
+    slot = max(bottleneck_ms(proposal, layout, k + 1, same_experts), trip / max(1, windows))
+    one = tokens_per_trip(k, acceptance)
+    valid = acceptance ** (k + 1)
+    if valid >= 1:
+        tokens_per_s = 1000 * (k + 1) / slot
+    else:
+        kept_windows = valid / (1 - valid)  # whole windows before the one that breaks the chain
+        tokens = (k + 1) * kept_windows + (one - (k + 1) * valid) / (1 - valid)
+        tokens_per_s = 1000 * tokens / (trip + slot * kept_windows)
+    single = 1000 * one / trip
+    return WindowsInFlight("same experts" if same_experts else "independent", acceptance, k, windows, tokens_per_s,
+                           single, tokens_per_s / single)
+
+
+def best_windows(proposal: Proposal, layout: ModelLayout, acceptance: float, drafts=(1, 2, 3, 4, 6, 8),
+                 same_experts: bool = False) -> WindowsInFlight:
+    """The draft count that does best with windows in flight, with as many windows as fill the trip."""
+    best = None
+    for k in drafts:
+        trip = trip_ms(proposal, layout, k + 1, same_experts)
+        slot = bottleneck_ms(proposal, layout, k + 1, same_experts)
+        w = windows_in_flight(proposal, layout, acceptance, k, max(1, math.ceil(trip / slot)) if slot else 1,
+                              same_experts)
+        if best is None or w.tokens_per_s > best.tokens_per_s:
+            best = w
+    return best
+
+
 def best_speculation(specs: list[Speculation]) -> list[Speculation]:
     """Per routing assumption and acceptance, the draft count that gives the most tokens/s."""
     best: dict[tuple[str, float], Speculation] = {}
@@ -211,6 +274,8 @@ def report(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constr
                   "tokens_per_s_at_latency_alone": 1000 / floor.latency_ms if floor.latency_ms else math.inf,
                   "compute_ms": compute_floor},
         "speculation_best_k": [asdict(s) for s in best_speculation(specs)],
+        "windows_in_flight": [asdict(best_windows(plan, layout, a, same_experts=same))
+                              for same in (False, True) for a in (0.5, 0.7, 0.8, 0.9)],
         "speculation": [asdict(s) for s in specs],
         "orders": [asdict(o) for o in orders],
     }

@@ -19,7 +19,8 @@ from plans.layout import BITS_PER_WEIGHT, ModelLayout, layout_by_name
 from plans.nodes import ASKER, Link, NodeDescriptor, load_nodes
 from plans.planner import Constraints, add_expert_calls, place_experts, plan_layers, time_breakdown
 from plans.search import Search
-from plans.whatif import distinct_experts, latency_floor, report, tokens_per_trip, trip_ms
+from plans.whatif import best_windows, distinct_experts, latency_floor, report, tokens_per_trip, trip_ms, \
+    windows_in_flight
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "plans" / "examples" / "kimi-thirty-gpus.json"
 ROOT = EXAMPLE.parent.parent.parent
@@ -219,6 +220,30 @@ def test_the_what_if_figures_bound_the_plan(kimi, friends):
     ignored = next(o for o in out["orders"] if "ignored" in o["label"])
     assert ignored["ms_per_token"] > out["plan"]["ms_per_token"] and ignored["site_changes"] > 5
     assert out["expert_parallel"]["ms_per_token"] > 5 * out["plan"]["ms_per_token"]
+
+
+def test_windows_in_flight_reduce_to_one_window_and_pay_only_when_drafts_are_kept(kimi, friends):
+    """The model of issue 34's windows in flight: with one window it is one window per round trip
+    exactly; at acceptance 0 nothing is gained; the gain grows with acceptance and windows."""
+    plan = plan_layers(kimi, friends, Constraints(head_layers=1))
+    for a in (0.0, 0.5, 0.8):
+        one = windows_in_flight(plan, kimi, a, 3, 1)
+        assert one.tokens_per_s == pytest.approx(1000 * tokens_per_trip(3, a) / trip_ms(plan, kimi, 4))
+        assert one.gain == pytest.approx(1.0)
+    assert windows_in_flight(plan, kimi, 0.0, 3, 8).gain == pytest.approx(1.0)
+    gains = [windows_in_flight(plan, kimi, a, 2, 8).gain for a in (0.5, 0.7, 0.9)]
+    assert 1.0 < gains[0] < gains[1] < gains[2]
+    assert windows_in_flight(plan, kimi, 0.8, 2, 2).gain < windows_in_flight(plan, kimi, 0.8, 2, 8).gain
+    best = best_windows(plan, kimi, 0.8)
+    r = subprocess.run([sys.executable, "-m", "swarmctl", "plan", "--layout", "kimi-k2", "--nodes", str(EXAMPLE),
+                        "--head-layers", "1", "--acceptance", "0.8"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("with speculative steps at 80% of drafts kept"))
+    assert f"{best.tokens_per_s:.2f} tokens/s with up to {best.windows} windows in flight" in line
+    assert "modelled: the asker does not send windows in flight yet" in line
+    bad = subprocess.run([sys.executable, "-m", "swarmctl", "plan", "--layout", "kimi-k2", "--nodes", str(EXAMPLE),
+                          "--acceptance", "1.5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--acceptance" in bad.stderr
 
 
 def test_bits_per_weight_are_ggmls_block_sizes_and_every_quantization_has_a_layout():

@@ -54,7 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Each setting defaults to the running swarm's (on paper: init's defaults), so a plan asked for
     # inside a swarm is the swarm's plan unless an option says otherwise.
     options.add_arguments(parser, inherit="the swarm's")
+    parser.add_argument("--acceptance", type=_share, default=0.8, metavar="A",
+                        help="the share of drafted tokens kept, for the speculative figures (default 0.8)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share from 0 up to (not including) 1, not {text!r}")
+    return value
 
 
 def settings_from(args: argparse.Namespace, base: PlannerSettings, source: str) -> Settings:
@@ -80,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         shown = {"model": layout.name, "n_layer": layout.n_layer, "head_layers": settings.planner.head_layers,
                  "settings": settings.as_dict(), **asdict(proposal), "experts": [asdict(e) for e in placement.experts],
-                 "time": [asdict(t) for t in _time_breakdown(proposal, nodes)]}
+                 "time": [asdict(t) for t in _time_breakdown(proposal, nodes)],
+                 "speculation": _speculation(layout, proposal, args.acceptance)}
         if running is not None:
             shown["running"] = running.to_dict()
             shown["changes"] = plan_changes(running, proposal, placement.experts, settings)
@@ -91,10 +104,38 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(f"a re-plan now, with the members' current figures ({settings.describe()}):")
     print(format_plan(layout, settings.planner.head_layers, proposal, placement.experts, nodes))
+    if proposal.stages:
+        print(format_speculation(_speculation(layout, proposal, args.acceptance)))
     if running is not None:
         changes = plan_changes(running, proposal, placement.experts, settings)
         print("a re-plan would change: " + ("; ".join(changes) if changes else "nothing"))
     return 0
+
+
+def _speculation(layout, proposal, acceptance: float) -> dict:
+    """One stream's tokens/s with speculative steps at ``acceptance`` (plans/whatif.py): the best
+    draft count with one window per round trip (what the asker does), and with windows in flight
+    (modelled only), each row reading its own experts on an MoE model."""
+    from plans.whatif import best_speculation, best_windows, speculation
+
+    if not proposal.stages:
+        return {}
+    one = next(s for s in best_speculation(speculation(proposal, layout, acceptances=(acceptance,)))
+               if s.routing == "independent")
+    many = best_windows(proposal, layout, acceptance)
+    return {"acceptance": acceptance, "plain_tokens_per_s": 1000 / proposal.ms_per_token,
+            "one_window": asdict(one), "windows_in_flight": asdict(many)}
+
+
+def format_speculation(sp: dict) -> str:
+    one, many = sp["one_window"], sp["windows_in_flight"]
+    def drafts(k: int) -> str:
+        return f"{k} draft" + ("s" if k != 1 else "")
+
+    return (f"with speculative steps at {sp['acceptance']:.0%} of drafts kept, one stream: "
+            f"{one['tokens_per_s']:.2f} tokens/s with one window per round trip ({drafts(one['drafts'])}; what the "
+            f"asker does), {many['tokens_per_s']:.2f} tokens/s with up to {many['windows']} windows in flight "
+            f"({drafts(many['drafts'])} each; modelled: the asker does not send windows in flight yet)")
 
 
 def plan_with(layout, nodes, settings: Settings):
