@@ -13,7 +13,7 @@ from .links import MEASURED, SITE, LinkModel
 from .nodes import ASKER, DEFAULT_DATAGRAM_US, NodeDescriptor, hop_datagrams
 from .plan import PlanError
 from .proposal import Constraints
-from .wire import SITE_RTT_MS, hop_bytes, hop_dtype
+from .wire import Q8_0_BLOCK, SITE_RTT_MS, hop_bytes, hop_dtype
 
 
 class CostModel:
@@ -68,7 +68,10 @@ class CostModel:
         return self.links.link(a, b).link.cost_ms(self.hop_bytes(a, b)) + self.packet_ms(a, b)
 
     def hop_dtype(self, a: str, b: str) -> str:
-        """What the hop carries under the swarm's --wire-dtype (plans/wire.py)."""
+        """What the hop carries under the swarm's --wire-dtype (plans/wire.py); q8_0 needs rows of
+        whole 32-value blocks, and a model whose width is not takes f16 instead."""
+        if self.c.wire_dtype == "q8_0" and self.layout.n_embd % Q8_0_BLOCK:
+            return "f16"
         if self.c.wire_dtype != "auto":
             return self.c.wire_dtype
         estimate = self.links.link(a, b)

@@ -16,6 +16,7 @@ entry_dtype``); the planner charges each hop the bytes and datagrams of its dtyp
 from __future__ import annotations
 
 SITE_RTT_MS = 2.0
+Q8_0_BLOCK = 32  # q8_0 carries rows of whole blocks (net/wire.py): a model of another width gets f16
 BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
 

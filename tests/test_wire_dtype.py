@@ -94,3 +94,9 @@ def test_each_hop_gets_its_dtype_and_is_charged_its_bytes(setting, lan, wan):
     assert between.ms - between.packet_ms == pytest.approx(20.0 + bytes_ / (2.5 * 1e3))
     f32 = plan_layers(WIDE, _nodes(40.0), Constraints(head_layers=2, context_tokens=16))
     assert (p.ms_per_token < f32.ms_per_token) == (wan != "f32")
+
+
+def test_q8_0_on_a_model_whose_width_is_not_whole_blocks_travels_in_f16():
+    odd = ModelLayout("odd", 12, 7000, (2_000_000_000,) * 12, (1,) * 12, 1024, 0, 0)
+    p = plan_layers(odd, _nodes(40.0), Constraints(head_layers=2, context_tokens=16, wire_dtype="q8_0"))
+    assert {h.dtype for h in p.hops} == {"f16"}
