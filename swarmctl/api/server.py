@@ -9,6 +9,7 @@ fails after it has begun ends with an error event, as OpenAI's do.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
@@ -17,6 +18,7 @@ import socket
 import ssl
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from importlib import resources
 from typing import Awaitable, Callable, Sequence
 
 from kernels.errors import ModelFileError
@@ -46,6 +48,9 @@ class ApiSettings:
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S  # the whole request, the wait for a slot included
     drafting: Drafting | None = None  # speculative steps for every request (serve --speculate; default off)
     traces: TraceFolder | None = None  # write each request's per-token trace there (serve --trace DIR)
+    ui: bool = False  # the web page at / (serve --ui; on by default for loopback)
+    nodes: Callable[[], dict[str, str]] | None = None  # what each node holds (the page's swarm view)
+    wire_dtype: str = "f32"  # how activations leave this asker (the page's swarm view)
 
 
 class ApiServer:
@@ -58,10 +63,12 @@ class ApiServer:
         self.api_key = settings.api_key or None
         self.created = settings.created
         self.request_timeout = settings.request_timeout
+        self.settings = settings
         self.routes: dict[str, tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]] = {
             "/": ("GET", self._root),  # what this server is (a web page will take its place: issue 35)
             "/v1": ("GET", self._root),
             "/v1/models": ("GET", self._models),
+            "/v1/swarm": ("GET", self._swarm),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
         }
@@ -119,8 +126,23 @@ class ApiServer:
     # --- routes ---
 
     async def _root(self, request: Request, responder: Responder, request_id: str) -> None:
+        """The web page for a browser (with --ui), else what this server is, as JSON."""
+        if self.settings.ui and request.path == "/" and "text/html" in request.headers.get("accept", ""):
+            page = resources.files("swarmctl.api").joinpath("ui/index.html").read_bytes()
+            await responder.send(200, page, "text/html; charset=utf-8", headers={"x-request-id": request_id})
+            return
         endpoints = [f"{method} {path}" for path, (method, _) in self.routes.items() if path.startswith("/v1/")]
         await _send_json(responder, describe_server(self.model_id, endpoints), request_id)
+
+    async def _swarm(self, request: Request, responder: Responder, request_id: str) -> None:
+        """What the page's swarm view shows: the nodes and what each holds, the requests generating
+        here, how activations leave, and the drafting in use."""
+        nodes = self.settings.nodes() if self.settings.nodes is not None else {}
+        spec = None if self.drafting.mode == "off" else {"mode": self.drafting.mode}
+        await _send_json(responder, {"object": "swarm", "model": self.model_id,
+                                     "nodes": [{"name": n, "holds": h} for n, h in nodes.items()],
+                                     "in_flight": len(self.asker.in_flight), "wire_dtype": self.settings.wire_dtype,
+                                     "speculation": spec}, request_id)
 
     async def _models(self, request: Request, responder: Responder, request_id: str) -> None:
         await _send_json(responder, model_list(self.model_id, self.created), request_id)
@@ -296,6 +318,12 @@ def authorize(request: Request, api_key: str | None) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
+    if scheme.lower() == "basic":  # a browser on the web page: any user name, the key as password
+        try:
+            key = base64.b64decode(key.strip(), validate=True).decode("utf-8").partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            key = ""
+        scheme = "bearer"
     # Constant-time comparison: response timing says nothing about how much of a guess matched.
     if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode()):
         return
@@ -312,7 +340,9 @@ def check_key(request: Request, api_key: str | None) -> Refusal | None:
     except ApiError as error:
         request_id = "req_" + secrets.token_hex(12)
         log.warning("%s %s %s -> %d %s", request_id, request.method, request.path, error.status, error.message)
-        return Refusal(error.status, error.encode(), {"x-request-id": request_id})
+        # (a browser asks its user for the key: any user name, the key as password)
+        return Refusal(error.status, error.encode(), {"x-request-id": request_id,
+                                                      "WWW-Authenticate": 'Basic realm="swarmctl serve"'})
     return None
 
 

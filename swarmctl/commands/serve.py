@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", metavar="PEM", default=None,
                         help="serve HTTPS with this certificate (chain), together with --tls-key")
     parser.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
+    parser.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,
+                        help="a web page at / : a chat through this API and a view of the swarm (default: on when "
+                             "listening on loopback, off otherwise; with a key, the browser asks for it)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="write each request's per-token trace (this machine, every stage, every crossing) "
                              "into DIR as REQUEST_ID.json (Chrome trace-event JSON, for ui.perfetto.dev); DIR is "
@@ -148,10 +151,13 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
             model_id = session.model.name.removesuffix(".gguf")
             traces = TraceFolder(Path(args.trace), session.model.name, session.describe_nodes) \
                 if args.trace is not None else None
+            wire = getattr(getattr(session.trunk, "link", session.trunk), "dtype", None)
             front.ready(ApiServer(session.asker, session.trunk, model_id,
                                   ApiSettings(api_key=api_key, created=int(session.model.stat().st_mtime),
                                               request_timeout=args.timeout, drafting=session.drafting,
-                                              traces=traces)))
+                                              traces=traces, nodes=session.describe_nodes,
+                                              ui=is_loopback(args.host) if args.ui is None else args.ui,
+                                              wire_dtype=wire.label if wire is not None else "in process")))
             print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
                   flush=True)
             try:
