@@ -40,7 +40,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT_PROMPT = "Name the three primary colours."
 RAW_PROMPT = "The three primary colours are"
 MAX_TOKENS = 24
-LOGPROB_TOLERANCE = 0.01  # nats (measured here: 2e-7 at most); other CPUs order sums differently
+LOGPROB_TOLERANCE = 1e-3  # nats, the bound (measured here: 2e-7 at most)
 STARTUP_TIMEOUT = 120
 
 

@@ -421,10 +421,10 @@ class Asker:
 
 async def generate_all(asker: Asker, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
                        sampling: SamplingParams, timeout: float | None = None, ignore_eos: bool = False,
-                       speculation: Speculation | None = None) -> Generation:
+                       speculation: Speculation | None = None, grammar: Grammar | None = None) -> Generation:
     """Run one request to the end; returns its Generation (tokens, finish reason, timings)."""
     gen = Generation(secrets.token_bytes(16), len(prompt))
     async for _ in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=sampling, timeout=timeout,
-                                  generation=gen, ignore_eos=ignore_eos, speculation=speculation):
+                                  generation=gen, ignore_eos=ignore_eos, speculation=speculation, grammar=grammar):
         pass
     return gen
