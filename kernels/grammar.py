@@ -40,6 +40,7 @@ class Grammar:
             raise GrammarError("llama.cpp's grammar engine refused the grammar")
         self._data = np.empty(tokenizer.n_vocab, dtype=_TOKEN_DATA)
         self._data["id"] = np.arange(tokenizer.n_vocab, dtype=np.int32)
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
 
     @classmethod
     def for_json(cls, tokenizer: Tokenizer) -> "Grammar":
@@ -72,6 +73,17 @@ class Grammar:
         if array.size != len(data):  # (the engine masks in place; it never drops or reorders here)
             raise GrammarError("llama.cpp's grammar engine changed the candidates' layout")
         return data["logit"].copy()
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next: the engine asked about that one candidate alone (a
+        microsecond, where masking the whole vocabulary costs milliseconds)."""
+        llama_cpp = self._llama_cpp
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        array = llama_cpp.llama_token_data_array(
+            data=one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=1, selected=-1, sorted=False)
+        llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
+        return bool(np.isfinite(one["logit"][0]))
 
     def accept(self, token: int) -> None:
         self._llama_cpp.llama_sampler_accept(self._sampler, int(token))
