@@ -266,10 +266,7 @@ class ApiServer:
             async with aclosing(generation.pieces()) as pieces:
                 text = "".join([piece async for piece in pieces])
         except Exception as e:  # noqa: BLE001 - the status is out: the error goes in the stream
-            error = from_exception(e)
-            log.warning("%s %s stream -> %s", request_id, envelope.id, error.message)
-            await events.send(error.body())
-            await events.close(done=False)
+            await _end_with_error(events, e, envelope, request_id)
             return
         logprobs = self._logprobs(envelope, generation) if generation.wants_logprobs else None
         call = parse_call(text, tools)
@@ -297,10 +294,7 @@ class ApiServer:
                 except StopAsyncIteration:
                     break
                 except Exception as e:  # noqa: BLE001 - the status is out: the error goes in the stream
-                    error = from_exception(e)
-                    log.warning("%s %s stream -> %s", request_id, envelope.id, error.message)
-                    await events.send(error.body())
-                    await events.close(done=False)
+                    await _end_with_error(events, e, envelope, request_id)
                     return
                 logprobs = self._logprobs(envelope, generation, offset) if generation.wants_logprobs else None
                 offset += len(text)
@@ -310,6 +304,14 @@ class ApiServer:
         if params.include_usage:
             await events.send(envelope.usage_chunk(generation.usage))
         await events.close()
+
+
+async def _end_with_error(events: sse.EventStream, e: Exception, envelope: Envelope, request_id: str) -> None:
+    """A stream whose status is out already ends with an error event, as OpenAI's do."""
+    error = from_exception(e)
+    log.warning("%s %s stream -> %s", request_id, envelope.id, error.message)
+    await events.send(error.body())
+    await events.close(done=False)
 
 
 def authorize(request: Request, api_key: str | None) -> None:
