@@ -22,6 +22,7 @@ from .errors import EngineError
 from .tokenizer import Tokenizer
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+PREFILTER = 64  # greedy: the likeliest tokens asked about first, before the whole vocabulary is masked
 
 
 class GrammarError(EngineError):
@@ -40,7 +41,6 @@ class Grammar:
             raise GrammarError("llama.cpp's grammar engine refused the grammar")
         self._data = np.empty(tokenizer.n_vocab, dtype=_TOKEN_DATA)
         self._data["id"] = np.arange(tokenizer.n_vocab, dtype=np.int32)
-        self._one = np.zeros(1, dtype=_TOKEN_DATA)
 
     @classmethod
     def for_json(cls, tokenizer: Tokenizer) -> "Grammar":
@@ -74,16 +74,21 @@ class Grammar:
             raise GrammarError("llama.cpp's grammar engine changed the candidates' layout")
         return data["logit"].copy()
 
-    def allows(self, token: int) -> bool:
-        """Whether ``token`` may come next: the engine asked about that one candidate alone (a
-        microsecond, where masking the whole vocabulary costs milliseconds)."""
+    def best_allowed(self, logits: np.ndarray, among: int = PREFILTER) -> int | None:
+        """The likeliest token the grammar allows next, if one of the ``among`` likeliest is (the
+        engine asked about those alone: microseconds, where masking the whole vocabulary costs
+        milliseconds); None when none of them is. Exact: any token outside them is less likely."""
         llama_cpp = self._llama_cpp
-        one = self._one
-        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        top = np.argpartition(-logits, min(among, len(logits) - 1))[:among]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        few = np.zeros(len(top), dtype=_TOKEN_DATA)
+        few["id"], few["logit"] = top, logits[top]
         array = llama_cpp.llama_token_data_array(
-            data=one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=1, selected=-1, sorted=False)
+            data=few.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(few), selected=-1,
+            sorted=False)
         llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
-        return bool(np.isfinite(one["logit"][0]))
+        allowed = np.flatnonzero(np.isfinite(few["logit"]))
+        return int(few["id"][allowed[0]]) if len(allowed) else None
 
     def accept(self, token: int) -> None:
         self._llama_cpp.llama_sampler_accept(self._sampler, int(token))

@@ -353,10 +353,10 @@ class Asker:
             rows = logits[len(logits) - len(draft.tokens) - 1:]  # row j: what follows the step's j-th last position
             if grammar is None:
                 tokens, kept = accept(sample, rows, draft)
-            elif sample.params.greedy and not draft.tokens and grammar.allows(int(np.argmax(rows[0]))):
-                # (the likeliest token is allowed, so it is also the constrained argmax: no mask needed)
-                tokens, kept = [int(np.argmax(rows[0]))], 0
-                grammar.accept(tokens[0])
+            elif sample.params.greedy and not draft.tokens and (best := grammar.best_allowed(rows[0])) is not None:
+                # (the likeliest allowed among the likeliest few is the constrained argmax: no mask needed)
+                tokens, kept = [best], 0
+                grammar.accept(best)
             else:
                 constrained = GrammarRows(grammar, rows, draft.tokens)
                 tokens, kept = accept(sample, constrained, draft)
