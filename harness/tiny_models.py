@@ -50,6 +50,7 @@ class TinyConfig:
     yarn: bool = False  # YaRN RoPE scaling with DeepSeek's log multiplier
     unsplit_kv_b: bool = False  # an older conversion: one attn_kv_b, full K/V heads in the cache
     extra_keys: tuple[tuple[str, int], ...] = ()  # more "{arch}.{key}" u32 metadata (e.g. nextn_predict_layers)
+    chat_template: str = ""  # "": the tokenizer source's
 
     @property
     def head_dim(self) -> int:
@@ -62,7 +63,7 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
                   "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, limit: int = 0) -> int:
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, limit: int = 0, chat_template: str = "") -> int:
     with GGUFFile(source) as src:
         tokens = list(src.get("tokenizer.ggml.tokens"))[:limit or None]
         writer.add_tokenizer_model(src.get("tokenizer.ggml.model"))
@@ -73,7 +74,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, limit: int = 0) -> in
         writer.add_bos_token_id(int(src.get("tokenizer.ggml.bos_token_id")))
         writer.add_eos_token_id(int(src.get("tokenizer.ggml.eos_token_id")))
         writer.add_add_bos_token(bool(src.get("tokenizer.ggml.add_bos_token", False)))
-        template = src.get("tokenizer.chat_template")
+        template = chat_template or src.get("tokenizer.chat_template")
         if template:
             writer.add_chat_template(template)
         return len(tokens)
@@ -83,7 +84,7 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     rng = np.random.default_rng(cfg.seed)
     writer = gguf.GGUFWriter(str(path), cfg.arch)
     writer.add_name(f"tiny-{cfg.arch}-{cfg.qtype}")
-    n_vocab = _copy_tokenizer(writer, tokenizer_source, cfg.vocab_limit)
+    n_vocab = _copy_tokenizer(writer, tokenizer_source, cfg.vocab_limit, cfg.chat_template)
     writer.add_context_length(cfg.n_ctx)
     writer.add_embedding_length(cfg.n_embd)
     writer.add_block_count(cfg.n_layer)

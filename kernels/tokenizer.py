@@ -10,6 +10,7 @@ import codecs
 import ctypes
 import logging
 import os
+import re
 from typing import Iterable, Sequence
 
 from .errors import ModelFileError
@@ -50,8 +51,14 @@ class Tokenizer:
         eos = [self.eos_id] if self._model.add_eos_token() and self.eos_id >= 0 else []
         return bos + body + eos
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids for a chat, rendered with the model's own template (GGUF metadata)."""
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the model's chat template renders tools itself (it uses a ``tools`` variable)."""
+        return bool(self.chat_template) and re.search(r"\btools\b", self.chat_template) is not None
+
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids for a chat, rendered with the model's own template (GGUF metadata); ``tools``
+        (OpenAI's shape) go to a template that knows them."""
         if not self.chat_template:
             raise ModelFileError("the model has no chat template; use --raw for a plain completion")
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -62,7 +69,7 @@ class Tokenizer:
             bos_token=self._text_of(self.bos_id),
             add_generation_prompt=True,
         )
-        rendered = formatter(messages=list(messages))
+        rendered = formatter(messages=list(messages), tools=list(tools) if tools else None)
         return self._llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
 
     @property

@@ -493,12 +493,13 @@ class CueTrunk:
 class InprocServer:
     """An ApiServer on an event loop in a thread, so tests can also look at the asker."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, head_layers: int = 15, model_id: str = MODEL) -> None:
+        """``head_layers``: at each end; the two ends are the whole model (the trunk a cue only)."""
         from swarmctl.api.server import ApiServer
 
         self.trunk = CueTrunk()
-        self.asker = Asker(model, 15, n_threads=1)
-        self.api = ApiServer(self.asker, self.trunk, MODEL)
+        self.asker = Asker(model, head_layers, n_threads=1)
+        self.api = ApiServer(self.asker, self.trunk, model_id)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -1015,3 +1016,50 @@ def test_tool_choice_auto_takes_an_answer_as_a_call_only_when_it_is_one():
     assert parse_call('{"name": "rm_rf", "arguments": {}}', tools) is None
     assert parse_call("It is sunny in Oslo.", tools) is None
     assert parse_call('["get_weather"]', tools) is None
+
+
+TOOLS_TEMPLATE = (  # a chat template that knows tools, Hermes style (written into a tiny model below)
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_knows_tools_renders_them_and_its_calls_parse(tmp_path, bundled_model):
+    """A GGUF whose chat template knows tools gets them through the template (no fallback prompt),
+    earlier calls as tool_calls; a call in its <tool_call> form is parsed; auto answers whatever the
+    (random, tiny) model says, required gives a valid call, and a tool's result goes back."""
+    from harness.tiny_models import TinyConfig, write_tiny_model
+    from kernels.tokenizer import Tokenizer
+    from swarmctl.api.tools import Tool, parse_call
+
+    model = write_tiny_model(tmp_path / "tools.gguf", TinyConfig(chat_template=TOOLS_TEMPLATE), bundled_model)
+    tokenizer = Tokenizer(model)
+    assert tokenizer.knows_tools and not Tokenizer(bundled_model).knows_tools
+    tools = (Tool("get_weather", "The weather now", WEATHER["function"]["parameters"]),)
+    rendered = tokenizer.decode(tokenizer.encode_chat([{"role": "user", "content": "Weather in Oslo?"}],
+                                                      [t.as_openai() for t in tools]))
+    assert '"name": "get_weather"' in rendered and "You can call these tools" not in rendered
+    call = parse_call('<tool_call>\n{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}\n'
+                      '</tool_call>', tools)
+    assert call is not None and json.loads(call.arguments) == {"city": "Oslo", "unit": "celsius"}
+
+    server = InprocServer(model, head_layers=2, model_id="tools")
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+        auto = client.chat.completions.create(model="tools", messages=messages, tools=[WEATHER], max_tokens=8,
+                                              temperature=0)
+        assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        required = client.chat.completions.create(model="tools", messages=messages, tools=[WEATHER], max_tokens=120,
+                                                  tool_choice="required", temperature=0)
+        (call,) = required.choices[0].message.tool_calls
+        _valid_call(call, (WEATHER,))
+        messages += [required.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 C, clear"}]
+        after = client.chat.completions.create(model="tools", messages=messages, tools=[WEATHER], max_tokens=4,
+                                               tool_choice="none", temperature=0)
+        assert after.choices[0].finish_reason in ("length", "stop")
+    finally:
+        server.close()

@@ -44,12 +44,24 @@ class Message:
     role: str
     content: str
     tool_calls: tuple[tuple[str, str], ...] = ()  # an assistant's earlier calls: (name, arguments JSON)
+    tool_call_id: str = ""  # a tool's result: the call it answers
 
-    def as_template_input(self) -> dict[str, str]:
-        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system
-        # message; an assistant's calls are written as the model writes them (swarmctl/api/tools.py).
+    def as_template_input(self, native_tools: bool = False) -> dict:
+        """The message as the chat template takes it. Templates know system/user/assistant; OpenAI's
+        newer "developer" role is a system message. An assistant's calls go to a template that knows
+        tools as OpenAI's ``tool_calls``, else they are written as the model writes them
+        (swarmctl/api/tools.py)."""
+        role = "system" if self.role == "developer" else self.role
+        if native_tools:
+            out: dict = {"role": role, "content": self.content}
+            if self.tool_calls:
+                out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}}
+                                     for n, a in self.tool_calls]
+            if self.tool_call_id:
+                out["tool_call_id"] = self.tool_call_id
+            return out
         content = "\n".join([self.content] * bool(self.content) + [call_text(n, a) for n, a in self.tool_calls])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {"role": role, "content": content}
 
 
 @dataclass(frozen=True)
@@ -246,8 +258,9 @@ def _message(value: Any, index: int) -> Message:
             isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
             and isinstance(c["function"].get("arguments", ""), str) for c in calls):
         raise bad_request(f"{param}.tool_calls must be a list of function calls", f"{param}.tool_calls")
+    call_id = value.get("tool_call_id")
     return Message(value["role"], content, tuple((c["function"]["name"], c["function"].get("arguments", "{}"))
-                                                 for c in calls))
+                                                 for c in calls), call_id if isinstance(call_id, str) else "")
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:

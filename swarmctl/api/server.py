@@ -156,19 +156,24 @@ class ApiServer:
         self._check_model(chat.params.model)
         from jinja2 import TemplateError
 
-        messages = [m.as_template_input() for m in chat.messages]
-        params, tools = chat.params, ()
+        tokenizer = self.asker.tokenizer
+        params, tools, shown = chat.params, (), None
+        native = bool(chat.tools) and tokenizer.knows_tools  # a template that renders tools itself
+        messages = [m.as_template_input(native) for m in chat.messages]
         if chat.tools and chat.tool_choice.mode != "none":  # swarmctl/api/tools.py
             tools = chat.tools
-            told = tool_prompt(tools, chat.tool_choice)
-            if messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{told}"}
+            if native:
+                shown = [t.as_openai() for t in tools]
             else:
-                messages.insert(0, {"role": "system", "content": told})
+                told = tool_prompt(tools, chat.tool_choice)
+                if messages[0]["role"] == "system":
+                    messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{told}"}
+                else:
+                    messages.insert(0, {"role": "system", "content": told})
             if chat.tool_choice.mode in ("required", "function"):
                 params = replace(params, json_schema=call_schema(tools, chat.tool_choice))
         try:
-            prompt = self.asker.tokenizer.encode_chat(messages)
+            prompt = tokenizer.encode_chat(messages, shown)
         except (TemplateError, ModelFileError) as e:
             raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
         await self._generate(Envelope(chat=True, model=self.model_id), prompt, params, responder, request_id, tools)

@@ -1,8 +1,9 @@
 """Tool calling (``tools``, ``tool_choice``), decided at the asker.
 
-The model is told about the tools in a system message (``tool_prompt``; the bundled model's chat
-template knows no tools, so this is the fallback every model gets for now) and asked to answer a
-call as one JSON object ``{"name": ..., "arguments": {...}}``. With ``tool_choice`` ``required``
+The model is told about the tools by its own chat template when that knows tools (it uses a
+``tools`` variable: the tools go to it in OpenAI's shape), else in a system message
+(``tool_prompt``: the fallback, which the bundled model gets) that asks for a call as one JSON object
+``{"name": ..., "arguments": {...}}``. With ``tool_choice`` ``required``
 or a named function, the answer is constrained to exactly that shape by the grammar of the tools'
 own JSON schemas (``call_schema`` → kernels/grammar.py), so even a small model returns a valid
 call; with ``auto`` the answer is parsed (``parse_call``) and becomes a call when it is one. A
@@ -13,6 +14,7 @@ history are written into the prompt the same way.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,11 @@ class Tool:
     name: str
     description: str
     parameters: dict  # a JSON schema for the arguments
+
+    def as_openai(self) -> dict:
+        """As OpenAI's requests (and chat templates that know tools) write it."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
 
 
 @dataclass(frozen=True)
@@ -112,12 +119,17 @@ def call_schema(tools: tuple[Tool, ...], choice: ToolChoice) -> dict:
 
 
 def parse_call(text: str, tools: tuple[Tool, ...]) -> ToolCall | None:
-    """The model's answer as a call, if it is one: a JSON object naming one of the tools."""
+    """The model's answer as a call, if it is one: a JSON object naming one of the tools, bare (the
+    fallback's and the grammar's form) or inside ``<tool_call>…</tool_call>`` (the form of chat
+    templates that know tools, Hermes and Qwen among them); ``parameters`` is taken for
+    ``arguments`` (Llama 3.1's form)."""
+    body = text.strip()
+    tagged = re.fullmatch(r"<tool_call>\s*(.*?)\s*</tool_call>", body, re.DOTALL)
     try:
-        value = json.loads(text.strip())
+        value = json.loads(tagged[1] if tagged else body)
     except ValueError:
         return None
     if not isinstance(value, dict) or value.get("name") not in {t.name for t in tools}:
         return None
-    arguments = value.get("arguments", {})
+    arguments = value.get("arguments", value.get("parameters", {}))
     return ToolCall("call_" + secrets.token_hex(12), value["name"], json.dumps(arguments))
