@@ -345,8 +345,9 @@ SCHEMAS = {  # bounded (maxLength, maxItems) so that a small model's answer ends
         "required": ["name", "country"]}}, "required": ["city"]},
     "array": {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string", "maxLength": 12},
                                                            "minItems": 1, "maxItems": 3}}, "required": ["colours"]},
-    "number": {"type": "object", "properties": {"celsius": {"type": "number"}, "unit": {"const": "C"}},
-               "required": ["celsius", "unit"]},
+    "number": {"type": "object", "properties": {"celsius": {"type": "integer", "minimum": -40, "maximum": 50},
+                                                "ratio": {"type": "number"}, "unit": {"const": "C"}},
+               "required": ["celsius", "ratio", "unit"]},
 }
 JSON_PROMPTS = ["Name the three primary colours.", "Describe the city of Paris in a few words."]
 
@@ -375,7 +376,9 @@ def test_json_schema_answers_validate_stream_or_not(served):
     plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[0]}],
                                            temperature=0, max_tokens=12)
     assert not plain.choices[0].message.content.lstrip().startswith("{")  # (what the grammar changed)
-    for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}}):
+    for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/definitions/gone"}}}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                            response_format=bad)
