@@ -95,6 +95,15 @@ class DType(enum.IntEnum):
         except KeyError:
             raise ValueError(f"unknown wire dtype {name!r}: choose f32, f16 or q8_0") from None
 
+    @classmethod
+    def in_plan(cls, name: str) -> "DType":
+        """A hop's dtype as a plan names it; a name this version does not know (a newer host's) is
+        taken as f32, as computed."""
+        try:
+            return cls.named(name)
+        except ValueError:
+            return cls.F32
+
     @property
     def label(self) -> str:
         return self.name.lower()

@@ -124,10 +124,7 @@ class SwarmLink:
     def dtype(self) -> DType:
         if self._dtype is not None:
             return self._dtype
-        try:
-            return DType.named(self.plan.entry_dtype) if self.plan is not None else DType.F32
-        except ValueError:
-            return DType.F32  # (a plan from a newer host: as computed)
+        return DType.in_plan(self.plan.entry_dtype) if self.plan is not None else DType.F32
 
     @property
     def head_layers(self) -> int:

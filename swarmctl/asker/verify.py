@@ -309,10 +309,7 @@ class VerifyingTrunk:
         """Stage ``stage``'s output rows as the next hop delivers them (in the plan's dtype for it)."""
         stages = getattr(self.link.plan, "stages", [])
         name = stages[stage].send_dtype if 0 <= stage < len(stages) else "f32"
-        try:
-            return DType.named(name).as_received(x)
-        except ValueError:
-            return np.asarray(x, dtype=np.float32)
+        return DType.in_plan(name).as_received(x)
 
     def _accuse(self, members: list[str], verdict: Verdict, attributed: bool = False) -> None:
         self.stats.mismatches += 1

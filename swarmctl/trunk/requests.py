@@ -44,13 +44,6 @@ def _corrupted(out: np.ndarray, scale: float) -> np.ndarray:
     return (out + np.random.default_rng().standard_normal(out.shape) * scale * rms).astype(np.float32)
 
 
-def _wire_dtype(name: str) -> DType:
-    try:
-        return DType.named(name)
-    except ValueError:
-        return DType.F32  # (a plan from a newer host: as computed)
-
-
 def account_of(route: Route, plan: Plan) -> str:
     """Whose budget a request spends and whose turn it takes: its member's account (one per
     invite: Plan.account): reply_to's ("member/session"), which is bound to the sender's
@@ -256,7 +249,7 @@ class StageRequests:
         is_last = stage.stop == plan.trunk_range[1]
         # The plan says how this stage's output travels on (plans/wire.py); a re-check goes back
         # the way it came.
-        dtype = packet.dtype if packet.one_stage else _wire_dtype(stage.send_dtype)
+        dtype = packet.dtype if packet.one_stage else DType.in_plan(stage.send_dtype)
         onward = ActivationPacket(PacketKind.RESULT if is_last or packet.one_stage else packet.kind, rid,
                                   plan.version, stage.stop, packet.start_pos, out, dtype, route.reply_to,
                                   hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify,
