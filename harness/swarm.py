@@ -124,6 +124,28 @@ class Swarm:
 
         return asyncio.run(ask_member(Address.parse(member["address"]), creds, name, {"type": "stats"}))
 
+    async def watch_plans(self, plans: list[dict], via: str = "asker") -> None:
+        """Append every plan the host publishes to ``plans``, as an asker (member ``via``) sees it,
+        until cancelled."""
+        from net.endpoint import close, connect_member
+        from net.protocol import RequestOnlyHandler
+        from net.wire import decode_control, encode_control
+
+        frames: asyncio.Queue = asyncio.Queue()
+
+        class Handler(RequestOnlyHandler):
+            def frame_received(self, conn, stream_id, frame) -> None:
+                frames.put_nowait(frame)
+
+        conn = await connect_member(Address("127.0.0.1", self.host_port), SwarmHome(self.homes[via]).credentials(),
+                                    "host", Handler())
+        try:
+            plans.append(decode_control((await conn.request(encode_control({"type": "watch_plan"}))).body)["plan"])
+            while True:
+                plans.append(decode_control((await frames.get()).body)["plan"])
+        finally:
+            await close(conn)
+
     def wait_host(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -335,6 +335,7 @@ class Status(Message, tag="status"):
     warnings: list[str]
     recovery: RecoveryStatus
     links: list[LinkStatus] = []  # the plan's links in order (empty from a host too old to say)
+    staged: str = ""  # a plan staged to follow this one, loading beside it: "v6: alice[4,10) loading, ..."
 
 
 class Manifest(Message, tag="manifest"):

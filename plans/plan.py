@@ -61,6 +61,10 @@ class Plan:
     # of the first that joined with it (swarmctl/membership.py accounts()).
     accounts: dict[str, str] = field(default_factory=dict)
     entry_dtype: str = "f32"  # how the asker's activations travel to the first stage (plans/wire.py)
+    # Make-before-break (swarmctl/host/planning.py): a plan the host sent its trunks to load beside
+    # the one in use, not yet published to askers. A trunk keeps serving the plan in use meanwhile.
+    staged: bool = False
+    next_version: int = 0  # on the plan in use: the version staged to follow it (0: none)
 
     def account(self, member: str) -> str:
         """Whose budget ``member``'s requests spend at a stage."""
@@ -147,6 +151,11 @@ class Plan:
         self.bottleneck = proposal.bottleneck
         self.warnings = list(proposal.warnings)
         return changed
+
+    def assignments(self) -> tuple:
+        """Who serves what, and how it travels: two plans with the same are the same plan."""
+        return (tuple((s.member, s.start, s.stop, s.send_dtype) for s in self.stages), self.entry_dtype,
+                tuple((e.member, e.start, e.stop) for e in self.experts))
 
     def to_dict(self) -> dict:
         return asdict(self)

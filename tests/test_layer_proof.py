@@ -19,7 +19,6 @@ import pytest
 from kernels.gguf_file import GGUFFile
 from net import messages as m
 from net.endpoint import Address, ask_member, close, connect_member
-from net.protocol import RequestOnlyHandler
 from net.wire import decode_control, encode_control
 from swarmctl import layer_proof as lp
 from swarmctl.distribution import CHUNK, SliceFile, build_manifest
@@ -179,11 +178,12 @@ def test_the_host_plans_with_the_slower_of_claim_and_timing():
 def swarm(tmp_path_factory):
     s = Swarm(tmp_path_factory.mktemp("proof"))
     os.environ["SWARMCTL_PROOF_TIMEOUT_S"] = "10"  # for the host: a silent trunk is refused after 10 s
+    os.environ["SWARMCTL_STAGED_DEADLINE_S"] = "8"  # and one that does not load a staged plan after 8 s
     try:
         s.init()
         s.start_host()
         s.wait_host()
-        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast", "lazy"):
+        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast", "lazy", "idle"):
             s.join(name)
         s.start_trunk("trunk-a", capture=False)
         s.start_trunk("trunk-b", capture=False)
@@ -191,6 +191,7 @@ def swarm(tmp_path_factory):
         yield s
     finally:
         os.environ.pop("SWARMCTL_PROOF_TIMEOUT_S", None)
+        os.environ.pop("SWARMCTL_STAGED_DEADLINE_S", None)
         s.close()
 
 
@@ -290,24 +291,6 @@ async def _row(swarm: Swarm, name: str, until, timeout: float = 90) -> dict:
         await asyncio.sleep(0.3)
 
 
-async def _watch(swarm: Swarm, plans: list[dict]) -> None:
-    """Every plan the host publishes, as an asker sees it."""
-    creds = SwarmHome(swarm.homes["asker"]).credentials()
-    frames: asyncio.Queue = asyncio.Queue()
-
-    class Handler(RequestOnlyHandler):
-        def frame_received(self, conn, stream_id, frame) -> None:
-            frames.put_nowait(frame)
-
-    conn = await connect_member(Address("127.0.0.1", swarm.host_port), creds, "host", Handler())
-    try:
-        plans.append(decode_control((await conn.request(encode_control({"type": "watch_plan"}))).body)["plan"])
-        while True:
-            plans.append(decode_control((await frames.get()).body)["plan"])
-    finally:
-        await close(conn)
-
-
 def test_liars_never_become_ready_stages_and_askers_get_exact_answers(swarm, inproc_answer, bundled_model):
     honest = lp.Prover(lambda: [bundled_model], n_threads=1)  # what a member holding the model can answer
 
@@ -327,7 +310,7 @@ def test_liars_never_become_ready_stages_and_askers_get_exact_answers(swarm, inp
 
     async def scenario() -> tuple[list[dict], dict[str, dict]]:
         plans: list[dict] = []
-        watcher = asyncio.ensure_future(_watch(swarm, plans))
+        watcher = asyncio.ensure_future(swarm.watch_plans(plans))
         rows = {}
         fakes = {
             # claims to be fast and huge, as in the issue; answers the check with a made-up digest
@@ -417,7 +400,7 @@ def test_a_trunk_that_proves_nothing_leaves_the_plan_in_use_alone(swarm, inproc_
 
     async def scenario():
         plans: list[dict] = []
-        watcher = asyncio.ensure_future(_watch(swarm, plans))
+        watcher = asyncio.ensure_future(swarm.watch_plans(plans))
         lazy = FakeTrunk(swarm, "lazy", memory=10**12, claim=None, answer=lambda m: None, says_ready=False)
         try:
             while not plans:
@@ -439,3 +422,48 @@ def test_a_trunk_that_proves_nothing_leaves_the_plan_in_use_alone(swarm, inproc_
     assert trial["version"] > plans[0]["version"] and [s["member"] for s in trial["stages"]] == ["lazy"]
     assert row["health"].startswith("on trial: proving layers")
     assert answer.returncode == 0 and answer.stdout == inproc_answer, answer.stderr
+
+
+def test_a_proven_member_that_never_loads_its_layers_leaves_the_plan_in_use_serving(swarm, inproc_answer,
+                                                                                   bundled_model):
+    """Issue 30 item 2b, make-before-break: a member that holds the model and passes every check,
+    so the host plans it, but never loads the layers it is given. The new plan is only staged: it
+    goes to the trunks, not to askers, whose plan stays complete and whose asks answer exactly;
+    past the deadline (8 s here) the member is left out and the staged plan is given up. Before,
+    the new plan was published at once and the swarm was incomplete until the member was dropped."""
+    swarm.wait_complete(2)
+    honest = lp.Prover(lambda: [bundled_model], n_threads=1)
+
+    async def scenario():
+        plans: list[dict] = []
+        watcher = asyncio.ensure_future(swarm.watch_plans(plans))
+        idle = FakeTrunk(swarm, "idle", memory=10**12, claim=None, answer=lambda message: answer(honest, message),
+                         says_ready=False)
+        idle.claim = (await _row(swarm, "trunk-a", lambda r: r.get("planned_ms_per_layer")))["planned_ms_per_layer"]
+        try:
+            while not plans:
+                await asyncio.sleep(0.1)
+            await idle.start()
+            deadline = time.monotonic() + 60
+            while not any(p.get("staged") for p in idle.plans):
+                assert time.monotonic() < deadline, idle.plans[-1:]
+                await asyncio.sleep(0.2)
+            answer_while_staged = await asyncio.to_thread(swarmctl, swarm.homes["asker"], *ASK, PROMPT)
+            row = await _row(swarm, "idle", lambda r: r.get("health", "").startswith("refused"), timeout=30)
+        finally:
+            await idle.stop()
+            watcher.cancel()
+        return plans, idle.plans, answer_while_staged, row
+
+    plans, pushed, answer_while_staged, row = asyncio.run(scenario())
+    honest.close(files=True)
+    staged = next(p for p in pushed if p.get("staged"))
+    assert any(s["member"] == "idle" for s in staged["stages"])
+    for p in plans:  # the askers' plan: complete throughout, never the staged one
+        assert all(s["ready"] for s in p["stages"]) and not any(s["member"] == "idle" for s in p["stages"]), p
+    assert staged["version"] not in {p["version"] for p in plans}
+    assert answer_while_staged.returncode == 0 and answer_while_staged.stdout == inproc_answer, \
+        answer_while_staged.stderr
+    assert f"did not load layers" in row["health"] and f"of plan v{staged['version']} within 8 s" in row["health"]
+    status = swarm.wait_complete(2)
+    assert {m["name"] for m in status["members"] if m["layers"]} == {"trunk-a", "trunk-b"}

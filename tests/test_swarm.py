@@ -373,14 +373,39 @@ async def _hostile(first: dict, version: int, creds: Credentials) -> dict[str, s
 
 
 def test_three_trunks_give_the_same_answer(swarm, inproc_answer):
-    """Last, because it grows the module's swarm: a third trunk joins, the host re-plans."""
+    """Last, because it grows the module's swarm: a third trunk joins while asks run, and the host
+    re-plans make-before-break (issue 30 item 2b): the new plan is staged, the trunks load it beside
+    the plan in use, and askers switch only once every stage of it is ready. Before, the host
+    published the new plan at once, with stages not ready, and asks waited or failed meanwhile."""
     swarm.join("trunk-c")
-    swarm.start_trunk("trunk-c")
+
+    async def scenario():
+        plans: list[dict] = []
+        watcher = asyncio.ensure_future(swarm.watch_plans(plans))
+        try:
+            while not plans:
+                await asyncio.sleep(0.1)
+            swarm.start_trunk("trunk-c")
+            answers, deadline = [], time.monotonic() + 120
+            while not any(len(p["stages"]) == 3 for p in plans):
+                assert time.monotonic() < deadline, plans[-1]
+                answers.append(await asyncio.to_thread(swarmctl, swarm.homes["asker"], *ASK, PROMPT))
+            answers.append(await asyncio.to_thread(swarmctl, swarm.homes["asker"], *ASK, PROMPT))
+        finally:
+            watcher.cancel()
+        return plans, answers
+
+    plans, answers = asyncio.run(scenario())
+    assert [len(p["stages"]) for p in plans][-1] == 3
+    for p in plans:  # an asker never got a plan it could not ask on
+        assert p["stages"] and all(s["ready"] for s in p["stages"]) and not p.get("staged"), p
+    for r in answers:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == inproc_answer
+    log = swarm.nodes[0].log()
+    assert "staged:" in log and "is ready: switching from" in log, log[-3000:]
     status = swarm.wait_complete(3)
     assert len([m for m in status["members"] if m["layers"]]) == 3
-    r = swarmctl(swarm.homes["asker"], *ASK, PROMPT)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == inproc_answer
 
 
 def test_ask_with_no_swarm_starts_a_local_one(tmp_path):

@@ -55,7 +55,8 @@ def format_table(status: m.Status) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"swarm {status.swarm}: model {status.model} ({status.n_layer} layers, asker keeps "
              f"{status.head_layers} at each end), plan v{status.plan_version}, "
-             + ("complete" if status.complete else _incomplete(status))]
+             + ("complete" if status.complete else _incomplete(status))
+             + (f"; plan {status.staged.replace(':', ' staged, loading beside it:', 1)}" if status.staged else "")]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     # Under the table, after a blank line: stages split between a GPU and the CPU (partial offload)
     # say which layers are where, then the plan's links.

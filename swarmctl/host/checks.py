@@ -88,12 +88,12 @@ class ClaimChecks:
             self._spawn(self._retrying(name, trunk, lambda: self._check_trial(name, trunk, key),
                                        lambda: trunk.proving == key and trunk.trial == key))
             return
-        stage = self.plan.stage_for(name) or self.plan.expert_for(name)
-        if stage is not None and version == self.plan.version and not stage.ready \
-                and trunk.proving != (version, stage.start, stage.stop):
+        plan = self.planning.plan_of(version)  # the plan in use, or the one staged to follow it
+        stage = (plan.stage_for(name) or plan.expert_for(name)) if plan is not None else None
+        if stage is not None and not stage.ready and trunk.proving != (version, stage.start, stage.stop):
             key = trunk.proving = (version, stage.start, stage.stop)
             self._spawn(self._retrying(name, trunk, lambda: self._check_ready(name, trunk, key),
-                                       lambda: trunk.proving == key and self.plan.version == key[0]))
+                                       lambda: trunk.proving == key and self.planning.plan_of(key[0]) is not None))
 
     def reprobe(self, name: str, trunk: TrunkInfo) -> None:
         """Time a trunk again later: it claims to be faster than the host saw it (another process
@@ -173,16 +173,18 @@ class ClaimChecks:
 
     async def _check_ready(self, name: str, trunk: TrunkInfo, key: tuple[int, int, int]) -> None:
         version, start, stop = key
-        expert = self.plan.expert_for(name) is not None
-        layers = list(range(*self.plan.trunk_range)) if expert else list(range(start, stop))
+        plan = self.planning.plan_of(version) or self.plan
+        expert = plan.expert_for(name) is not None
+        layers = list(range(*plan.trunk_range)) if expert else list(range(start, stop))
         probe = layers[secrets.randbelow(len(layers))] if trunk.measured_ms_per_layer is None and not expert else None
         outcome = await self._challenge(trunk, layers, probe)
         if trunk.proving == key:
             trunk.proving = None
         if not self._current(name, trunk):
             return
-        current = self.plan.stage_for(name) or self.plan.expert_for(name)
-        same = self.plan.version == version and current is not None and (current.start, current.stop) == (start, stop)
+        plan = self.planning.plan_of(version)  # (the staged plan may have been published or dropped meanwhile)
+        current = (plan.stage_for(name) or plan.expert_for(name)) if plan is not None else None
+        same = current is not None and (current.start, current.stop) == (start, stop)
         # A plan that moved meanwhile excuses "not held" (the trunk may have loaded other layers
         # since) and, once between two passed checks, a late answer; a wrong answer never.
         excused = not same and (outcome.missing or (outcome.timed_out and not trunk.excused))
@@ -199,9 +201,10 @@ class ClaimChecks:
             return  # the plan moved on: the trunk confirms the new one, and is checked again
         current.ready = True
         trunk.excused, trunk.passed_check = False, True
-        log.info("trunk %s ready with %s [%d, %d) (layer check: %d bytes, %.1f ms)", name,
-                 "experts" if expert else "layers", start, stop, outcome.bytes_read, outcome.proof_ms)
-        self.planning.push()
+        log.info("trunk %s ready with %s [%d, %d)%s (layer check: %d bytes, %.1f ms)", name,
+                 "experts" if expert else "layers", start, stop, " for staged plan v%d" % version if plan.staged else "",
+                 outcome.bytes_read, outcome.proof_ms)
+        self.planning.stage_ready()
         if outcome.ms_per_layer is not None:
             self._plan_speed(name, trunk)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import statistics
 import time
 from typing import Awaitable, Callable
@@ -26,8 +27,11 @@ from .trunks import Trunks
 log = logging.getLogger("swarmctl.host")
 
 DEFAULT_MS_PER_LAYER = 1.0  # for a trunk that could not measure yet (it has no model file)
-IDLE_RECHECK_S = 10.0
-TRIAL_VERSIONS = 2**40  # trial plans' private versions count from here (never a public plan's)  # a re-plan on speed waiting for the stages to be idle asks them again this often
+IDLE_RECHECK_S = 10.0  # a re-plan on speed waiting for the stages to be idle asks them again this often
+# A staged plan whose stages are not all ready this long after it was sent is given up: the members
+# that did not load are left out (tests set SWARMCTL_STAGED_DEADLINE_S).
+STAGED_DEADLINE_S = float(os.environ.get("SWARMCTL_STAGED_DEADLINE_S", "600"))
+TRIAL_VERSIONS = 2**40  # trial plans' private versions count from here (never a public plan's)
 
 
 class PlanKeeper:
@@ -57,6 +61,10 @@ class PlanKeeper:
         # (a swarm starting up); otherwise each is sent a trial plan of its own to prove itself on.
         self.with_unproven = False
         self._trials = 0
+        # Make-before-break: a plan staged to follow the one in use, loading beside it (``_stage``).
+        self.staged: Plan | None = None
+        self.staged_deadline_s = STAGED_DEADLINE_S
+        self._staged_timer: asyncio.TimerHandle | None = None
         self.plan.version = self._load_version()  # a restarted host continues the numbering
         self.plan.accounts = accounts(home.members())  # (Plan.account: one budget per invite)
 
@@ -66,10 +74,11 @@ class PlanKeeper:
         except (FileNotFoundError, ValueError):
             return 0
 
-    def save_version(self) -> None:
+    def save_version(self, version: int | None = None) -> None:
+        """A restarted host numbers on from the last version it staged or published."""
         from net.identity import write_public
 
-        write_public(self.home.file("plan_version"), str(self.plan.version).encode())
+        write_public(self.home.file("plan_version"), str(self.plan.version if version is None else version).encode())
 
     # --- the planner's inputs ---
 
@@ -116,7 +125,7 @@ class PlanKeeper:
             placement = place_experts(self.layout, nodes, self.constraints, self.config.expert_nodes)
         except PlanError as e:
             return SpeedDecision(True, False, f"no plan to compare with: {e}")
-        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        current = [(s.member, s.start, s.stop) for s in self.latest.stages]
         return decide_on_speed(placement.stage_layout, placement.stage_nodes, self.constraints, current, name, figure,
                                factor=factor)
 
@@ -138,7 +147,7 @@ class PlanKeeper:
         timer): the gain must still be there, or the wait starts over."""
         self._look_again = None
         nodes = self.descriptors()
-        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        current = [(s.member, s.start, s.stop) for s in self.latest.stages]
         worth = False
         if current and self.constraints.objective != "even":
             try:
@@ -202,6 +211,8 @@ class PlanKeeper:
             self._look_again = None
         if self._asking is not None:
             self._asking.cancel()
+        if self._staged_timer is not None:
+            self._staged_timer.cancel()
 
     def consider_links(self, name: str, claims: dict[str, Link]) -> None:
         """``name`` reports its measured links: each is planned with once it moved past the noise
@@ -216,7 +227,7 @@ class PlanKeeper:
         except PlanError:
             trunk.links = sticky_links(trunk.links, claims)
             return
-        current = [(s.member, s.start, s.stop) for s in self.plan.stages]
+        current = [(s.member, s.start, s.stop) for s in self.latest.stages]
         decision = decide_on_links(placement.stage_layout, placement.stage_nodes, self.constraints, current, name,
                                    claims)
         trunk.links = {peer: decision.links[peer] for peer in claims}
@@ -243,9 +254,6 @@ class PlanKeeper:
             return None, None, str(e)
 
     def replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
-        # (stages bound each member's KV by what the plan reserves there: swarmctl/budget.py)
-        self.plan.context_tokens = self.constraints.context_tokens
-        self.plan.max_concurrent = self.constraints.max_concurrent
         unproven = [name for name, t in self.trunks.items() if not t.refused and not t.checking and not t.proven]
         self.with_unproven = False
         proposal, placement, problem = self._try_propose()
@@ -254,42 +262,142 @@ class PlanKeeper:
             proposal, placement, problem = self._try_propose()
         if problem:
             log.warning("cannot plan: %s", problem)
-            self.plan.warnings = [problem]
         for name in unproven:  # planned as they are (the proven cannot serve alone), or sent a trial
             if self.with_unproven:
                 self.trunks[name].trial = None
         if unproven and not self.with_unproven:
             self._send_trials(unproven)
+        # The new plan is made from the latest one (the staged plan, if any), so versions only grow.
+        base = self.latest
+        candidate = Plan.from_dict(base.to_dict())
+        if problem:
+            candidate.warnings = [problem]
+        if not self._apply(candidate, proposal, placement):
+            if base is self.plan:
+                self.plan = candidate  # (the same assignments: its figures and warnings are new)
+            else:
+                self.staged = candidate
+            if force_push:
+                self.push()
+            elif also_send_to is not None:
+                self.push(only=also_send_to)
+            return
+        self.save_version(candidate.version)
+        if self.staged is not None and candidate.assignments() == self.plan.assignments():
+            log.info("staged plan v%d dropped: the plan in use (v%d) stays", self.staged.version, self.plan.version)
+            self._end_staging()
+            self.push()
+        elif self._can_stage(candidate):
+            self._stage(candidate)
+        else:
+            self._publish(candidate)
+
+    def _apply(self, plan: Plan, proposal, placement) -> bool:
+        """Put a planner's proposal (None: no plan) into ``plan``; True (and a new version) if who
+        serves what changed."""
+        # (stages bound each member's KV by what the plan reserves there: swarmctl/budget.py)
+        plan.context_tokens = self.constraints.context_tokens
+        plan.max_concurrent = self.constraints.max_concurrent
         nodes = placement.stage_nodes if placement is not None else []
         experts: list[ExpertAssignment] = placement.experts if placement is not None else []
         if proposal is None:
-            changed = bool(self.plan.stages)
+            changed = bool(plan.stages)
             if changed:
-                self.plan.version += 1
-                self.plan.stages = []
+                plan.version += 1
+                plan.stages = []
         else:
-            changed = self.plan.apply(proposal, {n.name: n.address for n in nodes})
-            self.plan.warnings += placement.warnings
-        if [(e.member, e.start, e.stop) for e in experts] != [(e.member, e.start, e.stop) for e in self.plan.experts]:
+            changed = plan.apply(proposal, {n.name: n.address for n in nodes})
+            plan.warnings += placement.warnings
+        if [(e.member, e.start, e.stop) for e in experts] != [(e.member, e.start, e.stop) for e in plan.experts]:
             if not changed:
-                self.plan.version += 1
-                for s in self.plan.stages:
+                plan.version += 1
+                for s in plan.stages:
                     s.ready = False
-            self.plan.experts = experts
-            self.plan.check_experts()
+            plan.experts = experts
+            plan.check_experts()
             changed = True
-        if changed:
-            self.gate.plan_changed(self.clock())
-            self.save_version()
-            log.info("plan v%d: %s%s%s", self.plan.version,
-                     ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages) or "no trunks",
-                     "".join(f"; experts {e.member}[{e.start},{e.stop})" for e in self.plan.experts),
-                     "".join(f"; {w}" for w in self.plan.warnings))
+        return changed
+
+    # --- make-before-break ---
+
+    @property
+    def latest(self) -> Plan:
+        """The plan staged to follow the one in use, or that one."""
+        return self.staged or self.plan
+
+    def plan_of(self, version: int) -> Plan | None:
+        """The plan in use or the staged one, whichever has ``version``."""
+        return next((p for p in (self.plan, self.staged) if p is not None and p.version == version), None)
+
+    def _can_stage(self, new: Plan) -> bool:
+        """A plan that serves, every one of whose members is still there, keeps serving while a new
+        one loads (make-before-break). Not where expert nodes are planned (an expert node holds
+        one assignment at a time), nor for a plan that cannot serve anyway."""
+        old = self.plan
+        return bool(old.stages and new.stages and old.complete and not old.experts and not new.experts) and all(
+            (t := self.trunks.get(s.member)) is not None and t.conn.is_open and not t.refused for s in old.stages)
+
+    def _stage(self, new: Plan) -> None:
+        """Send ``new`` to its trunks to load beside the plan in use; askers switch once every stage
+        of it is ready (``stage_ready``) or, past STAGED_DEADLINE_S, it is given up."""
+        new.staged = True
+        self.staged = new
+        self.plan.next_version = new.version
+        log.info("plan v%d staged: %s; v%d serves until every stage of it is ready", new.version, _describe(new),
+                 self.plan.version)
+        if self._staged_timer is not None:
+            self._staged_timer.cancel()
+        try:
+            self._staged_timer = asyncio.get_running_loop().call_later(self.staged_deadline_s, self._staged_overdue,
+                                                                       new.version)
+        except RuntimeError:  # (no loop: a test drives ``staged_overdue`` itself)
+            self._staged_timer = None
+        self.push()
+
+    def stage_ready(self) -> None:
+        """A stage became ready (checks.py): publish the staged plan once all of it is, else tell
+        everyone the plan in use's readiness."""
+        if self.staged is not None and self.staged.complete:
+            log.info("every stage of plan v%d is ready: switching from v%d", self.staged.version, self.plan.version)
+            self._publish(self.staged)
+        else:
             self.push()
-        elif force_push:
-            self.push()
-        elif also_send_to is not None:
-            self.push(only=also_send_to)
+
+    def _staged_overdue(self, version: int) -> None:
+        """The staged plan did not get ready in time: its members that did not load their layers are
+        left out (as a member that refused), and the plan is made again without them."""
+        self._staged_timer = None
+        staged = self.staged
+        if staged is None or staged.version != version:
+            return
+        late = [s for s in staged.stages if not s.ready]
+        for s in late:
+            trunk = self.trunks.get(s.member)
+            if trunk is not None and not trunk.refused:
+                trunk.refused = f"did not load layers [{s.start}, {s.stop}) of plan v{version} within " \
+                                f"{self.staged_deadline_s:.0f} s"
+                log.warning("trunk %s %s: left out of the plan", s.member, trunk.refused)
+        self.replan()
+        if self.staged is not None and self.staged.version == version:  # (nothing else to plan with)
+            log.warning("staged plan v%d not ready after %.0f s and no other plan: switching to it",
+                        version, self.staged_deadline_s)
+            self._publish(self.staged)
+
+    def _end_staging(self) -> None:
+        self.staged = None
+        self.plan.next_version = 0
+        if self._staged_timer is not None:
+            self._staged_timer.cancel()
+            self._staged_timer = None
+
+    def _publish(self, new: Plan) -> None:
+        """``new`` becomes the plan in use: to every trunk and asker."""
+        self._end_staging()
+        new.staged, new.next_version = False, 0
+        self.plan = new
+        self.gate.plan_changed(self.clock())
+        log.info("plan v%d: %s", new.version, _describe(new))
+        self.push()
 
     def _send_trials(self, unproven: list[str]) -> None:
         """The proven trunks hold the model, so the plan in use stays as it is: each unproven trunk
@@ -325,9 +433,15 @@ class PlanKeeper:
         last plan it was sent)."""
         self.plan.accounts = accounts(self.home.members())  # (a join since the last push may add one)
         frame = m.encode(m.PlanPush(plan=self.plan.to_dict()))
+        staged = None
+        if self.staged is not None:
+            self.staged.accounts = self.plan.accounts
+            staged = m.encode(m.PlanPush(plan=self.staged.to_dict()))
         for name, trunk in self.trunks.items():
             if (only is None or name == only) and trunk.conn.is_open and trunk.trial is None:
                 trunk.conn.send(trunk.plan_stream, frame)
+                if staged is not None and self.staged.stage_for(name) is not None:
+                    trunk.conn.send(trunk.plan_stream, staged)  # (after the plan in use: it loads beside it)
         if only is None:
             self.watchers = [(c, sid) for c, sid in self.watchers if c.is_open]
             for conn, stream_id in self.watchers:
@@ -350,3 +464,9 @@ class PlanKeeper:
         log.info("settings changed: %s", ", ".join(f"{o.key} {getattr(settings, o.field)}" for o in OPTIONS
                                                    if o.configurable))
         self.replan(force_push=True)
+
+
+def _describe(plan: Plan) -> str:
+    return (", ".join(f"{s.member}[{s.start},{s.stop})" for s in plan.stages) or "no trunks") + \
+        "".join(f"; experts {e.member}[{e.start},{e.stop})" for e in plan.experts) + \
+        "".join(f"; {w}" for w in plan.warnings)

@@ -408,7 +408,8 @@ class HostService:
         advertised = self.config.host_addresses[0] if self.config.host_addresses else str(self.address)
         return swarm_status(StatusSources(self.home, self.config.name, advertised, self.config.swarm_name,
                                           self.plan, self.trunks, self.online(), self.reports,
-                                          self.bandwidth_measured, self.rendezvous, last_seen=self.last_seen))
+                                          self.bandwidth_measured, self.rendezvous, last_seen=self.last_seen,
+                                          staged=self.planning.staged))
 
     def _recovered(self, conn: SwarmProtocol, stream_id: int, message: m.Recovered) -> None:
         self.reports.recovered(message.recovery_s, message.replayed_bytes)

@@ -34,6 +34,7 @@ class StatusSources:
     bandwidth_measured: set[tuple[str, str]] = field(default_factory=set)
     rendezvous: Rendezvous | None = None  # the paths the host gave members to reach trunks
     last_seen: dict[str, float] = field(default_factory=dict)  # member → time.monotonic() its last connection closed
+    staged: Plan | None = None  # a plan staged to follow ``plan`` (make-before-break: planning.py)
 
 
 def health(src: StatusSources, name: str, revoked: bool) -> str:
@@ -132,6 +133,7 @@ def _path(src: StatusSources, a: str, b: str, estimate) -> str:
 
 def swarm_status(src: StatusSources) -> Status:
     plan, recovery = src.plan, src.reports.recovery
+    staged = src.staged
     members = [member_row(src, name, record.role, record.revoked)
                for name, record in sorted(src.home.members().items())]
     return Status(swarm=src.swarm_name, model=plan.model_name, n_layer=plan.n_layer, head_layers=plan.head_layers,
@@ -143,4 +145,6 @@ def swarm_status(src: StatusSources) -> Status:
                   recovery=RecoveryStatus(recoveries=recovery.recoveries, replayed_bytes=recovery.replayed_bytes,
                                           last_recovery_s=recovery.last_recovery_s,
                                           last_marked_down=recovery.last_marked_down),
-                  links=link_rows(src))
+                  links=link_rows(src), staged=f"v{staged.version}: " + ", ".join(
+                      f"{s.member}[{s.start},{s.stop}){'' if s.ready else ' loading'}" for s in staged.stages)
+                  if staged else "")

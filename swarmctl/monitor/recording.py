@@ -40,6 +40,8 @@ class Recorder:
         d = poll.to_dict()
         if not d.get("paths"):  # (no member behind a NAT: leave the line as it was before paths)
             d.pop("paths", None)
+        if isinstance(d.get("status"), dict) and not d["status"].get("staged"):
+            d["status"].pop("staged", None)  # (no plan staged, as in most polls: the line as before)
         for name, stats in poll.stats.items():
             newest = self._reported.get(name, float("-inf"))
             # 0.1 ms and 10 µs: finer than any chart cell, and a third of the bytes

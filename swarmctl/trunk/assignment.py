@@ -5,6 +5,11 @@ runs), then loads in the background on the compute thread: fetch the slice from 
 the model file is missing, open it once with every layer checked against the host's hashes,
 build the engine. A plan that arrives mid-load is re-read when the load ends. When the layers
 are in place, the host hears ``ready`` once per (plan version, assignment).
+
+Make-before-break: a plan the host *staged* (``Plan.staged``) is loaded beside the one served: its
+layers fetched and checked and, where this trunk's memory holds both, its engine built in a
+``Standby``, while the engine in use serves on. When the host publishes that plan, the standby
+takes over at once; a trunk that could not hold both builds the engine then, from the checked file.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
 from kernels.slice import Placement, RemoteExperts, SliceEngine
-from kernels.spec import SliceSpec
+from kernels.spec import ModelSpec, SliceSpec
 from net import messages as m
 from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
 from plans.planner import Constraints
@@ -42,6 +47,25 @@ class Confirmed:
     role: str  # "stage" or "experts"
     start: int  # layers (a stage) or experts (an expert node)
     stop: int
+
+
+@dataclass
+class Standby:
+    """The next plan's stage, loaded beside the one served (``engine`` None: no room for both yet)."""
+
+    version: int
+    stage: StageAssignment
+    model: Path
+    gguf: GGUFFile | None = None
+    engine: SliceEngine | None = None
+
+    def close(self) -> None:
+        """On the compute thread."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.gguf is not None:
+            self.gguf.close()
+        self.engine = self.gguf = None
 
 
 def open_checked(model: Path, layers: range, plan: Plan) -> GGUFFile:
@@ -87,6 +111,8 @@ class Assignment:
         self._spawn = ctx.spawn
         self._loading: asyncio.Task | None = None
         self._confirmed: Confirmed | None = None
+        self.standby: Standby | None = None  # the staged plan's stage, loaded beside this one
+        self._preparing: int | None = None  # the staged plan version being prepared
 
     @property
     def loading(self) -> bool:
@@ -105,7 +131,78 @@ class Assignment:
         self.plan = plan
         if self.engine is not None:
             self.budget.limits = self.budget_limits()  # the planned context and concurrency may have moved
+        if self._preparing not in (None, plan.version, plan.next_version):
+            self._preparing = None  # the host gave the staged plan up
+            self._drop_standby()
         return True
+
+    # --- a staged plan (make-before-break) ---
+
+    def prepare(self, staged: Plan) -> None:
+        """Load our stage of a plan the host staged, beside what we serve, and say ``ready`` for it;
+        the plan in use keeps being served until the host publishes the staged one."""
+        stage = staged.stage_for(self.name)
+        if stage is None or self._preparing == staged.version or \
+                (self.plan is not None and staged.version <= self.plan.version):
+            return
+        self._preparing = staged.version
+        self._spawn(self._prepare(staged, stage))
+
+    async def _prepare(self, staged: Plan, stage: StageAssignment) -> None:
+        loop = asyncio.get_running_loop()
+        serving = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
+            (stage.start, stage.stop) and self.engine.remote_experts is None
+        if not serving:
+            try:
+                model = await self._model_for(stage, staged)
+                standby = await loop.run_in_executor(self._executor, self._open_standby, staged, stage, model)
+            except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
+                log.error("cannot load layers [%d, %d) of staged plan v%d: %s", stage.start, stage.stop,
+                          staged.version, e)
+                if self._preparing == staged.version:
+                    await self._host.tell(m.Refuse(reason=str(e)))
+                return
+            if self._preparing != staged.version or (self.plan is not None and self.plan.version >= staged.version):
+                # given up meanwhile, or published before this trunk was ready (the host's deadline)
+                await loop.run_in_executor(self._executor, standby.close)
+                return
+            await loop.run_in_executor(self._executor, self._drop_standby_now)
+            self.standby = standby
+            log.info("layers [%d, %d) of staged plan v%d %s beside layers [%d, %d) in use", stage.start, stage.stop,
+                     staged.version, "loaded" if standby.engine is not None else "fetched and checked (no room to "
+                     "load them beside the ones in use: loaded at the switch)",
+                     *((self.stage.start, self.stage.stop) if self.stage else (0, 0)))
+        await self._host.tell(m.Ready(plan_version=staged.version,
+                                      placement=self.engine.placement() if serving and self.engine else ""))
+
+    def _open_standby(self, staged: Plan, stage: StageAssignment, model: Path) -> Standby:
+        """On the compute thread: the staged stage's file checked and, if this trunk's memory holds it
+        beside the engine in use (weights and the KV its requests hold), its engine built."""
+        standby = Standby(staged.version, stage, model)
+        gguf = open_checked(model, range(stage.start, stage.stop), staged)
+        held = self.engine.weights.n_bytes + self.engine.kv_bytes if self.engine is not None else 0
+        needed = stage.memory_used or sum(ModelSpec.from_gguf(gguf).layer_bytes[stage.start:stage.stop])
+        if held + needed + Constraints().reserve_bytes > self.memory:
+            gguf.close()
+            return standby
+        try:
+            standby.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                                         placement=Placement(device=self.device, gpu_memory=self.memory))
+        except BaseException:
+            gguf.close()
+            raise
+        standby.gguf = gguf
+        return standby
+
+    def _drop_standby(self) -> None:
+        if self.standby is not None:
+            self._spawn(asyncio.get_running_loop().run_in_executor(self._executor, self._drop_standby_now))
+
+    def _drop_standby_now(self) -> None:
+        """On the compute thread."""
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            standby.close()
 
     def apply(self) -> None:
         """Start loading what the current plan gives us, unless a load in progress will re-read it."""
@@ -141,11 +238,19 @@ class Assignment:
         remote = bool(self.plan.experts)  # routed experts elsewhere?
         same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
             (stage.start, stage.stop) and (self.engine.remote_experts is not None) == remote
+        standby = self.standby
+        if standby is not None and (standby.version != self.plan.version or
+                                    (standby.stage.start, standby.stage.stop) != (stage.start, stage.stop)):
+            standby = None
         if not same:
             await self._let_go("this stage is loading other layers")
             try:
-                model = await self._model_for(stage)
-                await loop.run_in_executor(self._executor, self._open_stage, stage, model)
+                if standby is not None:  # loaded beside the old layers while the host staged this plan
+                    await loop.run_in_executor(self._executor, self._take_standby, standby)
+                    model = standby.model
+                else:
+                    model = await self._model_for(stage, self.plan)
+                    await loop.run_in_executor(self._executor, self._open_stage, stage, model)
                 if self._speed.ms_per_layer_token is None:  # measure now that the layers are here
                     await self._speed.measure_slice(model, stage.start)
             except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
@@ -163,6 +268,18 @@ class Assignment:
                      self.engine.placement() if self.engine else "?")
             self._spawn(self._events.serving(self.plan))
 
+    def _take_standby(self, standby: Standby) -> None:
+        """On the compute thread: the staged plan is published; its stage (loaded beside the old one
+        if there was room, else now from the file already checked) becomes the one served."""
+        self.standby = None
+        if standby.engine is None:
+            self._open_stage(standby.stage, standby.model)
+            return
+        self.unload()
+        self.engine, self.gguf = standby.engine, standby.gguf
+        self.budget = MemberBudget(self.budget_limits())
+        self.runner = BatchRunner(self.engine)
+
     def _open_stage(self, stage: StageAssignment, model: Path) -> None:
         """On the compute thread."""
         self.unload()
@@ -178,7 +295,7 @@ class Assignment:
             gguf.close()
             raise
 
-    async def _model_for(self, stage: StageAssignment) -> Path:
+    async def _model_for(self, stage: StageAssignment, plan: Plan) -> Path:
         """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
         if self.model_path.exists():
             return self.model_path
@@ -190,8 +307,8 @@ class Assignment:
         crash_after = os.environ.get("SWARMCTL_TEST_FETCH_CRASH_AFTER")  # fault injection for the resume test
         try:
             path, received = await fetch_slice(
-                self._host.conn, frames, stream_id, self.slices_dir, model_hash=self.plan.model_hash,
-                start=stage.start, stop=stage.stop, layer_hashes=self.plan.layer_hashes,
+                self._host.conn, frames, stream_id, self.slices_dir, model_hash=plan.model_hash,
+                start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
                 on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
                                                          stage.start, stage.stop, have / 1e6, total / 1e6,
                                                          100 * have / total),
@@ -259,6 +376,11 @@ class Assignment:
         placement = self.engine.placement() if self.engine is not None and confirmed.role == "stage" else ""
         await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement))
         return True
+
+    def close(self) -> None:
+        """On the compute thread: everything this trunk holds, the standby too."""
+        self._drop_standby_now()
+        self.unload()
 
     def unload(self) -> None:
         """On the compute thread."""

@@ -154,7 +154,7 @@ class TrunkService:
             self.dialer.close()  # (the server and every connection on the socket)
         if self.relay is not None:
             self.relay.close()
-        await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self.held.unload)
+        await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self.held.close)
 
     # --- what the parts tell the trunk (TrunkEvents) ---
 
@@ -165,6 +165,9 @@ class TrunkService:
         self._stop.set()
 
     def plan_received(self, plan: Plan) -> None:
+        if plan.staged:  # to load beside the plan in use, which is served until the host publishes it
+            self.held.prepare(plan)
+            return
         if not self.held.accept(plan):
             return
         revoked = set(plan.revoked_serials)
