@@ -394,9 +394,11 @@ class TrunkService:
                 pass
 
     def _proof_sources(self) -> list[Path]:
-        """Files that may hold the layers the host asks about: the one loaded, then the model file."""
+        """Files that may hold the layers the host asks about: the one loaded, the one loaded beside
+        it for a staged plan, then the model file."""
         loaded = self.held.gguf.path if self.held.gguf is not None else None
-        return [p for p in (loaded, self.model_path) if p is not None and p.exists()]
+        standby = self.held.standby.model if self.held.standby is not None else None
+        return [p for p in (loaded, standby, self.model_path) if p is not None and p.exists()]
 
     # --- what this trunk reports and keeps ---
 
