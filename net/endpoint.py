@@ -9,10 +9,11 @@ import socket
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, TypeVar
 
-from aioquic.asyncio.server import QuicServer, serve
+from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
+from . import batch
 from .identity import Credentials, IdentityError
 from .protocol import ConnectionHandler, RequestOnlyHandler, SwarmProtocol
 from .tls import (ALPN_JOIN, ALPN_SWARM, CertificateCheck, check_pinned_host, client_configuration,
@@ -65,13 +66,16 @@ class AnonymousGuard:
     """A server's protocol factory that keeps at most ``limit`` connections not yet known to be a
     member's (no certificate checked yet, or a joiner's) by closing the oldest of them."""
 
-    def __init__(self, create: Callable[..., SwarmProtocol], limit: int = MAX_ANONYMOUS_CONNECTIONS) -> None:
-        self.create, self.limit = create, limit
+    def __init__(self, create: Callable[..., SwarmProtocol], limit: int = MAX_ANONYMOUS_CONNECTIONS,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: the server's socket, which its connections send on in batches (net/batch.py)."""
+        self.create, self.limit, self.sock = create, limit, sock
         self.waiting: list[SwarmProtocol] = []  # oldest first
         self.closed = 0
 
     def __call__(self, *args, **kwargs) -> SwarmProtocol:
         protocol = self.create(*args, **kwargs)
+        protocol.send_socket = self.sock
         self.waiting = [p for p in self.waiting if not p.peer_name and not p.ended]
         while len(self.waiting) >= self.limit:
             self.waiting.pop(0).close(error_code=0x100, reason_phrase="too many connections without a member's "
@@ -88,10 +92,47 @@ async def serve_member(address: Address, creds: Credentials, handler: Connection
     alpns = [ALPN_SWARM, ALPN_JOIN] if accept_joins else [ALPN_SWARM]
     config = server_configuration(creds, alpns=alpns,
                                   max_datagram_size=max_datagram_size or datagram_size_for(address.host))
+    loop = asyncio.get_running_loop()
+    try:
+        family, _, _, _, addr = (await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_DGRAM,
+                                                        flags=socket.AI_PASSIVE))[0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {address}: {e.strerror}") from None
+    sock = _bound_socket(family, addr)
     create = AnonymousGuard(functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame,
                                               client_check=client_check,
-                                              anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset()))
-    return await serve(address.host, address.port, configuration=config, create_protocol=create)
+                                              anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset()),
+                            sock=sock)
+    _, server = await loop.create_datagram_endpoint(
+        lambda: DrainingServer(sock, configuration=config, create_protocol=create), sock=sock)
+    return server
+
+
+class DrainingServer(QuicServer):
+    """aioquic's server, reading its socket a batch at a time (net/batch.py)."""
+
+    def __init__(self, sock: socket.socket, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sock = sock
+
+    def datagram_received(self, data, addr) -> None:
+        if batch.active():
+            super().datagram_received(data, addr)
+        else:
+            batch.drain(self.sock, data, addr, super().datagram_received)
+
+
+def _bound_socket(family: int, addr: tuple) -> socket.socket:
+    """A non-blocking UDP socket bound to ``addr``, as asyncio makes one (we keep it to read it in
+    batches)."""
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        sock.bind(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def connect_member(address: Address, creds: Credentials, peer_name: str, handler: ConnectionHandler, *,
@@ -154,9 +195,10 @@ async def _connect(address: Address, config: QuicConfiguration, handler: Connect
         raise ConnectionError(f"cannot resolve {address}: {e.strerror}") from None
     family, _, _, _, addr = infos[0]
     connection = QuicConnection(configuration=config)
+    sock = _bound_socket(family, ("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
     transport, protocol = await loop.create_datagram_endpoint(
-        lambda: SwarmProtocol(connection, handler=handler, max_frame=max_frame),
-        family=family, local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        lambda: SwarmProtocol(connection, handler=handler, max_frame=max_frame), sock=sock)
+    protocol.own_socket = sock
     protocol.connect(addr)
     try:
         await asyncio.wait_for(protocol.wait_connected(), CONNECT_TIMEOUT)

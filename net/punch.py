@@ -45,6 +45,7 @@ from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
+from . import batch
 from .endpoint import CONNECT_TIMEOUT, Address, AnonymousGuard, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
@@ -112,6 +113,9 @@ class SharedSocket:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
+        if self.sock is not None and not batch.active():  # read what else waits on the socket (net/batch.py)
+            batch.drain(self.sock, data, addr, self.datagram_received)
+            return
         if data[:1] == CONTROL:
             handler = self.handlers.get(data[:4])
             if handler is None:
@@ -233,7 +237,7 @@ def serve_on(shared: SharedSocket, creds: Credentials, handler: ConnectionHandle
     config = server_configuration(creds, alpns=[ALPN_SWARM],
                                   max_datagram_size=max_datagram_size or datagram_size_for(shared.local_address.host))
     create = AnonymousGuard(functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame,
-                                              client_check=client_check))
+                                              client_check=client_check), sock=shared.sock)
     server = QuicServer(configuration=config, create_protocol=create)
     server.connection_made(shared.transport)
     shared.server = server
@@ -251,6 +255,7 @@ async def connect_on(shared: SharedSocket, address: Address, creds: Credentials,
                                   max_datagram_size=max_datagram_size or datagram_size_for(address.host))
     protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
     protocol.connection_made(shared.transport)
+    protocol.send_socket = shared.sock
     shared.add_client(protocol)
     protocol.connect((address.host, address.port))
     try:

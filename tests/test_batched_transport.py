@@ -1,0 +1,144 @@
+"""Datagrams by the batch (issue 32 item 1, net/batch.py): the reader drains what waits on the
+socket and each connection transmits once per batch; sends go out as UDP_SEGMENT runs where the
+kernel takes them, one by one where it does not. Real sockets on loopback; the speed is
+benchmarks/bench_transport.py's to show, not asserted here."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from net import batch
+from net.endpoint import Address, close, connect_member, serve_member
+from net.identity import Credentials, make_ca, new_private_key, sign_member
+from net.protocol import RequestOnlyHandler
+from net.wire import FrameType, decode_control, encode_control, encode_frame
+
+
+def _udp_pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for s in (a, b):
+        s.bind(("127.0.0.1", 0))
+        s.setblocking(False)
+    return a, b
+
+
+class Conn:
+    def __init__(self) -> None:
+        self.received, self.flushes = [], 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_a_wake_up_reads_what_waits_and_each_connection_flushes_once():
+    sender, receiver = _udp_pair()
+    for i in range(100):
+        sender.sendto(bytes([i]) * 10, receiver.getsockname())
+    conns = [Conn(), Conn()]
+
+    def deliver(data: bytes, addr) -> None:
+        conn = conns[data[0] % 2]
+        conn.received.append(data[0])
+        assert batch.defer(conn)  # inside a batch: deferred, not flushed now
+
+    first, addr = receiver.recvfrom(100)  # what asyncio's reader hands the protocol
+    batch.drain(receiver, first, addr, deliver)
+    assert conns[0].received + conns[1].received and \
+        sorted(conns[0].received + conns[1].received) == list(range(batch.MAX_BATCH))  # bounded per wake-up
+    assert [c.flushes for c in conns] == [1, 1] and not batch.active()
+    rest = []
+    batch.drain(receiver, *receiver.recvfrom(100), lambda d, a: rest.append(d[0]))
+    assert rest == list(range(batch.MAX_BATCH, 100))  # the next wake-up takes the rest
+    assert not batch.defer(Conn())  # outside a batch: the caller flushes at once
+    sender.close(), receiver.close()
+
+
+class Transport:
+    """asyncio's transport as send_all sees it: what it was handed, nothing queued."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def sendto(self, data: bytes, addr) -> None:
+        self.sent.append(data)
+
+
+def test_runs_of_equal_datagrams_go_as_one_segmented_send_and_arrive_one_by_one(monkeypatch):
+    if not batch._gso:
+        pytest.skip("no UDP segmentation offload on this platform")
+    sender, receiver = _udp_pair()
+    to = receiver.getsockname()
+    datagrams = [(bytes([i]) * 1350, to) for i in range(30)] + [(b"x" * 700, to), (b"y" * 1350, to), (b"z" * 20, to)]
+    calls = []
+    real = sender.sendmsg
+    monkeypatch.setattr(batch, "_gso", True)
+
+    class Counting:
+        def sendmsg(self, *args):
+            calls.append(len(args[0][0]))
+            return real(*args)
+
+    transport = Transport()
+    batch.send_all(Counting(), datagrams, transport)
+    got = []
+    while True:
+        try:
+            got.append(receiver.recv(65535))
+        except BlockingIOError:
+            break
+    if not batch._gso:
+        pytest.skip("this kernel refused UDP segmentation offload (it fell back, as it should)")
+    # 30 of 1350 and the shorter 700 that ends the run in one send; then 1350 + 20 in another
+    assert calls == [30 * 1350 + 700, 1370] and transport.sent == []
+    assert got == [d for d, _ in datagrams]  # segmented by the kernel: each arrives as it was built
+    sender.close(), receiver.close()
+
+
+def test_where_the_kernel_refuses_segmentation_everything_goes_one_by_one(monkeypatch):
+    monkeypatch.setattr(batch, "_gso", True)
+
+    class Refusing:
+        def sendmsg(self, *args):
+            raise OSError(5, "Input/output error")  # what a device without checksum offload answers
+
+    transport = Transport()
+    datagrams = [(b"a" * 1350, ("127.0.0.1", 9))] * 5 + [(b"b" * 100, ("127.0.0.1", 9))]
+    batch.send_all(Refusing(), datagrams, transport)
+    assert transport.sent == [d for d, _ in datagrams] and batch._gso is False
+
+
+def test_a_frame_of_a_megabyte_crosses_a_real_link_intact_at_ethernet_sized_datagrams():
+    """The whole path (batched reads, deferred transmits, segmented sends) under mutual TLS, with
+    the datagram size non-loopback paths use: the frame arrives byte for byte."""
+    ca_key, ca = make_ca("batch")
+    creds = {}
+    for name in ("host", "member"):
+        key = new_private_key()
+        creds[name] = Credentials(key, sign_member(ca_key, ca, key.public_key(), name), ca)
+    payload = bytes(range(256)) * 4096
+
+    class Echo(RequestOnlyHandler):
+        def frame_received(self, conn, stream_id, frame) -> None:
+            body = frame.body
+            conn.send(stream_id, encode_control({"type": "echo", "n": len(body), "sum": sum(body[::4096])}), end=True)
+
+    async def scenario():
+        server = await serve_member(Address("127.0.0.1", 0), creds["host"], Echo(), client_check=lambda cert: None,
+                                    max_datagram_size=1350)
+        port = server._transport.get_extra_info("sockname")[1]
+        conn = await connect_member(Address("127.0.0.1", port), creds["member"], "host", RequestOnlyHandler(),
+                                    max_datagram_size=1350)
+        try:
+            return [decode_control((await conn.request(encode_frame(FrameType.DATA, payload))).body) for _ in range(3)]
+        finally:
+            await close(conn)
+            server.close()
+
+    answers = asyncio.run(scenario())
+    assert answers == [{"type": "echo", "n": len(payload), "sum": sum(payload[::4096])}] * 3
