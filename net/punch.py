@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import os
 import socket
 import struct
 import time
@@ -45,11 +47,12 @@ from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
-from . import batch
+from . import batch, path_mtu
 from .endpoint import CONNECT_TIMEOUT, Address, AnonymousGuard, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
-from .tls import ALPN_SWARM, CertificateCheck, client_configuration, datagram_size_for, server_configuration
+from .tls import (ALPN_SWARM, DEFAULT_DATAGRAM_SIZE, CertificateCheck, client_configuration, datagram_size_for,
+                  server_configuration)
 from .wire import DEFAULT_MAX_FRAME
 
 CONTROL = b"\x00"  # first byte of every non-QUIC datagram on a shared socket
@@ -65,6 +68,8 @@ OPENING_S = 0.25  # how long an end sends only low-TTL probes (unless it hears t
 # when the link is quiet (QUIC itself sends nothing on an idle connection).
 KEEPALIVE_INTERVAL = 10.0
 CID_LENGTH = 8  # aioquic's default connection ID length (QuicConfiguration.connection_id_length)
+
+log = logging.getLogger("swarmctl.net")
 
 ControlHandler = Callable[[bytes, tuple], None]
 
@@ -104,7 +109,11 @@ class SharedSocket:
         self.sock: socket.socket | None = None  # the socket itself, for datagrams with a TTL of their own
         self.server: QuicServer | None = None
         self.clients: dict[bytes, SwarmProtocol] = {}  # connection ID → a connection we opened
-        self.handlers: dict[bytes, ControlHandler] = {PROBE: self._probe_received}
+        self.handlers: dict[bytes, ControlHandler] = {PROBE: self._probe_received,
+                                                      path_mtu.SIZE_PROBE: self._size_probe_received,
+                                                      path_mtu.SIZE_ANSWER: self._size_answer_received}
+        self.size_waiters: dict[bytes, asyncio.Future[int]] = {}  # nonce → a size probe waiting for its answer
+        self._probing = 0  # size probes in progress (Don't Fragment is on meanwhile)
         self.punches: dict[bytes, ControlHandler] = {}  # nonce → the punch waiting for its peer's probes
         self.dropped = 0  # datagrams nobody wanted (stale probes, strangers)
 
@@ -144,6 +153,52 @@ class SharedSocket:
             self.dropped += 1  # a stale probe, or a stranger's
         else:
             punch(data, addr)
+
+    def _size_probe_received(self, data: bytes, addr: tuple) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(path_mtu.answer(data), addr)
+
+    def _size_answer_received(self, data: bytes, addr: tuple) -> None:
+        nonce = data[len(path_mtu.SIZE_ANSWER):len(path_mtu.SIZE_ANSWER) + path_mtu.NONCE]
+        waiter = self.size_waiters.get(nonce)
+        size = path_mtu.read_answer(data[len(path_mtu.SIZE_ANSWER):], nonce)
+        if waiter is not None and size is not None and not waiter.done():
+            waiter.set_result(size)
+
+    async def datagram_size_to(self, address: Address, sizes: list[int] | None = None) -> int:
+        """The largest datagram the path to ``address`` carries, of ``sizes`` (default: what the
+        kernel says the first hop takes, then Ethernet's), as answered probes show (net/path_mtu.py);
+        the Internet-safe default where none is answered, nothing needs probing, or the platform
+        cannot set Don't Fragment."""
+        sizes = path_mtu.candidates(address.host, address.port) if sizes is None else sizes
+        if not sizes or self.sock is None or not path_mtu.set_probing(self.sock, True):
+            return datagram_size_for(address.host)
+        self._probing += 1
+        try:
+            for size in sizes:
+                if await self._probe_size(address, size):
+                    log.debug("the path to %s carries %d-byte datagrams", address, size)
+                    return size
+        finally:
+            self._probing -= 1
+            if not self._probing:
+                path_mtu.set_probing(self.sock, False)
+        log.debug("no size probe to %s answered: %d-byte datagrams", address, DEFAULT_DATAGRAM_SIZE)
+        return DEFAULT_DATAGRAM_SIZE
+
+    async def _probe_size(self, address: Address, size: int) -> bool:
+        nonce = os.urandom(path_mtu.NONCE)
+        waiter = self.size_waiters[nonce] = asyncio.get_running_loop().create_future()
+        try:
+            for _ in range(path_mtu.PROBE_TRIES):
+                self.sendto(path_mtu.probe(nonce, size), address)
+                done, _ = await asyncio.wait({waiter}, timeout=path_mtu.PROBE_WAIT_S / path_mtu.PROBE_TRIES)
+                if done:
+                    return waiter.result() == size
+            return False
+        finally:
+            del self.size_waiters[nonce]
+            waiter.cancel()
 
     def add_client(self, protocol: SwarmProtocol) -> None:
         """Route the connection's datagrams to it: under its first connection ID now, and under
@@ -252,7 +307,7 @@ async def connect_on(shared: SharedSocket, address: Address, creds: Credentials,
     the socket stays open."""
     address = await resolve(address)
     config = client_configuration(creds, peer_name=peer_name,
-                                  max_datagram_size=max_datagram_size or datagram_size_for(address.host))
+                                  max_datagram_size=max_datagram_size or await shared.datagram_size_to(address))
     protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
     protocol.connection_made(shared.transport)
     protocol.send_socket = shared.sock

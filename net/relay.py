@@ -27,6 +27,7 @@ class LinkStats:
     forwarded: int = 0
     dropped_loss: int = 0
     dropped_cut: int = 0
+    dropped_mtu: int = 0
     bytes: int = 0
 
 
@@ -62,6 +63,7 @@ class ImpairedLink:
     seed: int | None = None
     cut: bool = False
     stats: LinkStats = field(default_factory=LinkStats)
+    mtu: int = 0  # datagrams larger than this are dropped, as a path with a smaller MTU does (0: none)
     record: bool = False
     recorded: list[bytes] = field(default_factory=list)  # with record=True: every datagram, in arrival order
 
@@ -103,6 +105,9 @@ class ImpairedLink:
             self.recorded.append(bytes(data))
         if self.cut:
             self.stats.dropped_cut += 1
+            return
+        if self.mtu and len(data) > self.mtu:
+            self.stats.dropped_mtu += 1
             return
         if self.loss and self._rng.random() < self.loss:
             self.stats.dropped_loss += 1

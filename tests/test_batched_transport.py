@@ -142,3 +142,51 @@ def test_a_frame_of_a_megabyte_crosses_a_real_link_intact_at_ethernet_sized_data
 
     answers = asyncio.run(scenario())
     assert answers == [{"type": "echo", "n": len(payload), "sum": sum(payload[::4096])}] * 3
+
+
+def test_a_burst_of_tiny_datagrams_at_the_socket_does_not_stall_a_transfer():
+    """Bad input: 20,000 one-byte datagrams from a stranger land on the server's socket while a
+    member moves 1 MB on it; the batches they fill are bounded, the transfer completes intact."""
+    ca_key, ca = make_ca("burst")
+    creds = {}
+    for name in ("host", "member"):
+        key = new_private_key()
+        creds[name] = Credentials(key, sign_member(ca_key, ca, key.public_key(), name), ca)
+
+    class Echo(RequestOnlyHandler):
+        def frame_received(self, conn, stream_id, frame) -> None:
+            conn.send(stream_id, encode_control({"type": "echo", "n": len(frame.body)}), end=True)
+
+    async def flood(port: int, stop: asyncio.Event) -> int:
+        sock, sent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), 0
+        sock.setblocking(False)
+        while not stop.is_set() and sent < 20000:
+            for _ in range(200):
+                try:
+                    sock.sendto(b"x", ("127.0.0.1", port))
+                    sent += 1
+                except BlockingIOError:
+                    break
+            await asyncio.sleep(0)
+        sock.close()
+        return sent
+
+    async def scenario():
+        server = await serve_member(Address("127.0.0.1", 0), creds["host"], Echo(), client_check=lambda cert: None,
+                                    max_datagram_size=1350)
+        port = server._transport.get_extra_info("sockname")[1]
+        conn = await connect_member(Address("127.0.0.1", port), creds["member"], "host", RequestOnlyHandler(),
+                                    max_datagram_size=1350)
+        stop = asyncio.Event()
+        flooding = asyncio.ensure_future(flood(port, stop))
+        try:
+            answer = decode_control((await conn.request(encode_frame(FrameType.DATA, bytes(1 << 20)), timeout=30)).body)
+        finally:
+            stop.set()
+            sent = await flooding
+            await close(conn)
+            server.close()
+        return answer, sent
+
+    answer, sent = asyncio.run(scenario())
+    assert answer == {"type": "echo", "n": 1 << 20} and sent > 1000
