@@ -21,6 +21,9 @@ to 10 ms). The decode time per token is (long time - short time) / (long tokens 
 so the prompt's pass and the first token cancel out; tok/s is its inverse. Medians over the
 repeats. The paths and round trips are the host's `status --json` after the last ask.
 
+With --long-prompt N: the first-token time (`ask -v` with --max-tokens 1) of a prompt of about N
+tokens, --repeats times: the prompt's activations cross every hop before the first token.
+
 Compared: b / a decode tok/s (issue 17's target: at least 0.9), and c's extra ms per token next
 to the extra public-network crossings its relayed hops add (the relay's round trip to the host).
 """
@@ -77,9 +80,9 @@ class Swarm(LabSwarm):
                                                   "--threads", str(self.threads))
         self.wait_complete()
 
-    def ask(self, max_tokens: int) -> dict:
+    def ask(self, max_tokens: int, prompt: str = PROMPT) -> dict:
         r = self.swarmctl(ASKER, "ask", "-v", "--raw", "--temperature", "0", "--max-tokens", str(max_tokens),
-                          "--threads", str(self.threads), PROMPT, timeout=300)
+                          "--threads", str(self.threads), prompt, timeout=300)
         found = ASK_LOG.search(r.stderr)
         if not found:
             raise BenchError(f"no timing line in `ask -v` output: {r.stderr.strip()[-300:]}")
@@ -120,6 +123,12 @@ def run_layout(name: str, spec: dict, args, root: Path) -> dict:
             runs.append({"short": {k: short[k] for k in ("tokens", "elapsed_s")},
                          "long": {k: long[k] for k in ("tokens", "elapsed_s", "cli_tok_s", "finish")},
                          "decode_ms_per_token": round(per_token_s * 1e3, 2)})
+        first_token = []
+        if args.long_prompt:  # first-token time: the whole prompt crosses every hop before the first token
+            long_prompt = " ".join([PROMPT] * max(1, args.long_prompt // 20))  # (~20 tokens per copy)
+            for _ in range(args.repeats):
+                first = swarm.ask(1, long_prompt)
+                first_token.append({"prompt_tokens": first["prompt_tokens"], "elapsed_s": first["elapsed_s"]})
         status = swarm.wait_complete()
         paths = _paths(status)
         ms = statistics.median(r["decode_ms_per_token"] for r in runs)
@@ -127,6 +136,9 @@ def run_layout(name: str, spec: dict, args, root: Path) -> dict:
                 "decode_ms_per_token_runs": [r["decode_ms_per_token"] for r in runs],
                 "cli_tok_s_long_median": statistics.median(r["long"]["cli_tok_s"] for r in runs),
                 "prompt_tokens": long["prompt_tokens"],
+                **({"long_prompt_tokens": first_token[0]["prompt_tokens"],
+                    "first_token_s_median": statistics.median(f["elapsed_s"] for f in first_token),
+                    "first_token_s_runs": [f["elapsed_s"] for f in first_token]} if first_token else {}),
                 "order": [m["name"] for m in sorted((m for m in status["members"] if m["layers"]),
                                                     key=lambda m: m["layers"][0])],
                 "paths": paths, "paths_as_expected": _expected(name, paths), "runs": runs,
@@ -143,6 +155,8 @@ def main() -> int:
     p.add_argument("--long", type=int, default=40, help="tokens of the long generation")
     p.add_argument("--threads", type=int, default=1, help="compute threads per process (2 cores: 1)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
+    p.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                   help="also time the first token of a prompt of about this many tokens (0: not)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]

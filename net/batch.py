@@ -11,14 +11,9 @@ already holds at that moment.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import socket
-import struct
 import sys
 from typing import Callable, Protocol
-
-log = logging.getLogger("swarmctl.net")
 
 MAX_BATCH = 64  # datagrams read per wake-up, at most (a bound, so one busy socket cannot starve the loop)
 RECV_BYTES = 65535
@@ -67,44 +62,3 @@ def drain(sock: socket.socket, data: bytes, addr, deliver: Callable[[bytes, tupl
         _pending = None
         for conn in pending:  # (also when one datagram's handling raised: the others' answers go out)
             conn.flush()
-
-
-# --- sending: UDP generic segmentation offload (Linux 4.18+) ---
-
-SOL_UDP = 17
-UDP_SEGMENT = 103  # (linux/udp.h: not in Python's socket module)
-MAX_SEGMENTS = 64  # the kernel's limit (UDP_MAX_SEGMENTS)
-MAX_GSO_BYTES = 65000  # one send stays within one IP datagram's length
-_gso = sys.platform == "linux"  # and off for good after the kernel refuses it once
-
-
-def send_all(sock: socket.socket, datagrams: list[tuple[bytes, tuple]], transport: asyncio.DatagramTransport) -> None:
-    """Send ``datagrams`` in as few system calls as the kernel allows: a run of equal-sized
-    datagrams to one address (its last may be shorter) goes as one UDP_SEGMENT send; the rest, and
-    everything once the kernel refuses GSO or the socket is full, through asyncio's ``transport``
-    (which queues what the socket cannot take yet, in order)."""
-    global _gso
-    i, n = 0, len(datagrams)
-    while i < n:
-        data, addr = datagrams[i]
-        seg, j, total = len(data), i + 1, len(data)
-        while j < n and j - i < MAX_SEGMENTS and datagrams[j][1] == addr and len(datagrams[j][0]) <= seg \
-                and total + len(datagrams[j][0]) <= MAX_GSO_BYTES:
-            total += len(datagrams[j][0])
-            j += 1
-            if len(datagrams[j - 1][0]) < seg:  # a shorter one ends the run
-                break
-        if j - i > 1 and _gso and not transport.get_write_buffer_size():  # (nothing queued to overtake)
-            try:
-                sock.sendmsg([b"".join(d for d, _ in datagrams[i:j])],
-                             [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", seg))], 0, addr)
-                i = j
-                continue
-            except (BlockingIOError, InterruptedError):
-                pass  # the socket is full: the transport queues the rest
-            except OSError as e:
-                _gso = False
-                log.info("UDP segmentation offload refused (%s): one datagram per send from now on", e)
-        for k in range(i, j):
-            transport.sendto(*datagrams[k])
-        i = j

@@ -66,16 +66,13 @@ class AnonymousGuard:
     """A server's protocol factory that keeps at most ``limit`` connections not yet known to be a
     member's (no certificate checked yet, or a joiner's) by closing the oldest of them."""
 
-    def __init__(self, create: Callable[..., SwarmProtocol], limit: int = MAX_ANONYMOUS_CONNECTIONS,
-                 sock: socket.socket | None = None) -> None:
-        """``sock``: the server's socket, which its connections send on in batches (net/batch.py)."""
-        self.create, self.limit, self.sock = create, limit, sock
+    def __init__(self, create: Callable[..., SwarmProtocol], limit: int = MAX_ANONYMOUS_CONNECTIONS) -> None:
+        self.create, self.limit = create, limit
         self.waiting: list[SwarmProtocol] = []  # oldest first
         self.closed = 0
 
     def __call__(self, *args, **kwargs) -> SwarmProtocol:
         protocol = self.create(*args, **kwargs)
-        protocol.send_socket = self.sock
         self.waiting = [p for p in self.waiting if not p.peer_name and not p.ended]
         while len(self.waiting) >= self.limit:
             self.waiting.pop(0).close(error_code=0x100, reason_phrase="too many connections without a member's "
@@ -101,8 +98,7 @@ async def serve_member(address: Address, creds: Credentials, handler: Connection
     sock = _bound_socket(family, addr)
     create = AnonymousGuard(functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame,
                                               client_check=client_check,
-                                              anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset()),
-                            sock=sock)
+                                              anonymous_alpns=frozenset({ALPN_JOIN}) if accept_joins else frozenset()))
     _, server = await loop.create_datagram_endpoint(
         lambda: DrainingServer(sock, configuration=config, create_protocol=create), sock=sock)
     return server

@@ -55,16 +55,6 @@ class StreamClosedError(ConnectionResetError):
     """Sending on a stream that is already finished or was reset (by us or the peer)."""
 
 
-class _Collected:
-    """Stands in for the transport while aioquic's transmit runs: keeps what it sends."""
-
-    def __init__(self) -> None:
-        self.datagrams: list[tuple[bytes, tuple]] = []
-
-    def sendto(self, data: bytes, addr) -> None:
-        self.datagrams.append((data, addr))
-
-
 class SwarmProtocol(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, stream_handler=None, *, handler: ConnectionHandler,
                  max_frame: int = DEFAULT_MAX_FRAME, client_check: CertificateCheck | None = None,
@@ -84,7 +74,6 @@ class SwarmProtocol(QuicConnectionProtocol):
         self._progress: asyncio.Future[None] | None = None
         self.owned_transport: asyncio.DatagramTransport | None = None  # set when we opened the socket
         self.own_socket: socket.socket | None = None  # that socket, read by the batch (net/batch.py)
-        self.send_socket: socket.socket | None = None  # a socket shared with others, for batched sends
         self.last_heard = self._loop.time()  # when the peer last sent anything (liveness checks)
         self.ended = False  # the connection terminated (or never got anywhere)
         raise_stream_limits(quic)
@@ -172,22 +161,6 @@ class SwarmProtocol(QuicConnectionProtocol):
         self._process_events()
         if not batch.defer(self):  # (net/batch.py: one transmit per batch of datagrams read)
             self.flush()
-
-    def transmit(self) -> None:
-        """aioquic's transmit, its datagrams sent in as few system calls as the kernel allows
-        (net/batch.py send_all) when we can reach the socket itself."""
-        sock = self.own_socket or self.send_socket
-        if sock is None:
-            super().transmit()
-            return
-        transport, out = self._transport, _Collected()
-        self._transport = out
-        try:
-            super().transmit()
-        finally:
-            self._transport = transport
-        if out.datagrams:
-            batch.send_all(sock, out.datagrams, transport)
 
     def flush(self) -> None:
         """Send what the datagrams received made due, once for all of them."""

@@ -292,7 +292,7 @@ def serve_on(shared: SharedSocket, creds: Credentials, handler: ConnectionHandle
     config = server_configuration(creds, alpns=[ALPN_SWARM],
                                   max_datagram_size=max_datagram_size or datagram_size_for(shared.local_address.host))
     create = AnonymousGuard(functools.partial(SwarmProtocol, handler=handler, max_frame=max_frame,
-                                              client_check=client_check), sock=shared.sock)
+                                              client_check=client_check))
     server = QuicServer(configuration=config, create_protocol=create)
     server.connection_made(shared.transport)
     shared.server = server
@@ -310,7 +310,6 @@ async def connect_on(shared: SharedSocket, address: Address, creds: Credentials,
                                   max_datagram_size=max_datagram_size or await shared.datagram_size_to(address))
     protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
     protocol.connection_made(shared.transport)
-    protocol.send_socket = shared.sock
     shared.add_client(protocol)
     protocol.connect((address.host, address.port))
     try:

@@ -1,14 +1,11 @@
 """Datagrams by the batch (issue 32 item 1, net/batch.py): the reader drains what waits on the
-socket and each connection transmits once per batch; sends go out as UDP_SEGMENT runs where the
-kernel takes them, one by one where it does not. Real sockets on loopback; the speed is
+socket and each connection transmits once per batch. Real sockets on loopback; the speed is
 benchmarks/bench_transport.py's to show, not asserted here."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-
-import pytest
 
 from net import batch
 from net.endpoint import Address, close, connect_member, serve_member
@@ -56,65 +53,8 @@ def test_a_wake_up_reads_what_waits_and_each_connection_flushes_once():
     sender.close(), receiver.close()
 
 
-class Transport:
-    """asyncio's transport as send_all sees it: what it was handed, nothing queued."""
-
-    def __init__(self) -> None:
-        self.sent = []
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def sendto(self, data: bytes, addr) -> None:
-        self.sent.append(data)
-
-
-def test_runs_of_equal_datagrams_go_as_one_segmented_send_and_arrive_one_by_one(monkeypatch):
-    if not batch._gso:
-        pytest.skip("no UDP segmentation offload on this platform")
-    sender, receiver = _udp_pair()
-    to = receiver.getsockname()
-    datagrams = [(bytes([i]) * 1350, to) for i in range(30)] + [(b"x" * 700, to), (b"y" * 1350, to), (b"z" * 20, to)]
-    calls = []
-    real = sender.sendmsg
-    monkeypatch.setattr(batch, "_gso", True)
-
-    class Counting:
-        def sendmsg(self, *args):
-            calls.append(len(args[0][0]))
-            return real(*args)
-
-    transport = Transport()
-    batch.send_all(Counting(), datagrams, transport)
-    got = []
-    while True:
-        try:
-            got.append(receiver.recv(65535))
-        except BlockingIOError:
-            break
-    if not batch._gso:
-        pytest.skip("this kernel refused UDP segmentation offload (it fell back, as it should)")
-    # 30 of 1350 and the shorter 700 that ends the run in one send; then 1350 + 20 in another
-    assert calls == [30 * 1350 + 700, 1370] and transport.sent == []
-    assert got == [d for d, _ in datagrams]  # segmented by the kernel: each arrives as it was built
-    sender.close(), receiver.close()
-
-
-def test_where_the_kernel_refuses_segmentation_everything_goes_one_by_one(monkeypatch):
-    monkeypatch.setattr(batch, "_gso", True)
-
-    class Refusing:
-        def sendmsg(self, *args):
-            raise OSError(5, "Input/output error")  # what a device without checksum offload answers
-
-    transport = Transport()
-    datagrams = [(b"a" * 1350, ("127.0.0.1", 9))] * 5 + [(b"b" * 100, ("127.0.0.1", 9))]
-    batch.send_all(Refusing(), datagrams, transport)
-    assert transport.sent == [d for d, _ in datagrams] and batch._gso is False
-
-
 def test_a_frame_of_a_megabyte_crosses_a_real_link_intact_at_ethernet_sized_datagrams():
-    """The whole path (batched reads, deferred transmits, segmented sends) under mutual TLS, with
+    """The whole path (batched reads, deferred transmits) under mutual TLS, with
     the datagram size non-loopback paths use: the frame arrives byte for byte."""
     ca_key, ca = make_ca("batch")
     creds = {}
