@@ -301,13 +301,16 @@ def serve_on(shared: SharedSocket, creds: Credentials, handler: ConnectionHandle
 
 async def connect_on(shared: SharedSocket, address: Address, creds: Credentials, peer_name: str,
                      handler: ConnectionHandler, *, max_frame: int = DEFAULT_MAX_FRAME,
-                     max_datagram_size: int | None = None, timeout: float = CONNECT_TIMEOUT) -> SwarmProtocol:
+                     max_datagram_size: int | None = None, timeout: float = CONNECT_TIMEOUT,
+                     probe_size: bool = False) -> SwarmProtocol:
     """A member-to-member connection (mTLS) from the shared socket to ``address`` (an IP
     address: the punched peer, or a relay's port for the link). Close it with net.endpoint.close;
-    the socket stays open."""
+    the socket stays open. ``probe_size``: the peer is another member's shared socket, which
+    answers size probes: its datagrams are as large as the path carries (``datagram_size_to``)."""
     address = await resolve(address)
-    config = client_configuration(creds, peer_name=peer_name,
-                                  max_datagram_size=max_datagram_size or await shared.datagram_size_to(address))
+    if not max_datagram_size:
+        max_datagram_size = await shared.datagram_size_to(address) if probe_size else datagram_size_for(address.host)
+    config = client_configuration(creds, peer_name=peer_name, max_datagram_size=max_datagram_size)
     protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
     protocol.connection_made(shared.transport)
     shared.add_client(protocol)

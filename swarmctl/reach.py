@@ -103,7 +103,7 @@ class Dialer:
         if route is None or route.kind == "direct":
             # (an address from `status` may carry a note after it: "ip:port (symmetric)")
             target = Address.parse(route.address if route is not None else (address.split() or [""])[0])
-            conn = await connect_on(self.shared, target, self.creds, member, handler)
+            conn = await connect_on(self.shared, target, self.creds, member, handler, probe_size=True)
             self.memo.record(_key(member, target, "direct"), "direct")
             return self._reached(member, DIRECT, conn)
         if route.kind == "punch":
@@ -125,7 +125,7 @@ class Dialer:
                     self.memo.record(key, "relayed")
                     why = str(e)
                 else:
-                    conn = await connect_on(self.shared, peer, self.creds, member, handler)
+                    conn = await connect_on(self.shared, peer, self.creds, member, handler, probe_size=True)
                     self.memo.record(key, "punched")
                     return self._reached(member, Path("punched"), conn)
             route = await self._route(member, relay=True)

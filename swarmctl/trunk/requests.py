@@ -68,6 +68,7 @@ class StageRequests:
         self.results = results
         self.next_conn: SwarmProtocol | None = None
         self.next_member: str | None = None
+        self._connecting = asyncio.Lock()  # held while the connection onward is being made
         self.activation_bytes_sent = 0
         self.peak_kv_bytes = 0
         self._capture = capture
@@ -277,13 +278,18 @@ class StageRequests:
     async def _next_stage_conn(self, nxt: StageAssignment | None) -> SwarmProtocol:
         if nxt is None:
             raise ConnectionError("the plan has no stage after this one")
-        if self.next_conn is not None and self.next_conn.is_open and self.next_member == nxt.member:
+        # One connection at a time: requests passing on together while it is being made (the
+        # first batch after a plan change) must all get the one that is made. Each making its own
+        # left the earlier ones' streams on a connection the next request's step then closed,
+        # and the next stage freed those requests (seen as "unknown request" refusals).
+        async with self._connecting:
+            if self.next_conn is not None and self.next_conn.is_open and self.next_member == nxt.member:
+                return self.next_conn
+            if self.next_conn is not None:
+                await close(self.next_conn, "plan changed")
+            self.next_conn = await self.connect(nxt.member, nxt.address, self.handler)
+            self.next_member = nxt.member
             return self.next_conn
-        if self.next_conn is not None:
-            await close(self.next_conn, "plan changed")
-        self.next_conn = await self.connect(nxt.member, nxt.address, self.handler)
-        self.next_member = nxt.member
-        return self.next_conn
 
     # --- carrying out what the route table says ---
 
