@@ -186,8 +186,7 @@ class Assignment:
             gguf.close()
             return standby
         try:
-            standby.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                                         placement=Placement(device=self.device, gpu_memory=self.memory))
+            standby.engine = self._new_engine(gguf, stage, staged)
         except BaseException:
             gguf.close()
             raise
@@ -285,15 +284,20 @@ class Assignment:
         self.unload()
         gguf = open_checked(model, range(stage.start, stage.stop), self.plan)
         try:
-            self.engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                                      placement=Placement(device=self.device, gpu_memory=self.memory),
-                                      remote_experts=self._remote_experts if self.plan.experts else None)
+            self.engine = self._new_engine(gguf, stage, self.plan)
             self.budget = MemberBudget(self.budget_limits())  # a new engine holds no request yet
             self.runner = BatchRunner(self.engine)
             self.gguf = gguf
         except BaseException:
             gguf.close()
             raise
+
+    def _new_engine(self, gguf: GGUFFile, stage: StageAssignment, plan: Plan) -> SliceEngine:
+        """The engine for ``stage`` of ``plan`` (on the compute thread), the same for the stage in use
+        and one loaded beside it."""
+        return SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                           placement=Placement(device=self.device, gpu_memory=self.memory),
+                           remote_experts=self._remote_experts if plan.experts else None)
 
     async def _model_for(self, stage: StageAssignment, plan: Plan) -> Path:
         """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
