@@ -14,6 +14,9 @@ g. speculative steps over the same WAN (``--speculative`` runs only this section
    tok/s of --speculate off, ngram and draft (the bundled model drafting for itself, the ceiling)
    on held-back tasks (a code rename, a log extraction: answers that repeat the prompt; a story:
    one that does not), with acceptance; and aggregate tok/s of 8 concurrent requests, off vs ngram.
+h. a long prompt over capped links (``--prompt-stream N`` runs only this section; ``--rate-mbit``):
+   first-token time of an N-token prompt over the same WAN with every link's directions capped,
+   its 512-token chunks streamed through the stages (several out at once) vs one at a time.
 
 Targets: a ≥ 0.8 × llama-cpp-python; b at 8 ≥ 3 × single-stream; d ≥ 0.85 × the limit;
 e ≤ tensor bytes + KV + 200 MB; g: ngram ≥ 2.5 × off on the repetitive tasks, ≥ 0.95 × on the story,
@@ -139,7 +142,7 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
 
 
 @asynccontextmanager
-async def wan_swarm(model: Path, threads: int):
+async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0):
     """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
     link to it. Relays run in a process of their own: in the asker's process their per-datagram
     work would share its interpreter and cores and inflate its compute (measured: head + tail
@@ -151,7 +154,8 @@ async def wan_swarm(model: Path, threads: int):
     links = [f"{t}:{r}" for t, r in zip([host_port, *trunk_ports], relay_ports)]
     relays = subprocess.Popen([sys.executable, "-m", "net.relay", *sum((["--link", x] for x in links), []),
                                "--delay", str(WAN["delay_s"]), "--jitter", str(WAN["jitter_s"]),
-                               "--loss", str(WAN["loss"])], stdout=subprocess.PIPE, text=True,
+                               "--loss", str(WAN["loss"]), "--rate-mbit", str(rate_mbit)], stdout=subprocess.PIPE,
+                              text=True,
                               cwd=Path(__file__).resolve().parents[1])
     try:
         assert relays.stdout.readline().strip() == "ready"
@@ -183,6 +187,39 @@ async def wan_run(model: Path, prompt: list[int], n_decode: int, threads: int) -
             asker.close()
     return {"single_stream_decode_tok_s": statistics.median(decode_rate(g) for g in gens),
             "concurrency_8_aggregate_tok_s": aggregate8, "breakdown": breakdown(gens)}
+
+
+async def prompt_stream_run(model: Path, threads: int, n_tokens: int, rate_mbit: float, repeats: int) -> dict:
+    """Section h: first-token time of an ``n_tokens`` prompt, chunks streamed vs one at a time
+    (the link's steps_in_flight set to 1), alternating, over links capped at ``rate_mbit``."""
+    rng = np.random.default_rng(3)
+    out: dict = {"links": {**WAN, "rate_mbit_each_direction": rate_mbit}, "prompt_tokens": n_tokens,
+                 "threads_per_process": threads, "repeats": repeats}
+    async with wan_swarm(model, threads, rate_mbit) as link:
+        asker = Asker(model, link.head_layers, n_threads=threads)
+        streamed_depth = link.steps_in_flight
+        times: dict[str, list[float]] = {"one_chunk_at_a_time": [], "streamed": []}
+        answers: dict[str, list[int]] = {}
+        try:
+            await generate_all(asker, [int(t) for t in rng.integers(100, 40000, 600)], link, max_tokens=1,
+                               sampling=GREEDY)  # warm-up: connections, congestion windows
+            for _ in range(repeats):
+                prompt = [int(t) for t in rng.integers(100, 40000, n_tokens)]
+                for mode, depth in (("one_chunk_at_a_time", 1), ("streamed", streamed_depth)):
+                    link.steps_in_flight = depth
+                    t0 = time.perf_counter()
+                    gen = await generate_all(asker, prompt, link, max_tokens=1, sampling=GREEDY)
+                    times[mode].append(gen.timings[0].done - t0)
+                    answers.setdefault(mode, []).append(gen.tokens[0])
+        finally:
+            link.steps_in_flight = streamed_depth
+            asker.close()
+    for mode, ts in times.items():
+        out[mode] = {"first_token_s_median": round(statistics.median(ts), 3), "runs": [round(t, 3) for t in ts]}
+    out["streamed_speedup"] = round(statistics.median(times["one_chunk_at_a_time"])
+                                    / statistics.median(times["streamed"]), 3)
+    out["same_first_tokens"] = answers["streamed"] == answers["one_chunk_at_a_time"]
+    return out
 
 
 # Held-back tasks for speculation (no test uses them): two whose answers repeat the prompt, one
@@ -281,8 +318,15 @@ def main() -> None:
     p.add_argument("--speculative", action="store_true", help="run only section g (speculative steps over the WAN)")
     p.add_argument("--spec-tokens", type=int, default=96, help="max tokens per request in section g")
     p.add_argument("--spec-repeats", type=int, default=3)
+    p.add_argument("--prompt-stream", type=int, metavar="N", help="run only section h, with an N-token prompt")
+    p.add_argument("--rate-mbit", type=float, default=20.0, help="section h: each link direction's cap")
+    p.add_argument("--repeats", type=int, default=3, help="section h: prompts per mode")
     args = p.parse_args()
     model = default_model_path()
+    if args.prompt_stream:
+        print(json.dumps({"model": model.name, "h_prompt_stream": asyncio.run(prompt_stream_run(
+            model, max(1, args.threads // 3), args.prompt_stream, args.rate_mbit, args.repeats))}, indent=2))
+        return
     if args.speculative:
         threads = max(1, args.threads // 3)
         print(json.dumps({"model": model.name, "g_speculative": asyncio.run(

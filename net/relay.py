@@ -3,7 +3,9 @@
 This machine's kernel has no ``tc netem``, so WAN conditions are emulated here: put a relay in front
 of a node's UDP port and advertise the relay's address instead. Every datagram, in both
 directions, is held for ``delay ± jitter`` (each one independently, so jitter reorders), dropped
-with probability ``loss``, or dropped outright while the link is cut. With ``record=True`` it
+with probability ``loss``, or dropped outright while the link is cut. With ``rate_bps``, each
+direction carries at most that many bits per second: a datagram waits for those ahead of it to
+be sent (a home uplink with a deep router buffer: queued, not dropped). With ``record=True`` it
 also keeps every datagram it is handed, both directions, before any impairment: what an
 eavesdropper on that link sees. The tests and the benchmarks share it.
 
@@ -43,7 +45,7 @@ class _Upstream(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:  # target → peer
-        self.link._schedule(data, lambda d: self.link._listener.sendto(d, self.peer))
+        self.link._schedule(data, lambda d: self.link._listener.sendto(d, self.peer), "to peer")
 
 
 class _Listener(asyncio.DatagramProtocol):
@@ -64,6 +66,7 @@ class ImpairedLink:
     cut: bool = False
     stats: LinkStats = field(default_factory=LinkStats)
     mtu: int = 0  # datagrams larger than this are dropped, as a path with a smaller MTU does (0: none)
+    rate_bps: float = 0.0  # each direction's capacity in bits per second (0: unlimited)
     record: bool = False
     recorded: list[bytes] = field(default_factory=list)  # with record=True: every datagram, in arrival order
 
@@ -73,6 +76,7 @@ class ImpairedLink:
         self._upstreams: dict[tuple, _Upstream] = {}
         self._pending_upstreams: dict[tuple, list[bytes]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._free_at: dict[str, float] = {}  # direction → when its last queued datagram has left (rate_bps)
         self.address: Address | None = None
 
     async def start(self, listen: Address = Address("127.0.0.1", 0)) -> Address:
@@ -91,16 +95,16 @@ class ImpairedLink:
                 self._loop.create_task(self._open_upstream(peer))
             self._pending_upstreams[peer].append(data)
             return
-        self._schedule(data, upstream.transport.sendto)
+        self._schedule(data, upstream.transport.sendto, "to target")
 
     async def _open_upstream(self, peer: tuple) -> None:
         _, protocol = await self._loop.create_datagram_endpoint(lambda: _Upstream(self, peer),
                                                                 remote_addr=(self.target.host, self.target.port))
         self._upstreams[peer] = protocol
         for data in self._pending_upstreams.pop(peer, []):
-            self._schedule(data, protocol.transport.sendto)
+            self._schedule(data, protocol.transport.sendto, "to target")
 
-    def _schedule(self, data: bytes, send) -> None:
+    def _schedule(self, data: bytes, send, direction: str) -> None:
         if self.record:
             self.recorded.append(bytes(data))
         if self.cut:
@@ -113,6 +117,10 @@ class ImpairedLink:
             self.stats.dropped_loss += 1
             return
         delay = max(0.0, self.delay_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
+        if self.rate_bps:
+            now = self._loop.time()
+            self._free_at[direction] = max(now, self._free_at.get(direction, 0.0)) + len(data) * 8 / self.rate_bps
+            delay += self._free_at[direction] - now
         self.stats.forwarded += 1
         self.stats.bytes += len(data)
         if delay:
@@ -134,10 +142,11 @@ class ImpairedLink:
             self._listener = None
 
 
-async def _serve(links: list[tuple[int, int]], delay_s: float, jitter_s: float, loss: float, seed: int) -> None:
+async def _serve(links: list[tuple[int, int]], delay_s: float, jitter_s: float, loss: float, seed: int,
+                 rate_bps: float = 0.0) -> None:
     relays = []
     for i, (target_port, listen_port) in enumerate(links):
-        relay = ImpairedLink(Address("127.0.0.1", target_port), delay_s, jitter_s, loss, seed + i)
+        relay = ImpairedLink(Address("127.0.0.1", target_port), delay_s, jitter_s, loss, seed + i, rate_bps=rate_bps)
         await relay.start(Address("127.0.0.1", listen_port))
         relays.append(relay)
     print("ready", flush=True)
@@ -155,9 +164,10 @@ def main() -> None:
     p.add_argument("--jitter", type=float, default=0.005)
     p.add_argument("--loss", type=float, default=0.005)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate-mbit", type=float, default=0.0, help="each direction of each link at most this (0: unlimited)")
     args = p.parse_args()
     links = [tuple(int(x) for x in spec.split(":")) for spec in args.link]
-    asyncio.run(_serve(links, args.delay, args.jitter, args.loss, args.seed))
+    asyncio.run(_serve(links, args.delay, args.jitter, args.loss, args.seed, args.rate_mbit * 1e6))
 
 
 if __name__ == "__main__":

@@ -223,3 +223,54 @@ def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm
         assert len(d.timings) <= len(d.tokens) // 2
     for s in stats:
         assert _idle(s), s
+
+
+def long_prompt(n: int, seed: int = 21) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(100, 40000, n)]
+
+
+def test_a_long_prompt_streams_its_chunks_through_the_stages_and_survives_a_broken_route(
+        local_swarm, bundled_model, monkeypatch):
+    """1,100 prompt tokens are three chunks of a step each (512, 512, 76): the link has them out
+    together, and the tokens are those of one chunk at a time in one process. Then the same prompt
+    again, with the first stage's connection closed under it while chunks are out: the link
+    reroutes, replays what was answered and sends the chunks out again in order, and the tokens
+    are the same again; the stages end idle."""
+    import swarmctl.asker.link as link_module
+
+    monkeypatch.setattr(link_module, "SAME_ROUTE_RETRY_S", 0.5)  # (a dropped link, same plan: retried after this)
+    prompt = long_prompt(1100)
+    want = solo_outputs(bundled_model, [(prompt, 6)])[0]
+
+    async def scenario():
+        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
+        try:
+            streamed = await generate_all(asker, prompt, link, max_tokens=6, sampling=GREEDY)
+            most_out = link.stats.most_steps_out
+            broken = asyncio.get_running_loop().create_future()
+
+            class BreaksMidPrompt:  # the link, with its first stage's connection closed once chunks are out
+                steps_in_flight = link.steps_in_flight
+
+                async def forward(self, rid, hidden, start_pos, **kwargs):
+                    if start_pos == 512 and not broken.done():
+                        asyncio.get_running_loop().call_soon(link.first_conn.close)
+                        broken.set_result(None)
+                    return await link.forward(rid, hidden, start_pos, **kwargs)
+
+                async def release(self, rid):
+                    await link.release(rid)
+
+            recovered = await generate_all(asker, prompt, BreaksMidPrompt(), max_tokens=6, sampling=GREEDY)
+            return streamed, most_out, recovered, link.stats.recoveries, await settled_stats(local_swarm, link)
+        finally:
+            await link.close()
+            asker.close()
+
+    streamed, most_out, recovered, recoveries, stats = asyncio.run(scenario())
+    assert streamed.tokens == want
+    assert len(streamed.fill_timings) == 2 and most_out >= 2  # the chunks were out together
+    assert recoveries >= 1 and recovered.tokens == want
+    for s in stats:
+        assert _idle(s), {k: s[k] for k in ("name", "requests", "kv_bytes", "routes")}

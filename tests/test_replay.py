@@ -5,7 +5,7 @@ Connections are stand-in objects: the table only stores and compares them."""
 
 import numpy as np
 
-from swarmctl.asker.replay import End, Free, ReplayTable
+from swarmctl.asker.replay import End, Free, ReplayTable, SentStep
 
 
 def rows(n: int, seed: int) -> np.ndarray:
@@ -16,20 +16,28 @@ def run_step(table: ReplayTable, rid: bytes, conn, stream: int, version: int, st
              verify: bool = False) -> np.ndarray:
     """One step that the swarm answers: the link's calls in the link's order."""
     hidden = rows(n, start)
-    table.begin(rid, start)
+    table.begin(rid, SentStep(start, hidden, verify))
     if table.route(rid, version) is None:
         table.opened(rid, conn, stream, version)
-    table.sent(rid, start)
+    else:
+        assert table.to_send(rid, start)
     assert table.is_answer(rid, conn, stream, start, error=False)
-    table.answered(rid, start, hidden, verify)
+    table.answered(rid, start)
     return hidden
+
+
+def step_out(table: ReplayTable, rid: bytes, start: int, n: int = 1) -> None:
+    """A step handed over and sent on the route the request has."""
+    table.begin(rid, SentStep(start, rows(n, start), False))
+    assert table.to_send(rid, start)
 
 
 def test_the_first_step_opens_a_route_and_replays_nothing():
     table, conn = ReplayTable(), object()
-    table.begin(b"r", 0)
+    table.begin(b"r", SentStep(0, rows(3, 0), False))
     assert table.route(b"r", 1) is None
-    assert table.opened(b"r", conn, 4, 1) == []
+    assert [s.start_pos for s in table.opened(b"r", conn, 4, 1)] == [0]  # the step itself, nothing before it
+    assert not table.to_send(b"r", 0)  # it went with the opening
     route = table.route(b"r", 1)
     assert route is not None and route.conn is conn and route.stream_id == 4
 
@@ -39,17 +47,16 @@ def test_a_killed_stage_replays_every_answered_step_in_order_then_the_failed_one
     table, old, new = ReplayTable(), object(), object()
     prompt = run_step(table, b"r", old, 0, 1, 0, 5)
     decode = run_step(table, b"r", old, 0, 1, 5, 1)
-    table.begin(b"r", 6)
-    table.sent(b"r", 6)
+    step_out(table, b"r", 6)
     assert table.waiting() == [b"r"]
     assert table.failed(b"r") == [Free(old, 0)]
     assert table.waiting() == []
     assert table.route(b"r", 2) is None  # a new route is needed
     replay = table.opened(b"r", new, 8, 2)
-    assert [s.start_pos for s in replay] == [0, 5]
+    assert [s.start_pos for s in replay] == [0, 5, 6]  # the history, then the step that failed
     assert np.array_equal(replay[0].hidden, prompt) and np.array_equal(replay[1].hidden, decode)
+    assert not table.to_send(b"r", 6)
     # the replayed steps' results come back too: they are not the answer awaited
-    table.sent(b"r", 6)
     assert not table.is_answer(b"r", new, 8, 0, error=False)
     assert not table.is_answer(b"r", new, 8, 5, error=False)
     assert table.is_answer(b"r", new, 8, 6, error=False)
@@ -58,12 +65,10 @@ def test_a_killed_stage_replays_every_answered_step_in_order_then_the_failed_one
 def test_a_new_plan_fails_over_only_requests_waiting_on_an_older_plan():
     table, conn = ReplayTable(), object()
     run_step(table, b"a", conn, 0, 1, 0, 3)
-    table.begin(b"a", 3)
-    table.sent(b"a", 3)  # waiting on v1
+    step_out(table, b"a", 3)  # waiting on v1
     run_step(table, b"b", conn, 4, 1, 0, 3)  # answered, not waiting
     run_step(table, b"c", conn, 8, 2, 0, 3)
-    table.begin(b"c", 3)
-    table.sent(b"c", 3)  # waiting on v2 already
+    step_out(table, b"c", 3)  # waiting on v2 already
     assert table.plan_changed(2) == [b"a"]
     # b's next step opens a new route on v2 and replays its prompt
     assert table.route(b"b", 2) is None
@@ -75,13 +80,12 @@ def test_a_silent_stage_fails_every_waiting_request_and_the_same_plan_replays_th
     table, old, fresh = ReplayTable(), object(), object()
     for i, rid in enumerate([b"a", b"b", b"c"]):
         run_step(table, rid, old, 4 * i, 1, 0, 2)
-        table.begin(rid, 2)
-        table.sent(rid, 2)
+        step_out(table, rid, 2)
     assert sorted(table.waiting()) == [b"a", b"b", b"c"]
     for rid in table.waiting():
         assert table.failed(rid) == [Free(old, [b"a", b"b", b"c"].index(rid) * 4)]
     assert table.route(b"a", 1) is None  # the same plan version, but the stream was given up
-    assert [s.start_pos for s in table.opened(b"a", fresh, 0, 1)] == [0]
+    assert [s.start_pos for s in table.opened(b"a", fresh, 0, 1)] == [0, 2]
 
 
 def test_an_error_counts_only_from_the_route_the_request_travels_now():
@@ -89,8 +93,7 @@ def test_an_error_counts_only_from_the_route_the_request_travels_now():
     run_step(table, b"r", old, 0, 1, 0, 2)
     table.failed(b"r")
     table.opened(b"r", new, 4, 2)
-    table.begin(b"r", 2)
-    table.sent(b"r", 2)
+    step_out(table, b"r", 2)
     assert not table.is_answer(b"r", old, 0, 0, error=True)  # the abandoned route's late error
     assert not table.is_answer(b"r", new, 8, 0, error=True)  # another stream
     assert table.is_answer(b"r", new, 4, 0, error=True)
@@ -111,17 +114,16 @@ def test_a_rewind_cuts_the_record_so_a_replay_does_not_resurrect_rejected_drafts
 def test_a_restart_from_zero_forgets_everything():
     table, conn = ReplayTable(), object()
     run_step(table, b"r", conn, 0, 1, 0, 3)
-    table.begin(b"r", 0)
-    assert table.history(b"r") == []
+    table.begin(b"r", SentStep(0, rows(2, 9), False))
+    assert table.history(b"r") == [] and [s.start_pos for s in table.out(b"r")] == [0]
 
 
 def test_the_record_holds_copies_not_the_callers_buffer():
     table, conn = ReplayTable(), object()
     hidden = rows(2, 0)
-    table.begin(b"r", 0)
+    table.begin(b"r", SentStep(0, hidden, False))
     table.opened(b"r", conn, 0, 1)
-    table.sent(b"r", 0)
-    table.answered(b"r", 0, hidden, False)
+    table.answered(b"r", 0)
     hidden[:] = 0
     assert np.abs(table.history(b"r")[0].hidden).sum() > 0
 
@@ -153,12 +155,50 @@ def test_eight_requests_fail_over_independently():
     for i in range(8):
         rid = bytes([i])
         sent[rid] = [run_step(table, rid, old, 4 * i, 1, 0, 2 + i), run_step(table, rid, old, 4 * i, 1, 2 + i, 1)]
-        table.begin(rid, 3 + i)
-        table.sent(rid, 3 + i)
+        step_out(table, rid, 3 + i)
     for rid in table.plan_changed(2):
         table.failed(rid)
     for i in range(8):
         rid = bytes([i])
         replay = table.opened(rid, new, 100 + 4 * i, 2)
-        assert [s.start_pos for s in replay] == [0, 2 + i]
+        assert [s.start_pos for s in replay] == [0, 2 + i, 3 + i]
         assert all(np.array_equal(s.hidden, h) for s, h in zip(replay, sent[rid]))
+
+
+def test_prompt_chunks_out_together_are_answered_each_and_replayed_in_order():
+    """A long prompt streams: three chunks out at once, answered in order; a failure with two
+    still out replays the answered one, then both out, in position order, each sent once."""
+    table, old, new = ReplayTable(), object(), object()
+    first = rows(4, 0)
+    table.begin(b"r", SentStep(0, first, False))
+    table.opened(b"r", old, 0, 1)
+    step_out(table, b"r", 4, 4)
+    step_out(table, b"r", 8, 2)
+    assert [s.start_pos for s in table.out(b"r")] == [0, 4, 8]
+    for pos in (0, 4, 8):  # each chunk's result answers its own step
+        assert table.is_answer(b"r", old, 0, pos, error=False)
+    assert not table.is_answer(b"r", old, 0, 5, error=False)
+    table.answered(b"r", 0)
+    assert table.failed(b"r") == [Free(old, 0)]
+    assert table.waiting() == [] and [s.start_pos for s in table.out(b"r")] == [4, 8]
+    replay = table.opened(b"r", new, 4, 2)
+    assert [(s.start_pos, len(s.hidden)) for s in replay] == [(0, 4), (4, 4), (8, 2)]
+    assert np.array_equal(replay[0].hidden, first)
+    assert not table.to_send(b"r", 4) and not table.to_send(b"r", 8)  # the replay carried them
+    assert table.waiting() == [b"r"]
+    table.answered(b"r", 4)
+    table.answered(b"r", 8)
+    assert [s.start_pos for s in table.history(b"r")] == [0, 4, 8] and table.waiting() == []
+
+
+def test_a_rewind_cuts_steps_out_too():
+    """A step handed over from an earlier position drops the steps out beyond it: their answers
+    are no longer awaited and a replay does not send them."""
+    table, conn = ReplayTable(), object()
+    run_step(table, b"r", conn, 0, 1, 0, 3)
+    step_out(table, b"r", 3, 4)
+    step_out(table, b"r", 7, 4)
+    table.begin(b"r", SentStep(5, rows(1, 5), False))  # window at 3 kept 2: a step from 5
+    assert [(s.start_pos, len(s.hidden)) for s in table.out(b"r")] == [(3, 2), (5, 1)]
+    assert not table.is_answer(b"r", conn, 0, 7, error=False)
+    assert table.to_send(b"r", 5)

@@ -58,6 +58,10 @@ class TrunkResult:
 class Trunk(Protocol):
     """The middle of the U: whatever runs layers [K, L-K) (in-process stages, or a swarm)."""
 
+    # How many steps of one request may be out at once, handed over in position order (a long
+    # prompt's chunks stream through the stages); 1: each step's result comes back first.
+    steps_in_flight: int
+
     async def forward(self, request_id: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
                       verify: bool = False) -> TrunkResult:
         """``rewind``: the step starts before the positions already sent (rejected drafts are
@@ -98,6 +102,8 @@ def u_split(n_layer: int, head_layers: int, n_stages: int) -> USplit:
 
 class InprocTrunk:
     """Trunk stages as slice engines in this process (``--transport inproc``), each batching."""
+
+    steps_in_flight = 1  # (its stages share this process's cores: nothing to overlap)
 
     def __init__(self, gguf: GGUFFile, stages: Sequence[SliceSpec], *, n_threads: int | None, max_context: int,
                  device: Device | None = None, wire: Sequence[DType] | None = None):
@@ -327,10 +333,16 @@ class Asker:
         rid = gen.request_id
         start = 0
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
-        for chunk in chunks[:-1]:  # all but the last prompt chunk: only fill the caches
-            _, timing = await self._step(rid, start, chunk, trunk)
-            gen.fill_timings.append(timing)
-            start += len(chunk)
+        prompt_result = None  # the last chunk's logits and timing, when the chunks streamed through together
+        if len(chunks) > 1 and trunk is not None and trunk.steps_in_flight > 1:
+            *fills, prompt_result = await self._stream_prompt(rid, chunks, trunk)
+            gen.fill_timings.extend(timing for _, timing in fills)
+            start = len(prompt) - len(chunks[-1])
+        else:
+            for chunk in chunks[:-1]:  # all but the last prompt chunk: only fill the caches
+                _, timing = await self._step(rid, start, chunk, trunk)
+                gen.fill_timings.append(timing)
+                start += len(chunk)
         new_tokens = chunks[-1]
         context = list(prompt)
         filled = start  # positions every stage holds
@@ -340,12 +352,14 @@ class Asker:
             # position. No room past the context or max_tokens.
             room = min(max_tokens - len(gen.tokens) - 1, self.max_context - start - len(new_tokens) - 1)
             draft = Draft()
-            if speculation is not None and len(new_tokens) == 1 and room > 0:
-                draft = await speculation.propose(rid, context, room, sample.params)
-            verify = bool(draft.tokens)
-            logits, timing = await self._step(rid, start, new_tokens + draft.tokens, trunk,
-                                              outputs="all" if verify else "last", rewind=start < filled,
-                                              verify=verify)
+            if prompt_result is not None:
+                (logits, timing), prompt_result = prompt_result, None
+            else:
+                if speculation is not None and len(new_tokens) == 1 and room > 0:
+                    draft = await speculation.propose(rid, context, room, sample.params)
+                logits, timing = await self._step(rid, start, new_tokens + draft.tokens, trunk,
+                                                  outputs="all" if draft.tokens else "last", rewind=start < filled,
+                                                  verify=bool(draft.tokens))
             gen.timings.append(timing)
             filled = start + len(new_tokens) + len(draft.tokens)
             start += len(new_tokens)
@@ -387,19 +401,75 @@ class Asker:
     async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
                     outputs: Outputs = "last", rewind: bool = False, verify: bool = False):
         t0 = time.perf_counter()
-        hidden, head_timing = await self.head_runner.run(Step(rid, start, tokens=tokens, rewind=rewind, verify=verify))
+        hidden, head_timing = await self._head(rid, start, tokens, trunk, rewind, verify)
         trunk_result = None
         if trunk is not None:
-            if self.uplink_transform is not None:
-                hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
             trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
             hidden = trunk_result.hidden
+        return await self._tail(rid, start, len(tokens), hidden, outputs, rewind, verify, t0, head_timing, trunk_result)
+
+    async def _head(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None, rewind: bool = False,
+                    verify: bool = False) -> tuple[np.ndarray, StepTiming]:
+        hidden, timing = await self.head_runner.run(Step(rid, start, tokens=tokens, rewind=rewind, verify=verify))
+        if trunk is not None and self.uplink_transform is not None:
+            hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
+        return hidden, timing
+
+    async def _tail(self, rid: bytes, start: int, rows: int, hidden: np.ndarray, outputs: Outputs, rewind: bool,
+                    verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None):
         t_trunk = time.perf_counter()
         logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
                                                               rewind=rewind, verify=verify))
         t_tail = time.perf_counter()
         return logits, TokenTiming(head_timing, trunk_result, tail_timing, t_tail - t0, started=t0,
-                                   trunk_returned=t_trunk, tail_returned=t_tail, rows=len(tokens), start_pos=start)
+                                   trunk_returned=t_trunk, tail_returned=t_tail, rows=rows, start_pos=start)
+
+    async def _stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk):
+        """A long prompt's chunks through head, trunk and tail, streamed: each chunk goes to the
+        trunk as soon as the head has it (up to ``trunk.steps_in_flight`` out at once), so the
+        second stage works on chunk 1 while the first works on chunk 2, and an uplink carries one
+        chunk while the head computes the next; the tail takes the results in order. Every
+        engine runs the same steps as one chunk at a time would (the same bits). Returns each
+        chunk's (logits of its last row, timing)."""
+        window = asyncio.Semaphore(trunk.steps_in_flight)
+        handed: asyncio.Queue = asyncio.Queue()  # (the trunk's step, t0, head timing, start, rows), or an error
+
+        async def head_side() -> None:
+            start = 0
+            try:
+                for chunk in chunks:
+                    await window.acquire()
+                    t0 = time.perf_counter()
+                    hidden, head_timing = await self._head(rid, start, chunk, trunk)
+                    forward = asyncio.ensure_future(trunk.forward(rid, hidden, start))
+                    handed.put_nowait((forward, t0, head_timing, start, len(chunk)))
+                    start += len(chunk)
+            except Exception as e:  # noqa: BLE001 - handed to the tail side, which raises it
+                handed.put_nowait(e)
+
+        heads = asyncio.ensure_future(head_side())
+        forwards: list[asyncio.Future] = []
+        results = []
+        try:
+            for _ in chunks:
+                item = await handed.get()
+                if isinstance(item, Exception):
+                    raise item
+                forward, t0, head_timing, start, rows = item
+                forwards.append(forward)
+                trunk_result = await forward
+                window.release()
+                results.append(await self._tail(rid, start, rows, trunk_result.hidden, "last", False, False, t0,
+                                                head_timing, trunk_result))
+            return results
+        finally:
+            heads.cancel()
+            for forward in forwards:
+                forward.cancel()
+            while not handed.empty():  # handed over but not yet taken: cancelled too
+                item = handed.get_nowait()
+                if not isinstance(item, Exception):
+                    item[0].cancel()
 
     async def _release(self, rid: bytes, trunk: Trunk | None) -> None:
         if self.head is None or self.tail is None:

@@ -37,7 +37,7 @@ from plans.plan import Plan
 from swarmctl.asker.head_tail import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
-from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable
+from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, cannot_serve
 from swarmctl.reach import Dialer, ask_route
 
@@ -47,6 +47,7 @@ log = logging.getLogger("swarmctl.client")
 
 SEND_BACKLOG = 8 * 1024 * 1024
 NO_PLAN_GRACE = 20.0  # how long to wait for the swarm to become whole again before giving up
+SAME_ROUTE_RETRY_S = 2 * SILENCE_LIMIT  # a route that failed on a plan that stays is tried again after this
 
 
 class _RouteFailed(Exception):
@@ -55,19 +56,24 @@ class _RouteFailed(Exception):
 
 @dataclass
 class _Waiting:
-    """The I/O side of a request's step in flight (the replay table keeps the rest)."""
+    """The I/O side of a step out (the replay table keeps the rest). A route failure fails
+    ``result`` and puts a fresh one in its place at once, so an answer that a replay brings back
+    before the step's coroutine woke up still finds it."""
 
-    result: asyncio.Future | None = None
+    result: asyncio.Future
     sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
     received_bytes: int = 0
     received_at: float = 0.0  # time.perf_counter() as the result's frame arrived
 
 
 @dataclass
-class RecoveryStats:
+class LinkStats:
+    """Failovers the link carried out, and how far requests streamed."""
+
     recoveries: int = 0
     replayed_bytes: int = 0
     last_recovery_s: float | None = None
+    most_steps_out: int = 0  # the most steps of one request out at once (a long prompt's chunks stream)
 
 
 class SwarmLink:
@@ -85,12 +91,13 @@ class SwarmLink:
         self.host = PlanWatch(config, creds, self, self._connect_host)  # the newest plan, as the host pushes it
         self.first_conn: SwarmProtocol | None = None
         self.last_conn: SwarmProtocol | None = None
-        self.stats = RecoveryStats()
+        self.stats = LinkStats()
         # This process's results address at the last stage: other processes of the same member
         # (another terminal, serve, top) subscribe with their own, so results never cross.
         self.session = secrets.token_hex(16)
         self.table = ReplayTable()  # what each request's stages hold, and its stream (swarmctl/asker/replay.py)
-        self._waiting: dict[bytes, _Waiting] = {}
+        self._waiting: dict[bytes, dict[int, _Waiting]] = {}  # request → start position → its step out
+        self._sending: dict[bytes, asyncio.Lock] = {}  # a request's sends and replays, one at a time, in order
         self._reconnecting: asyncio.Lock | None = None
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
@@ -142,22 +149,33 @@ class SwarmLink:
 
     # --- the Trunk interface ---
 
+    steps_in_flight = 8  # steps of one request out at once (a long prompt's chunks; they travel in order)
+
     async def forward(self, rid: bytes, hidden: np.ndarray, start_pos: int, *, rewind: bool = False,
                       verify: bool = False) -> TrunkResult:
-        self.table.begin(rid, start_pos)
-        waiting = self._waiting.setdefault(rid, _Waiting())
+        """One step through the trunk. Several steps of one request may be out at once, handed
+        over in position order (a long prompt's chunks): they travel the route in that order, and
+        a failover replays the history and then every step out, in order."""
+        self.table.begin(rid, SentStep(start_pos, hidden, verify))
+        out = self._waiting.setdefault(rid, {})
+        waiting = out[start_pos] = _Waiting(asyncio.get_running_loop().create_future())
+        self.stats.most_steps_out = max(self.stats.most_steps_out, len(out))
         deadline = time.monotonic() + self.request_timeout
         failed_at: float | None = None
         replayed = 0
         while True:
             try:
-                route = self.table.route(rid, self.plan.version)
-                if route is None:
-                    route, bytes_out = await self._open_route(rid)
-                    replayed += bytes_out
                 t0 = time.perf_counter()
-                result = await self._step(rid, route, waiting, hidden, start_pos, deadline, rewind, verify)
-                self.table.answered(rid, start_pos, hidden, verify)
+                async with self._sending.setdefault(rid, asyncio.Lock()):
+                    route = self.table.route(rid, self.plan.version)
+                    if route is None:
+                        route, bytes_out = await self._open_route(rid)  # (sends this step too)
+                        replayed += bytes_out
+                    elif self.table.to_send(rid, start_pos):
+                        waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
+                    await route.conn.drain(route.stream_id, SEND_BACKLOG)
+                result = await self._answer(waiting, deadline)
+                self.table.answered(rid, start_pos)
                 if failed_at is not None:
                     self._recovered(time.monotonic() - failed_at, replayed)
                 # The round trip ends as the result's frame arrived, before this coroutine woke up.
@@ -169,11 +187,16 @@ class SwarmLink:
             except _RouteFailed as e:
                 failed_at = failed_at or time.monotonic()
                 log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
+                self._fail_waiting(str(e), [rid])  # (its other steps out go again with it)
                 self._carry_out(self.table.failed(rid))
                 await self._await_reroute(deadline)
+            finally:
+                if waiting.result.done() or rid not in self.table:
+                    self._waiting.get(rid, {}).pop(start_pos, None)
 
     async def release(self, rid: bytes) -> None:
         self._waiting.pop(rid, None)
+        self._sending.pop(rid, None)
         self._carry_out(self.table.release(rid, self.plan.version), rid)
 
     def _carry_out(self, actions: list[Action], rid: bytes = b"") -> None:
@@ -206,20 +229,23 @@ class SwarmLink:
         rid = secrets.token_bytes(16)
         conn = self.first_conn if stage == 0 else self.last_conn if stage == len(self.plan.stages) - 1 else \
             await self.dialer.connect(target.member, target.address, self)
-        waiting = self._waiting.setdefault(rid, _Waiting())
         deadline = time.monotonic() + self.request_timeout
         try:
-            self.table.begin(rid, 0)
             stream_id = conn.open_stream()
             self.table.opened(rid, conn, stream_id, self.plan.version)
             route = OpenRoute(conn, stream_id, self.plan.version)
             result = None
             for start_pos, hidden in steps:
+                self.table.begin(rid, SentStep(start_pos, hidden[:0], False))  # (nothing to replay: one attempt)
+                waiting = self._waiting.setdefault(rid, {})[start_pos] = _Waiting(
+                    asyncio.get_running_loop().create_future())
+                self.table.to_send(rid, start_pos)
+                self._send(rid, route, hidden, start_pos, layer=target.start)
                 try:
-                    result = await self._step(rid, route, waiting, hidden, start_pos, deadline, layer=target.start)
+                    result = await self._answer(waiting, deadline)
                 except _RouteFailed as e:
                     raise SwarmError(f"stage {target.member} did not answer the check: {e}") from None
-                self.table.answered(rid, start_pos, hidden[:0], False)  # (nothing to replay: one attempt)
+                self.table.answered(rid, start_pos)
             return np.asarray(result.data, dtype=np.float32)
         finally:
             await self.release(rid)
@@ -251,21 +277,13 @@ class SwarmLink:
 
     # --- one step, and the route it travels ---
 
-    async def _step(self, rid: bytes, route: OpenRoute, waiting: _Waiting, hidden: np.ndarray, start_pos: int,
-                    deadline: float, rewind: bool = False, verify: bool = False,
-                    layer: int | None = None) -> ActivationPacket:
-        waiting.result = asyncio.get_running_loop().create_future()
-        waiting.received_at, waiting.received_bytes = 0.0, 0
-        waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify, layer)
-        self.table.sent(rid, start_pos)
-        await route.conn.drain(route.stream_id, SEND_BACKLOG)
+    async def _answer(self, waiting: _Waiting, deadline: float) -> ActivationPacket:
+        """The step's result, as it arrives (a route failure raises _RouteFailed)."""
         try:
             result = await asyncio.wait_for(asyncio.shield(waiting.result), max(0.1, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s") from None
         if result.kind == PacketKind.ERROR:
-            if result.retry:
-                raise _RouteFailed(result.message)
             raise SwarmError(f"the swarm refused the request: {result.message}")
         return result
 
@@ -289,16 +307,20 @@ class SwarmLink:
     async def _open_route(self, rid: bytes) -> tuple[OpenRoute, int]:
         """A new stream on the current route, and every step the swarm held for the request
         replayed on it back to back (the stages run them in order; their results are not waited
-        for). Returns the route and the bytes replayed."""
+        for), then the request's steps out. Returns the route and the bytes replayed."""
         if self.host.latest is not None and self.host.latest.version != self.plan.version:
             await self._follow_plan()
         conn = self.first_conn
         stream_id = conn.open_stream()
         route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
-        for sent in self.table.opened(rid, conn, stream_id, self.plan.version):
-            self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
-            replayed += sent.hidden.nbytes
+        answered = len(self.table.history(rid))
+        for i, sent in enumerate(self.table.opened(rid, conn, stream_id, self.plan.version)):
+            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
+            if i < answered:
+                replayed += sent.hidden.nbytes
+            elif (waiting := self._waiting.get(rid, {}).get(sent.start_pos)) is not None:
+                waiting.sent_bytes = size
             await conn.drain(stream_id, SEND_BACKLOG)
         return route, replayed
 
@@ -307,7 +329,7 @@ class SwarmLink:
         (a link that dropped and came back), the same route again after a pause. Within the deadline
         and a grace for a swarm that has lost capacity."""
         failed_version = self.plan.version
-        retry_same_at = time.monotonic() + 2 * SILENCE_LIMIT
+        retry_same_at = time.monotonic() + SAME_ROUTE_RETRY_S
         give_up = min(deadline, time.monotonic() + NO_PLAN_GRACE)
         while True:
             plan = self.host.latest
@@ -376,10 +398,14 @@ class SwarmLink:
             self._fail_waiting(f"the plan changed to v{plan.version}", self.table.plan_changed(plan.version))
 
     def _fail_waiting(self, reason: str, rids: list[bytes] | None = None) -> None:
+        """Fail over the steps out of ``rids`` (default: every request waiting on a route)."""
+        loop = asyncio.get_running_loop()
         for rid in self.table.waiting() if rids is None else rids:
-            waiting = self._waiting.get(rid)
-            if waiting is not None and waiting.result is not None and not waiting.result.done():
-                waiting.result.set_exception(_RouteFailed(reason))
+            for waiting in self._waiting.get(rid, {}).values():
+                if not waiting.result.done():
+                    waiting.result.set_exception(_RouteFailed(reason))
+                    waiting.result.exception()  # (seen: its coroutine may be rerouting already, not awaiting it)
+                    waiting.result = loop.create_future()
 
     async def _keep_alive(self) -> None:
         """Ping the stages and the host every second; a stage gone silent while steps wait on it
@@ -434,13 +460,16 @@ class SwarmLink:
         except WireError as e:
             conn.reject_stream(stream_id, str(e))
             return
-        waiting = self._waiting.get(packet.request_id)
-        if waiting is None or waiting.result is None or waiting.result.done():
-            return
+        rid = packet.request_id
         error = packet.kind == PacketKind.ERROR
-        if not self.table.is_answer(packet.request_id, conn, stream_id, packet.start_pos, error):
+        if not self.table.is_answer(rid, conn, stream_id, packet.start_pos, error):
             return  # results of replayed steps, and errors of an abandoned route, are not what it waits for
-        if not error:
-            waiting.received_at = time.perf_counter()
-            waiting.received_bytes = FRAME_HEADER.size + len(frame.body)
-        waiting.result.set_result(packet)
+        if error and packet.retry:
+            self._fail_waiting(packet.message, [rid])
+            return
+        for pos, waiting in self._waiting.get(rid, {}).items():
+            if (error or pos == packet.start_pos) and not waiting.result.done():
+                if not error:
+                    waiting.received_at = time.perf_counter()
+                    waiting.received_bytes = FRAME_HEADER.size + len(frame.body)
+                waiting.result.set_result(packet)

@@ -1,23 +1,24 @@
 """Reroute and replay, with no I/O: what the asker must resend, and what it may forget.
 
 The stages hold each request's KV cache; the asker holds the record that can rebuild it. Every
-step the swarm answered is kept here (its start position, the head's activations as sent, and
-whether it was a speculative check), so that when a route breaks (a stage dies, the plan
-changes, a link drops) the same steps, sent again back to back on a new route, rebuild the new
-stages' cache bit for bit: the same steps through the same kernels. Then the step that failed
-is sent again.
+step handed to the swarm is kept here (its start position, the head's activations as sent, and
+whether it was a speculative check): answered ones as the request's history, the rest as its
+steps out, in order (a long prompt's chunks travel the pipeline several at once). When a route
+breaks (a stage dies, the plan changes, a link drops), the history, sent again back to back on a
+new route, rebuilds the new stages' cache bit for bit: the same steps through the same kernels.
+The steps out follow it, in order, so each waiting step gets its answer from the new route.
 
 The link (``swarmctl/asker/link.py``) does the I/O and feeds this table the events:
 
-    a step about to go out  ``begin(rid, start_pos)``   a restart or rewind cuts the record there
-    a route to send it on   ``route(rid, version)``     the open stream, or None: open one
-                            ``opened(...)``             records the stream; returns the steps to replay
-    a step sent             ``sent(rid, start_pos)``    the result the request now waits for
-    an answer               ``is_answer(...)``          whether an arriving packet is that result
-                            ``answered(...)``           the step joins the record
-    a failure               ``failed(rid)``             returns the stream to free (finish)
-    a new plan              ``plan_changed(version)``   the requests whose waiting step must move now
-    the end of a request    ``release(rid, version)``   End (say END on the stream) or Free (finish it)
+    a step handed over      ``begin(rid, step)``       a restart or rewind cuts the record there
+    a route to send it on   ``route(rid, version)``    the open stream, or None: open one
+                            ``opened(...)``            records the stream; returns every step to send
+    a step to send          ``to_send(rid, pos)``      False when a replay already sent it there
+    an answer               ``is_answer(...)``         whether an arriving packet answers a step out
+                            ``answered(rid, pos)``     the step joins the history
+    a failure               ``failed(rid)``            returns the stream to free (finish)
+    a new plan              ``plan_changed(version)``  the requests whose steps out must move now
+    the end of a request    ``release(rid, version)``  End (say END on the stream) or Free (finish it)
 
 and carries out what comes back, like the trunk's route table (``swarmctl/trunk/routes.py``).
 Connections are only stored and compared here, never used.
@@ -52,8 +53,19 @@ class OpenRoute:
 @dataclass
 class _Record:
     history: list[SentStep] = field(default_factory=list)  # what the swarm holds, oldest first
+    out: list[SentStep] = field(default_factory=list)  # handed over, not answered yet, in order
     route: OpenRoute | None = None
-    waiting_for: int | None = None  # the start position whose result the request waits for
+    sent: set[int] = field(default_factory=set)  # start positions of steps out sent on ``route``
+
+    def cut(self, start_pos: int) -> None:
+        """Forget the positions from ``start_pos`` on (the stages drop them too)."""
+        self.history = _cut(self.history, start_pos)
+        self.out = _cut(self.out, start_pos)
+        self.sent = {pos for pos in self.sent if pos < start_pos}
+
+
+def _cut(steps: list[SentStep], start_pos: int) -> list[SentStep]:
+    return [SentStep(s.start_pos, s.hidden[:start_pos - s.start_pos], s.verify) for s in steps if s.start_pos < start_pos]
 
 
 # --- what the table asks the link to do ---
@@ -90,12 +102,12 @@ class ReplayTable:
 
     # --- a step ---
 
-    def begin(self, rid: bytes, start_pos: int) -> None:
-        """A step from ``start_pos`` is about to go out. A restart or a rewind: the stages drop the
-        cells from ``start_pos`` on (the packet's position says so), and so does the record."""
+    def begin(self, rid: bytes, step: SentStep) -> None:
+        """A step is handed to the swarm. Steps from its start position on are cut first (a
+        restart or a rewind: the stages drop those cells too, the packet's position says so)."""
         record = self._records.setdefault(rid, _Record())
-        record.history = [SentStep(s.start_pos, s.hidden[:start_pos - s.start_pos], s.verify)
-                          for s in record.history if s.start_pos < start_pos]
+        record.cut(step.start_pos)
+        record.out.append(SentStep(step.start_pos, np.array(step.hidden, dtype=np.float32, copy=True), step.verify))
 
     def route(self, rid: bytes, version: int) -> OpenRoute | None:
         """The stream to send on under plan ``version``; None when a new one must be opened (none
@@ -106,55 +118,66 @@ class ReplayTable:
         return record.route
 
     def opened(self, rid: bytes, conn: Conn, stream_id: int, version: int) -> list[SentStep]:
-        """A new stream on plan ``version``'s route: returns every step to replay on it, in order,
-        before the waiting step goes again."""
+        """A new stream on plan ``version``'s route: returns what to send on it now, in order: the
+        history (to replay), then every step out (they count as sent)."""
         record = self._records.setdefault(rid, _Record())
         record.route = OpenRoute(conn, stream_id, version)
-        record.waiting_for = None
-        return list(record.history)
+        record.sent = {s.start_pos for s in record.out}
+        return record.history + record.out
 
-    def sent(self, rid: bytes, start_pos: int) -> None:
-        self._records[rid].waiting_for = start_pos
+    def to_send(self, rid: bytes, start_pos: int) -> bool:
+        """Whether the step out at ``start_pos`` still has to go on the current route (a replay
+        sends the steps out too); if so it counts as sent from now."""
+        record = self._records[rid]
+        if start_pos in record.sent:
+            return False
+        record.sent.add(start_pos)
+        return True
 
     def is_answer(self, rid: bytes, conn: Conn, stream_id: int, start_pos: int, error: bool) -> bool:
-        """Whether a packet that arrived is what the request waits for: the result of the step it
-        sent (results of replayed steps come back too, and are not), or an error from the route it
-        travels now (one from an abandoned route is old news)."""
+        """Whether a packet that arrived answers a step out: the result of one of them (results of
+        replayed steps come back too, and are not), or an error from the route the request travels
+        now (one from an abandoned route is old news)."""
         record = self._records.get(rid)
-        if record is None or record.waiting_for is None:
+        if record is None or not record.out:
             return False
         if error:
             return record.route is not None and record.route.conn is conn and record.route.stream_id == stream_id
-        return start_pos == record.waiting_for
+        return any(s.start_pos == start_pos for s in record.out)
 
-    def answered(self, rid: bytes, start_pos: int, hidden: np.ndarray, verify: bool) -> None:
-        """The swarm answered the step: it now holds its cells, so the record keeps it."""
+    def answered(self, rid: bytes, start_pos: int) -> None:
+        """The swarm answered the step: it now holds its cells, so the history keeps it."""
         record = self._records[rid]
-        record.history.append(SentStep(start_pos, np.array(hidden, dtype=np.float32, copy=True), verify))
-        record.waiting_for = None
+        step = next(s for s in record.out if s.start_pos == start_pos)
+        record.out.remove(step)
+        record.sent.discard(start_pos)
+        record.history.append(step)
+        record.history.sort(key=lambda s: s.start_pos)  # (answers come in order; this keeps it so regardless)
 
     # --- failures ---
 
     def failed(self, rid: bytes) -> list[Action]:
         """The request's route broke (an error that says retry, a lost connection, a silent stage,
-        a plan change): free its stream; the next step opens a new one and replays."""
+        a plan change): free its stream; the next step opens a new one and replays. The steps out
+        stay out: they go again after the replay."""
         record = self._records.get(rid)
         if record is None or record.route is None:
             return []
         route, record.route = record.route, None
-        record.waiting_for = None
+        record.sent = set()
         return [Free(route.conn, route.stream_id)]
 
     def plan_changed(self, version: int) -> list[bytes]:
-        """A new plan: the requests waiting on a route of another plan, to fail over now rather
-        than at a timeout (their stages may be reassigned under them)."""
+        """A new plan: the requests with steps out on a route of another plan, to fail over now
+        rather than at a timeout (their stages may be reassigned under them)."""
         return [rid for rid, r in self._records.items()
-                if r.waiting_for is not None and r.route is not None and r.route.version != version]
+                if r.sent and r.route is not None and r.route.version != version]
 
     def waiting(self) -> list[bytes]:
-        """Requests with a step out (a stage gone silent or a lost connection fails them all: the
-        link only knows the first and last stage's connections, and every route runs through both)."""
-        return [rid for rid, r in self._records.items() if r.waiting_for is not None]
+        """Requests with a step out on a route (a stage gone silent or a lost connection fails
+        them all: the link only knows the first and last stage's connections, and every route
+        runs through both)."""
+        return [rid for rid, r in self._records.items() if r.sent and r.route is not None]
 
     # --- the end ---
 
@@ -172,3 +195,7 @@ class ReplayTable:
     def history(self, rid: bytes) -> list[SentStep]:
         record = self._records.get(rid)
         return list(record.history) if record is not None else []
+
+    def out(self, rid: bytes) -> list[SentStep]:
+        record = self._records.get(rid)
+        return list(record.out) if record is not None else []

@@ -178,6 +178,8 @@ class Accusation:
 class VerifyingTrunk:
     """A Trunk that forwards to the swarm and spot-checks a share of the steps (module docstring)."""
 
+    steps_in_flight = 1  # (a check, and a move here after a mismatch, follow a request step by step)
+
     def __init__(self, link: VerifiableLink, gguf: GGUFFile, *, share: float, n_threads: int | None = None,
                  max_context: int | None = None) -> None:
         if not 0.0 < share <= 1.0:
