@@ -11,16 +11,19 @@ d. WAN emulation: every link through an impairing relay (20 ms ± 5 ms one way, 
 e. each trunk process's peak RSS next to its tensors' bytes plus its peak KV cache;
 f. transport alone: one 16 KB / 1 MB / 16 MB frame between two processes, QUIC vs TCP + TLS;
 g. speculative steps over the same WAN (``--speculative`` runs only this section): single-stream
-   tok/s of --speculate off, ngram and draft (the bundled model drafting for itself, the ceiling)
-   on held-back tasks (a code rename, a log extraction: answers that repeat the prompt; a story:
-   one that does not), with acceptance; and aggregate tok/s of 8 concurrent requests, off vs ngram.
+   tok/s of --speculate off, ngram and draft (the bundled model drafting for itself, the ceiling),
+   each with one window per round trip and with windows in flight (as the cost model chooses, and
+   ngram with three always), on held-back tasks (a code rename, a log extraction, a paragraph to
+   copy with one change: answers that repeat the prompt; a story: one that does not), with
+   acceptance; and aggregate tok/s of 8 concurrent requests, off vs ngram.
 h. a long prompt over capped links (``--prompt-stream N`` runs only this section; ``--rate-mbit``):
    first-token time of an N-token prompt over the same WAN with every link's directions capped,
    its 512-token chunks streamed through the stages (several out at once) vs one at a time.
 
 Targets: a ≥ 0.8 × llama-cpp-python; b at 8 ≥ 3 × single-stream; d ≥ 0.85 × the limit;
-e ≤ tensor bytes + KV + 200 MB; g: ngram ≥ 2.5 × off on the repetitive tasks, ≥ 0.95 × on the story,
-draft (k = 4) ≥ 3 × off, 8 concurrent with ngram ≥ 0.9 × off. Medians; this machine is shared and noisy.
+e ≤ tensor bytes + KV + 200 MB; g (issue 34): ngram ≥ 4 × off on the repetitive tasks, ≥ 0.97 × on
+the story, draft (k = 4) ≥ 3 × off, 8 concurrent with ngram ≥ 0.95 × off. Medians; this machine is
+shared and noisy.
 """
 
 from __future__ import annotations
@@ -233,6 +236,10 @@ SPECULATIVE_TASKS = {
                    "09:15:11 INFO  user alice logged in\n09:15:40 ERROR connection to db-2 timed out after 30s\n"
                    "09:16:03 WARN  slow query on table orders (2.3s)\n09:16:59 ERROR disk /dev/sdb1 is 99% full\n"
                    "09:17:20 INFO  backup finished\n",
+    "copy_paragraph": "Copy this paragraph exactly, changing only the word \"blue\" to \"green\".\n\n"
+                      "The harbour was quiet that morning. Fishing boats sat low in the water, their blue hulls "
+                      "streaked with salt, and the gulls walked the pier as if they owned it. Down by the "
+                      "market, an old man was mending a net, pulling each knot tight with his teeth.",
     "story": "Write a short story about a fox who finds a brass key in the snow.",
 }
 
@@ -247,7 +254,13 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
         asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=16)
         draft = ModelDraft(model, asker.gguf, n_threads=threads)
         try:
-            modes = {"off": lambda: None, "ngram": lambda: speculation_for("ngram"),
+            # ngram and draft as the cost model chooses windows in flight; *_one_window: one window per
+            # round trip (as before issue 34); ngram_3_windows: always three in flight
+            modes = {"off": lambda: None,
+                     "ngram_one_window": lambda: speculation_for("ngram", windows=1),
+                     "ngram": lambda: speculation_for("ngram"),
+                     "ngram_3_windows": lambda: speculation_for("ngram", windows=3),
+                     "draft_self_k4_one_window": lambda: speculation_for("draft", draft, k_max=4, windows=1),
                      "draft_self_k4": lambda: speculation_for("draft", draft, k_max=4)}
             for task, text in SPECULATIVE_TASKS.items():
                 prompt = asker.tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -271,7 +284,7 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
             prompts = [asker.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in SPECULATIVE_TASKS.values()]
             batch = [prompts[i % len(prompts)] for i in range(8)]
             aggregate = {}
-            for mode in ("off", "ngram"):
+            for mode in ("off", "ngram_one_window", "ngram"):
                 rates = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -279,12 +292,14 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
                                                                speculation=modes[mode]()) for p in batch])
                     rates.append(sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0))
                 aggregate[mode] = round(statistics.median(rates), 3)
-            out["concurrency_8_aggregate_tok_s"] = {**aggregate, "ngram_over_off": round(aggregate["ngram"] / aggregate["off"], 3)}
+            out["concurrency_8_aggregate_tok_s"] = {**aggregate, "ngram_over_off": round(aggregate["ngram"] / aggregate["off"], 3),
+                                                    "ngram_one_window_over_off": round(aggregate["ngram_one_window"]
+                                                                                       / aggregate["off"], 3)}
         finally:
             draft.close()
             asker.close()
-    out["targets"] = {"ngram_repetitive_over_off": 2.5, "ngram_story_over_off": 0.95, "draft_self_k4_over_off": 3.0,
-                      "concurrency_8_ngram_over_off": 0.9}
+    out["targets"] = {"ngram_repetitive_over_off": 4.0, "ngram_story_over_off": 0.97, "draft_self_k4_over_off": 3.0,
+                      "concurrency_8_ngram_over_off": 0.95}
     return out
 
 

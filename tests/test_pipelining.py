@@ -188,9 +188,10 @@ SPECULATION_PROMPTS = [
 
 def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm, bundled_model):
     """ngram and draft speculation (the bundled model drafting for itself) through 2 trunk
-    processes, concurrently with plain requests so that checks share batches: every request's
-    tokens equal its plain greedy run, drafts were both kept and rejected (rewinds happened), and
-    every stage is idle afterwards."""
+    processes, concurrently with plain requests so that checks share batches, one window per
+    round trip and three windows in flight: every request's tokens equal its plain greedy run,
+    drafts were both kept and rejected (rewinds happened, windows out fell), and every stage is
+    idle afterwards (no cells held for a window that fell)."""
     from swarmctl.asker.speculate import ModelDraft, speculation_for
 
     async def scenario():
@@ -199,20 +200,27 @@ def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm
         draft = ModelDraft(bundled_model, asker.gguf, n_threads=N_THREADS)
         try:
             prompts = [asker.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in SPECULATION_PROMPTS]
-            runs = [(mode, p) for mode in ("off", "ngram", "draft") for p in range(len(prompts))]
+            modes = {"off": ("off", None), "ngram": ("ngram", None), "draft": ("draft", None),
+                     "ngram_3_windows": ("ngram", 3), "draft_3_windows": ("draft", 3)}
+            runs = [(mode, p) for mode in modes for p in range(len(prompts))]
             gens = await asyncio.wait_for(asyncio.gather(*[
                 generate_all(asker, prompts[p], link, max_tokens=40, sampling=GREEDY,
-                             speculation=speculation_for(mode, draft, k_max=6)) for mode, p in runs]), 300)
+                             speculation=speculation_for(modes[mode][0], draft, k_max=6, windows=modes[mode][1]))
+                for mode, p in runs]), 300)
             stats = await settled_stats(local_swarm, link)
-            return dict(zip(runs, gens)), stats
+            return dict(zip(runs, gens)), stats, link.stats.most_steps_out
         finally:
             await link.close()
             draft.close()
             asker.close()
 
-    gens, stats = asyncio.run(scenario())
+    gens, stats, most_steps_out = asyncio.run(scenario())
     for (mode, p), gen in gens.items():
         assert gen.tokens == gens["off", p].tokens, f"{mode} speculation changed the answer to prompt {p}"
+    assert most_steps_out >= 2  # windows were out together
+    windows = [gens["ngram_3_windows", p] for p in range(len(SPECULATION_PROMPTS))]
+    assert windows[0].accepted >= 10 and len(windows[0].timings) < len(windows[0].tokens)
+    assert any(g.drafted > g.accepted for g in windows)  # windows fell too
     ngram = [gens["ngram", p] for p in range(len(SPECULATION_PROMPTS))]
     assert ngram[0].accepted >= 10  # the repeated code was drafted and kept
     assert ngram[0].drafted > ngram[0].accepted or ngram[1].drafted > ngram[1].accepted  # and some drafts failed

@@ -202,3 +202,35 @@ def test_a_rewind_cuts_steps_out_too():
     assert [(s.start_pos, len(s.hidden)) for s in table.out(b"r")] == [(3, 2), (5, 1)]
     assert not table.is_answer(b"r", conn, 0, 7, error=False)
     assert table.to_send(b"r", 5)
+
+
+def test_the_result_of_a_fallen_window_is_not_taken_for_the_step_that_replaced_it():
+    """Windows in flight: the first window keeps its drafts but the guess that began the second
+    window is wrong, so the next step starts where the second window did. The second window's
+    result still comes (first: stages keep a request's order) and is not the new step's answer."""
+    table, conn = ReplayTable(), object()
+    run_step(table, b"r", conn, 0, 1, 0, 3)
+    step_out(table, b"r", 3, 3)  # window 1: [x, d1, d2]
+    step_out(table, b"r", 6, 2)  # window 2, sent before window 1's verdict: [guess, e1]
+    assert table.is_answer(b"r", conn, 0, 3, error=False)
+    table.answered(b"r", 3)
+    table.begin(b"r", SentStep(6, rows(1, 66), False))  # the guess was wrong: a step from 6 again
+    assert table.to_send(b"r", 6)
+    assert not table.is_answer(b"r", conn, 0, 6, error=False)  # window 2's result, computed on the wrong guess
+    assert table.is_answer(b"r", conn, 0, 6, error=False)  # then the new step's
+
+
+def test_a_window_whose_result_arrived_before_it_fell_dooms_nothing():
+    """The second window's result came while the asker still checked the first; then the first
+    window's verdict drops it. No further result of it is coming, so the step that replaces it at
+    the same position takes the next result there as its answer."""
+    table, conn = ReplayTable(), object()
+    run_step(table, b"r", conn, 0, 1, 0, 3)
+    step_out(table, b"r", 3, 3)
+    step_out(table, b"r", 6, 2)
+    assert table.is_answer(b"r", conn, 0, 3, error=False)
+    assert table.is_answer(b"r", conn, 0, 6, error=False)  # arrived (its coroutine was then given up)
+    table.answered(b"r", 3)
+    table.begin(b"r", SentStep(6, rows(1, 66), False))
+    assert table.to_send(b"r", 6)
+    assert table.is_answer(b"r", conn, 0, 6, error=False)

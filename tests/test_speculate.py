@@ -139,11 +139,14 @@ def tiny_pair(tmp_path_factory, bundled_model):
 RUNS = 1200
 
 
-def test_speculative_sampling_keeps_the_target_distribution(tiny_pair):
+@pytest.mark.parametrize("windows", [None, 2], ids=["one_window", "two_windows_in_flight"])
+def test_speculative_sampling_keeps_the_target_distribution(tiny_pair, windows):
     """Chi-square: the first three sampled tokens (top-k 3, temperature 1; the second and third come
     from checked drafts) of many seeded runs with a draft model that is sometimes wrong, against the
     target's exact joint distribution computed from its logits; and the statistic has the power to
-    tell a distribution that is off."""
+    tell a distribution that is off. With two windows in flight, one draft each: the second
+    window's first token is the guess of the third token, checked by the first window's last row,
+    and sent before that verdict (issue 34)."""
     target_path, draft_path = tiny_pair
     sampling = dict(temperature=1.0, top_k=3, top_p=1.0)
     asker = Asker(target_path, 1, n_threads=N_THREADS)
@@ -155,16 +158,20 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_pair):
         exact = _exact_joint(target_path, prompt, SamplingParams(**sampling))
 
         async def runs(n, spec_mode):
-            counts, kept = {}, 0
+            counts, kept, in_flight, stood = {}, 0, 0, 0
             for seed in range(n):
-                spec = speculation_for(spec_mode, draft, k_max=2)
-                g = await generate_all(asker, prompt, trunk, max_tokens=3, ignore_eos=True,
+                spec = speculation_for(spec_mode, draft, k_max=2 if windows is None else 1, windows=windows)
+                g = await generate_all(asker, prompt, trunk, max_tokens=3 if windows is None else 4, ignore_eos=True,
                                        sampling=SamplingParams(**sampling, seed=seed), speculation=spec)
-                counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+                counts[tuple(g.tokens[:3])] = counts.get(tuple(g.tokens[:3]), 0) + 1
                 kept += g.accepted
-            return counts, kept
+                # (a fourth token, so that a second window can go out: the first checks its draft and
+                # the second's guess of the third token, which is what is counted)
+                in_flight += g.timings[1].drafted == 2
+                stood += g.timings[1].kept == 2
+            return counts, kept, in_flight, stood
 
-        counts, kept = asyncio.run(runs(RUNS, "draft"))
+        counts, kept, in_flight, stood = asyncio.run(runs(RUNS, "draft"))
     finally:
         draft.close()
         trunk.close()
@@ -180,6 +187,8 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_pair):
     cells = common
     limit = _chi2_critical(len(cells) - 1)
     assert 0 < kept < RUNS * 2, "the draft was never or always right: the residual path was not exercised"
+    if windows is not None:  # the second window went out early in every run, and stood in some, fell in others
+        assert in_flight == RUNS and 0 < stood < RUNS
     print(f"speculative sampling: {RUNS} runs, {kept} drafts kept, chi2 {_chi2(observed, expected):.1f} "
           f"over {len(observed)} cells (limit {limit:.1f})")
     assert _chi2(observed, expected) < limit, \

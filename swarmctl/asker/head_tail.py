@@ -24,7 +24,7 @@ import numpy as np
 from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
-from kernels.sampling import Sampler, SamplingParams
+from kernels.sampling import Candidates, Sampler, SamplingParams
 from kernels.slice import Outputs, Placement, SliceEngine, Step
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
@@ -242,6 +242,23 @@ class GrammarRows:
         return len(self.rows)
 
 
+@dataclass
+class _Window:
+    """A step out: its lead (the last chosen token, a prompt's last chunk, or, for a window in
+    flight, the guess of what follows the window before it), its drafts, and the task running it
+    through head, trunk and tail: (logits, TokenTiming)."""
+
+    start: int
+    lead: list[int]
+    draft: Draft
+    task: asyncio.Future
+    guess_q: Candidates | None = None  # a guessed lead: the distribution it was drafted from (None: a point mass)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.lead) + len(self.draft.tokens)
+
+
 class Asker:
     """Embedding, head, tail, LM head, tokenizer and sampling: everything the asker keeps."""
 
@@ -345,58 +362,112 @@ class Asker:
                 start += len(chunk)
         new_tokens = chunks[-1]
         context = list(prompt)
-        filled = start  # positions every stage holds
-        while len(gen.tokens) < max_tokens:
-            # Drafts ride along after the last token (never with a prompt chunk, which must stay
-            # the prefill a plain run does); each row of logits then says what follows its
-            # position. No room past the context or max_tokens.
-            room = min(max_tokens - len(gen.tokens) - 1, self.max_context - start - len(new_tokens) - 1)
-            draft = Draft()
-            if prompt_result is not None:
-                (logits, timing), prompt_result = prompt_result, None
-            else:
-                if speculation is not None and len(new_tokens) == 1 and room > 0:
-                    draft = await speculation.propose(rid, context, room, sample.params)
-                logits, timing = await self._step(rid, start, new_tokens + draft.tokens, trunk,
-                                                  outputs="all" if draft.tokens else "last", rewind=start < filled,
-                                                  verify=bool(draft.tokens))
-            gen.timings.append(timing)
-            filled = start + len(new_tokens) + len(draft.tokens)
-            start += len(new_tokens)
-            sampling_started = time.perf_counter()
-            rows = logits[len(logits) - len(draft.tokens) - 1:]  # row j: what follows the step's j-th last position
-            if grammar is None:
-                tokens, kept = accept(sample, rows, draft)
-            elif sample.params.greedy and not draft.tokens and (best := grammar.best_allowed(rows[0])) is not None:
-                # (the likeliest allowed among the likeliest few is the constrained argmax: no mask needed)
-                tokens, kept = [best], 0
-                grammar.accept(best)
-            else:
-                constrained = GrammarRows(grammar, rows, draft.tokens)
-                tokens, kept = accept(sample, constrained, draft)
-                grammar.accept(tokens[-1])
-            timing.done = time.perf_counter()
-            timing.sample_s = timing.done - sampling_started
-            timing.first_token, timing.tokens = len(gen.tokens), tuple(tokens)
-            timing.drafted, timing.kept = len(draft.tokens), kept
-            if speculation is not None:
-                speculation.record(len(draft.tokens), kept, timing, len(new_tokens) + len(draft.tokens))
-                gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
-            for j, token in enumerate(tokens):
-                if not ignore_eos and self.tokenizer.is_end_of_generation(token):
-                    gen.finish_reason = "stop"
+        filled = start  # positions the stages hold, or will once the windows out reach them
+        windows: list[_Window] = []  # checked steps out, oldest first (several: windows in flight)
+        try:
+            while len(gen.tokens) < max_tokens:
+                if not windows:
+                    # Drafts ride along after the last token (never with a prompt chunk, which must
+                    # stay the prefill a plain run does); each row of logits then says what follows
+                    # its position. No room past the context or max_tokens.
+                    room = min(max_tokens - len(gen.tokens) - 1, self.max_context - start - len(new_tokens) - 1)
+                    draft = Draft()
+                    if prompt_result is not None:
+                        done = asyncio.get_running_loop().create_future()
+                        done.set_result(prompt_result)
+                        windows.append(_Window(start, new_tokens, draft, done))
+                        prompt_result = None
+                    else:
+                        if speculation is not None and len(new_tokens) == 1 and room > 0:
+                            draft = await speculation.propose(rid, context, room, sample.params)
+                        windows.append(self._launch(rid, start, new_tokens, draft, trunk, rewind=start < filled))
+                if speculation is not None and grammar is None:
+                    await self._more_windows(rid, windows, context, max_tokens - len(gen.tokens), speculation,
+                                             sample.params, trunk)
+                filled = max(filled, windows[-1].end)
+                window = windows.pop(0)
+                logits, timing = await window.task
+                gen.timings.append(timing)
+                # Its drafts, and the first token of the window after it (the guess of what follows
+                # them): the window's last row checks that guess, the next window's rows the rest.
+                following = windows[0] if windows else None
+                checked = window.draft if following is None else window.draft.then(following.lead[0], following.guess_q)
+                sampling_started = time.perf_counter()
+                rows = logits[len(logits) - len(window.draft.tokens) - 1:]  # row j: what follows the j-th last position
+                if grammar is None:
+                    tokens, kept = accept(sample, rows, checked, choose_last=following is None)
+                elif sample.params.greedy and not checked.tokens and (best := grammar.best_allowed(rows[0])) is not None:
+                    # (the likeliest allowed among the likeliest few is the constrained argmax: no mask needed)
+                    tokens, kept = [best], 0
+                    grammar.accept(best)
+                else:
+                    constrained = GrammarRows(grammar, rows, checked.tokens)
+                    tokens, kept = accept(sample, constrained, checked)
+                    grammar.accept(tokens[-1])
+                chain_holds = following is not None and kept == len(checked.tokens)
+                timing.done = time.perf_counter()
+                timing.sample_s = timing.done - sampling_started
+                timing.first_token, timing.tokens = len(gen.tokens), tuple(tokens)
+                timing.drafted, timing.kept = len(checked.tokens), kept
+                if speculation is not None:
+                    speculation.record(len(checked.tokens), kept, timing if len(window.lead) == 1 else None,
+                                       len(window.lead) + len(window.draft.tokens))
+                    gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
+                for j, token in enumerate(tokens):
+                    if not ignore_eos and self.tokenizer.is_end_of_generation(token):
+                        gen.finish_reason = "stop"
+                        return
+                    if logprobs is not None:
+                        gen.logprobs.append(token_logprob(rows[j], token, logprobs))
+                    gen.tokens.append(token)
+                    context.append(token)
+                    yield token
+                if chain_holds:  # the next window's step stands: its first token is now chosen
+                    start, new_tokens = following.start, list(following.lead)
+                else:  # the next step starts after the last kept draft: later cells are dropped
+                    for later in windows:
+                        later.task.cancel()
+                    await asyncio.gather(*(later.task for later in windows), return_exceptions=True)
+                    windows.clear()
+                    start, new_tokens = window.start + len(window.lead) + kept, [gen.tokens[-1]]
+                if start + 1 > self.max_context:
+                    gen.finish_reason = "context"
                     return
-                if logprobs is not None:
-                    gen.logprobs.append(token_logprob(rows[j], token, logprobs))
-                gen.tokens.append(token)
-                context.append(token)
-                yield token
-            start += kept  # the next step starts after the last kept draft: later cells are dropped
-            if start + 1 > self.max_context:
-                gen.finish_reason = "context"
+            gen.finish_reason = "length"
+        finally:
+            for later in windows:
+                later.task.cancel()
+            await asyncio.gather(*(later.task for later in windows), return_exceptions=True)
+
+    def _launch(self, rid: bytes, start: int, lead: list[int], draft: Draft, trunk: Trunk | None, *,
+                rewind: bool = False, guess_q: Candidates | None = None) -> "_Window":
+        """A step of ``lead`` and ``draft``'s tokens from ``start``, set going (head, trunk, tail)."""
+        task = asyncio.ensure_future(self._step(rid, start, lead + draft.tokens, trunk,
+                                                outputs="all" if draft.tokens else "last", rewind=rewind,
+                                                verify=bool(draft.tokens)))
+        return _Window(start, lead, draft, task, guess_q)
+
+    async def _more_windows(self, rid: bytes, windows: list["_Window"], context: list[int], left: int,
+                            speculation: Speculation, sampling: SamplingParams, trunk: Trunk | None) -> None:
+        """Windows in flight (issue 34): while the cost model says another window pays, draft one
+        on the guess that every window out keeps all its drafts (its first token is the guess of
+        what follows the last of them), and send it before their verdicts. ``left``: tokens still
+        to generate."""
+        while len(windows) < speculation.windows() and len(windows[-1].lead) == 1:
+            last = windows[-1]
+            # tokens the windows out add if all is kept, before the last one's own choice
+            ahead = sum(len(w.draft.tokens) for w in windows) + len(windows) - 1
+            k = min(speculation.length.k, left - ahead - 2, self.max_context - last.end - 2)
+            if k < 0:
+                return  # the last window's own choice reaches max_tokens or the context: nothing to guess
+            assumed = context + windows[0].draft.tokens + [t for w in windows[1:] for t in w.lead + w.draft.tokens]
+            proposal = await speculation.source.draft(rid, assumed, k + 1, sampling)
+            if not proposal.tokens:
                 return
-            new_tokens = [gen.tokens[-1]]
-        gen.finish_reason = "length"
+            rest = Draft(proposal.tokens[1:], [proposal.q[i] if i < len(proposal.q) else None
+                                               for i in range(1, len(proposal.tokens))])
+            windows.append(self._launch(rid, last.end, proposal.tokens[:1], rest, trunk,
+                                        guess_q=proposal.q[0] if proposal.q else None))
 
     async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
                     outputs: Outputs = "last", rewind: bool = False, verify: bool = False):

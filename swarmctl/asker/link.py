@@ -163,36 +163,34 @@ class SwarmLink:
         deadline = time.monotonic() + self.request_timeout
         failed_at: float | None = None
         replayed = 0
-        while True:
-            try:
-                t0 = time.perf_counter()
-                async with self._sending.setdefault(rid, asyncio.Lock()):
-                    route = self.table.route(rid, self.plan.version)
-                    if route is None:
-                        route, bytes_out = await self._open_route(rid)  # (sends this step too)
-                        replayed += bytes_out
-                    elif self.table.to_send(rid, start_pos):
-                        waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
-                    await route.conn.drain(route.stream_id, SEND_BACKLOG)
-                result = await self._answer(waiting, deadline)
-                self.table.answered(rid, start_pos)
-                if failed_at is not None:
-                    self._recovered(time.monotonic() - failed_at, replayed)
-                # The round trip ends as the result's frame arrived, before this coroutine woke up.
-                received_at = waiting.received_at or time.perf_counter()
-                return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
-                                   sent_at=t0, received_at=received_at, sent_bytes=waiting.sent_bytes,
-                                   received_bytes=waiting.received_bytes,
-                                   activation_bytes=self.dtype.nbytes(*hidden.shape))
-            except _RouteFailed as e:
-                failed_at = failed_at or time.monotonic()
-                log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
-                self._fail_waiting(str(e), [rid])  # (its other steps out go again with it)
-                self._carry_out(self.table.failed(rid))
-                await self._await_reroute(deadline)
-            finally:
-                if waiting.result.done() or rid not in self.table:
-                    self._waiting.get(rid, {}).pop(start_pos, None)
+        try:
+            while True:
+                try:
+                    t0 = time.perf_counter()
+                    # Handed over whole even if the asker gives the step up meanwhile (a window in
+                    # flight that fell): a replay cut short would leave the stages a gap.
+                    hand_over = asyncio.ensure_future(self._hand_over(rid, start_pos, hidden, rewind, verify, waiting))
+                    hand_over.add_done_callback(lambda task: task.cancelled() or task.exception())
+                    replayed += await asyncio.shield(hand_over)
+                    result = await self._answer(waiting, deadline)
+                    self.table.answered(rid, start_pos)
+                    if failed_at is not None:
+                        self._recovered(time.monotonic() - failed_at, replayed)
+                    # The round trip ends as the result's frame arrived, before this coroutine woke up.
+                    received_at = waiting.received_at or time.perf_counter()
+                    return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
+                                       sent_at=t0, received_at=received_at, sent_bytes=waiting.sent_bytes,
+                                       received_bytes=waiting.received_bytes,
+                                       activation_bytes=self.dtype.nbytes(*hidden.shape))
+                except _RouteFailed as e:
+                    failed_at = failed_at or time.monotonic()
+                    log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
+                    self._fail_waiting(str(e), [rid])  # (its other steps out go again with it)
+                    self._carry_out(self.table.failed(rid))
+                    await self._await_reroute(deadline)
+        finally:  # answered, failed, or given up by the asker (a window in flight that fell)
+            if self._waiting.get(rid, {}).get(start_pos) is waiting:
+                del self._waiting[rid][start_pos]
 
     async def release(self, rid: bytes) -> None:
         self._waiting.pop(rid, None)
@@ -276,6 +274,20 @@ class SwarmLink:
             self.dialer.close()
 
     # --- one step, and the route it travels ---
+
+    async def _hand_over(self, rid: bytes, start_pos: int, hidden: np.ndarray, rewind: bool, verify: bool,
+                         waiting: _Waiting) -> int:
+        """Send the step on the request's route, opening one (and replaying) where it has none;
+        a request's sends one at a time, so its steps travel in order. Returns the bytes replayed."""
+        async with self._sending.setdefault(rid, asyncio.Lock()):
+            replayed = 0
+            route = self.table.route(rid, self.plan.version)
+            if route is None:
+                route, replayed = await self._open_route(rid)  # (sends this step too)
+            elif self.table.to_send(rid, start_pos):
+                waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
+            await route.conn.drain(route.stream_id, SEND_BACKLOG)
+            return replayed
 
     async def _answer(self, waiting: _Waiting, deadline: float) -> ActivationPacket:
         """The step's result, as it arrives (a route failure raises _RouteFailed)."""

@@ -56,9 +56,14 @@ class _Record:
     out: list[SentStep] = field(default_factory=list)  # handed over, not answered yet, in order
     route: OpenRoute | None = None
     sent: set[int] = field(default_factory=set)  # start positions of steps out sent on ``route``
+    # Steps sent on ``route`` and cut before their answer came (a window in flight that fell): their
+    # results still come, in order, ahead of any later step's, and a later step may start at the
+    # same position (the window after the one whose guess failed), so each is told apart by order.
+    doomed: list[int] = field(default_factory=list)
 
     def cut(self, start_pos: int) -> None:
         """Forget the positions from ``start_pos`` on (the stages drop them too)."""
+        self.doomed += [s.start_pos for s in self.out if s.start_pos >= start_pos and s.start_pos in self.sent]
         self.history = _cut(self.history, start_pos)
         self.out = _cut(self.out, start_pos)
         self.sent = {pos for pos in self.sent if pos < start_pos}
@@ -123,27 +128,36 @@ class ReplayTable:
         record = self._records.setdefault(rid, _Record())
         record.route = OpenRoute(conn, stream_id, version)
         record.sent = {s.start_pos for s in record.out}
+        record.doomed = []
         return record.history + record.out
 
     def to_send(self, rid: bytes, start_pos: int) -> bool:
         """Whether the step out at ``start_pos`` still has to go on the current route (a replay
-        sends the steps out too); if so it counts as sent from now."""
+        sends the steps out too, and a step cut meanwhile is not out any more); if so it counts as
+        sent from now."""
         record = self._records[rid]
-        if start_pos in record.sent:
+        if start_pos in record.sent or all(s.start_pos != start_pos for s in record.out):
             return False
         record.sent.add(start_pos)
         return True
 
     def is_answer(self, rid: bytes, conn: Conn, stream_id: int, start_pos: int, error: bool) -> bool:
         """Whether a packet that arrived answers a step out: the result of one of them (results of
-        replayed steps come back too, and are not), or an error from the route the request travels
-        now (one from an abandoned route is old news)."""
+        replayed steps come back too, and are not; nor are those of steps cut after they were
+        sent), or an error from the route the request travels now (one from an abandoned route is
+        old news). A result that answers is noted as arrived."""
         record = self._records.get(rid)
         if record is None or not record.out:
             return False
         if error:
             return record.route is not None and record.route.conn is conn and record.route.stream_id == stream_id
-        return any(s.start_pos == start_pos for s in record.out)
+        if start_pos in record.doomed:  # the result of a step cut after it was sent: it comes first
+            record.doomed.remove(start_pos)
+            return False
+        if all(s.start_pos != start_pos for s in record.out):
+            return False
+        record.sent.discard(start_pos)  # (arrived: a cut from now on has no result of it to expect)
+        return True
 
     def answered(self, rid: bytes, start_pos: int) -> None:
         """The swarm answered the step: it now holds its cells, so the history keeps it."""
@@ -165,6 +179,7 @@ class ReplayTable:
             return []
         route, record.route = record.route, None
         record.sent = set()
+        record.doomed = []
         return [Free(route.conn, route.stream_id)]
 
     def plan_changed(self, version: int) -> list[bytes]:

@@ -51,6 +51,8 @@ MAX_DRAFT = 8  # drafted tokens per step at most
 MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
 RHO_PRIOR = 0.25  # a row's cost against a one-row step, until a step has measured it
+MAX_WINDOWS = 4  # speculative windows of one request out at once, at most
+WINDOW_WORTH = 0.5  # a further window goes out only if it stands (every draft before it kept) at least this often
 
 
 @dataclass
@@ -62,6 +64,11 @@ class Draft:
 
     def q_of(self, i: int) -> Candidates:
         return self.q[i] if i < len(self.q) and self.q[i] is not None else Candidates.only(self.tokens[i])
+
+    def then(self, token: int, q: Candidates | None) -> "Draft":
+        """These drafts and one more after them (a window in flight's guessed first token)."""
+        return Draft(self.tokens + [token], [self.q[i] if i < len(self.q) else None
+                                             for i in range(len(self.tokens))] + [q])
 
 
 @dataclass
@@ -243,6 +250,8 @@ class DraftLength:
     failed: float = 1.0
     rho: float | None = None  # unknown until a step with drafts has been timed
     one_row_compute_s: float | None = None  # a plain step's compute (what every step pays once)
+    fill: float | None = None  # a step's time against its compute: how many steps its trip could hold
+    fixed_windows: int | None = None  # windows in flight as given (tests, benchmarks); None: from the cost model
     _plain_steps: int = field(default=0, repr=False)
 
     @property
@@ -263,6 +272,8 @@ class DraftLength:
         def ewma(old: float | None, new: float) -> float:
             return new if old is None else self.decay * old + (1 - self.decay) * new
 
+        if compute_s > 0:
+            self.fill = ewma(self.fill, total_s / compute_s)
         if rows == 1:
             self.one_row_compute_s = ewma(self.one_row_compute_s, compute_s)
             return
@@ -280,6 +291,22 @@ class DraftLength:
         self.kept = self.decay * self.kept + accepted
         self.failed = self.decay * self.failed + (1 if accepted < drafted else 0)
         self.k = self.best_k()
+
+    def windows(self) -> int:
+        """How many windows to keep in flight (issue 34): window n + 1 stands only if window n keeps
+        all k drafts and the guess after them, a^(k+1) of the time; the i-th extra window goes out
+        while that chain holds at least WINDOW_WORTH of the time (a window that falls costs the
+        stages its rows, which other requests could have used) and the trip holds it (a step's
+        time over its compute: on one machine, 1, and windows would only queue)."""
+        if self.fixed_windows is not None:
+            return self.fixed_windows
+        if self.k == 0 or self.fill is None:
+            return 1
+        stands = min(self.a, 0.999) ** (self.k + 1)
+        n = 1
+        while n < MAX_WINDOWS and n + 1 <= self.fill and stands ** n >= WINDOW_WORTH:
+            n += 1
+        return n
 
     def best_k(self) -> int:
         a, rho = min(self.a, 0.999), RHO_PRIOR if self.rho is None else self.rho
@@ -303,10 +330,14 @@ class Speculation:
         k = min(self.length.next(), room)
         return await self.source.draft(rid, context, k, sampling) if k > 0 else Draft()
 
+    def windows(self) -> int:
+        return self.length.windows()
+
     def record(self, drafted: int, accepted: int, timing=None, rows: int = 1) -> None:
-        """After a step of ``rows`` rows: what it drafted and kept; ``timing`` (a
-        swarmctl.asker.TokenTiming) of a decode step (one token and its drafts) feeds the cost model."""
-        if timing is not None and rows == 1 + drafted:
+        """After a step of ``rows`` rows: what it checked and kept (a window in flight's guessed first
+        token counts as a draft of the window before); ``timing`` (a swarmctl.asker.TokenTiming) of a
+        decode step (one token and its drafts, not a prompt chunk) feeds the cost model."""
+        if timing is not None:
             self.length.observe(rows, timing.compute_s, timing.total_s)
         self.length.update(drafted, accepted)
         if drafted:
@@ -318,10 +349,12 @@ class Speculation:
         await self.source.release(rid)
 
 
-def accept(sample: Sampler, rows: np.ndarray, draft: Draft) -> tuple[list[int], int]:
+def accept(sample: Sampler, rows: np.ndarray, draft: Draft, choose_last: bool = True) -> tuple[list[int], int]:
     """The tokens a checked step yields: the drafts kept, then one token the target chose (a
     correction at the first rejection, or one more after the last draft). ``rows``: the target's
-    logits for the step's last ``len(draft.tokens) + 1`` positions. Returns (tokens, drafts kept)."""
+    logits for the step's last ``len(draft.tokens) + 1`` positions (or ``len(draft.tokens)``
+    with ``choose_last`` False: when every draft is kept, the next row, and the choice it makes,
+    belong to the window in flight after this one). Returns (tokens, drafts kept)."""
     out: list[int] = []
     for i, d in enumerate(draft.tokens):
         p = sample.candidates(rows[i])
@@ -337,6 +370,8 @@ def accept(sample: Sampler, rows: np.ndarray, draft: Draft) -> tuple[list[int], 
             out.append(d)
             continue
         return out + [sample.draw(_residual(p, q))], i
+    if not choose_last:
+        return out, len(draft.tokens)
     return out + [sample(rows[len(draft.tokens)])], len(draft.tokens)
 
 
@@ -396,14 +431,16 @@ def open_drafting(mode: str, draft_path: str | None, model_path: str | Path, *, 
     return Drafting(mode, draft, k_max)
 
 
-def speculation_for(mode: str, draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT) -> Speculation | None:
-    """A request's drafting for ``--speculate MODE`` (None: off); ``draft`` needs ``draft_model``."""
+def speculation_for(mode: str, draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT,
+                    windows: int | None = None) -> Speculation | None:
+    """A request's drafting for ``--speculate MODE`` (None: off); ``draft`` needs ``draft_model``;
+    ``windows``: that many windows in flight, always (None: as the cost model says)."""
     if mode == "off":
         return None
     if mode == "ngram":
-        return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max))
+        return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows))
     if mode in ("draft", "layerskip"):
         if draft_model is None:
             raise EngineError("--speculate draft needs --draft-model PATH (a small GGUF with the same vocabulary)")
-        return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max))
+        return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows))
     raise EngineError(f"--speculate {mode!r}: expected one of {', '.join(MODES)}")
