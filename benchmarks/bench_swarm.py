@@ -56,9 +56,11 @@ WAN = {"delay_s": 0.020, "jitter_s": 0.005, "loss": 0.005}
 
 def decode_rate(gen: Generation) -> float:
     """Tokens per second after the first token (the prefill excluded; a speculative step may
-    yield several tokens, so tokens are counted, not steps)."""
-    steps = gen.timings[1:]
-    return (len(gen.tokens) - 1) / sum(t.total_s for t in steps) if steps else 0.0
+    yield several tokens, so tokens are counted, not steps), over the wall time from the first
+    token's choice to the last's (windows in flight overlap: their steps' times do not add up)."""
+    if len(gen.timings) < 2:
+        return 0.0
+    return (len(gen.tokens) - 1) / (gen.timings[-1].done - gen.timings[0].done)
 
 
 def llama_cpp_decode(model: Path, prompt: list[int], n: int, threads: int) -> float:

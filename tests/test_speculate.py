@@ -16,7 +16,8 @@ from kernels.slice import SliceEngine, Step
 from kernels.spec import ModelSpec, SliceSpec
 from net.wire import ActivationPacket, FrameDecoder, PacketKind, decode_packet, encode_packet
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
-from swarmctl.asker.speculate import Draft, DraftLength, ModelDraft, NgramDraft, open_drafting, speculation_for
+from swarmctl.asker.speculate import (MAX_WINDOWS, Draft, DraftLength, ModelDraft, NgramDraft, open_drafting,
+                                      speculation_for)
 from tests.conftest import N_THREADS
 from harness.swarm import swarmctl
 from harness.tiny_models import TinyConfig, write_tiny_model
@@ -53,6 +54,28 @@ def test_draft_length_follows_acceptance_and_what_a_row_costs():
     assert wan.k == 8
     with pytest.raises(EngineError, match="--speculate 'magic'"):
         speculation_for("magic")
+
+
+def test_windows_in_flight_follow_whole_windows_kept_the_trip_and_the_stages_load():
+    """Several windows out only where the trip holds them (over a WAN, not on one machine), while
+    whole windows are mostly kept, and fewer while the stages queue other requests' steps."""
+    def length_after(compute_s, total_s, queued_s, kept_all: int, of: int) -> DraftLength:
+        length = DraftLength(k=4, k_max=8)
+        length.observe(1, compute_s, total_s, queued_s)
+        length.observe(5, compute_s * 1.2, total_s, queued_s)
+        for i in range(of):
+            length.update(4, 4 if i < kept_all else 1)
+        return length
+
+    copying_over_wan = length_after(0.010, 0.080, 0.0, kept_all=9, of=10)
+    assert copying_over_wan.windows() == MAX_WINDOWS
+    assert length_after(0.010, 0.011, 0.0, kept_all=9, of=10).windows() == 1  # one machine: nothing to overlap
+    assert length_after(0.010, 0.080, 0.0, kept_all=0, of=10).windows() == 1  # windows keep falling
+    # whole windows kept 60 % of the time: an idle swarm takes the chance, a busy one less so
+    idle = length_after(0.010, 0.080, 0.0, kept_all=6, of=10)
+    busy = length_after(0.010, 0.080, 0.030, kept_all=6, of=10)
+    assert idle.windows() > busy.windows() >= 1
+    assert DraftLength(k=4, fixed_windows=3).windows() == 3
 
 
 @pytest.fixture(scope="module")

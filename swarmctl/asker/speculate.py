@@ -52,7 +52,12 @@ MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
 RHO_PRIOR = 0.25  # a row's cost against a one-row step, until a step has measured it
 MAX_WINDOWS = 4  # speculative windows of one request out at once, at most
-WINDOW_WORTH = 0.5  # a further window goes out only if it stands (every draft before it kept) at least this often
+# A further window goes out only if the chain before it stands (every window out keeps all its
+# drafts) at least this often: while the stages queue other requests' steps, a window that falls
+# takes rows from them; while they idle between this request's trips, it costs little.
+WINDOW_WORTH_BUSY = 0.5
+WINDOW_WORTH_IDLE = 0.2
+BUSY = 0.1  # the stages count as busy when steps queue there for this share of a trip or more
 
 
 @dataclass
@@ -251,6 +256,9 @@ class DraftLength:
     rho: float | None = None  # unknown until a step with drafts has been timed
     one_row_compute_s: float | None = None  # a plain step's compute (what every step pays once)
     fill: float | None = None  # a step's time against its compute: how many steps its trip could hold
+    busy: float = 0.0  # the share of a step's time it queued at the stages behind other steps
+    stood: float = 1.0  # decayed counts of drafting steps that kept every draft, and that did not (a prior of one each)
+    fell: float = 1.0
     fixed_windows: int | None = None  # windows in flight as given (tests, benchmarks); None: from the cost model
     _plain_steps: int = field(default=0, repr=False)
 
@@ -266,7 +274,7 @@ class DraftLength:
                 return 1
         return self.k
 
-    def observe(self, rows: int, compute_s: float, total_s: float) -> None:
+    def observe(self, rows: int, compute_s: float, total_s: float, queued_s: float = 0.0) -> None:
         """A step's timing: a one-row step's compute is the fixed cost; a step of more rows tells
         what each further row adds, against the time of a one-row step (its round trip)."""
         def ewma(old: float | None, new: float) -> float:
@@ -274,6 +282,8 @@ class DraftLength:
 
         if compute_s > 0:
             self.fill = ewma(self.fill, total_s / compute_s)
+        if total_s > 0:
+            self.busy = ewma(self.busy, queued_s / total_s)
         if rows == 1:
             self.one_row_compute_s = ewma(self.one_row_compute_s, compute_s)
             return
@@ -290,21 +300,25 @@ class DraftLength:
             return
         self.kept = self.decay * self.kept + accepted
         self.failed = self.decay * self.failed + (1 if accepted < drafted else 0)
+        self.stood = self.decay * self.stood + (accepted == drafted)
+        self.fell = self.decay * self.fell + (accepted < drafted)
         self.k = self.best_k()
 
     def windows(self) -> int:
         """How many windows to keep in flight (issue 34): window n + 1 stands only if window n keeps
-        all k drafts and the guess after them, a^(k+1) of the time; the i-th extra window goes out
-        while that chain holds at least WINDOW_WORTH of the time (a window that falls costs the
-        stages its rows, which other requests could have used) and the trip holds it (a step's
-        time over its compute: on one machine, 1, and windows would only queue)."""
+        all its drafts and the guess after them. How often a window keeps them all is measured
+        (drafts are not kept independently: copied text keeps whole windows, then misses at an
+        edit). The i-th extra window goes out while the chain before it stands often enough
+        (WINDOW_WORTH_*, stricter while the stages are busy with others) and the trip holds it (a
+        step's time over its compute: on one machine about 1, and windows would only queue)."""
         if self.fixed_windows is not None:
             return self.fixed_windows
         if self.k == 0 or self.fill is None:
             return 1
-        stands = min(self.a, 0.999) ** (self.k + 1)
+        stands = self.stood / (self.stood + self.fell)
+        worth = WINDOW_WORTH_BUSY if self.busy >= BUSY else WINDOW_WORTH_IDLE
         n = 1
-        while n < MAX_WINDOWS and n + 1 <= self.fill and stands ** n >= WINDOW_WORTH:
+        while n < MAX_WINDOWS and n + 1 <= self.fill and stands ** n >= worth:
             n += 1
         return n
 
@@ -338,7 +352,7 @@ class Speculation:
         token counts as a draft of the window before); ``timing`` (a swarmctl.asker.TokenTiming) of a
         decode step (one token and its drafts, not a prompt chunk) feeds the cost model."""
         if timing is not None:
-            self.length.observe(rows, timing.compute_s, timing.total_s)
+            self.length.observe(rows, timing.compute_s, timing.total_s, timing.trunk_queued_s)
         self.length.update(drafted, accepted)
         if drafted:
             self.drafted += drafted
