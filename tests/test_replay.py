@@ -234,3 +234,17 @@ def test_a_window_whose_result_arrived_before_it_fell_dooms_nothing():
     table.begin(b"r", SentStep(6, rows(1, 66), False))
     assert table.to_send(b"r", 6)
     assert table.is_answer(b"r", conn, 0, 6, error=False)
+
+
+def test_a_step_that_learns_late_of_a_broken_route_leaves_the_new_one_alone():
+    """Two steps out when the route breaks; the first fails over and opens a new route (replaying
+    both); the second only then handles its failure, of the old route: nothing is freed."""
+    table, old, new = ReplayTable(), object(), object()
+    run_step(table, b"r", old, 0, 1, 0, 3)
+    step_out(table, b"r", 3, 2)
+    step_out(table, b"r", 5, 2)
+    broken = table.route(b"r", 1)
+    assert table.failed(b"r", on=broken) == [Free(old, 0)]
+    assert [s.start_pos for s in table.opened(b"r", new, 4, 1)] == [0, 3, 5]
+    assert table.failed(b"r", on=broken) == []  # late news of the old route
+    assert table.route(b"r", 1).conn is new and not table.to_send(b"r", 5)

@@ -63,8 +63,11 @@ def test_a_swarm_on_q8_0_answers_what_its_rounding_gives_and_f32_again_after_con
         version = status["plan_version"]
         swarmctl(swarm.host_home, "config", "wire-dtype", "f32", check=True)
         deadline = time.monotonic() + 60
-        while not (swarm.status().get("plan_version", version) > version and swarm.status().get("complete")):
-            assert time.monotonic() < deadline, swarm.status()
+        # (a changed plan is staged until its stages are ready: wait until none is, so the plan in
+        # use is the one with the new dtype, not another that came between)
+        while not ((now := swarm.status()).get("plan_version", version) > version and now.get("complete")
+                   and not now.get("staged")):
+            assert time.monotonic() < deadline, now
             time.sleep(0.3)
         r = swarmctl(swarm.homes["alice"], *ASK)
         assert r.returncode == 0 and r.stdout == exact, r.stderr

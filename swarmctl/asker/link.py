@@ -61,6 +61,8 @@ class _Waiting:
     before the step's coroutine woke up still finds it."""
 
     result: asyncio.Future
+    route: OpenRoute | None = None  # where it was last sent
+    failures: int = 0  # route failures it was told of (one may come while the step is being handed over)
     sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
     received_bytes: int = 0
     received_at: float = 0.0  # time.perf_counter() as the result's frame arrived
@@ -167,11 +169,14 @@ class SwarmLink:
             while True:
                 try:
                     t0 = time.perf_counter()
+                    attempt = waiting.failures
                     # Handed over whole even if the asker gives the step up meanwhile (a window in
                     # flight that fell): a replay cut short would leave the stages a gap.
                     hand_over = asyncio.ensure_future(self._hand_over(rid, start_pos, hidden, rewind, verify, waiting))
                     hand_over.add_done_callback(lambda task: task.cancelled() or task.exception())
                     replayed += await asyncio.shield(hand_over)
+                    if waiting.failures != attempt:  # its route failed while it was being handed over
+                        raise _RouteFailed("the route failed as the step went out")
                     result = await self._answer(waiting, deadline)
                     self.table.answered(rid, start_pos)
                     if failed_at is not None:
@@ -185,8 +190,9 @@ class SwarmLink:
                 except _RouteFailed as e:
                     failed_at = failed_at or time.monotonic()
                     log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
-                    self._fail_waiting(str(e), [rid])  # (its other steps out go again with it)
-                    self._carry_out(self.table.failed(rid))
+                    if waiting.route is not None:  # (its other steps on that route go again with it)
+                        self._fail_waiting(str(e), [rid], on=waiting.route)
+                        self._carry_out(self.table.failed(rid, on=waiting.route))
                     await self._await_reroute(deadline)
         finally:  # answered, failed, or given up by the asker (a window in flight that fell)
             if self._waiting.get(rid, {}).get(start_pos) is waiting:
@@ -285,6 +291,7 @@ class SwarmLink:
             if route is None:
                 route, replayed = await self._open_route(rid)  # (sends this step too)
             elif self.table.to_send(rid, start_pos):
+                waiting.route = route
                 waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
             await route.conn.drain(route.stream_id, SEND_BACKLOG)
             return replayed
@@ -327,7 +334,10 @@ class SwarmLink:
         route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
         answered = len(self.table.history(rid))
-        for i, sent in enumerate(self.table.opened(rid, conn, stream_id, self.plan.version)):
+        steps = self.table.opened(rid, conn, stream_id, self.plan.version)
+        for waiting in self._waiting.get(rid, {}).values():
+            waiting.route = route  # (every step out goes on it now)
+        for i, sent in enumerate(steps):
             size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
             if i < answered:
                 replayed += sent.hidden.nbytes
@@ -409,12 +419,16 @@ class SwarmLink:
             # the route the waiting steps travel is gone: reroute them now, not at a timeout
             self._fail_waiting(f"the plan changed to v{plan.version}", self.table.plan_changed(plan.version))
 
-    def _fail_waiting(self, reason: str, rids: list[bytes] | None = None) -> None:
-        """Fail over the steps out of ``rids`` (default: every request waiting on a route)."""
+    def _fail_waiting(self, reason: str, rids: list[bytes] | None = None, on: OpenRoute | None = None) -> None:
+        """Fail over the steps out of ``rids`` (default: every request waiting on a route); ``on``:
+        only those sent on that route (another of the request's steps may be on a new one already)."""
         loop = asyncio.get_running_loop()
         for rid in self.table.waiting() if rids is None else rids:
             for waiting in self._waiting.get(rid, {}).values():
+                if on is not None and waiting.route != on:
+                    continue
                 if not waiting.result.done():
+                    waiting.failures += 1
                     waiting.result.set_exception(_RouteFailed(reason))
                     waiting.result.exception()  # (seen: its coroutine may be rerouting already, not awaiting it)
                     waiting.result = loop.create_future()

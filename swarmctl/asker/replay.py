@@ -170,12 +170,13 @@ class ReplayTable:
 
     # --- failures ---
 
-    def failed(self, rid: bytes) -> list[Action]:
+    def failed(self, rid: bytes, on: OpenRoute | None = None) -> list[Action]:
         """The request's route broke (an error that says retry, a lost connection, a silent stage,
         a plan change): free its stream; the next step opens a new one and replays. The steps out
-        stay out: they go again after the replay."""
+        stay out: they go again after the replay. ``on``: the route that broke, if known (a step
+        out may learn of it after another opened the next one, which stays)."""
         record = self._records.get(rid)
-        if record is None or record.route is None:
+        if record is None or record.route is None or (on is not None and record.route != on):
             return []
         route, record.route = record.route, None
         record.sent = set()
