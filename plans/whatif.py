@@ -124,8 +124,8 @@ def bottleneck_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_e
 
 @dataclass(frozen=True)
 class WindowsInFlight:
-    """Speculative windows sent before the previous one's verdict (issue 34 item 1): modelled here;
-    the asker sends one window per round trip today."""
+    """Speculative windows sent before the previous one's verdict (issue 34 item 1), as modelled
+    here; the asker keeps up to ASKER_MAX_WINDOWS out where what it measures says they pay."""
 
     routing: str
     acceptance: float
@@ -158,15 +158,19 @@ def windows_in_flight(proposal: Proposal, layout: ModelLayout, acceptance: float
                            single, tokens_per_s / single)
 
 
+ASKER_MAX_WINDOWS = 4  # windows one request keeps out at most (swarmctl/asker/speculate.py MAX_WINDOWS)
+
+
 def best_windows(proposal: Proposal, layout: ModelLayout, acceptance: float, drafts=(1, 2, 3, 4, 6, 8),
                  same_experts: bool = False) -> WindowsInFlight:
-    """The draft count that does best with windows in flight, with as many windows as fill the trip."""
+    """The draft count that does best with windows in flight, with as many windows as fill the trip
+    (at most the asker's ASKER_MAX_WINDOWS)."""
     best = None
     for k in drafts:
         trip = trip_ms(proposal, layout, k + 1, same_experts)
         slot = bottleneck_ms(proposal, layout, k + 1, same_experts)
-        w = windows_in_flight(proposal, layout, acceptance, k, max(1, math.ceil(trip / slot)) if slot else 1,
-                              same_experts)
+        windows = min(ASKER_MAX_WINDOWS, max(1, math.ceil(trip / slot)) if slot else 1)
+        w = windows_in_flight(proposal, layout, acceptance, k, windows, same_experts)
         if best is None or w.tokens_per_s > best.tokens_per_s:
             best = w
     return best

@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _speculation(layout, proposal, acceptance: float) -> dict:
     """One stream's tokens/s with speculative steps at ``acceptance`` (plans/whatif.py): the best
-    draft count with one window per round trip (what the asker does), and with windows in flight
-    (modelled only), each row reading its own experts on an MoE model."""
+    draft count with one window per round trip, and with windows in flight (up to the asker's
+    limit), each row reading its own experts on an MoE model. Both modelled."""
     from plans.whatif import best_speculation, best_windows, speculation
 
     if not proposal.stages:
@@ -133,9 +133,10 @@ def format_speculation(sp: dict) -> str:
         return f"{k} draft" + ("s" if k != 1 else "")
 
     return (f"with speculative steps at {sp['acceptance']:.0%} of drafts kept, one stream: "
-            f"{one['tokens_per_s']:.2f} tokens/s with one window per round trip ({drafts(one['drafts'])}; what the "
-            f"asker does), {many['tokens_per_s']:.2f} tokens/s with up to {many['windows']} windows in flight "
-            f"({drafts(many['drafts'])} each; modelled: the asker does not send windows in flight yet)")
+            f"{one['tokens_per_s']:.2f} tokens/s with one window per round trip ({drafts(one['drafts'])}), "
+            f"{many['tokens_per_s']:.2f} tokens/s with up to {many['windows']} windows in flight "
+            f"({drafts(many['drafts'])} each; modelled: the asker sends them where the drafts it measures are kept "
+            f"often enough)")
 
 
 def plan_with(layout, nodes, settings: Settings):
