@@ -438,7 +438,7 @@ def test_monitor_keeps_its_connections_past_128_requests(live_swarm):
     async def scenario() -> tuple[int, bool]:
         monitor = Monitor(live_swarm.asker_home, MonitorConfig(timeout_s=5))
         try:
-            for _ in range(100):  # until the trunk connections (opened in the background) are up
+            for _ in range(300):  # until the trunk connections (opened in the background) are up (30 s: a loaded box)
                 if len((await monitor.poll_once()).stats) == 2:
                     break
                 await asyncio.sleep(0.1)
