@@ -49,6 +49,8 @@ class TinyConfig:
     weights_scale: float = 0.0
     yarn: bool = False  # YaRN RoPE scaling with DeepSeek's log multiplier
     unsplit_kv_b: bool = False  # an older conversion: one attn_kv_b, full K/V heads in the cache
+    nextn: bool = False  # one multi-token-prediction layer after the n_layer (DeepSeek-V3's MTP module)
+    echo: bool = False  # F32, untied: a model that says a fixed token after each token, and a nextn layer that knows it (_echo)
     extra_keys: tuple[tuple[str, int], ...] = ()  # more "{arch}.{key}" u32 metadata (e.g. nextn_predict_layers)
     chat_template: str = ""  # "": the tokenizer source's
 
@@ -87,7 +89,7 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
     n_vocab = _copy_tokenizer(writer, tokenizer_source, cfg.vocab_limit, cfg.chat_template)
     writer.add_context_length(cfg.n_ctx)
     writer.add_embedding_length(cfg.n_embd)
-    writer.add_block_count(cfg.n_layer)
+    writer.add_block_count(cfg.n_layer + cfg.nextn)
     writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
     # deepseek2's split MLA caches one shared latent "head"; its unsplit form full heads
@@ -100,6 +102,8 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
         writer.add_value_length(cfg.head_dim)
     for key, value in cfg.extra_keys:
         writer.add_uint32(f"{cfg.arch}.{key}", value)
+    if cfg.nextn:
+        writer.add_uint32(f"{cfg.arch}.nextn_predict_layers", 1)
     if cfg.arch == "deepseek2":
         _add_deepseek2_metadata(writer, cfg)
     elif cfg.n_expert:
@@ -109,8 +113,12 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
             writer.add_expert_feed_forward_length(cfg.n_ff)
     qtype = gguf.GGMLQuantizationType[cfg.qtype]
 
+    held: dict[str, np.ndarray] = {}
+
     def add(name: str, data: np.ndarray, **kwargs) -> None:
-        if name not in cfg.omit:
+        if cfg.echo:
+            data = _echo(name, data, held)
+        if name not in cfg.omit and data is not None:
             writer.add_tensor(name, data, **kwargs)
 
     def matrix(name: str, rows: int, cols: int, scale: float | None = None, experts: int = 0) -> None:
@@ -133,7 +141,7 @@ def write_tiny_model(path: Path, cfg: TinyConfig, tokenizer_source: Path) -> Pat
         if cfg.arch == "qwen2":
             vector("output.bias", n_vocab, 0.0, 0.1)
     if cfg.arch == "deepseek2":
-        _add_deepseek2_layers(cfg, matrix, vector, add, rng)
+        _add_deepseek2_layers(cfg, matrix, vector, add, rng, n_vocab)
     for il in range(cfg.n_layer if cfg.arch != "deepseek2" else 0):
         p = f"blk.{il}."
         vector(p + "attn_norm.weight", e, 1.0, 0.1)
@@ -198,10 +206,10 @@ def _add_deepseek2_metadata(writer: gguf.GGUFWriter, cfg: TinyConfig) -> None:
         writer.add_rope_scaling_yarn_log_mul(0.1)  # 0.1 × mscale_all_dim, as the converter writes it
 
 
-def _add_deepseek2_layers(cfg: TinyConfig, matrix, vector, add, rng: np.random.Generator) -> None:
+def _add_deepseek2_layers(cfg: TinyConfig, matrix, vector, add, rng: np.random.Generator, n_vocab: int) -> None:
     e, heads = cfg.n_embd, cfg.n_head
     k_head = cfg.qk_nope + cfg.qk_rope
-    for il in range(cfg.n_layer):
+    for il in range(cfg.n_layer + cfg.nextn):  # (the nextn layer last: the others' weights do not change)
         p = f"blk.{il}."
         vector(p + "attn_norm.weight", e, 1.0, 0.1)
         if cfg.q_rank:
@@ -234,6 +242,38 @@ def _add_deepseek2_layers(cfg: TinyConfig, matrix, vector, add, rng: np.random.G
         matrix(p + "ffn_gate_shexp.weight", shared, e)
         matrix(p + "ffn_up_shexp.weight", shared, e)
         matrix(p + "ffn_down_shexp.weight", e, shared)
+    if cfg.nextn:  # its own projection, norms and head; the embedding is the model's (as GLM's files leave it)
+        p = f"blk.{cfg.n_layer}.nextn."
+        matrix(p + "eh_proj.weight", e, 2 * e)
+        vector(p + "enorm.weight", e, 1.0, 0.1)
+        vector(p + "hnorm.weight", e, 1.0, 0.1)
+        vector(p + "shared_head_norm.weight", e, 1.0, 0.1)
+        matrix(p + "shared_head_head.weight", n_vocab, e, scale=0.5)
+
+
+def _echo(name: str, data: np.ndarray, held: dict[str, np.ndarray]) -> np.ndarray | None:
+    """A model whose layers barely touch the residual stream (their output matrices scaled by
+    1e-3) and whose output head is the embedding with its rows permuted, so after token t it says
+    the token whose head row is t's embedding, whatever came before; and a nextn layer that takes
+    the token alone ([I | 0] projection, unit norm, the model's output norm and head), so it
+    predicts what the model will say after the token it is given. Drafts from it are kept only
+    when positions, tokens and hidden states line up as they should (a wiring check for mtp)."""
+    held[name] = data
+    if name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
+        return data * np.float32(1e-3)
+    if name == "output.weight":
+        embedding = held["token_embd.weight"]
+        return embedding[np.random.default_rng(0).permutation(len(embedding))]
+    if name.endswith("nextn.eh_proj.weight"):
+        e = data.shape[0]
+        return np.hstack([np.eye(e), np.zeros((e, e))]).astype(np.float32)  # [embedding; hidden] → embedding
+    if name.endswith("nextn.enorm.weight"):
+        return np.ones_like(data)
+    if name.endswith("nextn.shared_head_norm.weight"):
+        return held["output_norm.weight"]
+    if name.endswith("nextn.shared_head_head.weight"):
+        return None  # the model's own head (a file may leave it out)
+    return data
 
 
 def write_unsupported_model(path: Path, arch: str = "bert") -> Path:
@@ -269,4 +309,8 @@ TINY_CONFIGS = {
                                  n_groups=4, n_group_used=2, seed=13),  # V3 / Kimi K2
     "deepseek2-unsplit-q8_0": TinyConfig(arch="deepseek2", qtype="Q8_0", n_expert=8, n_expert_used=2,
                                          unsplit_kv_b=True, seed=14),  # an older conversion's attn_kv_b
+    "deepseek2-echo-f32": TinyConfig(arch="deepseek2", qtype="F32", n_expert=8, n_expert_used=2, sigmoid_gating=True,
+                                     n_groups=4, n_group_used=2, tied_output=False, nextn=True, echo=True, seed=15),
+    "deepseek2-mtp-q4_1": TinyConfig(arch="deepseek2", qtype="Q4_1", n_expert=8, n_expert_used=2, sigmoid_gating=True,
+                                     n_groups=4, n_group_used=2, seed=13, nextn=True),  # V3 with its MTP layer
 }

@@ -44,6 +44,7 @@ class GraphShape:
 
     requests: tuple[RequestShape, ...]
     request_ids: tuple[bytes, ...]  # each member's KV cache is wired into the graph
+    hidden: bool = False  # also output every row's final hidden state (``extra_outputs["hidden"]``)
 
     @property
     def n_tokens(self) -> int:
@@ -352,9 +353,15 @@ def graph_size_for(n_layers: int, n_requests: int, n_expert_used: int = 0) -> in
 
 def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights,
                       caches: list[KVCache | None], shape: GraphShape) -> SliceGraph:
-    """The whole slice as one graph: [embedding] → layers [start, stop) → [output norm → LM head]."""
+    """The whole slice as one graph: [embedding] → layers [start, stop) → [output norm → LM head].
+    With ``shape.hidden`` a slice with the LM head also outputs every row's final normed hidden
+    state (``extra_outputs["hidden"]``, [n_embd, N]: what a nextn layer drafts from), and the
+    logits' rows are computed exactly as without it."""
+    if slice_spec.nextn:
+        return build_nextn_graph(spec, slice_spec, weights, caches, shape)
     n_layers = slice_spec.stop - slice_spec.start
-    size = graph_size_for(n_layers, shape.attention_units, spec.n_expert_used)
+    every_row = shape.hidden and slice_spec.has_lm_head
+    size = graph_size_for(n_layers + every_row, shape.attention_units, spec.n_expert_used)
     ctx = ggml.new_context(size + 16, graph_nodes=size)
     graph = ggml.new_graph_custom(ctx, size, False)
     inputs = _new_inputs(ctx, spec, slice_spec, shape)
@@ -364,16 +371,62 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
         cur = b.name(ggml.get_rows(ctx, weights.tok_embd, inputs.tokens), "inp_embd")
     else:
         cur = inputs.embd
+    all_rows = None  # with every_row, while the logits keep fewer rows: every row's last l_out
     for il in slice_spec.layers:
-        cur = transformer_layer(b, weights.layers[il], cur, il)
+        if every_row and inputs.out_ids is not None and il == spec.n_layer - 1:
+            cur, all_rows = _last_layer_every_row(b, weights.layers[il], cur, il)
+        else:
+            cur = transformer_layer(b, weights.layers[il], cur, il)
+    extra = {}
     if slice_spec.has_lm_head:
         if n_layers == 0 and inputs.out_ids is not None:  # a head-only slice selects rows itself
+            all_rows = cur
             cur = ggml.get_rows(ctx, cur, inputs.out_ids)
         cur = b.norm(cur, weights.output_norm, "result_norm", -1)
+        if every_row:  # (rms norm is per row: the rows kept get the same bits either way)
+            extra["hidden"] = cur if all_rows is None else b.norm(all_rows, weights.output_norm, "result_norm_all", -1)
         cur = b.name(b.linear(weights.output, cur, weights.output_b), "result_output")
-    ggml.set_output(cur)
-    ggml.build_forward_expand(graph, cur)
-    return SliceGraph(ctx, graph, inputs, cur, shape)
+    for t in (cur, *extra.values()):
+        ggml.set_output(t)
+        ggml.build_forward_expand(graph, t)
+    return SliceGraph(ctx, graph, inputs, cur, shape, extra)
+
+
+def _last_layer_every_row(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> tuple[int, int]:
+    """The model's last layer when the logits keep some rows and the hidden states are wanted for
+    all: attention over every row (as always), then the FFN twice, on the kept rows (the logits'
+    path, the same operations as ``transformer_layer``: selecting rows of attn + x adds the same
+    numbers) and on every row. Returns (l_out of the kept rows, l_out of every row)."""
+    attn = b.spec.arch.attention.build(b, w, b.norm(x, w.attn_norm, "attn_norm", il), il)
+    ffn_inp = b.name(ggml.add(b.ctx, attn, x), "ffn_inp_all", il)
+    kept = ffn_half(b, w, ggml.get_rows(b.ctx, ffn_inp, b.inputs.out_ids), il)
+    return kept, b.name(ffn_half(b, w, ffn_inp, il), "l_out_all", il)
+
+
+def build_nextn_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights,
+                      caches: list[KVCache | None], shape: GraphShape) -> SliceGraph:
+    """A multi-token-prediction layer (DeepSeek-V3's MTP module, as vLLM runs it): at position i,
+    the embedding of token i + 1 and the final hidden state of position i, each normed, joined
+    and projected to one row, through one more block of the model's kind, then its own norm and
+    head: logits for token i + 2. Outputs the logits of the kept rows and the block's output for
+    every row (``extra_outputs["hidden"]``, before the norm), which feeds the next draft."""
+    il, nw = slice_spec.start, weights.nextn
+    size = graph_size_for(1, shape.attention_units, spec.n_expert_used) + 16
+    ctx = ggml.new_context(size + 16, graph_nodes=size)
+    graph = ggml.new_graph_custom(ctx, size, False)
+    inputs = _new_inputs(ctx, spec, slice_spec, shape)
+    b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
+    embd = b.norm(b.name(ggml.get_rows(ctx, nw.embd, inputs.tokens), "nextn_inp_embd"), nw.enorm, "nextn_enorm", il)
+    hidden = b.norm(inputs.embd, nw.hnorm, "nextn_hnorm", il)
+    cur = b.name(ggml.mul_mat(ctx, nw.eh_proj, ggml.concat(ctx, embd, hidden, 0)), "nextn_eh_proj", il)
+    l_out = transformer_layer(b, weights.layers[il], cur, il)
+    cur = ggml.get_rows(ctx, l_out, inputs.out_ids) if inputs.out_ids is not None else l_out
+    cur = b.norm(cur, nw.head_norm, "nextn_result_norm", -1)
+    cur = b.name(ggml.mul_mat(ctx, nw.head, cur), "nextn_result_output")
+    for t in (cur, l_out):
+        ggml.set_output(t)
+        ggml.build_forward_expand(graph, t)
+    return SliceGraph(ctx, graph, inputs, cur, shape, {"hidden": l_out})
 
 
 def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, caches: list[KVCache | None],
@@ -418,11 +471,11 @@ def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> G
             v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, r.n_tokens * spec.kv_widths[1])
             if spec.kv_widths[1] else None,
         ) for r in shape.requests]
-    if s.has_embedding:
+    if s.has_embedding or s.nextn:  # (a nextn layer takes both: a token and the hidden state before it)
         inputs.tokens = placeholder("inp_tokens", ggml.TYPE_I32, n)
-    else:
+    if not s.has_embedding:
         inputs.embd = placeholder("inp_embd", ggml.TYPE_F32, spec.n_embd, n)
-    if s.has_lm_head and shape.n_outputs != n:
+    if (s.has_lm_head or s.nextn) and shape.n_outputs != n:
         # Only the slice that makes the logits keeps fewer rows (kernels.slice._graph_shape): one
         # that passes activations on returns every row, whatever the next slice holds.
         inputs.out_ids = placeholder("inp_out_ids", ggml.TYPE_I32, shape.n_outputs)

@@ -72,10 +72,15 @@ class InputHost:
         for tensor, address, size in self.copies:
             ggml.backend_tensor_set(tensor, address, 0, size)
 
-    def set(self, x: np.ndarray, starts: list[int]) -> None:
-        """Copy in the batch's stacked input (token ids or activations) and every placeholder."""
+    def set(self, x: np.ndarray, starts: list[int], tokens: np.ndarray | None = None) -> None:
+        """Copy in the batch's stacked input (token ids or activations; a nextn layer's
+        activations and ``tokens``) and every placeholder."""
         inputs = self.graph.inputs
-        ggml.copy_in(inputs.tokens if inputs.tokens is not None else inputs.embd, x)
+        if inputs.tokens is not None and inputs.embd is not None:
+            ggml.copy_in(inputs.tokens, tokens)
+            ggml.copy_in(inputs.embd, x)
+        else:
+            ggml.copy_in(inputs.tokens if inputs.tokens is not None else inputs.embd, x)
         self.fill(starts)
         self.upload()
 
@@ -86,6 +91,18 @@ class InputHost:
         if len(self.graph.shape.requests) == 1:
             return [out]
         bounds = np.cumsum([0] + [r.n_outputs for r in self.graph.shape.requests])
+        return [out[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+    def read_hidden(self) -> list[np.ndarray] | None:
+        """Every row's hidden state, one array per request, when the graph outputs it (None otherwise)."""
+        tensor = self.graph.extra_outputs.get("hidden")
+        if tensor is None:
+            return None
+        width = ggml.tensor_shape(tensor)[0]
+        out = np.empty((self.graph.shape.n_tokens, width), dtype=np.float32)
+        ggml.copy_out(tensor, out)
+        bounds = np.cumsum([0] + [r.n_tokens for r in self.graph.shape.requests])
         return [out[a:b] for a, b in zip(bounds, bounds[1:])]
 
 

@@ -58,11 +58,29 @@ class Step:
     # A speculative check: each row attends on its own, with the kernels a one-token step uses, so
     # row i's output is the bits that i + 1 single steps give (see GraphBuilder._attend).
     verify: bool = False
+    # A slice with the LM head also returns every row's final normed hidden state (``WithHidden``:
+    # what a nextn layer drafts from); the logits are the same bits as without.
+    hidden_rows: bool = False
 
     @property
     def key(self) -> bytes:
         rid = self.request_id
         return rid.encode() if isinstance(rid, str) else bytes(rid)
+
+
+@dataclass
+class WithHidden:
+    """A step's output with every row's hidden state: a slice with the LM head asked for
+    ``hidden_rows`` (the final normed state), or a nextn slice (its block's output, which feeds
+    its next step)."""
+
+    rows: np.ndarray  # [rows, n_vocab] logits, as the step's ``outputs`` says
+    hidden: np.ndarray  # [n_tokens, n_embd]
+
+
+def split_hidden(out: np.ndarray | WithHidden) -> tuple[np.ndarray, np.ndarray | None]:
+    """(logits or activations, the hidden states if the step returned them)."""
+    return (out.rows, out.hidden) if isinstance(out, WithHidden) else (out, None)
 
 
 @dataclass
@@ -122,7 +140,7 @@ class SliceEngine:
         slice_spec.check(self.spec)
         self.slice = slice_spec
         self.remote_experts = remote_experts if self.spec.n_expert else None
-        if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head):
+        if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head or slice_spec.nextn):
             raise SliceRangeError("only a trunk slice (no embedding, no LM head) can use remote experts")
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
         device_layers = None
@@ -199,9 +217,11 @@ class SliceEngine:
         """
         return self.forward_batch([Step(request_id, start_pos, tokens, hidden, outputs, rewind=rewind)])[0]
 
-    def forward_batch(self, steps: Sequence[Step]) -> list[np.ndarray]:
+    def forward_batch(self, steps: Sequence[Step]) -> list[np.ndarray | WithHidden]:
         """One pass for several requests (distinct ids). Every step is checked before any state
-        changes: if one is invalid, this raises and nothing ran."""
+        changes: if one is invalid, this raises and nothing ran. A step with ``hidden_rows``, and
+        every step of a nextn slice (token ids in ``tokens``, the hidden states before them in
+        ``hidden``), gets a ``WithHidden``."""
         t0 = time.perf_counter()
         if not steps:
             return []
@@ -213,7 +233,8 @@ class SliceEngine:
         for step, request, x in zip(steps, requests, inputs):
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
-        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head)
+        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head or self.slice.nextn)
+        tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int32) for s in steps]) if self.slice.nextn else None
         if self.remote_experts is not None:
             t1 = time.perf_counter()
             outputs = self._forward_segmented(shape, requests, inputs, [s.start_pos for s in steps])
@@ -221,11 +242,16 @@ class SliceEngine:
         else:
             placed = self._graph_for(shape, requests)
             try:
-                placed.host.set(inputs[0] if len(inputs) == 1 else np.concatenate(inputs), [s.start_pos for s in steps])
+                placed.host.set(inputs[0] if len(inputs) == 1 else np.concatenate(inputs), [s.start_pos for s in steps],
+                                tokens)
                 t1 = time.perf_counter()
                 placed.compute()
                 t2 = time.perf_counter()
                 outputs = placed.host.read_outputs()
+                hidden = placed.host.read_hidden()
+                if hidden is not None:
+                    outputs = [WithHidden(out, h) if self.slice.nextn or step.hidden_rows else out
+                               for out, h, step in zip(outputs, hidden, steps)]
             finally:
                 self._free_transient()
         for step, request, x in zip(steps, requests, inputs):
@@ -243,6 +269,8 @@ class SliceEngine:
         """Validate one step against this slice and the request's state; returns its input array.
         Raises an EngineError (one line) without changing anything."""
         x = _input_array(self.slice, self.spec, step.tokens, step.hidden)
+        if step.hidden_rows and not self.slice.has_lm_head:
+            raise InputShapeError("only a slice with the LM head returns hidden states with its rows")
         request = self._requests.get(step.key)
         if request is None:
             if step.start_pos != 0:
@@ -405,15 +433,16 @@ def _input_array(slice_spec: SliceSpec, spec: ModelSpec, tokens: Sequence[int] |
                  hidden: np.ndarray | None) -> np.ndarray:
     """A step's input as the graph takes it: I32 token ids [n] for a slice with the embedding,
     F32 activations [n, n_embd] for one fed mid-model. InputShapeError (one line) otherwise."""
+    if slice_spec.nextn:
+        ids = _token_ids(spec, tokens)
+        act = _input_array(SliceSpec(0, 0), spec, None, hidden)
+        if len(ids) != len(act):
+            raise InputShapeError(f"a nextn step takes a token per hidden state, not {len(ids)} for {len(act)}")
+        return act
     if slice_spec.has_embedding:
         if tokens is None or hidden is not None:
             raise InputShapeError("this slice starts at the embedding: give token ids, not activations")
-        ids = np.array(tokens, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise InputShapeError("no tokens to run")
-        if not (0 <= int(ids.min()) and int(ids.max()) < spec.n_vocab):
-            raise InputShapeError(f"token id outside the vocabulary [0, {spec.n_vocab})")
-        return ids.astype(np.int32)
+        return _token_ids(spec, tokens)
     if hidden is None or tokens is not None:
         raise InputShapeError("this slice starts mid-model: give activations, not token ids")
     act = np.asarray(hidden)
@@ -421,6 +450,15 @@ def _input_array(slice_spec: SliceSpec, spec: ModelSpec, tokens: Sequence[int] |
         raise InputShapeError(
             f"activations of shape {list(act.shape)} do not fit: expected [n_tokens, {spec.n_embd}]")
     return np.ascontiguousarray(act, dtype=np.float32)
+
+
+def _token_ids(spec: ModelSpec, tokens: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    ids = np.array(tokens if tokens is not None else [], dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise InputShapeError("no tokens to run")
+    if not (0 <= int(ids.min()) and int(ids.max()) < spec.n_vocab):
+        raise InputShapeError(f"token id outside the vocabulary [0, {spec.n_vocab})")
+    return ids.astype(np.int32)
 
 
 def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray],
@@ -440,7 +478,8 @@ def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[n
         else:
             n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
             shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation, rowwise=step.verify and n > 1))
-    return GraphShape(tuple(shapes), tuple(step.key for step in steps))
+    return GraphShape(tuple(shapes), tuple(step.key for step in steps),
+                      hidden=makes_logits and any(step.hidden_rows for step in steps))
 
 
 def _combine_experts(experts: np.ndarray, weights: np.ndarray, residual: np.ndarray,

@@ -79,6 +79,7 @@ class ModelSpec:
     n_layer_dense_lead: int = 0  # the first layers have a dense FFN, the rest experts (DeepSeek)
     mla: LatentAttention | None = None  # latent attention: the KV cache holds the latent, no V
     head_dim_v: int = 0  # a value head's width where it differs from a key head's (0: the same)
+    n_nextn: int = 0  # multi-token-prediction (nextn) layers after the n_layer (DeepSeek-V3's, GLM's)
 
     @property
     def n_embd_q(self) -> int:
@@ -134,7 +135,8 @@ class ModelSpec:
             return value
 
         # multi-token-prediction layers (DeepSeek-V3's, GLM's) follow the trunk; llama.cpp leaves them out
-        n_layer = int(key("block_count", required=True)) - int(key("nextn_predict_layers", 0) or 0)
+        n_nextn = int(key("nextn_predict_layers", 0) or 0)
+        n_layer = int(key("block_count", required=True)) - n_nextn
         if n_layer < 1:
             raise ModelFileError(f"{gguf.path}: no layers besides the multi-token-prediction ones")
         n_embd = int(key("embedding_length", required=True))
@@ -171,6 +173,7 @@ class ModelSpec:
         spec = cls(
             architecture=arch,
             n_layer=n_layer,
+            n_nextn=n_nextn,
             n_embd=n_embd,
             n_ff=int(key("feed_forward_length", 0) or key("expert_feed_forward_length", 0) or 0),
             n_head=n_head,
@@ -250,14 +253,28 @@ def _rope_config(gguf: GGUFFile, arch: Architecture, head_dim: int, n_ctx_train:
 
 @dataclass(frozen=True)
 class SliceSpec:
-    """What one node runs: layers [start, stop), plus the embedding and/or the LM head."""
+    """What one node runs: layers [start, stop), plus the embedding and/or the LM head; or, with
+    ``nextn``, the model's multi-token-prediction layer (``SliceSpec.nextn_of``): one more block
+    after the last, fed a token's embedding and the final hidden state of the position before it,
+    with its own LM head (speculative drafts at the asker, swarmctl/asker/speculate.py)."""
 
     start: int
     stop: int
     has_embedding: bool = False
     has_lm_head: bool = False
+    nextn: bool = False
+
+    @classmethod
+    def nextn_of(cls, spec: "ModelSpec") -> "SliceSpec":
+        return cls(spec.n_layer, spec.n_layer + 1, nextn=True)
 
     def check(self, spec: ModelSpec) -> None:
+        if self.nextn:
+            if not spec.n_nextn:
+                raise SliceRangeError("the model has no multi-token-prediction (nextn) layer")
+            if (self.start, self.stop) != (spec.n_layer, spec.n_layer + 1) or self.has_embedding or self.has_lm_head:
+                raise SliceRangeError(f"the nextn slice is layer {spec.n_layer} alone")
+            return
         if not (0 <= self.start <= self.stop <= spec.n_layer):
             raise SliceRangeError(
                 f"layer range [{self.start}, {self.stop}) is outside the model's {spec.n_layer} layers"
@@ -274,6 +291,8 @@ class SliceSpec:
         return range(self.start, self.stop)
 
     def describe(self) -> str:
+        if self.nextn:
+            return f"nextn layer {self.start}"
         parts = ["embedding"] if self.has_embedding else []
         if self.stop > self.start:
             parts.append(f"layers [{self.start}, {self.stop})")

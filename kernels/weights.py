@@ -70,6 +70,41 @@ class LayerWeights:
         return self.ffn_gate_inp is not None
 
 
+@dataclass
+class NextnWeights:
+    """A multi-token-prediction layer's own tensors, besides its block's (DeepSeek-V3, GLM): the
+    token's embedding and the hidden state are normed, joined and projected to one row, and the
+    block's output goes through its own norm and head."""
+
+    eh_proj: int  # [2 * n_embd, n_embd]: [enorm(embedding); hnorm(hidden)] → the block's input
+    enorm: int  # [n_embd]
+    hnorm: int  # [n_embd]
+    head_norm: int  # [n_embd]: shared_head_norm, else the model's output norm
+    embd: int  # [n_embd, n_vocab]: its own embed_tokens, else the model's token embedding
+    head: int  # [n_embd, n_vocab]: shared_head_head, else the model's output matrix (or the embedding, tied)
+
+
+# field → the GGUF names it may have, in order ("{il}": the nextn layer); the first present is used
+NEXTN_TENSORS = (
+    ("eh_proj", ("blk.{il}.nextn.eh_proj.weight",)),
+    ("enorm", ("blk.{il}.nextn.enorm.weight",)),
+    ("hnorm", ("blk.{il}.nextn.hnorm.weight",)),
+    ("head_norm", ("blk.{il}.nextn.shared_head_norm.weight", "output_norm.weight")),
+    ("embd", ("blk.{il}.nextn.embed_tokens.weight", "token_embd.weight")),
+    ("head", ("blk.{il}.nextn.shared_head_head.weight", "output.weight", "token_embd.weight")),
+)
+
+
+def _nextn_tensor_names(gguf: GGUFFile, il: int) -> dict[tuple[str, int], str]:
+    names = {}
+    for field_name, choices in NEXTN_TENSORS:
+        found = [n.format(il=il) for n in choices if n.format(il=il) in gguf.tensors]
+        if not found:
+            raise UnsupportedModelError(f"tensor {choices[0].format(il=il)} is missing from the model")
+        names[("nextn." + field_name, -1)] = found[0]
+    return names
+
+
 class SliceWeights:
     """The ggml tensors of one slice. Context manager: frees the ggml context and buffer."""
 
@@ -87,6 +122,7 @@ class SliceWeights:
         self.output: int | None = None  # [n_embd, n_vocab]; the embedding again when tied
         self.output_b: int | None = None
         self.rope_freqs: int | None = None  # [head_dim / 2] (llama 3)
+        self.nextn: NextnWeights | None = None  # a nextn slice's own tensors (SliceSpec.nextn)
         self._ctx = 0
         self._buffer = 0
         self._copy_ctx = 0
@@ -161,6 +197,8 @@ class SliceWeights:
             # A stage whose experts live on other nodes leaves their slabs unmapped.
             names.update(((t.field, il), present[t.field]) for t in tensors
                          if t.field in present and (self.with_experts or not t.expert))
+        if s.nextn:
+            names.update(_nextn_tensor_names(gguf, s.start))
         holds = {"layers": s.stop > s.start, "embedding": s.has_embedding, "lm_head": s.has_lm_head}
         for t in spec.arch.model_tensors:
             if not holds[t.part]:
@@ -189,6 +227,10 @@ class SliceWeights:
                 per_layer.setdefault(il, {})[field_name] = by_name[name]
         for il, tensors in per_layer.items():
             self.layers[il] = LayerWeights(**tensors)
+        nextn = {field_name[len("nextn."):]: by_name[name] for (field_name, il), name in wanted.items()
+                 if field_name.startswith("nextn.")}
+        if nextn:
+            self.nextn = NextnWeights(**nextn)
 
     def close(self) -> None:
         for buffer in ("_buffer", "_copy_buffer"):

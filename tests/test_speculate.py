@@ -310,3 +310,117 @@ def test_layerskip_drafts_with_the_askers_own_ends_and_greedy_output_is_unchange
     print(f"layerskip on SmolLM2 (K=4, counting): {spec.accepted} of {spec.drafted} drafts kept")
     with pytest.raises(EngineError, match="head layers do not fit"):
         LayerSkipDraft(bundled_model, 20)
+
+
+def test_a_tail_returns_every_rows_hidden_state_without_changing_its_logits(tiny_model):
+    """Step.hidden_rows (what --speculate mtp drafts from): the logits are the bits a plain step
+    gives, and a prompt step that keeps one row of logits still returns every row's final hidden
+    state, the same bits a step keeping every row gives (the last layer's FFN runs on every row
+    beside the kept one). Also for a tail that is the LM head alone (--head-layers 0)."""
+    from kernels.slice import WithHidden
+
+    path = tiny_model("deepseek2-mtp-q4_1")
+    with GGUFFile(path) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+        n = spec.n_layer
+        head = SliceEngine(gguf, SliceSpec(0, n - 1, has_embedding=True), n_threads=N_THREADS, max_context=64)
+        rows = head.forward("h", start_pos=0, tokens=list(range(40, 60)))
+        for tail_spec in (SliceSpec(n - 1, n, has_lm_head=True), SliceSpec(n, n, has_lm_head=True)):
+            x = rows if tail_spec.start < n else head_and_layer(gguf, n, rows)
+            with SliceEngine(gguf, tail_spec, n_threads=N_THREADS, max_context=64) as tail:
+                plain, last, every = tail.forward_batch([Step("a", 0, hidden=x), Step("b", 0, hidden=x, hidden_rows=True),
+                                                         Step("c", 0, hidden=x, outputs="all", hidden_rows=True)])
+                assert isinstance(last, WithHidden) and isinstance(every, WithHidden)
+                assert np.array_equal(plain, last.rows) and last.rows.shape == (1, plain.shape[1])
+                assert last.hidden.shape == (20, spec.n_embd) and np.array_equal(last.hidden, every.hidden)
+                assert np.isfinite(last.hidden).all() and not np.array_equal(last.hidden[0], last.hidden[1])
+        head.close()
+
+
+def head_and_layer(gguf, n, rows):
+    """The input of an LM-head-only tail: the rows through the model's last layer too."""
+    with SliceEngine(gguf, SliceSpec(n - 1, n), n_threads=N_THREADS, max_context=64) as last:
+        return last.forward("x", start_pos=0, hidden=rows)
+
+
+def test_mtp_drafts_with_the_models_nextn_layer_and_greedy_output_is_unchanged(tiny_model, bundled_model):
+    """--speculate mtp on a tiny DeepSeek-V3 whose file carries a nextn layer: the layer runs at the
+    asker from the tail's hidden states. Greedy answers equal plain decoding (one window, and three
+    windows in flight, which chain through guessed tokens), the nextn layer keeps nothing once a
+    request ends, and the main model is the one without the layer (same tokens). How many drafts
+    are kept is printed, not asserted: the tiny model's nextn layer is random. A file without a
+    nextn layer is a one-line refusal."""
+    from swarmctl.asker.speculate import MtpDraft
+
+    path = tiny_model("deepseek2-mtp-q4_1")
+    asker = Asker(path, 1, n_threads=N_THREADS, max_context=256)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 2).trunk, n_threads=N_THREADS,
+                        max_context=asker.max_context)
+    without = Asker(tiny_model("deepseek2-q4_1"), 2, n_threads=N_THREADS, max_context=256)  # every layer
+    draft = MtpDraft(path, n_threads=N_THREADS, max_context=256)
+    prompt = asker.tokenizer.encode_chat([{"role": "user", "content": "Write the numbers one to ten."}])
+    greedy = SamplingParams(temperature=0)
+    try:
+        async def runs():
+            plain = await generate_all(asker, prompt, trunk, max_tokens=40, sampling=greedy, ignore_eos=True)
+            other = await generate_all(without, prompt, None, max_tokens=40, sampling=greedy, ignore_eos=True)
+            one = await generate_all(asker, prompt, trunk, max_tokens=40, sampling=greedy, ignore_eos=True,
+                                     speculation=speculation_for("mtp", draft))
+            three = await generate_all(asker, prompt, trunk, max_tokens=40, sampling=greedy, ignore_eos=True,
+                                       speculation=speculation_for("mtp", draft, windows=3))
+            return plain, other, one, three
+
+        plain, other, one, three = asyncio.run(runs())
+        held = draft.engine.n_requests
+    finally:
+        draft.close()
+        trunk.close()
+        asker.close()
+        without.close()
+    assert len(plain.tokens) == 40
+    assert one.tokens == plain.tokens and three.tokens == plain.tokens
+    assert one.drafted > 0 and three.drafted > 0
+    assert held == 0
+    # (an asker holding every layer of the file without it: the same model)
+    assert other.tokens == plain.tokens
+    print(f"mtp on the tiny deepseek2: one window {one.accepted}/{one.drafted} kept, "
+          f"three windows {three.accepted}/{three.drafted}")
+    result = swarmctl(None, "ask", "--transport", "inproc", "--model", str(tiny_model("deepseek2-q4_1")),
+                      "--head-layers", "1", "--speculate", "mtp", "hi")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert "has no multi-token-prediction (nextn) layer" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_mtp_drafts_are_kept_when_the_nextn_layer_knows_the_next_token(tiny_model):
+    """A wiring check: a tiny model that after each token says a fixed other one, with a nextn
+    layer built to predict exactly that from the token it is given (harness/tiny_models._echo).
+    Its drafts are kept only if every position gets the right token and hidden state, the prompt's
+    catch-up, the chain through drafted tokens and windows in flight included; an off-by-one
+    anywhere keeps next to none. Greedy answers equal plain decoding."""
+    from swarmctl.asker.speculate import MtpDraft
+
+    path = tiny_model("deepseek2-echo-f32")
+    asker = Asker(path, 1, n_threads=N_THREADS, max_context=256)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 1).trunk, n_threads=N_THREADS,
+                        max_context=asker.max_context)
+    draft = MtpDraft(path, n_threads=N_THREADS, max_context=256)
+    prompt = asker.tokenizer.encode_prompt("The numbers go on and on")
+    greedy = SamplingParams(temperature=0)
+    try:
+        async def runs():
+            plain = await generate_all(asker, prompt, trunk, max_tokens=30, sampling=greedy, ignore_eos=True)
+            specs = [await generate_all(asker, prompt, trunk, max_tokens=30, sampling=greedy, ignore_eos=True,
+                                        speculation=speculation_for("mtp", draft, windows=w)) for w in (1, 3)]
+            return plain, specs
+
+        plain, specs = asyncio.run(runs())
+    finally:
+        draft.close()
+        trunk.close()
+        asker.close()
+    assert len(set(plain.tokens)) > 20  # (it does not repeat itself: a token's successor is its own)
+    for spec in specs:
+        assert spec.tokens == plain.tokens
+        print(f"mtp on the echo model: {spec.accepted} of {spec.drafted} drafts kept")
+        assert spec.accepted >= 0.9 * spec.drafted and spec.drafted >= 20, (spec.accepted, spec.drafted)

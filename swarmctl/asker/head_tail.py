@@ -25,7 +25,7 @@ from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Candidates, Sampler, SamplingParams
-from kernels.slice import Outputs, Placement, SliceEngine, Step
+from kernels.slice import Outputs, Placement, SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net.wire import DType, Hop
@@ -349,16 +349,23 @@ class Asker:
                      logprobs: int | None = None, grammar: Grammar | None = None):
         rid = gen.request_id
         start = 0
+        # A draft from the final hidden states (--speculate mtp) is shown those of every kept row.
+        hidden_rows = speculation is not None and speculation.wants_hidden
         chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
         prompt_result = None  # the last chunk's logits and timing, when the chunks streamed through together
         if len(chunks) > 1 and trunk is not None and trunk.steps_in_flight > 1:
-            *fills, prompt_result = await self._stream_prompt(rid, chunks, trunk)
-            gen.fill_timings.extend(timing for _, timing in fills)
+            *fills, prompt_result = await self._stream_prompt(rid, chunks, trunk, hidden_rows)
+            for (out, timing), chunk_start in zip(fills, range(0, len(prompt), PREFILL_CHUNK)):
+                gen.fill_timings.append(timing)
+                if hidden_rows:
+                    speculation.saw(rid, chunk_start, split_hidden(out)[1])
             start = len(prompt) - len(chunks[-1])
         else:
             for chunk in chunks[:-1]:  # all but the last prompt chunk: only fill the caches
-                _, timing = await self._step(rid, start, chunk, trunk)
+                out, timing = await self._step(rid, start, chunk, trunk, hidden_rows=hidden_rows)
                 gen.fill_timings.append(timing)
+                if hidden_rows:
+                    speculation.saw(rid, start, split_hidden(out)[1])
                 start += len(chunk)
         new_tokens = chunks[-1]
         context = list(prompt)
@@ -380,13 +387,15 @@ class Asker:
                     else:
                         if speculation is not None and len(new_tokens) == 1 and room > 0:
                             draft = await speculation.propose(rid, context, room, sample.params)
-                        windows.append(self._launch(rid, start, new_tokens, draft, trunk, rewind=start < filled))
+                        windows.append(self._launch(rid, start, new_tokens, draft, trunk, rewind=start < filled,
+                                                    hidden_rows=hidden_rows))
                 if speculation is not None and grammar is None:
                     await self._more_windows(rid, windows, context, max_tokens - len(gen.tokens), speculation,
                                              sample.params, trunk)
                 filled = max(filled, windows[-1].end)
                 window = windows.pop(0)
-                logits, timing = await window.task
+                out, timing = await window.task
+                logits, hidden = split_hidden(out)
                 gen.timings.append(timing)
                 # Its drafts, and the first token of the window after it (the guess of what follows
                 # them): the window's last row checks that guess, the next window's rows the rest.
@@ -413,6 +422,8 @@ class Asker:
                     speculation.record(len(checked.tokens), kept, timing if len(window.lead) == 1 else None,
                                        len(window.lead) + len(window.draft.tokens))
                     gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
+                    if hidden is not None:  # the rows of the lead and the drafts kept were computed on kept tokens
+                        speculation.saw(rid, window.start, hidden[:len(window.lead) + kept])
                 for j, token in enumerate(tokens):
                     if not ignore_eos and self.tokenizer.is_end_of_generation(token):
                         gen.finish_reason = "stop"
@@ -440,11 +451,11 @@ class Asker:
             await asyncio.gather(*(later.task for later in windows), return_exceptions=True)
 
     def _launch(self, rid: bytes, start: int, lead: list[int], draft: Draft, trunk: Trunk | None, *,
-                rewind: bool = False, guess_q: Candidates | None = None) -> "_Window":
+                rewind: bool = False, guess_q: Candidates | None = None, hidden_rows: bool = False) -> "_Window":
         """A step of ``lead`` and ``draft``'s tokens from ``start``, set going (head, trunk, tail)."""
         task = asyncio.ensure_future(self._step(rid, start, lead + draft.tokens, trunk,
                                                 outputs="all" if draft.tokens else "last", rewind=rewind,
-                                                verify=bool(draft.tokens)))
+                                                verify=bool(draft.tokens), hidden_rows=hidden_rows))
         return _Window(start, lead, draft, task, guess_q)
 
     async def _more_windows(self, rid: bytes, windows: list["_Window"], context: list[int], left: int,
@@ -467,17 +478,21 @@ class Asker:
             rest = Draft(proposal.tokens[1:], [proposal.q[i] if i < len(proposal.q) else None
                                                for i in range(1, len(proposal.tokens))])
             windows.append(self._launch(rid, last.end, proposal.tokens[:1], rest, trunk,
-                                        guess_q=proposal.q[0] if proposal.q else None))
+                                        guess_q=proposal.q[0] if proposal.q else None,
+                                        hidden_rows=speculation.wants_hidden))
 
     async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
-                    outputs: Outputs = "last", rewind: bool = False, verify: bool = False):
+                    outputs: Outputs = "last", rewind: bool = False, verify: bool = False, hidden_rows: bool = False):
+        """Head, trunk and tail: (the tail's output, TokenTiming). The output is the logits, or, with
+        ``hidden_rows``, a kernels.slice.WithHidden that also holds every row's final hidden state."""
         t0 = time.perf_counter()
         hidden, head_timing = await self._head(rid, start, tokens, trunk, rewind, verify)
         trunk_result = None
         if trunk is not None:
             trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
             hidden = trunk_result.hidden
-        return await self._tail(rid, start, len(tokens), hidden, outputs, rewind, verify, t0, head_timing, trunk_result)
+        return await self._tail(rid, start, len(tokens), hidden, outputs, rewind, verify, t0, head_timing, trunk_result,
+                                hidden_rows)
 
     async def _head(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None, rewind: bool = False,
                     verify: bool = False) -> tuple[np.ndarray, StepTiming]:
@@ -487,21 +502,23 @@ class Asker:
         return hidden, timing
 
     async def _tail(self, rid: bytes, start: int, rows: int, hidden: np.ndarray, outputs: Outputs, rewind: bool,
-                    verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None):
+                    verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None,
+                    hidden_rows: bool = False):
         t_trunk = time.perf_counter()
         logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
-                                                              rewind=rewind, verify=verify))
+                                                              rewind=rewind, verify=verify, hidden_rows=hidden_rows))
         t_tail = time.perf_counter()
         return logits, TokenTiming(head_timing, trunk_result, tail_timing, t_tail - t0, started=t0,
                                    trunk_returned=t_trunk, tail_returned=t_tail, rows=rows, start_pos=start)
 
-    async def _stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk):
+    async def _stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk, hidden_rows: bool = False):
         """A long prompt's chunks through head, trunk and tail, streamed: each chunk goes to the
         trunk as soon as the head has it (up to ``trunk.steps_in_flight`` out at once), so the
         second stage works on chunk 1 while the first works on chunk 2, and an uplink carries one
         chunk while the head computes the next; the tail takes the results in order. Every
         engine runs the same steps as one chunk at a time would (the same bits). Returns each
-        chunk's (logits of its last row, timing)."""
+        chunk's (logits of its last row, timing); with ``hidden_rows`` the logits come in a
+        kernels.slice.WithHidden with every row's final hidden state."""
         window = asyncio.Semaphore(trunk.steps_in_flight)
         handed: asyncio.Queue = asyncio.Queue()  # (the trunk's step, t0, head timing, start, rows), or an error
 
@@ -531,7 +548,7 @@ class Asker:
                 trunk_result = await forward
                 window.release()
                 results.append(await self._tail(rid, start, rows, trunk_result.hidden, "last", False, False, t0,
-                                                head_timing, trunk_result))
+                                                head_timing, trunk_result, hidden_rows))
             return results
         finally:
             heads.cancel()

@@ -28,6 +28,9 @@ are not the same draws as a plain run with that seed.
     layerskip  the model itself with its trunk skipped: the asker's own head layers feed its own
             tail layers and LM head directly (``LayerSkipDraft``); no other file, no crossing,
             any architecture, and low acceptance where the trunk does most of the work
+    mtp     the model's multi-token-prediction (nextn) layer, which DeepSeek-V3 and GLM files may
+            carry after their last layer, run at the asker from the final hidden states its tail
+            makes anyway (``MtpDraft``): no crossing, one layer's compute per drafted token
 """
 
 from __future__ import annotations
@@ -41,16 +44,17 @@ import numpy as np
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Candidates, Sampler, SamplingParams
-from kernels.slice import SliceEngine, Step
+from kernels.slice import SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
 from swarmctl.batching import BatchRunner
 from swarmctl.models import checked_model
 
-MODES = ("off", "ngram", "draft", "layerskip")
+MODES = ("off", "ngram", "draft", "layerskip", "mtp")
 MAX_DRAFT = 8  # drafted tokens per step at most
 MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
 RHO_PRIOR = 0.25  # a row's cost against a one-row step, until a step has measured it
+PROMPT_ROWS = 512  # positions per step when the nextn layer catches up on a prompt (the prompt's own chunk)
 MAX_WINDOWS = 4  # speculative windows of one request out at once, at most
 # A further window goes out only if the chain before it stands (every window out keeps all its
 # drafts) at least this often: while the stages queue other requests' steps, a window that falls
@@ -220,6 +224,112 @@ class LayerSkipDraft(ModelDraft):
         super().close()
 
 
+@dataclass
+class _NextnState:
+    """One request at the nextn layer. Its cache cell i holds the layer's input at position i: the
+    embedding of token i + 1 and the target's final hidden state at i. Cells [0, ``committed``)
+    hold true inputs (hidden states the target computed, tokens it chose); later ones were
+    drafts, and are rewound over."""
+
+    committed: int = 0
+    filled: int = 0  # cells the layer holds now (committed, then a draft's chain)
+    last: tuple[np.ndarray, np.ndarray] | None = None  # cell committed - 1's (logits, output hidden state)
+    seen: dict[int, np.ndarray] = field(default_factory=dict)  # position → the target's hidden state, not yet run
+
+
+class MtpDraft:
+    """``--speculate mtp``: the model's own multi-token-prediction layer at the asker (DeepSeek-V3's
+    MTP module, as vLLM and SGLang run it). The asker's tail returns each step's final normed
+    hidden states (kernels.slice.Step.hidden_rows; the logits are unchanged) and the rows the
+    target kept are handed here (``saw``). To draft after a context of n tokens, the layer first
+    runs every position it has not seen with its true inputs (position j: the hidden state at j
+    and token j + 1; a prompt's positions included), whose last row's logits are the first draft;
+    each further draft feeds the layer's own output hidden state and the token just drafted.
+    Drafting beyond what the target has shown (a window in flight's guess) chains the same way
+    through the assumed tokens. One layer per drafted token, no crossing; how often the trunk
+    agrees is measured, not assumed."""
+
+    wants_hidden = True
+
+    def __init__(self, path: str | Path, *, n_threads: int | None = None, max_context: int | None = None) -> None:
+        self.gguf = GGUFFile(path)
+        try:
+            spec = ModelSpec.from_gguf(self.gguf)
+            if not spec.n_nextn:
+                raise EngineError(f"--speculate mtp: {Path(path).name} has no multi-token-prediction (nextn) layer; "
+                                  f"--speculate ngram or layerskip work with any model")
+            self.engine = SliceEngine(self.gguf, SliceSpec.nextn_of(spec), n_threads=n_threads,
+                                      max_context=max_context)
+        except BaseException:
+            self.gguf.close()
+            raise
+        self.runner = BatchRunner(self.engine)
+        self._state: dict[bytes, _NextnState] = {}
+        self._samplers: dict[bytes, Sampler] = {}
+
+    def saw(self, rid: bytes, start: int, hidden: np.ndarray) -> None:
+        """The target's final hidden states of positions [start, start + len(hidden)), each
+        computed on kept tokens only."""
+        state = self._state.setdefault(rid, _NextnState())
+        for i, row in enumerate(hidden):
+            if start + i >= state.committed:
+                state.seen[start + i] = row
+
+    async def draft(self, rid: bytes, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft:
+        state = self._state.get(rid)
+        k = min(k, self.engine.max_context - len(context))
+        if state is None or k <= 0:
+            return Draft()
+        # Catch up: positions whose hidden state the target gave, in chunks of a prompt's size.
+        while state.committed in state.seen and state.committed + 1 < len(context):
+            n = 0
+            while n < PROMPT_ROWS and state.committed + n in state.seen and state.committed + n + 1 < len(context):
+                n += 1
+            a = state.committed
+            rows = np.stack([state.seen.pop(a + i) for i in range(n)])
+            state.last = await self._run(state, rid, a, context[a + 1:a + n + 1], rows)
+            state.committed = a + n
+        for pos in [p for p in state.seen if p < state.committed]:
+            del state.seen[pos]
+        if state.last is None:
+            return Draft()  # nothing seen yet
+        logits, hidden = state.last
+        pos = state.committed
+        while pos + 2 <= len(context):  # tokens assumed beyond what the target showed: chain through them
+            logits, hidden = await self._run(state, rid, pos, [context[pos + 1]], hidden[None])
+            pos += 1
+        sampler = self._samplers.setdefault(rid, Sampler(_draft_params(sampling)))
+        out = Draft()
+        for i in range(k):
+            q = sampler.candidates(logits)
+            token = sampler.draw(q)
+            out.tokens.append(token)
+            out.q.append(None if sampling.greedy else q)
+            if i + 1 < k:
+                logits, hidden = await self._run(state, rid, pos, [token], hidden[None])
+                pos += 1
+        return out
+
+    async def _run(self, state: _NextnState, rid: bytes, start: int, tokens: Sequence[int],
+                   hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The layer on ``tokens`` and the hidden states before them from ``start`` (cells after it
+        dropped); the last row's logits and output hidden state."""
+        out, _ = await self.runner.run(Step(rid, start, tokens=list(tokens), hidden=hidden, rewind=start < state.filled))
+        state.filled = start + len(tokens)
+        logits, rows = split_hidden(out)
+        return logits[-1], rows[-1]
+
+    async def release(self, rid: bytes) -> None:
+        self._state.pop(rid, None)
+        self._samplers.pop(rid, None)
+        await self.runner.call(self.engine.release, rid)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.engine.close()
+        self.gguf.close()
+
+
 def _draft_params(sampling: SamplingParams) -> SamplingParams:
     """The draft samples with the request's settings but its own random stream."""
     seed = None if sampling.seed is None else (sampling.seed * 1_000_003 + 17) % 2**63
@@ -332,7 +442,7 @@ class DraftLength:
 class Speculation:
     """A request's drafting: the source, the adaptive length, and what it achieved."""
 
-    source: NgramDraft | ModelDraft
+    source: NgramDraft | ModelDraft | MtpDraft
     length: DraftLength = field(default_factory=DraftLength)
     drafted: int = 0
     accepted: int = 0
@@ -346,6 +456,15 @@ class Speculation:
 
     def windows(self) -> int:
         return self.length.windows()
+
+    @property
+    def wants_hidden(self) -> bool:
+        """The source drafts from the target's final hidden states (the asker's tail returns them)."""
+        return getattr(self.source, "wants_hidden", False)
+
+    def saw(self, rid: bytes, start: int, hidden: np.ndarray) -> None:
+        """Hidden states of positions the target kept, from ``start`` (sources that want them)."""
+        self.source.saw(rid, start, hidden)
 
     def record(self, drafted: int, accepted: int, timing=None, rows: int = 1) -> None:
         """After a step of ``rows`` rows: what it checked and kept (a window in flight's guessed first
@@ -403,7 +522,8 @@ class Drafting:
     """A process's ``--speculate`` choice: it makes each request's ``Speculation`` and owns the
     draft model that requests share."""
 
-    def __init__(self, mode: str = "off", draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT) -> None:
+    def __init__(self, mode: str = "off", draft_model: ModelDraft | MtpDraft | None = None,
+                 k_max: int = MAX_DRAFT) -> None:
         if mode == "layerskip" and draft_model is None:
             raise EngineError("--speculate layerskip drafts with the asker's own head and tail: open it with "
                               "open_drafting(..., head_layers=K)")
@@ -436,6 +556,8 @@ def open_drafting(mode: str, draft_path: str | None, model_path: str | Path, *, 
             return Drafting("off", None, k_max)
         return Drafting(mode, LayerSkipDraft(model_path, head_layers, n_threads=n_threads, max_context=max_context),
                         k_max)
+    if mode == "mtp":
+        return Drafting(mode, MtpDraft(model_path, n_threads=n_threads, max_context=max_context), k_max)
     if mode != "draft":
         return Drafting(mode, None, k_max)
     if draft_path is None:
@@ -445,7 +567,7 @@ def open_drafting(mode: str, draft_path: str | None, model_path: str | Path, *, 
     return Drafting(mode, draft, k_max)
 
 
-def speculation_for(mode: str, draft_model: ModelDraft | None = None, k_max: int = MAX_DRAFT,
+def speculation_for(mode: str, draft_model: ModelDraft | MtpDraft | None = None, k_max: int = MAX_DRAFT,
                     windows: int | None = None) -> Speculation | None:
     """A request's drafting for ``--speculate MODE`` (None: off); ``draft`` needs ``draft_model``;
     ``windows``: that many windows in flight, always (None: as the cost model says)."""
@@ -453,7 +575,7 @@ def speculation_for(mode: str, draft_model: ModelDraft | None = None, k_max: int
         return None
     if mode == "ngram":
         return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows))
-    if mode in ("draft", "layerskip"):
+    if mode in ("draft", "layerskip", "mtp"):
         if draft_model is None:
             raise EngineError("--speculate draft needs --draft-model PATH (a small GGUF with the same vocabulary)")
         return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows))

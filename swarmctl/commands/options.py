@@ -49,10 +49,11 @@ def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) ->
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--verify", type=verify_share, default=0.0, metavar="P", help=VERIFY_HELP)
     add_device_option(parser, "this machine's slices (embedding, head, tail, LM head; with --transport inproc, all)")
-    parser.add_argument("--speculate", choices=["off", "ngram", "draft", "layerskip"], default="off",
+    parser.add_argument("--speculate", choices=["off", "ngram", "draft", "layerskip", "mtp"], default="off",
                         help="check several tokens per trip through the swarm: ngram (drafts from repeats in the "
                              "prompt and answer; no model), draft (a small model, --draft-model), layerskip (this "
-                             "machine's own head and tail layers, the trunk skipped), off (default). "
+                             "machine's own head and tail layers, the trunk skipped), mtp (the model's multi-token-prediction layer, "
+                             "DeepSeek-V3 style, run here from the final hidden state), off (default). "
                              "Greedy output is unchanged; sampled output keeps the model's distribution")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="with --speculate draft: a small GGUF with the model's vocabulary, run on this machine")
