@@ -19,6 +19,9 @@ g. speculative steps over the same WAN (``--speculative`` runs only this section
 h. a long prompt over capped links (``--prompt-stream N`` runs only this section; ``--rate-mbit``):
    first-token time of an N-token prompt over the same WAN with every link's directions capped,
    its 512-token chunks streamed through the stages (several out at once) vs one at a time.
+i. drafts the asker makes with no extra crossing (``--asker-drafts`` runs only this section):
+   --speculate mtp on tiny DeepSeek-V3s with a nextn layer (random, and one built to know the
+   next token) and layerskip on the bundled model, over the same WAN: tok/s over off, acceptance.
 
 Targets: a ≥ 0.8 × llama-cpp-python; b at 8 ≥ 3 × single-stream; d ≥ 0.85 × the limit;
 e ≤ tensor bytes + KV + 200 MB; g (issue 34): ngram ≥ 4 × off on the repetitive tasks, ≥ 0.97 × on
@@ -147,7 +150,7 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
 
 
 @asynccontextmanager
-async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0):
+async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4):
     """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
     link to it. Relays run in a process of their own: in the asker's process their per-datagram
     work would share its interpreter and cores and inflate its compute (measured: head + tail
@@ -165,7 +168,7 @@ async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0):
     try:
         assert relays.stdout.readline().strip() == "ready"
         fronts = Fronts.behind([host_port, *trunk_ports], [f"127.0.0.1:{p}" for p in relay_ports])
-        with LocalSwarm(model=str(model), n_trunks=2, head_layers=4, threads=threads, fronts=fronts) as swarm:
+        with LocalSwarm(model=str(model), n_trunks=2, head_layers=head_layers, threads=threads, fronts=fronts) as swarm:
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
                                         min_stages=2)
             try:
@@ -305,6 +308,55 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
     return out
 
 
+async def asker_drafts_run(threads: int, max_tokens: int, repeats: int) -> dict:
+    """Section i: drafts the asker makes with no extra crossing, over the WAN relay: --speculate mtp
+    on two tiny DeepSeek-V3s with a nextn layer (a random one, and the echo model's, built to know
+    the next token: harness/tiny_models._echo), and layerskip on the bundled model. Tok/s over
+    off (wall time, first token to last), drafts kept, and whether the answers equal off's."""
+    import tempfile
+
+    from harness.tiny_models import TINY_CONFIGS, write_tiny_model
+    from swarmctl.asker.speculate import LayerSkipDraft, MtpDraft, speculation_for
+
+    bundled = default_model_path()
+    out: dict = {"links": WAN, "one_way_links_per_token": 3, "threads_per_process": threads,
+                 "max_tokens": max_tokens, "repeats": repeats, "ignore_eos": True, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = []
+        for name in ("deepseek2-mtp-q4_1", "deepseek2-echo-f32"):
+            path = write_tiny_model(Path(tmp) / f"{name}.gguf", TINY_CONFIGS[name], bundled)
+            cases.append((f"mtp_{name}", path, 1, "mtp", lambda path=path: MtpDraft(path, n_threads=threads)))
+        cases.append(("layerskip_bundled", bundled, 4, "layerskip",
+                      lambda: LayerSkipDraft(bundled, 4, n_threads=threads)))
+        for label, model, head_layers, mode, open_draft in cases:
+            async with wan_swarm(model, threads, head_layers=head_layers) as link:
+                asker = Asker(model, link.head_layers, n_threads=threads)
+                draft = open_draft()
+                row: dict = {"model": model.name, "head_layers": head_layers, "tasks": {}}
+                try:
+                    for task in ("copy_paragraph", "story"):
+                        prompt = asker.tokenizer.encode_chat([{"role": "user", "content": SPECULATIVE_TASKS[task]}])
+                        await generate_all(asker, prompt, link, max_tokens=4, sampling=GREEDY)  # warm-up
+                        runs = {}
+                        for which, make in (("off", lambda: None), (mode, lambda: speculation_for(mode, draft))):
+                            runs[which] = [await generate_all(asker, prompt, link, max_tokens=max_tokens,
+                                                              sampling=GREEDY, ignore_eos=True, speculation=make())
+                                           for _ in range(repeats)]
+                        rate = {w: statistics.median(decode_rate(g) for g in gens) for w, gens in runs.items()}
+                        spec = runs[mode][0]
+                        row["tasks"][task] = {
+                            "off_tok_s": round(rate["off"], 3), f"{mode}_tok_s": round(rate[mode], 3),
+                            "over_off": round(rate[mode] / rate["off"], 3), "drafted": spec.drafted,
+                            "accepted": spec.accepted,
+                            "acceptance": round(spec.accepted / spec.drafted, 3) if spec.drafted else None,
+                            "same_tokens_as_off": all(g.tokens == runs["off"][0].tokens for g in runs[mode])}
+                finally:
+                    draft.close()
+                    asker.close()
+                out["runs"][label] = row
+    return out
+
+
 async def inproc_run(model: Path, prompt: list[int], n_decode: int, threads: int) -> float:
     asker = Asker(model, 4, n_threads=threads)
     trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=threads,
@@ -336,6 +388,7 @@ def main() -> None:
     p.add_argument("--spec-tokens", type=int, default=96, help="max tokens per request in section g")
     p.add_argument("--spec-repeats", type=int, default=3)
     p.add_argument("--prompt-stream", type=int, metavar="N", help="run only section h, with an N-token prompt")
+    p.add_argument("--asker-drafts", action="store_true", help="run only section i (mtp and layerskip over the WAN)")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="section h: each link direction's cap")
     p.add_argument("--repeats", type=int, default=3, help="section h: prompts per mode")
     args = p.parse_args()
@@ -343,6 +396,10 @@ def main() -> None:
     if args.prompt_stream:
         print(json.dumps({"model": model.name, "h_prompt_stream": asyncio.run(prompt_stream_run(
             model, max(1, args.threads // 3), args.prompt_stream, args.rate_mbit, args.repeats))}, indent=2))
+        return
+    if args.asker_drafts:
+        print(json.dumps({"i_asker_drafts": asyncio.run(asker_drafts_run(max(1, args.threads // 3), args.spec_tokens,
+                                                                          args.spec_repeats))}, indent=2))
         return
     if args.speculative:
         threads = max(1, args.threads // 3)

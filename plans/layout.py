@@ -49,6 +49,18 @@ class ModelLayout:
     def range_bytes(self, start: int, stop: int) -> int:
         return sum(self.layer_bytes[start:stop])
 
+    def read_bytes(self, il: int) -> float:
+        """The weight bytes one token reads in layer ``il``: all of it but the routed experts it skips."""
+        if not self.expert_bytes or not self.expert_bytes[il]:
+            return float(self.layer_bytes[il])
+        return self.layer_bytes[il] - self.expert_bytes[il] * (1 - self.n_expert_used / self.n_expert)
+
+    def asker_read_bytes(self, head_layers: int) -> float:
+        """What the asker reads per token: its head and tail layers and the LM head (the embedding
+        is one row)."""
+        own = [*range(head_layers), *range(self.n_layer - head_layers, self.n_layer)]
+        return sum(self.read_bytes(il) for il in own) + self.lm_head_bytes
+
     @property
     def dense_layers(self) -> tuple[int, ...]:
         """An MoE model's layers without routed experts (DeepSeek-V3's first three); every layer of a

@@ -1,7 +1,9 @@
 """The topology planner: which members serve which contiguous trunk layers, in which order.
 
 Objective "latency" (default) minimises a single stream's time per token: the stages' compute
-(layers × ms per layer) plus the links along asker → stage 1 → … → stage n → asker.
+(layers × ms per layer) plus the links along asker → stage 1 → … → stage n → asker. The asker's
+own part (its head and tail layers and the LM head, ``Constraints.asker``) is the same for every
+member order, so it is reported (``Proposal.asker_ms``, in ``whole_ms_per_token``) and not searched.
 Objective "throughput" minimises the pipeline's bottleneck: the slowest stage (or link) per token,
 which bounds tokens per second when many requests are in flight. Objective "even" uses every node
 that can hold a layer, with layers in proportion to memory (a local swarm on one machine, where
@@ -54,7 +56,8 @@ def plan_layers(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: C
     if constraints.objective not in ("latency", "throughput", "even"):
         raise PlanError(f"unknown objective {constraints.objective!r} (latency, throughput or even)")
     if stop == start:
-        return Proposal(constraints.objective, [], 0.0, math.inf, "none: the asker runs every layer")
+        return Proposal(constraints.objective, [], 0.0, math.inf, "none: the asker runs every layer",
+                        asker_ms=constraints.asker.ms(layout, k), asker_basis=constraints.asker.basis)
     problem = Search(layout, nodes, constraints, start, stop)
     problem.check_capacity()
     problem.rank_subsets()
@@ -84,7 +87,8 @@ def describe(search: Search, order: list[str], stages: list[StagePlan]) -> Propo
         bottleneck = f"link {a} → {b} ({transfer:.1f} ms per token to move activations)"
         bottleneck_ms = transfer
     result = Proposal(search.c.objective, stages, latency, 1000.0 / bottleneck_ms if bottleneck_ms else math.inf,
-                      bottleneck, search="by site" if search.by_site else "exact")
+                      bottleneck, search="by site" if search.by_site else "exact",
+                      asker_ms=search.c.asker.ms(search.layout, search.c.head_layers), asker_basis=search.c.asker.basis)
     chosen = set(order)
     best_score = search.score(order, [s.compute_ms for s in stages])
     for nd in search.nodes:

@@ -12,7 +12,7 @@ Assumptions, stated where they are used:
   neighbouring tokens, which reads fewer);
 - a link carries r rows at its bandwidth and adds half its round trip once;
 - an expert call's latency is paid once per step and its bytes grow with r;
-- the asker's own layers and LM head (which plans leave out) are read at ASKER_GB_S.
+- the asker's own layers and LM head are read at ASKER_GB_S (plans/proposal.py AskerModel).
 """
 
 from __future__ import annotations
@@ -47,9 +47,22 @@ def row_factor(layout: ModelLayout, il: int, rows: int, same_experts: bool = Fal
     return (rest + per_expert * distinct_experts(layout, rows)) / one_row
 
 
+def asker_step_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_experts: bool = False) -> float:
+    """The asker's own part of a step of ``rows`` rows: its layers' rows read their experts as a
+    stage's do; the LM head is read once for all of them."""
+    if not proposal.asker_ms:
+        return 0.0
+    k = proposal.stages[0].start if proposal.stages else layout.n_layer // 2
+    own = [*range(k), *range(layout.n_layer - k, layout.n_layer)]
+    one = layout.asker_read_bytes(k)
+    more = sum(layout.read_bytes(il) * (row_factor(layout, il, rows, same_experts) - 1) for il in own)
+    return proposal.asker_ms * (one + more) / one
+
+
 def trip_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_experts: bool = False) -> float:
-    """One step's trip through the plan carrying ``rows`` rows (1: the planner's ms per token)."""
-    ms = 0.0
+    """One step's trip through the plan carrying ``rows`` rows, the asker's own part included (1:
+    the planner's whole ms per token)."""
+    ms = asker_step_ms(proposal, layout, rows, same_experts)
     for s in proposal.stages:
         per_layer = s.compute_ms / (s.stop - s.start)
         ms += sum(per_layer * row_factor(layout, il, rows, same_experts) for il in range(s.start, s.stop))
@@ -57,23 +70,6 @@ def trip_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_experts
     for h in proposal.hops:
         ms += h.rtt_ms / 2 + (h.ms - h.rtt_ms / 2) * rows
     return ms
-
-
-def read_bytes(layout: ModelLayout, il: int) -> float:
-    """The weight bytes one token reads in layer ``il``: all of it but the routed experts it skips."""
-    if not layout.expert_bytes or not layout.expert_bytes[il]:
-        return float(layout.layer_bytes[il])
-    return layout.layer_bytes[il] - layout.expert_bytes[il] * (1 - layout.n_expert_used / layout.n_expert)
-
-
-ASKER_GB_S = 58.5  # the asker's own layers: a DDR5-5600 dual-channel desktop at 65 % of its 90 GB/s
-
-
-def asker_ms(layout: ModelLayout, head_layers: int, gb_s: float = ASKER_GB_S) -> float:
-    """The asker's own share of a token, which plans leave out: its head and tail layers and the LM
-    head, read at ``gb_s`` (the embedding is one row)."""
-    own = [*range(head_layers), *range(layout.n_layer - head_layers, layout.n_layer)]
-    return (sum(read_bytes(layout, il) for il in own) + layout.lm_head_bytes) / (gb_s * 1e6)
 
 
 def tokens_per_trip(k: int, acceptance: float) -> float:
@@ -110,9 +106,9 @@ def speculation(proposal: Proposal, layout: ModelLayout, acceptances=(0.5, 0.7, 
 
 
 def bottleneck_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_experts: bool = False) -> float:
-    """The slowest part a step of ``rows`` rows passes through (a stage's compute, or a hop's bytes
-    and packets): how often the pipeline can take the next one."""
-    worst = 0.0
+    """The slowest part a step of ``rows`` rows passes through (the asker's own layers, a stage's
+    compute, or a hop's bytes and packets): how often the pipeline can take the next one."""
+    worst = asker_step_ms(proposal, layout, rows, same_experts)
     for s in proposal.stages:
         per_layer = s.compute_ms / (s.stop - s.start)
         stage_ms = sum(per_layer * row_factor(layout, il, rows, same_experts) for il in range(s.start, s.stop))
@@ -272,8 +268,8 @@ def report(layout: ModelLayout, nodes: list[NodeDescriptor], constraints: Constr
                  "time": [asdict(t) for t in parts], "latency_ms": latency,
                  "wan_hops": sum(t.count for t in parts if t.part == "links between sites")
                  + sum(1 for h in plan.hops if ASKER in (h.src, h.dst) and h.rtt_ms / 2 > 1.0)},
-        "asker": {"gb_s": ASKER_GB_S, "ms": asker_ms(layout, constraints.head_layers),
-                  "ms_per_token_with_it": plan.ms_per_token + asker_ms(layout, constraints.head_layers)},
+        "asker": {"gb_s": constraints.asker.gb_s, "basis": plan.asker_basis, "ms": plan.asker_ms,
+                  "ms_per_token_with_it": plan.whole_ms_per_token},
         "floor": {"sites": list(floor.sites), "latency_ms": floor.latency_ms,
                   "tokens_per_s_at_latency_alone": 1000 / floor.latency_ms if floor.latency_ms else math.inf,
                   "compute_ms": compute_floor},

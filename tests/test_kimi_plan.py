@@ -117,7 +117,7 @@ def test_the_example_plans_every_layer_exactly_once(kimi, friends, head_layers, 
     visits = [site[s.member] for s in p.stages]
     assert sum(1 for _ in itertools.groupby(visits)) == len(set(visits))  # each home's stages together
     parts = time_breakdown(p, friends)
-    assert sum(t.ms for t in parts) == pytest.approx(p.ms_per_token)
+    assert sum(t.ms for t in parts) == pytest.approx(p.whole_ms_per_token)
     between = next(t for t in parts if t.part == "links between sites")
     assert between.count == len(set(visits)) - 1
     assert 0 < p.tokens_per_s < math.inf and p.ms_per_token > 0
@@ -186,13 +186,15 @@ def test_swarmctl_plan_kimi_on_thirty_gpus_prints_the_plan_and_where_the_time_go
     assert "where one stream's token spends its time:" in out
     for part in ("compute on the stages", "links within a site", "links between sites", "expert calls", "total"):
         assert part in out
-    assert "tokens/s pipelined (with" in out and "the asker holds 68.8 GB" in out
+    assert "tokens/s pipelined over many askers (with" in out and "the asker holds 68.8 GB" in out
+    assert "the asker's own layers and LM head" in out and "assumed: a desktop reading 58.5 GB/s" in out
     r = subprocess.run([sys.executable, "-m", "swarmctl", "plan", "--layout", "kimi-k2", "--nodes", str(EXAMPLE),
                         "--head-layers", "1", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["stages"][0]["start"] == 1 and plan["stages"][-1]["stop"] == 60
-    assert sum(t["ms"] for t in plan["time"]) == pytest.approx(plan["ms_per_token"])
+    assert sum(t["ms"] for t in plan["time"]) == pytest.approx(plan["whole_ms_per_token"])
+    assert plan["whole_ms_per_token"] == pytest.approx(plan["ms_per_token"] + plan["asker_ms"]) and plan["asker_ms"] > 0
 
 
 # --- what-ifs ---
@@ -211,10 +213,13 @@ def test_the_what_if_figures_bound_the_plan(kimi, friends):
     out = report(kimi, friends, c, expert_nodes=8)
     plan = plan_layers(kimi, friends, c)
     assert out["plan"]["ms_per_token"] == pytest.approx(plan.ms_per_token)
-    assert trip_ms(plan, kimi, 1) == pytest.approx(plan.ms_per_token)
-    assert trip_ms(plan, kimi, 3) > trip_ms(plan, kimi, 3, same_experts=True) > plan.ms_per_token
+    assert trip_ms(plan, kimi, 1) == pytest.approx(plan.whole_ms_per_token) == pytest.approx(
+        out["asker"]["ms_per_token_with_it"])
+    assert plan.whole_ms_per_token > plan.ms_per_token
+    assert trip_ms(plan, kimi, 3) > trip_ms(plan, kimi, 3, same_experts=True) > plan.whole_ms_per_token
     floor = out["floor"]
-    assert floor["latency_ms"] <= out["plan"]["latency_ms"] and floor["compute_ms"] <= out["plan"]["time"][0]["ms"]
+    stages = next(t for t in out["plan"]["time"] if t["part"] == "compute on the stages")
+    assert floor["latency_ms"] <= out["plan"]["latency_ms"] and floor["compute_ms"] <= stages["ms"]
     assert latency_floor(kimi, friends, c).sites[-1] == "ana"  # the asker's home, 0.15 ms from it
     # visiting each home once beats an order that ignores homes
     ignored = next(o for o in out["orders"] if "ignored" in o["label"])

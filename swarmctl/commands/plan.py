@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(parser, inherit="the swarm's")
     parser.add_argument("--acceptance", type=_share, default=0.8, metavar="A",
                         help="the share of drafted tokens kept, for the speculative figures (default 0.8)")
+    parser.add_argument("--asker", metavar="MEMBER", help="a member whose measured speed the asker's own layers and "
+                        "LM head are charged at (default: a desktop reading 58.5 GB/s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -88,10 +90,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         layout, nodes, running, base, source = asyncio.run(_from_swarm(args))
         settings = settings_from(args, base, source)
-    proposal, placement = plan_with(layout, nodes, settings)
+    asker = _asker_model(layout, nodes, args.asker)
+    proposal, placement = plan_with(layout, nodes, settings, asker)
     if args.json:
         shown = {"model": layout.name, "n_layer": layout.n_layer, "head_layers": settings.planner.head_layers,
-                 "settings": settings.as_dict(), **asdict(proposal), "experts": [asdict(e) for e in placement.experts],
+                 "settings": settings.as_dict(), **asdict(proposal), "whole_ms_per_token": proposal.whole_ms_per_token,
+                 "experts": [asdict(e) for e in placement.experts],
                  "time": [asdict(t) for t in _time_breakdown(proposal, nodes)],
                  "speculation": _speculation(layout, proposal, args.acceptance)}
         if running is not None:
@@ -106,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_plan(layout, settings.planner.head_layers, proposal, placement.experts, nodes))
     if proposal.stages:
         print(format_speculation(_speculation(layout, proposal, args.acceptance)))
+        print(format_other_head_layers(layout, nodes, settings, asker, proposal))
     if running is not None:
         changes = plan_changes(running, proposal, placement.experts, settings)
         print("a re-plan would change: " + ("; ".join(changes) if changes else "nothing"))
@@ -123,7 +128,7 @@ def _speculation(layout, proposal, acceptance: float) -> dict:
     one = next(s for s in best_speculation(speculation(proposal, layout, acceptances=(acceptance,)))
                if s.routing == "independent")
     many = best_windows(proposal, layout, acceptance)
-    return {"acceptance": acceptance, "plain_tokens_per_s": 1000 / proposal.ms_per_token,
+    return {"acceptance": acceptance, "plain_tokens_per_s": 1000 / proposal.whole_ms_per_token,
             "one_window": asdict(one), "windows_in_flight": asdict(many)}
 
 
@@ -139,11 +144,47 @@ def format_speculation(sp: dict) -> str:
             f"often enough)")
 
 
-def plan_with(layout, nodes, settings: Settings):
-    """The planner's proposal and expert placement under ``settings``: what the host computes."""
+def _asker_model(layout, nodes, member: str | None):
+    """What the asker's own part is charged at: ``member``'s measured speed, or the assumed desktop."""
+    from plans.proposal import ASSUMED_ASKER, AskerModel
+
+    if member is None:
+        return ASSUMED_ASKER
+    node = next((n for n in nodes if n.name == member), None)
+    if node is None:
+        raise EngineError(f"--asker {member}: no such member (members: {', '.join(n.name for n in nodes)})")
+    return AskerModel.from_member(layout, node)
+
+
+def format_other_head_layers(layout, nodes, settings: Settings, asker, proposal) -> str:
+    """The same plan with the asker keeping other numbers of layers at each end: fewer cost the
+    asker less and the trunk more (a layer more at a stage, or another stage and its hop)."""
+    from plans.plan import PlanError
+
+    here = settings.planner.head_layers
+    shown = []
+    for k in sorted({1, 2, 4} - {here}):
+        if 2 * k > layout.n_layer:
+            continue
+        try:
+            other, _ = plan_with(layout, nodes, Settings(replace(settings.planner, head_layers=k), settings.source),
+                                 asker)
+        except (PlanError, EngineError):
+            shown.append(f"{k}: does not fit")
+            continue
+        shown.append(f"{k}: {other.whole_ms_per_token:.1f} ms ({other.asker_ms:.1f} at the asker)")
+    return (f"with the asker keeping other layers at each end (now {here}: {proposal.whole_ms_per_token:.1f} ms per "
+            f"token, {proposal.asker_ms:.1f} at the asker): " + "; ".join(shown))
+
+
+def plan_with(layout, nodes, settings: Settings, asker=None):
+    """The planner's proposal and expert placement under ``settings``: what the host computes.
+    ``asker``: what the asker's own layers are charged at (plans.proposal.AskerModel; None: assumed)."""
     from plans.planner import add_expert_calls, place_experts, plan_layers
 
     constraints = settings.constraints()
+    if asker is not None:
+        constraints = replace(constraints, asker=asker)
     placement = place_experts(layout, nodes, constraints, settings.planner.expert_nodes)
     if settings.planner.expert_nodes and not layout.n_expert:
         placement.warnings.append(f"{layout.name} has no experts: --expert-nodes ignored")
@@ -256,21 +297,23 @@ def format_plan(layout, head_layers: int, p, experts=(), nodes=()) -> str:
     for e in experts:
         rows.append(("experts", e.member, f"experts [{e.start}, {e.stop})", "", "", "") + (("",) if calls else ()))
     lines += _table(rows)
-    single = 1000 / p.ms_per_token if p.ms_per_token else float("inf")
+    whole = p.whole_ms_per_token
+    single = 1000 / whole if whole else float("inf")
     # one request has one token on its way at a time: the pipeline fills only with this many
-    in_flight = max(1, math.ceil(p.ms_per_token * p.tokens_per_s / 1000 - 0.05)) if math.isfinite(p.tokens_per_s) else 1
-    lines.append(f"expected: {p.ms_per_token:.1f} ms per token for one stream ({single:.2f} tokens/s; trunk compute + "
-                 f"links; the asker's own layers not included), at most {p.tokens_per_s:.1f} tokens/s pipelined "
+    in_flight = max(1, math.ceil(whole * p.tokens_per_s / 1000 - 0.05)) if math.isfinite(p.tokens_per_s) else 1
+    lines.append(f"expected: {whole:.1f} ms per token for one stream ({single:.2f} tokens/s; the asker's own layers "
+                 f"and LM head {p.asker_ms:.1f} ms, {p.asker_basis}; trunk compute and links {p.ms_per_token:.1f} ms), "
+                 f"at most {p.tokens_per_s:.1f} tokens/s pipelined over many askers "
                  f"(with {in_flight} or more requests in flight)")
     lines.append(f"bottleneck: {p.bottleneck}")
     if p.stages:
         lines.append("where one stream's token spends its time:")
         parts = [("PART", "COUNT", "MS", "SHARE", "OF WHICH LATENCY")]
         for t in time_breakdown(p, list(nodes)):
-            share = t.ms / p.ms_per_token if p.ms_per_token else 0.0
-            latency = f"{t.latency_ms:.1f} ms" if t.part != "compute on the stages" else ""
+            share = t.ms / whole if whole else 0.0
+            latency = f"{t.latency_ms:.1f} ms" if t.latency_ms else ""
             parts.append((t.part, str(t.count), f"{t.ms:.1f}", f"{share:.0%}", latency))
-        parts.append(("total", "", f"{p.ms_per_token:.1f}", "100%", ""))
+        parts.append(("total", "", f"{whole:.1f}", "100%", ""))
         lines += ["  " + line for line in _table(parts)]
     held = (layout.range_bytes(0, head_layers) + layout.range_bytes(layout.n_layer - head_layers, layout.n_layer)
             + layout.embedding_bytes + layout.lm_head_bytes)
