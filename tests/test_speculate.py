@@ -424,3 +424,37 @@ def test_mtp_drafts_are_kept_when_the_nextn_layer_knows_the_next_token(tiny_mode
         assert spec.tokens == plain.tokens
         print(f"mtp on the echo model: {spec.accepted} of {spec.drafted} drafts kept")
         assert spec.accepted >= 0.9 * spec.drafted and spec.drafted >= 20, (spec.accepted, spec.drafted)
+
+
+def test_windows_in_flight_stop_at_the_context(tiny_model):
+    """Windows asked for beyond the context: a repetitive prompt a few tokens short of the context,
+    ngram with four windows always in flight, an echo model (harness/tiny_models._echo) with mtp
+    too: each request ends with finish "context", the same tokens as plain decoding, no step past
+    the last position, and nothing left held at the draft's layer."""
+    from swarmctl.asker.speculate import MtpDraft
+
+    path = tiny_model("deepseek2-echo-f32")
+    asker = Asker(path, 1, n_threads=N_THREADS, max_context=48)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 1).trunk, n_threads=N_THREADS,
+                        max_context=asker.max_context)
+    draft = MtpDraft(path, n_threads=N_THREADS, max_context=48)
+    prompt = [300, 301, 302, 303] * 10  # 40 of 48 positions
+    greedy = SamplingParams(temperature=0)
+    try:
+        async def runs():
+            plain = await generate_all(asker, prompt, trunk, max_tokens=30, sampling=greedy, ignore_eos=True)
+            spec = [await generate_all(asker, prompt, trunk, max_tokens=30, sampling=greedy, ignore_eos=True,
+                                       speculation=speculation_for(mode, draft, windows=4)) for mode in ("ngram", "mtp")]
+            return plain, spec
+
+        plain, spec = asyncio.run(runs())
+        held = draft.engine.n_requests
+    finally:
+        draft.close()
+        trunk.close()
+        asker.close()
+    assert plain.finish_reason == "context" and len(plain.tokens) == 48 - 40 + 1  # (the last one is never fed)
+    for gen in spec:
+        assert gen.finish_reason == "context" and gen.tokens == plain.tokens
+        assert max(t.start_pos + t.rows for t in gen.timings) <= 48
+    assert spec[0].drafted > 0 and spec[1].drafted > 0 and held == 0
