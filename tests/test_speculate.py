@@ -438,10 +438,12 @@ def test_windows_in_flight_stop_at_the_context(tiny_model):
     trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 1).trunk, n_threads=N_THREADS,
                         max_context=asker.max_context)
     draft = MtpDraft(path, n_threads=N_THREADS, max_context=48)
-    prompt = [300, 301, 302, 303] * 10  # 40 of 48 positions
     greedy = SamplingParams(temperature=0)
     try:
         async def runs():
+            # a prompt whose end repeats what the model says after token 300, so ngram drafts it
+            said = (await generate_all(asker, [300], trunk, max_tokens=29, sampling=greedy, ignore_eos=True)).tokens
+            prompt = [300, *said, 300, *said[:10]]  # 41 of 48 positions
             plain = await generate_all(asker, prompt, trunk, max_tokens=30, sampling=greedy, ignore_eos=True)
             spec = [await generate_all(asker, prompt, trunk, max_tokens=30, sampling=greedy, ignore_eos=True,
                                        speculation=speculation_for(mode, draft, windows=4)) for mode in ("ngram", "mtp")]
@@ -453,7 +455,7 @@ def test_windows_in_flight_stop_at_the_context(tiny_model):
         draft.close()
         trunk.close()
         asker.close()
-    assert plain.finish_reason == "context" and len(plain.tokens) == 48 - 40 + 1  # (the last one is never fed)
+    assert plain.finish_reason == "context" and len(plain.tokens) == 48 - 41 + 1  # (the last one is never fed)
     for gen in spec:
         assert gen.finish_reason == "context" and gen.tokens == plain.tokens
         assert max(t.start_pos + t.rows for t in gen.timings) <= 48
