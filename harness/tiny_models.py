@@ -314,3 +314,10 @@ TINY_CONFIGS = {
     "deepseek2-mtp-q4_1": TinyConfig(arch="deepseek2", qtype="Q4_1", n_expert=8, n_expert_used=2, sigmoid_gating=True,
                                      n_groups=4, n_group_used=2, seed=13, nextn=True),  # V3 with its MTP layer
 }
+
+# Not tiny: Kimi K2's per-layer shapes with 4 layers and 16 experts (issue 33 item 4), so each token
+# reads the bytes a Kimi layer reads; about 3.7 GB at Q8_0. For benchmarks (bench_plan_vs_measured),
+# written on demand: no test writes it.
+KIMI_WIDTH = TinyConfig(arch="deepseek2", qtype="Q8_0", n_layer=4, n_embd=7168, n_head=64, n_ff=18432, q_rank=1536,
+                        kv_rank=512, qk_nope=128, qk_rope=64, v_head=128, n_ff_exp=2048, n_expert=16, n_expert_used=8,
+                        n_dense_lead=1, n_shared=1, sigmoid_gating=True, weights_scale=2.827, seed=21)

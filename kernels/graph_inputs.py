@@ -93,7 +93,6 @@ class InputHost:
         bounds = np.cumsum([0] + [r.n_outputs for r in self.graph.shape.requests])
         return [out[a:b] for a, b in zip(bounds, bounds[1:])]
 
-
     def read_hidden(self) -> list[np.ndarray] | None:
         """Every row's hidden state, one array per request, when the graph outputs it (None otherwise)."""
         tensor = self.graph.extra_outputs.get("hidden")
