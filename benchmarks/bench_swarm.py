@@ -22,6 +22,9 @@ h. a long prompt over capped links (``--prompt-stream N`` runs only this section
 i. drafts the asker makes with no extra crossing (``--asker-drafts`` runs only this section):
    --speculate mtp on tiny DeepSeek-V3s with a nextn layer (random, and one built to know the
    next token) and layerskip on the bundled model, over the same WAN: tok/s over off, acceptance.
+j. activations in f16 vs f32 over capped links (``--wire-first-token N`` runs only this section;
+   ``--rate-mbit``): first-token time of an N-token prompt on a model as wide as Kimi K2 and
+   otherwise thin, so that the crossings dominate as they would for a Kimi-sized trunk.
 
 Targets: a ≥ 0.8 × llama-cpp-python; b at 8 ≥ 3 × single-stream; d ≥ 0.85 × the limit;
 e ≤ tensor bytes + KV + 200 MB; g (issue 34): ngram ≥ 4 × off on the repetitive tasks, ≥ 0.97 × on
@@ -150,7 +153,7 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
 
 
 @asynccontextmanager
-async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4):
+async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4, wire_dtype: str = "f32"):
     """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
     link to it. Relays run in a process of their own: in the asker's process their per-datagram
     work would share its interpreter and cores and inflate its compute (measured: head + tail
@@ -168,7 +171,8 @@ async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_laye
     try:
         assert relays.stdout.readline().strip() == "ready"
         fronts = Fronts.behind([host_port, *trunk_ports], [f"127.0.0.1:{p}" for p in relay_ports])
-        with LocalSwarm(model=str(model), n_trunks=2, head_layers=head_layers, threads=threads, fronts=fronts) as swarm:
+        with LocalSwarm(model=str(model), n_trunks=2, head_layers=head_layers, threads=threads, fronts=fronts,
+                        wire_dtype=wire_dtype) as swarm:
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
                                         min_stages=2)
             try:
@@ -308,6 +312,42 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
     return out
 
 
+async def wire_first_token_run(threads: int, n_tokens: int, rate_mbit: float, repeats: int) -> dict:
+    """Section j: first-token time of an ``n_tokens`` prompt over links capped at ``rate_mbit``,
+    activations in f32 and in f16 (issue 33's target: f16 at least 1.8x faster), on a model as wide
+    as Kimi K2 (7168) and otherwise thin (harness/tiny_models.WIDE_THIN: a few MB of matrices besides
+    its embedding), so that the crossings, not this machine's compute, are what a prompt waits for,
+    as they are for a Kimi-sized trunk over home uplinks. One swarm per dtype; prompts alternate."""
+    import tempfile
+
+    from harness.tiny_models import WIDE_THIN, write_tiny_model
+
+    rng = np.random.default_rng(5)
+    out: dict = {"links": {**WAN, "rate_mbit_each_direction": rate_mbit}, "prompt_tokens": n_tokens,
+                 "threads_per_process": threads, "repeats": repeats, "n_embd": WIDE_THIN.n_embd}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(Path(tmp) / "wide-thin.gguf", WIDE_THIN, default_model_path())
+        prompts = [[int(t) for t in rng.integers(100, 40000, n_tokens)] for _ in range(repeats)]
+        for dtype in ("f32", "f16"):
+            async with wan_swarm(model, threads, rate_mbit, head_layers=1, wire_dtype=dtype) as link:
+                asker = Asker(model, link.head_layers, n_threads=threads)
+                try:
+                    await generate_all(asker, prompts[0][:600], link, max_tokens=1, sampling=GREEDY)  # warm-up
+                    times, firsts = [], []
+                    for prompt in prompts:
+                        t0 = time.perf_counter()
+                        gen = await generate_all(asker, prompt, link, max_tokens=1, sampling=GREEDY)
+                        times.append(gen.timings[0].done - t0)
+                        firsts.append(gen.tokens[0])
+                finally:
+                    asker.close()
+            out[dtype] = {"first_token_s_median": round(statistics.median(times), 3),
+                          "runs": [round(t, 3) for t in times], "first_tokens": firsts}
+    out["f16_speedup"] = round(out["f32"]["first_token_s_median"] / out["f16"]["first_token_s_median"], 3)
+    out["target"] = 1.8
+    return out
+
+
 async def asker_drafts_run(threads: int, max_tokens: int, repeats: int) -> dict:
     """Section i: drafts the asker makes with no extra crossing, over the WAN relay: --speculate mtp
     on two tiny DeepSeek-V3s with a nextn layer (a random one, and the echo model's, built to know
@@ -389,6 +429,8 @@ def main() -> None:
     p.add_argument("--spec-repeats", type=int, default=3)
     p.add_argument("--prompt-stream", type=int, metavar="N", help="run only section h, with an N-token prompt")
     p.add_argument("--asker-drafts", action="store_true", help="run only section i (mtp and layerskip over the WAN)")
+    p.add_argument("--wire-first-token", type=int, metavar="N",
+                   help="run only section j: first-token time of an N-token prompt in f32 vs f16 over capped links")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="section h: each link direction's cap")
     p.add_argument("--repeats", type=int, default=3, help="section h: prompts per mode")
     args = p.parse_args()
@@ -396,6 +438,10 @@ def main() -> None:
     if args.prompt_stream:
         print(json.dumps({"model": model.name, "h_prompt_stream": asyncio.run(prompt_stream_run(
             model, max(1, args.threads // 3), args.prompt_stream, args.rate_mbit, args.repeats))}, indent=2))
+        return
+    if args.wire_first_token:
+        print(json.dumps({"j_wire_first_token": asyncio.run(wire_first_token_run(
+            max(1, args.threads // 3), args.wire_first_token, args.rate_mbit, args.repeats))}, indent=2))
         return
     if args.asker_drafts:
         print(json.dumps({"i_asker_drafts": asyncio.run(asker_drafts_run(max(1, args.threads // 3), args.spec_tokens,

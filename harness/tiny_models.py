@@ -318,6 +318,11 @@ TINY_CONFIGS = {
 # Not tiny: Kimi K2's per-layer shapes with 4 layers and 16 experts (issue 33 item 4), so each token
 # reads the bytes a Kimi layer reads; about 3.7 GB at Q8_0. For benchmarks (bench_plan_vs_measured),
 # written on demand: no test writes it.
-KIMI_WIDTH = TinyConfig(arch="deepseek2", qtype="Q8_0", n_layer=4, n_embd=7168, n_head=64, n_ff=18432, q_rank=1536,
+KIMI_WIDTH = TinyConfig(arch="deepseek2", qtype="Q8_0", n_layer=4, n_embd=7168, n_head=64, n_ff=18432, n_ctx=4096, q_rank=1536,
                         kv_rank=512, qk_nope=128, qk_rope=64, v_head=128, n_ff_exp=2048, n_expert=16, n_expert_used=8,
                         n_dense_lead=1, n_shared=1, sigmoid_gating=True, weights_scale=2.827, seed=21)
+# As wide as Kimi K2 (7168) and otherwise thin (two heads of rank-32 latent attention, a 64-wide
+# dense FFN): a prompt's crossings cost what a Kimi trunk's do and its compute next to nothing
+# (bench_swarm section j: f16 against f32 activations over capped links).
+WIDE_THIN = TinyConfig(arch="deepseek2", qtype="Q8_0", n_layer=4, n_embd=7168, n_head=2, n_ff=64, n_ctx=4096, q_rank=32,
+                       kv_rank=32, qk_nope=32, qk_rope=32, v_head=32, n_dense_lead=4, n_expert=0, n_shared=0, seed=22)

@@ -136,10 +136,12 @@ class Fronts:
 
 class LocalSwarm:
     def __init__(self, *, model: str | None, n_trunks: int, head_layers: int, threads: int | None = None,
-                 capture: bool = False, fronts: Fronts | None = None, expert_nodes: int = 0) -> None:
+                 capture: bool = False, fronts: Fronts | None = None, expert_nodes: int = 0,
+                 wire_dtype: str = "f32") -> None:
         """``fronts``: chosen ports, and other addresses to reach the nodes at (an impairing relay
         in front of each); ``capture``: the trunks keep every frame (the audit); ``expert_nodes``:
-        for a mixture-of-experts model, that many of the trunks hold experts (expert parallelism)."""
+        for a mixture-of-experts model, that many of the trunks hold experts (expert parallelism);
+        ``wire_dtype``: how activations travel between the nodes (the swarm's --wire-dtype)."""
         if n_trunks < 1:
             raise EngineError("--trunk-nodes must be at least 1")
         self.n_trunks = n_trunks
@@ -159,6 +161,7 @@ class LocalSwarm:
             config = self.host_home.load_config()
             config.objective = "even"
             config.expert_nodes = expert_nodes
+            config.wire_dtype = wire_dtype
             self.host_home.save_config(config)
             ports = fronts.trunk_ports if fronts else [0] * n_trunks
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
