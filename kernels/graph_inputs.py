@@ -4,11 +4,24 @@ placeholders, and its outputs read back per request."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import numpy as np
 
 from . import ggml
 from .errors import TensorBoundsError
 from .graph import GraphShape, SliceGraph
+
+
+@dataclass
+class WithHidden:
+    """A step's output with every row's hidden state: a slice with the LM head asked for
+    ``hidden_rows`` (the final normed state), or a nextn slice (its block's output, which feeds
+    its next step)."""
+
+    rows: np.ndarray  # [rows, n_vocab] logits, as the step's ``outputs`` says
+    hidden: np.ndarray  # [n_tokens, n_embd]
 
 
 class InputHost:
@@ -84,25 +97,22 @@ class InputHost:
         self.fill(starts)
         self.upload()
 
-    def read_outputs(self) -> list[np.ndarray]:
-        """The graph's output rows, one array per request."""
+    def read_outputs(self, with_hidden: Sequence[bool] = ()) -> list[np.ndarray | WithHidden]:
+        """The graph's output rows, one array per request; a ``WithHidden`` for the requests
+        ``with_hidden`` marks, when the graph outputs every row's hidden state."""
         out = np.empty(self.out_shape, dtype=np.float32)
         ggml.copy_out(self.graph.output, out)
-        if len(self.graph.shape.requests) == 1:
-            return [out]
-        bounds = np.cumsum([0] + [r.n_outputs for r in self.graph.shape.requests])
-        return [out[a:b] for a, b in zip(bounds, bounds[1:])]
-
-    def read_hidden(self) -> list[np.ndarray] | None:
-        """Every row's hidden state, one array per request, when the graph outputs it (None otherwise)."""
+        requests = self.graph.shape.requests
+        bounds = np.cumsum([0] + [r.n_outputs for r in requests])
+        rows = [out] if len(requests) == 1 else [out[a:b] for a, b in zip(bounds, bounds[1:])]
         tensor = self.graph.extra_outputs.get("hidden")
-        if tensor is None:
-            return None
-        width = ggml.tensor_shape(tensor)[0]
-        out = np.empty((self.graph.shape.n_tokens, width), dtype=np.float32)
-        ggml.copy_out(tensor, out)
-        bounds = np.cumsum([0] + [r.n_tokens for r in self.graph.shape.requests])
-        return [out[a:b] for a, b in zip(bounds, bounds[1:])]
+        if tensor is None or not any(with_hidden):
+            return rows
+        hidden = np.empty((self.graph.shape.n_tokens, ggml.tensor_shape(tensor)[0]), dtype=np.float32)
+        ggml.copy_out(tensor, hidden)
+        bounds = np.cumsum([0] + [r.n_tokens for r in requests])
+        return [WithHidden(r, hidden[a:b]) if wanted else r
+                for r, wanted, a, b in zip(rows, with_hidden, bounds, bounds[1:])]
 
 
 def output_rows(shape: GraphShape) -> np.ndarray:

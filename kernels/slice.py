@@ -30,7 +30,7 @@ from .errors import ContextOverflowError, InputShapeError, RequestStateError, Sl
 from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
 from .gguf_file import GGUFFile
 from .graph_cache import GraphCache, PlacedGraph, place
-from .graph_inputs import InputHost
+from .graph_inputs import InputHost, WithHidden
 from .kv_cache import KVCache, grown_capacity, pad_cells
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
@@ -66,16 +66,6 @@ class Step:
     def key(self) -> bytes:
         rid = self.request_id
         return rid.encode() if isinstance(rid, str) else bytes(rid)
-
-
-@dataclass
-class WithHidden:
-    """A step's output with every row's hidden state: a slice with the LM head asked for
-    ``hidden_rows`` (the final normed state), or a nextn slice (its block's output, which feeds
-    its next step)."""
-
-    rows: np.ndarray  # [rows, n_vocab] logits, as the step's ``outputs`` says
-    hidden: np.ndarray  # [n_tokens, n_embd]
 
 
 def split_hidden(out: np.ndarray | WithHidden) -> tuple[np.ndarray, np.ndarray | None]:
@@ -247,11 +237,7 @@ class SliceEngine:
                 t1 = time.perf_counter()
                 placed.compute()
                 t2 = time.perf_counter()
-                outputs = placed.host.read_outputs()
-                hidden = placed.host.read_hidden()
-                if hidden is not None:
-                    outputs = [WithHidden(out, h) if self.slice.nextn or step.hidden_rows else out
-                               for out, h, step in zip(outputs, hidden, steps)]
+                outputs = placed.host.read_outputs([self.slice.nextn or step.hidden_rows for step in steps])
             finally:
                 self._free_transient()
         for step, request, x in zip(steps, requests, inputs):
