@@ -24,6 +24,13 @@ repeats. The paths and round trips are the host's `status --json` after the last
 With --long-prompt N: the first-token time (`ask -v` with --max-tokens 1) of a prompt of about N
 tokens, --repeats times: the prompt's activations cross every hop before the first token.
 
+With --model PATH (e.g. the Kimi-width file benchmarks/bench_plan_vs_measured.py writes),
+--head-layers K and --uplink-mbit R (each machine's uplink to the public network capped: the
+hub paces what it takes from each port): the same, on that model, plus the plan's prediction
+(issue 33 item 4): `swarmctl plan --json --asker alice` on the host after the runs (the members'
+figures as the host has them then; dave, the asker, is charged at alice's speed: the same box),
+whole ms per token next to the measured decode ms per token.
+
 Compared: b / a decode tok/s (issue 17's target: at least 0.9), and c's extra ms per token next
 to the extra public-network crossings its relayed hops add (the relay's round trip to the host).
 """
@@ -31,6 +38,7 @@ to the extra public-network crossings its relayed hops add (the relay's round tr
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -56,9 +64,10 @@ ASK_LOG = re.compile(r"(\d+) prompt tokens, (\d+) generated in ([\d.]+)s \(([\d.
 
 
 class Swarm(LabSwarm):
-    def __init__(self, lab: NatLab, root: Path, threads: int) -> None:
+    def __init__(self, lab: NatLab, root: Path, threads: int, model: Path | None = None,
+                 head_layers: int | None = None) -> None:
         super().__init__(lab, root, (*TRUNKS, ASKER))
-        self.threads = threads
+        self.threads, self.model, self.head_layers = threads, model, head_layers
 
     def wait_complete(self, timeout: float = 180) -> dict:
         def complete(status: dict) -> bool:
@@ -69,12 +78,14 @@ class Swarm(LabSwarm):
         return self.wait_for("a complete plan with a stage on every trunk", complete, timeout)
 
     def form(self) -> None:
-        self.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even")
+        model = ["--model", str(self.model)] if self.model else []
+        self.swarmctl("host", "init", "--advertise", f"{HOST_IP}:7470", "--objective", "even", *model,
+                      *(["--head-layers", str(self.head_layers)] if self.head_layers is not None else []))
         self.nodes["host"] = self.lab.net.start("host", self.homes["host"], "run", "--role", "host")
         self.wait_for("the host to answer status", lambda status: True, timeout=60)
         for name in (*TRUNKS, ASKER):
             code = self.swarmctl("host", "invite", "--role", "trunk" if name in TRUNKS else "asker").stdout.strip()
-            self.swarmctl(name, "join", code, "--name", name)
+            self.swarmctl(name, "join", code, "--name", name, *model)
         for name in TRUNKS:
             self.nodes[name] = self.lab.net.start(name, self.homes[name], "run", "--role", "trunk", "--memory", "12G",
                                                   "--threads", str(self.threads))
@@ -107,9 +118,9 @@ def _expected(layout: str, paths: list[dict]) -> bool:
 
 
 def run_layout(name: str, spec: dict, args, root: Path) -> dict:
-    lab = NatLab(spec["nats"], root, public=spec["public"], wan_delay_ms=args.delay_ms)
+    lab = NatLab(spec["nats"], root, public=spec["public"], wan_delay_ms=args.delay_ms, uplink_mbit=args.uplink_mbit)
     try:
-        swarm = Swarm(lab, root, args.threads)
+        swarm = Swarm(lab, root, args.threads, args.model, args.head_layers)
         swarm.form()
         swarm.ask(args.short)  # warm-up: first punches, page cache
         runs = []
@@ -132,6 +143,13 @@ def run_layout(name: str, spec: dict, args, root: Path) -> dict:
         status = swarm.wait_complete()
         paths = _paths(status)
         ms = statistics.median(r["decode_ms_per_token"] for r in runs)
+        predicted = {}
+        if args.model:  # what the plan says for the same token, on the members' figures now
+            plan = json.loads(swarm.swarmctl("host", "plan", "--json", "--asker", TRUNKS[0]).stdout)
+            predicted = {"plan_whole_ms_per_token": round(plan["whole_ms_per_token"], 2),
+                         "plan_asker_ms": round(plan["asker_ms"], 2), "plan_asker_basis": plan["asker_basis"],
+                         "plan_time": {t["part"]: round(t["ms"], 2) for t in plan["time"]},
+                         "plan_over_measured": round(plan["whole_ms_per_token"] / ms, 3)}
         return {"decode_tok_s_median": round(1e3 / ms, 3), "decode_ms_per_token_median": round(ms, 2),
                 "decode_ms_per_token_runs": [r["decode_ms_per_token"] for r in runs],
                 "cli_tok_s_long_median": statistics.median(r["long"]["cli_tok_s"] for r in runs),
@@ -141,6 +159,7 @@ def run_layout(name: str, spec: dict, args, root: Path) -> dict:
                     "first_token_s_runs": [f["elapsed_s"] for f in first_token]} if first_token else {}),
                 "order": [m["name"] for m in sorted((m for m in status["members"] if m["layers"]),
                                                     key=lambda m: m["layers"][0])],
+                **predicted,
                 "paths": paths, "paths_as_expected": _expected(name, paths), "runs": runs,
                 "answer": long["text"]}
     finally:
@@ -157,6 +176,9 @@ def main() -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
     p.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                    help="also time the first token of a prompt of about this many tokens (0: not)")
+    p.add_argument("--model", type=Path, help="a GGUF every machine runs (default: the bundled model)")
+    p.add_argument("--head-layers", type=int, help="layers the asker keeps at each end (default: init's)")
+    p.add_argument("--uplink-mbit", type=float, default=0.0, help="each machine's uplink cap (0: none)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
@@ -169,7 +191,9 @@ def main() -> int:
         print("bench_nat: need --delay-ms >= 0, --repeats >= 1, 0 < --short < --long, --threads >= 1",
               file=sys.stderr)
         return 2
-    result: dict = {"delay_ms_one_way": args.delay_ms, "short_tokens": args.short, "long_tokens": args.long,
+    result: dict = {"delay_ms_one_way": args.delay_ms, "uplink_mbit": args.uplink_mbit,
+                    "model": args.model.name if args.model else "bundled", "head_layers": args.head_layers,
+                    "short_tokens": args.short, "long_tokens": args.long,
                     "repeats": args.repeats, "threads_per_process": args.threads, "prompt": PROMPT,
                     "measured": "decode ms/token = (ask -v time for --long tokens - for --short) / token difference",
                     "layouts": {}}

@@ -63,10 +63,11 @@ class NatLab:
     the host, with no NAT (their address is ``lab.net[name].ip``). ``lab.public_ip(name)`` is the
     router's public address; ``lab.udp_socket(name, port)`` a UDP socket bound in that machine's
     namespace. ``wan_delay_ms``: each crossing of the public network takes that much longer (a
-    userspace hub in place of the bridge, harness/wan_delay.py); 0, the default, keeps the bridge."""
+    userspace hub in place of the bridge, harness/wan_delay.py); 0, the default, keeps the bridge;
+    ``uplink_mbit``: with a delay, each machine's (each home router's) uplink capped at that rate."""
 
     def __init__(self, members: dict[str, str], root: Path, public: tuple[str, ...] = (),
-                 wan_delay_ms: float = 0, behind: dict[str, str] | None = None) -> None:
+                 wan_delay_ms: float = 0, behind: dict[str, str] | None = None, uplink_mbit: float = 0) -> None:
         if os.geteuid() == 0 and shutil.which("iptables") is None:
             raise LabUnavailable("needs iptables (apt-get install -y iptables)")
         behind = dict(behind or {})
@@ -85,7 +86,7 @@ class NatLab:
         self.wan_delay = None
         try:
             if wan_delay_ms > 0:
-                self._delay_public_network(wan_delay_ms)
+                self._delay_public_network(wan_delay_ms, uplink_mbit)
             for name, kind in members.items():
                 self._add_router(name, kind)
                 self._add_member(name, name, PRIVATE_MEMBER, 0)
@@ -128,9 +129,10 @@ class NatLab:
         self.members[name] = member
         self.net.machines[name] = member  # so lab.net.swarmctl / lab.net.start run commands there
 
-    def _delay_public_network(self, delay_ms: float) -> None:
+    def _delay_public_network(self, delay_ms: float, uplink_mbit: float = 0) -> None:
         """Every crossing of the public network takes ``delay_ms`` more (harness/wan_delay.py): the
-        bridge lets go of its ports and a userspace hub forwards between them instead."""
+        bridge lets go of its ports and a userspace hub forwards between them instead, each port's
+        uplink capped at ``uplink_mbit`` (0: not capped)."""
         from harness.wan_delay import WanDelay, tx_checksum_off
 
         ports = [f"port{i}" for i in range(len(self.net.machines))]  # harness/netns.py's names, in order
@@ -139,7 +141,8 @@ class NatLab:
         for port in ports:
             _run("ip", "-n", self.net.bridge_ns, "link", "set", port, "nomaster")
             _run("ip", "-n", self.net.bridge_ns, "link", "set", port, "promisc", "on", "up")
-        self.wan_delay = WanDelay(self.net.bridge_ns, ports, delay_ms, self.net.root / "wan_delay.log")
+        self.wan_delay = WanDelay(self.net.bridge_ns, ports, delay_ms, self.net.root / "wan_delay.log",
+                                  uplink_mbit=uplink_mbit)
 
     def _iptables(self, member: str, *args: str) -> None:
         _run("ip", "netns", "exec", self.net[f"nat-{self.routers[member]}"].netns, "iptables", *args)

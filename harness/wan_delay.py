@@ -10,7 +10,9 @@ one delay, so a round trip between two machines on it takes twice the delay.
 
 Bounded: at most ``--queue`` frames wait; a frame that arrives to a full queue is dropped, as a
 router's full buffer drops it. The delay is the same for every frame, so frames leave in the
-order they came (a FIFO, no reordering).
+order they came (a FIFO, no reordering). With ``--uplink-mbit`` each port is also an uplink of
+that rate: a frame that arrives from it starts its delay once the frames before it from the same
+port have gone out at that rate (a deep modem buffer: paced, not dropped).
 
 Frames are copied as bytes, so their checksums must be complete: a veth normally leaves TCP/UDP
 checksums to "hardware" (CHECKSUM_PARTIAL), which a raw socket would read half done. The lab
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import fcntl
+import heapq
 import os
 import select
 import signal
@@ -58,8 +61,9 @@ def tx_checksum_off(ifname: str) -> None:
 
 
 class Hub:
-    def __init__(self, ports: list[str], delay_s: float, queue_limit: int) -> None:
-        self.ports, self.delay_s, self.queue_limit = ports, delay_s, queue_limit
+    def __init__(self, ports: list[str], delay_s: float, queue_limit: int, uplink_bps: float = 0.0) -> None:
+        self.ports, self.delay_s, self.queue_limit, self.uplink_bps = ports, delay_s, queue_limit, uplink_bps
+        self.uplink_free = [0.0] * len(ports)  # when each port's uplink has sent what it took so far
         self.socks: list[socket.socket] = []
         for name in ports:
             s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
@@ -74,7 +78,8 @@ class Hub:
             self.socks.append(s)
         self.by_fd = {s.fileno(): i for i, s in enumerate(self.socks)}
         self.where: dict[bytes, int] = {}  # MAC → port it was last seen on
-        self.queue: collections.deque[tuple[float, int, bytes]] = collections.deque()
+        self.queue: list[tuple[float, int, int, bytes]] = []  # a heap: (due, arrival number, port, frame)
+        self.arrivals = 0
         self.counts = collections.Counter()
         self.stop_r, self.stop_w = os.pipe()
         os.set_blocking(self.stop_w, False)
@@ -98,13 +103,17 @@ class Hub:
             if len(self.queue) >= self.queue_limit:
                 self.counts["dropped_queue_full"] += 1
                 continue
-            self.queue.append((time.monotonic() + self.delay_s, i, frame))
+            sent = time.monotonic()
+            if self.uplink_bps:  # it leaves the uplink after the frames ahead of it, at its rate
+                sent = self.uplink_free[i] = max(sent, self.uplink_free[i]) + len(frame) * 8 / self.uplink_bps
+            self.arrivals += 1
+            heapq.heappush(self.queue, (sent + self.delay_s, self.arrivals, i, frame))
             self.counts["received"] += 1
 
     def _send_due(self) -> None:
         now = time.monotonic()
         while self.queue and self.queue[0][0] <= now:
-            _, came_in, frame = self.queue.popleft()
+            _, _, came_in, frame = heapq.heappop(self.queue)
             dst = frame[0:6]
             out = self.where.get(dst) if not dst[0] & 1 else None
             targets = [out] if out is not None else [j for j in range(len(self.socks)) if j != came_in]
@@ -139,11 +148,11 @@ class WanDelay:
     """The hub as a child process entered into ``netns`` (via ``ip netns exec``); ``stop()`` ends it."""
 
     def __init__(self, netns: str, ports: list[str], delay_ms: float, log_path: Path,
-                 queue_limit: int = 4096) -> None:
+                 queue_limit: int = 4096, uplink_mbit: float = 0.0) -> None:
         from swarmctl.local_swarm import _die_with_parent
 
         argv = ["ip", "netns", "exec", netns, sys.executable, str(Path(__file__).resolve()),
-                "--delay-ms", str(delay_ms), "--queue", str(queue_limit), *ports]
+                "--delay-ms", str(delay_ms), "--queue", str(queue_limit), "--uplink-mbit", str(uplink_mbit), *ports]
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
@@ -170,13 +179,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description="forward Ethernet frames between ports, each held for a delay")
     p.add_argument("--delay-ms", type=float, required=True, help="one-way delay per crossing")
     p.add_argument("--queue", type=int, default=4096, help="frames that may wait at once; more are dropped")
+    p.add_argument("--uplink-mbit", type=float, default=0.0, help="each port's uplink rate (0: no cap)")
     p.add_argument("ports", nargs="+")
     args = p.parse_args()
-    if args.delay_ms < 0 or args.queue < 1:
-        print("wan_delay: --delay-ms must be 0 or more and --queue at least 1", file=sys.stderr)
+    if args.delay_ms < 0 or args.queue < 1 or args.uplink_mbit < 0:
+        print("wan_delay: --delay-ms and --uplink-mbit must be 0 or more and --queue at least 1", file=sys.stderr)
         return 2
     try:
-        hub = Hub(args.ports, args.delay_ms / 1e3, args.queue)
+        hub = Hub(args.ports, args.delay_ms / 1e3, args.queue, args.uplink_mbit * 1e6)
     except OSError as e:
         print(f"wan_delay: cannot open the ports: {e}", file=sys.stderr)
         return 1
