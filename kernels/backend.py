@@ -50,14 +50,17 @@ class Backend:
     device lacks, which ggml's scheduler then runs there. CPU work uses ``n_threads`` threads."""
 
     def __init__(self, n_threads: int | None = None, device: Device | None = None, *, upload: bool = False,
-                 device_layers: range | None = None) -> None:
-        """``device_layers``: with a GPU, the layers whose weights and KV cache go there (None: all
-        of them, and the slice's embedding and LM head too); the rest stay on the CPU."""
+                 device_layers: range | None = None, expert_layers: frozenset[int] | None = None) -> None:
+        """``device_layers``: with a GPU (or ``upload`` on the CPU: the device path, tested without
+        one), the layers whose weights and KV cache go there (None: all of them, and the slice's
+        embedding and LM head too); the rest stay on the CPU. ``expert_layers``: of those, the
+        layers whose routed experts go there too (None: all of them; kernels/device_split.py)."""
         self.n_threads = n_threads or default_threads()
         self.device = device
         on_cpu = device is None or device.is_cpu
         self.uploads_weights = upload or not on_cpu
-        self.device_layers = None if on_cpu else device_layers
+        self.device_layers = device_layers if self.uploads_weights else None
+        self.expert_layers = expert_layers if self.device_layers is not None else None
         self.handle: int = ggml.backend_cpu_init() if on_cpu else ggml.backend_dev_init(device.handle, None)
         if not self.handle:
             raise DeviceError(f"cannot start ggml's backend for {device.label if device else 'cpu'}")
@@ -75,14 +78,17 @@ class Backend:
         """Some layers on the device, the rest on the CPU."""
         return self.device_layers is not None
 
-    def on_device(self, layer: int | None) -> bool:
+    def on_device(self, layer: int | None, expert: bool = False) -> bool:
         """Whether ``layer``'s weights and KV cache live on the device (None: the slice's
-        embedding and LM head, which stay on the CPU under partial offload, as llama.cpp's do)."""
+        embedding and LM head, which stay on the CPU under partial offload, as llama.cpp's do);
+        ``expert``: its routed experts' weights."""
         if not self.uploads_weights:
             return False
         if self.device_layers is None:
             return True
-        return layer is not None and layer in self.device_layers
+        if layer is None or layer not in self.device_layers:
+            return False
+        return not expert or self.expert_layers is None or layer in self.expert_layers
 
     def weights_buffer(self, host_address: int, size: int) -> int:
         """A buffer over memory-mapped weights the CPU computes on in place: it wraps the map, no

@@ -31,6 +31,7 @@ from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, b
 from .gguf_file import GGUFFile
 from .graph_cache import GraphCache, PlacedGraph, place
 from .graph_inputs import InputHost, WithHidden
+from .device_split import DeviceSplit, layers_that_fit, split_for_device  # noqa: F401 (layers_that_fit: the API)
 from .kv_cache import KVCache, grown_capacity, pad_cells
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
@@ -133,11 +134,13 @@ class SliceEngine:
         if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head or slice_spec.nextn):
             raise SliceRangeError("only a trunk slice (no embedding, no LM head) can use remote experts")
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.n_ctx_train)
-        device_layers = None
-        if device is not None and not device.is_cpu:
+        self.split: DeviceSplit | None = None  # what a device too small for the slice holds of it
+        if (device is not None and not device.is_cpu) or (placement.upload and gpu_memory is not None):
             budget = device_budget(device) if gpu_memory is None else gpu_memory
-            device_layers = layers_that_fit(self.spec, slice_spec, budget, self.max_context)
-        self.backend = Backend(n_threads, device, upload=placement.upload, device_layers=device_layers)
+            self.split = split_for_device(self.spec, slice_spec, budget, self.max_context)
+        self.backend = Backend(n_threads, device, upload=placement.upload,
+                               device_layers=self.split.dense if self.split else None,
+                               expert_layers=self.split.experts if self.split else None)
         try:
             self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
                                         with_experts=self.remote_experts is None, repack=placement.repack)
@@ -165,15 +168,9 @@ class SliceEngine:
         return engine
 
     def placement(self) -> str:
-        """Where the slice computes, for logs and status: ``cpu``, ``vulkan:0``, or under partial
-        offload ``vulkan:0 for layers [4, 9), cpu for [9, 15)``."""
-        b = self.backend
-        if not b.partial:
-            return b.name
-        on, s = b.device_layers, self.slice
-        if not on:
-            return f"cpu (nothing fits on {b.name})"
-        return f"{b.name} for layers [{on.start}, {on.stop}), cpu for [{on.stop}, {s.stop})"
+        """Where the slice computes, for logs and status: ``cpu``, ``vulkan:0``, or split
+        (kernels/device_split.py) ``vulkan:0 for layers [4, 9), cpu for [9, 15)``."""
+        return self.split.describe(self.backend.name, self.slice, self.spec) if self.split else self.backend.name
 
     def compute_buffer_bytes(self) -> int:
         """Bytes of the compute buffers this engine holds: its kept graphs' and segments'
@@ -486,20 +483,3 @@ def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
     out = np.empty(shape, dtype=dtype)
     ggml.copy_out(tensor, out)
     return out
-
-
-def layers_that_fit(spec: ModelSpec, slice_spec: SliceSpec, budget: int, max_context: int) -> range | None:
-    """The slice's first layers whose weights and KV cache (one request at ``max_context``) fit in
-    ``budget`` bytes; None when the whole slice fits, its embedding and LM head included."""
-    kv_per_layer = spec.kv_bytes_per_token_per_layer * max_context
-    globals_bytes = (spec.embedding_bytes if slice_spec.has_embedding else 0) + \
-        (spec.lm_head_bytes if slice_spec.has_lm_head else 0)
-    used, fit = 0, 0
-    for il in slice_spec.layers:
-        need = spec.layer_bytes[il] + kv_per_layer
-        if used + need > budget:
-            break
-        used, fit = used + need, fit + 1
-    if fit == len(slice_spec.layers) and used + globals_bytes <= budget:
-        return None
-    return range(slice_spec.start, slice_spec.start + fit)

@@ -80,6 +80,7 @@ class ModelSpec:
     mla: LatentAttention | None = None  # latent attention: the KV cache holds the latent, no V
     head_dim_v: int = 0  # a value head's width where it differs from a key head's (0: the same)
     n_nextn: int = 0  # multi-token-prediction (nextn) layers after the n_layer (DeepSeek-V3's, GLM's)
+    layer_expert_bytes: tuple[int, ...] = ()  # of layer_bytes, each layer's routed experts (empty: none)
 
     @property
     def n_embd_q(self) -> int:
@@ -154,11 +155,13 @@ class ModelSpec:
         rope = _rope_config(gguf, record, head_dim, n_ctx_train)
         attention_scale = float(key("attention.scale", 0.0) or 0.0) or 1.0 / math.sqrt(head_dim)
 
-        layer_bytes = [0] * n_layer
+        layer_bytes, expert_bytes = [0] * n_layer, [0] * n_layer
         for info in gguf.tensors.values():
             il = layer_of(info.name)
             if il is not None and il < n_layer:
                 layer_bytes[il] += info.n_bytes
+                if "_exps." in info.name:
+                    expert_bytes[il] += info.n_bytes
         # A slice file (written by slice distribution) holds some layers and none of the ends.
         is_slice = gguf.get("swarmctl.slice.start") is not None
         if "token_embd.weight" not in gguf.tensors and not is_slice:
@@ -186,6 +189,7 @@ class ModelSpec:
             attention_scale=attention_scale,
             rope=rope,
             layer_bytes=tuple(layer_bytes),
+            layer_expert_bytes=tuple(expert_bytes) if any(expert_bytes) else (),
             embedding_bytes=embedding_bytes,
             lm_head_bytes=lm_head_bytes,
             tied_embeddings=tied,

@@ -135,7 +135,9 @@ class SliceWeights:
         upload_buft = backend.upload_buffer_type()
         if upload_buft is not None:  # a device with memory of its own: its tensors are copied there
             layer_of = {name: il if il >= 0 else None for (_, il), name in wanted.items()}
-            to_copy, copy_buft = [info for info in infos if backend.on_device(layer_of[info.name])], upload_buft
+            routed = {name for (field_name, _), name in wanted.items() if field_name in _expert_fields(spec)}
+            to_copy = [info for info in infos if backend.on_device(layer_of[info.name], expert=info.name in routed)]
+            copy_buft = upload_buft
         else:
             copy_buft = backend.repack_buffer_type() if repack else None
             to_copy = _repackable(_matmul_only(wanted, _matmul_fields(spec)), gguf, copy_buft) if copy_buft else []
@@ -283,6 +285,11 @@ def _matmul_only(wanted: dict[tuple[str, int], str], matmul_fields: set[str]) ->
     other_uses = {name for (field_name, _), name in wanted.items() if field_name not in matmul_fields}
     return list(dict.fromkeys(name for (field_name, _), name in wanted.items()
                               if field_name in matmul_fields and name not in other_uses))
+
+
+def _expert_fields(spec: ModelSpec) -> set[str]:
+    """Fields of a layer's routed experts (one slab per expert), which a device may leave in RAM."""
+    return {t.field for t in spec.arch.moe_ffn.tensors if t.expert} if spec.arch.moe_ffn else set()
 
 
 def _matmul_fields(spec: ModelSpec) -> set[str]:

@@ -134,3 +134,49 @@ def test_layers_that_fit_takes_the_first_layers_within_the_budget(gguf):
     layers_only = sum(spec.layer_bytes) + spec.n_layer * kv
     assert layers_that_fit(spec, whole, layers_only, 512) == range(0, spec.n_layer)  # no room for the ends
     assert layers_that_fit(spec, whole, layers_only + spec.embedding_bytes + spec.lm_head_bytes, 512) is None
+
+
+def test_a_mixture_of_experts_slice_keeps_its_dense_part_on_the_device_and_routed_experts_in_ram(tiny_model):
+    """Placement by tensor kind (issue 33 item 1), on the CPU sent down the device path: a budget
+    that holds every layer's dense part and KV cache and the routed experts of the first two MoE
+    layers copies exactly those, leaves the other layers' routed experts in the map (host RAM),
+    says so in one line, and computes the same bits as the zero-copy path (the oracle rule holds
+    on the upload path). A budget too small for even one layer's dense part: everything on the
+    CPU, said so, still the same bits."""
+    from kernels.device_split import DeviceSplit, split_for_device
+
+    path = tiny_model("deepseek2-q8_0")
+    with GGUFFile(path) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+        trunk = SliceSpec(0, spec.n_layer)
+        kv = spec.kv_bytes_per_token_per_layer * 64
+        moe = [il for il in trunk.layers if spec.is_moe_layer(il)]
+        assert len(moe) >= 3 and spec.layer_expert_bytes[0] == 0 and all(spec.layer_expert_bytes[il] for il in moe)
+        dense = sum(spec.layer_bytes) - sum(spec.layer_expert_bytes) + spec.n_layer * kv
+        budget = dense + spec.layer_expert_bytes[moe[0]] + spec.layer_expert_bytes[moe[1]]
+        split = split_for_device(spec, trunk, budget, 64)
+        assert split == DeviceSplit(range(0, spec.n_layer), frozenset({0, moe[0], moe[1]}))
+        assert split_for_device(spec, trunk, budget - 1, 64).experts == frozenset({0, moe[0]})
+        assert split_for_device(spec, trunk, 10**12, 64) is None
+
+        mapped = SliceEngine(gguf, trunk, n_threads=2, max_context=64)
+        engines = {b: SliceEngine(gguf, trunk, n_threads=2, max_context=64,
+                                  placement=Placement(upload=True, gpu_memory=b)) for b in (budget, 1)}
+        try:
+            routed = {name for name in engines[budget].weights.tensor_names if "_exps." in name}
+            on_device = set(engines[budget].weights.uploaded)
+            assert {n for n in routed if n in on_device} == {n for n in routed
+                                                             if n.startswith((f"blk.{moe[0]}.", f"blk.{moe[1]}."))}
+            assert set(engines[budget].weights.tensor_names) - routed <= on_device  # every dense tensor
+            assert engines[budget].placement() == (f"cpu for layers [0, {spec.n_layer}) and the experts of "
+                                                   f"[{moe[0]}, {moe[2]}); experts of [{moe[2]}, {spec.n_layer}) in RAM (cpu)")
+            assert engines[1].weights.uploaded == () and engines[1].placement() == "cpu (nothing fits on cpu)"
+            x = np.random.default_rng(0).standard_normal((6, spec.n_embd)).astype(np.float32)
+            want = [mapped.forward("r", start_pos=0, hidden=x[:5]), mapped.forward("r", start_pos=5, hidden=x[5:])]
+            for engine in engines.values():  # a prompt, then a decode step
+                assert np.array_equal(engine.forward("r", start_pos=0, hidden=x[:5]), want[0])
+                assert np.array_equal(engine.forward("r", start_pos=5, hidden=x[5:]), want[1])
+        finally:
+            mapped.close()
+            for engine in engines.values():
+                engine.close()

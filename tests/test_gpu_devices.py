@@ -190,6 +190,35 @@ def test_partial_offload_follows_all_on_device(gguf, device, on_device):
         full.close()
 
 
+def test_routed_experts_in_ram_follow_all_on_device(tiny_model, device):
+    """Placement by tensor kind (issue 33 item 1): a --gpu-memory that holds every layer's dense
+    part and KV cache and the routed experts of the first MoE layer; the others' routed experts
+    stay in host RAM and the scheduler runs their matmuls on the CPU. Its output against the
+    same slice all on the device: close (another backend's kernels for those matmuls)."""
+    with GGUFFile(tiny_model("deepseek2-q8_0")) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+        trunk = SliceSpec(0, spec.n_layer)
+        moe = [il for il in trunk.layers if spec.is_moe_layer(il)]
+        kv = spec.kv_bytes_per_token_per_layer * 64
+        budget = sum(spec.layer_bytes) - sum(spec.layer_expert_bytes) + spec.n_layer * kv + spec.layer_expert_bytes[moe[0]]
+        split = SliceEngine(gguf, trunk, n_threads=2, max_context=64, placement=Placement(device=device, gpu_memory=budget))
+        full = SliceEngine(gguf, trunk, n_threads=2, max_context=64, placement=Placement(device=device))
+        try:
+            assert split.placement() == (f"{device.label} for layers [0, {spec.n_layer}) and the experts of "
+                                         f"[{moe[0]}, {moe[1]}); experts of [{moe[1]}, {spec.n_layer}) in RAM (cpu)")
+            in_ram = {n for n in split.weights.tensor_names if "_exps." in n and not n.startswith(f"blk.{moe[0]}.")}
+            assert in_ram and not in_ram & set(split.weights.uploaded)
+            x = np.random.default_rng(0).standard_normal((6, spec.n_embd)).astype(np.float32)
+            a, b = (engine.forward(b"r", start_pos=0, hidden=x) for engine in (split, full))
+            cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+            print(f"routed experts in RAM vs all on {device.label}: min cosine {cosine.min():.6f}, "
+                  f"max |diff| {np.abs(a - b).max():.3g}")
+            assert cosine.min() >= 0.999, cosine
+        finally:
+            split.close()
+            full.close()
+
+
 @OLD_LAVAPIPE
 def test_device_and_cpu_slices_mix(gguf, device, bundled_model, tmp_path):
     """Stages on the device and on the CPU in one chain, as a swarm with one GPU trunk and one CPU
