@@ -5,6 +5,7 @@ search (plans/search.py) asks it; it searches nothing itself."""
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from . import units
@@ -12,7 +13,7 @@ from .layout import ModelLayout
 from .links import MEASURED, SITE, LinkModel
 from .nodes import ASKER, DEFAULT_DATAGRAM_US, NodeDescriptor, hop_datagrams
 from .plan import PlanError
-from .proposal import Constraints
+from .proposal import Constraints, StagePlan
 from .wire import Q8_0_BLOCK, SITE_RTT_MS, hop_bytes, hop_dtype
 
 
@@ -24,15 +25,89 @@ class CostModel:
         kv_per_layer = layout.kv_bytes_per_token_per_layer * c.context_tokens * c.max_concurrent
         self.need = [layout.layer_bytes[i] + kv_per_layer for i in range(start, stop)]  # per trunk layer
         self.mean_need = sum(self.need) / self.n
-        self.usable = {nd.name: max(0, nd.memory_bytes - c.reserve_bytes) for nd in nodes}
+        # Members that keep routed experts in host RAM (NodeDescriptor.ram_bytes): their device must
+        # hold each layer's dense part and KV cache; ``usable`` counts both memories (for bounds,
+        # capacity and caps: never less than a stage can use), ``stage_fits`` says exactly.
+        experts = layout.expert_bytes or (0,) * layout.n_layer
+        self.prefix_need, self.prefix_experts = _prefix(self.need), _prefix(experts[start:stop])
+        self.device_usable = {nd.name: max(0, nd.memory_bytes - c.reserve_bytes) for nd in nodes}
+        self.usable = {nd.name: self.device_usable[nd.name] + (nd.ram_bytes if layout.expert_bytes else 0)
+                       for nd in nodes}
+        self._split: dict[tuple[str, int, int], tuple[tuple[int, int] | None, float]] = {}  # stages using RAM
         self.cap = {nd.name: min(self.n, int(self.usable[nd.name] // self.mean_need)) for nd in nodes}
         # the most contiguous layers a node could hold anywhere in the trunk: no cut gives it more,
         # so the cheapest counts within these bound every cut's compute from below
         self.room = {nd.name: self.longest_window(self.usable[nd.name]) for nd in nodes}
+        self.mean_read = sum(layout.read_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
         self.by_name = {nd.name: nd for nd in nodes}
         self.act = layout.activation_bytes_per_token
         self.links = LinkModel(nodes)  # measured, or bounded from the measured ones (plans/links.py)
         self.site = {nd.name: nd.site for nd in nodes if nd.site}
+
+    def stage_memory(self, m: str, p: int, q: int) -> tuple[int, int] | None:
+        """(device bytes, host RAM bytes) member ``m`` needs for trunk layers [p, q) (indices from
+        the trunk's start), or None where they do not fit: the dense part and KV cache on the
+        device, then routed experts layer by layer while they fit (kernels/device_split.py), the
+        rest in its RAM."""
+        total = self.prefix_need[q] - self.prefix_need[p]
+        if total <= self.device_usable[m]:
+            return total, 0
+        return self._split_stage(m, p, q)[0]
+
+    def offers_ram(self, m: str) -> bool:
+        """Member ``m`` keeps routed experts its device cannot hold in host RAM (a model with experts)."""
+        return bool(self.by_name[m].ram_bytes and self.layout.expert_bytes)
+
+    def _split_stage(self, m: str, p: int, q: int) -> tuple[tuple[int, int] | None, float]:
+        """(stage_memory, stage_ms) of a stage that does not fit its member's device whole,
+        computed once (the search asks for the same stages many times)."""
+        key = (m, p, q)
+        if key not in self._split:
+            memory = self._memory_with_ram(m, p, q)
+            self._split[key] = (memory, self._ms_with_ram(m, p, q, memory[1]) if memory else math.inf)
+        return self._split[key]
+
+    def _memory_with_ram(self, m: str, p: int, q: int) -> tuple[int, int] | None:
+        total = self.prefix_need[q] - self.prefix_need[p]
+        device = self.device_usable[m]
+        ram = self.by_name[m].ram_bytes if self.layout.expert_bytes else 0
+        experts = self.prefix_experts[q] - self.prefix_experts[p]
+        dense = total - experts
+        if not ram or dense > device:
+            return None
+        on = bisect.bisect_right(self.prefix_experts, self.prefix_experts[p] + device - dense, p, q + 1) - 1
+        in_ram = self.prefix_experts[q] - self.prefix_experts[on]
+        return (total - in_ram, in_ram) if in_ram <= ram else None
+
+    def stage_plan(self, m: str, p: int, q: int) -> StagePlan | None:
+        """Member ``m`` serving trunk layers [p, q) (indices from the trunk's start), or None where
+        they do not fit."""
+        memory = self.stage_memory(m, p, q)
+        if memory is None:
+            return None
+        return StagePlan(m, self.start + p, self.start + q, self.stage_ms(m, p, q), memory[0],
+                         self.device_usable[m] - memory[0], ram_used=memory[1])
+
+    def stage_ms(self, m: str, p: int, q: int) -> float:
+        """Member ``m``'s compute for trunk layers [p, q) per token: its measured ms per layer, and
+        for a layer whose routed experts are in RAM, the bytes of the experts a token uses read at
+        its RAM's rate instead of their share of a layer's time on the device."""
+        if self.prefix_need[q] - self.prefix_need[p] <= self.device_usable[m]:
+            return (q - p) * self.by_name[m].ms_per_layer_token
+        return self._split_stage(m, p, q)[1]
+
+    def _ms_with_ram(self, m: str, p: int, q: int, in_ram: int) -> float:
+        node = self.by_name[m]
+        ms = (q - p) * node.ms_per_layer_token
+        if not in_ram:
+            return ms
+        on = bisect.bisect_right(self.prefix_experts, self.prefix_experts[q] - in_ram, p, q + 1) - 1
+        per_byte = node.ms_per_layer_token / self.mean_read
+        share = self.layout.n_expert_used / self.layout.n_expert
+        for i in range(on, q):
+            active = self.layout.expert_bytes[self.start + i] * share
+            ms += active / (node.ram_gb_s * 1e6) - active * per_byte
+        return ms
 
     def longest_window(self, usable: int) -> int:
         longest, lo, held = 0, 0, 0
@@ -144,3 +219,10 @@ class CostModel:
             ms += take * self.by_name[m].ms_per_layer_token
             left -= take
         return ms if left == 0 else math.inf
+
+
+def _prefix(values) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

@@ -51,6 +51,10 @@ class NodeDescriptor:
     links: dict[str, Link] = field(default_factory=dict)  # measured, to other nodes by name, and to ASKER
     site: str = ""  # machines that share a site (a house, a lab) and have no measured link count as on a LAN
     datagram_us: float | None = None  # CPU per datagram of a hop, both ends (net/packet_cost.py); None: not measured
+    # A GPU member's host RAM for the routed experts its device cannot hold (kernels/device_split.py),
+    # and the rate it reads their weights there; 0: it offers none (its memory is all there is)
+    ram_bytes: int = 0
+    ram_gb_s: float = 0.0
 
     @property
     def packet_us(self) -> float:
@@ -76,7 +80,8 @@ def link_between(a: NodeDescriptor, b: NodeDescriptor) -> Link:
 
 def load_nodes(path: str | Path) -> list[NodeDescriptor]:
     """Nodes from JSON: a list of {"name", "memory_gb", "ms_per_layer_token", "device"?, "site"?,
-    "datagram_us"?, "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
+    "datagram_us"?, "ram_gb"? with "ram_gb_s" (a GPU member's host RAM for routed experts, and
+    its read rate), "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
     from kernels.errors import EngineError
 
     try:
@@ -100,7 +105,15 @@ def _node(n: dict) -> NodeDescriptor:
     return NodeDescriptor(name=name, memory_bytes=int(float(n["memory_gb"]) * GB),
                           ms_per_layer_token=float(n["ms_per_layer_token"]), device=str(n.get("device", "cpu")),
                           links={str(k): _link(name, str(k), v) for k, v in (n.get("links") or {}).items()},
-                          site=str(n.get("site") or ""), datagram_us=_datagram_us(n.get("datagram_us")))
+                          site=str(n.get("site") or ""), datagram_us=_datagram_us(n.get("datagram_us")),
+                          **_ram(n))
+
+
+def _ram(n: dict) -> dict:
+    ram_gb, gb_s = float(n.get("ram_gb", 0) or 0), float(n.get("ram_gb_s", 0) or 0)
+    if ram_gb < 0 or gb_s < 0 or (ram_gb > 0) != (gb_s > 0):
+        raise ValueError(f"{n['name']}: ram_gb and ram_gb_s come together, both more than 0")
+    return {"ram_bytes": int(ram_gb * GB), "ram_gb_s": gb_s}
 
 
 def _datagram_us(value) -> float | None:

@@ -61,6 +61,7 @@ class StagePlan:
     expert_calls: int = 0  # expert parallelism: MoE layers whose experts it calls per token
     expert_ms: float = 0.0  # and what waiting for them costs per token
     expert_latency_ms: float = 0.0  # of which round-trip latency (the rest: the rows' bytes)
+    ram_used: int = 0  # routed experts its device cannot hold, in its host RAM (NodeDescriptor.ram_bytes)
 
 
 @dataclass

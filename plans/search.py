@@ -100,34 +100,36 @@ class Search(CostModel):
 
     def _cut(self, order: list[str]) -> list[StagePlan] | None:
         n, k = self.n, len(order)
-        prefix = [0]
-        for b in self.need:
-            prefix.append(prefix[-1] + b)
         if self.c.objective == "even":
             counts = self.counts(order, self.cap)
             stages, p = [], 0
             for m in order:
                 q = p + counts[m]
-                used = prefix[q] - prefix[p]
-                if used > self.usable[m]:
+                stage = self.stage_plan(m, p, q)
+                if stage is None:
                     return None
-                stages.append(StagePlan(m, self.start + p, self.start + q,
-                                        (q - p) * self.by_name[m].ms_per_layer_token, used, self.usable[m] - used))
+                stages.append(stage)
                 p = q
             return stages
         inf = math.inf
         best = [[inf] * (n + 1) for _ in range(k + 1)]
         back = [[-1] * (n + 1) for _ in range(k + 1)]
         best[0][0] = 0.0
+        need = self.prefix_need
         for i, m in enumerate(order, start=1):
-            speed, usable = self.by_name[m].ms_per_layer_token, self.usable[m]
+            speed, device, ram = self.by_name[m].ms_per_layer_token, self.device_usable[m], self.offers_ram(m)
             for q in range(i, n - (k - i) + 1):
                 for p in range(q - 1, i - 2, -1):
-                    if prefix[q] - prefix[p] > usable:
+                    if need[q] - need[p] <= device:  # (the common case, inline: the search asks millions)
+                        stage = (q - p) * speed
+                    elif not ram:
                         break
+                    else:
+                        memory, stage = self._split_stage(m, p, q)
+                        if memory is None:
+                            break
                     if best[i - 1][p] == inf:
                         continue
-                    stage = (q - p) * speed
                     value = best[i - 1][p] + stage if self.c.objective == "latency" else max(best[i - 1][p], stage)
                     if value < best[i][q] - 1e-12:
                         best[i][q], back[i][q] = value, p
@@ -136,10 +138,7 @@ class Search(CostModel):
         stages, q = [], n
         for i in range(k, 0, -1):
             p = back[i][q]
-            m = order[i - 1]
-            used = prefix[q] - prefix[p]
-            stages.append(StagePlan(m, self.start + p, self.start + q, (q - p) * self.by_name[m].ms_per_layer_token,
-                                    used, self.usable[m] - used))
+            stages.append(self.stage_plan(order[i - 1], p, q))
             q = p
         return stages[::-1]
 
@@ -204,9 +203,6 @@ class Search(CostModel):
         (the last member used, the layers done so far), scored (latency, bottleneck) for objective
         latency and (bottleneck, latency) for throughput."""
         n, k = self.n, len(order)
-        prefix = [0]
-        for b in self.need:
-            prefix.append(prefix[-1] + b)
         throughput = self.c.objective == "throughput"
 
         def key(v: tuple[float, float]) -> tuple[float, float]:
@@ -228,14 +224,19 @@ class Search(CostModel):
                         v = hop(best[j][p], order[j], m)
                         if key(v) < key(entry[p]):
                             entry[p], came[p] = v, j
-            speed, usable = self.by_name[m].ms_per_layer_token, self.usable[m]
+            speed, device, ram = self.by_name[m].ms_per_layer_token, self.device_usable[m], self.offers_ram(m)
             for q in range(1, n + 1):
                 for p in range(q - 1, -1, -1):
-                    if prefix[q] - prefix[p] > usable:
+                    if self.prefix_need[q] - self.prefix_need[p] <= device:
+                        stage = (q - p) * speed
+                    elif not ram:
                         break
+                    else:
+                        memory, stage = self._split_stage(m, p, q)
+                        if memory is None:
+                            break
                     if entry[p][0] == math.inf:
                         continue
-                    stage = (q - p) * speed
                     v = (entry[p][0] + stage, max(entry[p][1], stage))
                     if key(v) < key(best[i][q]):
                         best[i][q], back[i][q] = v, (came[p], p)
@@ -245,10 +246,7 @@ class Search(CostModel):
         i, q, stages = min(ends)[1], n, []
         while i != -1:
             j, p = back[i][q]
-            m = order[i]
-            used = prefix[q] - prefix[p]
-            stages.append(StagePlan(m, self.start + p, self.start + q, (q - p) * self.by_name[m].ms_per_layer_token,
-                                    used, self.usable[m] - used))
+            stages.append(self.stage_plan(order[i], p, q))
             i, q = j, p
         stages.reverse()
         used_order = [st.member for st in stages]

@@ -271,3 +271,22 @@ def test_bits_per_weight_are_ggmls_block_sizes_and_every_quantization_has_a_layo
     assert 1.0e12 < layout_by_name("kimi-k2-q8_0").n_params < 1.05e12  # Kimi K2: 1.03 T parameters
     with pytest.raises(EngineError, match="kimi-k2-q2_k"):
         layout_by_name("kimi-k2-q5_0")
+
+
+def test_each_homes_ram_beside_its_gpus_holds_the_experts_their_cards_cannot():
+    """The thirty-GPU example with each home's RAM shared out among its GPU members for routed
+    experts (kimi-thirty-gpus-ram.json, issue 33 item 1) instead of as CPU members of its own: at
+    the 2-bit mix with f16 between homes, fewer stages and a faster token than the same RAM as CPU
+    members; stages that keep experts in RAM stay within their member's share of it."""
+    from plans.nodes import load_nodes
+
+    layout = layout_by_name("kimi-k2-iq2_xxs-mix")
+    c = Constraints(head_layers=1, wire_dtype="f16")
+    separate = plan_layers(layout, load_nodes(EXAMPLE), c)
+    nodes = load_nodes(EXAMPLE.with_name("kimi-thirty-gpus-ram.json"))
+    beside = plan_layers(layout, nodes, c)
+    share = {n.name: n.ram_bytes for n in nodes}
+    in_ram = [s for s in beside.stages if s.ram_used]
+    assert in_ram and all(s.ram_used <= share[s.member] for s in in_ram)
+    assert all(s.memory_free >= 0 for s in beside.stages)
+    assert len(beside.stages) < len(separate.stages) and beside.whole_ms_per_token < separate.whole_ms_per_token

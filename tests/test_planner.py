@@ -430,3 +430,41 @@ def test_a_nodes_file_may_give_each_member_its_datagram_cost(tmp_path):
     f.write_text('[{"name": "a", "memory_gb": 8, "ms_per_layer_token": 1, "datagram_us": -1}]')
     with pytest.raises(EngineError, match="datagram_us must be more than 0"):
         load_nodes(f)
+
+
+def test_a_gpu_member_keeps_routed_experts_in_its_ram_and_pays_their_bytes_at_its_rate(tmp_path):
+    """The planner's side of placement by tensor kind (issue 33 item 1): a member whose device
+    holds each layer's dense part and KV cache, not its routed experts, keeps those in the host
+    RAM it offers (ram_gb) and reads a token's share of them at its RAM's rate (ram_gb_s) instead
+    of their share of a layer's time on the device. Without the RAM the same trunk does not fit."""
+    from plans.cost import CostModel
+    from plans.nodes import load_nodes
+
+    layout = ModelLayout(name="moe", n_layer=6, n_embd=1024, layer_bytes=(int(10 * GB),) * 6, layer_flops=(1,) * 6,
+                         kv_bytes_per_token_per_layer=0, embedding_bytes=0, lm_head_bytes=0,
+                         expert_bytes=(0,) + (int(8 * GB),) * 5, n_expert=8, n_expert_used=2)
+    nodes_file = tmp_path / "nodes.json"
+    nodes_file.write_text(json.dumps([{"name": "gpu", "memory_gb": 12.3, "ms_per_layer_token": 1.0, "device": "cuda",
+                                       "ram_gb": 40, "ram_gb_s": 20}]))
+    (gpu,) = load_nodes(nodes_file)
+    assert gpu.ram_bytes == int(40 * GB) and gpu.ram_gb_s == 20.0
+    c = Constraints(head_layers=1, context_tokens=16)
+    cost = CostModel(layout, [gpu], c, 1, 5)
+    # the device holds the 4 layers' dense parts (8 GB) and no layer's experts (8 GB each): 32 GB in RAM
+    assert cost.stage_memory("gpu", 0, 4) == (int(8 * GB), int(32 * GB))
+    # each layer: 1 ms on the device, less its experts' share (2 GB of the 5 GB a mean layer reads:
+    # 0.4 ms), plus 2 GB at 20 GB/s (100 ms)
+    assert cost.stage_ms("gpu", 0, 4) == pytest.approx(4 * (1.0 - 0.4 + 100.0))
+    p = plan_layers(layout, [gpu], c)
+    (stage,) = p.stages
+    assert (stage.start, stage.stop, stage.ram_used) == (1, 5, int(32 * GB))
+    assert stage.compute_ms == pytest.approx(402.4) and stage.memory_used == int(8 * GB)
+    # more device memory: the first layer's experts move onto it
+    roomy = NodeDescriptor("gpu", int(20.3 * GB), 1.0, device="cuda", ram_bytes=int(40 * GB), ram_gb_s=20.0)
+    assert CostModel(layout, [roomy], c, 1, 5).stage_memory("gpu", 0, 4) == (int(16 * GB), int(24 * GB))
+    # without RAM for the experts it cannot hold the trunk
+    with pytest.raises(PlanError, match="cannot hold the model"):
+        plan_layers(layout, [NodeDescriptor("gpu", int(12.3 * GB), 1.0, device="cuda")], c)
+    nodes_file.write_text(json.dumps([{"name": "gpu", "memory_gb": 12, "ms_per_layer_token": 1.0, "ram_gb": 40}]))
+    with pytest.raises(EngineError, match="ram_gb and ram_gb_s come together"):
+        load_nodes(nodes_file)

@@ -3,10 +3,14 @@ links that look measured. Nothing here was measured: every figure follows from t
 below, so that the example can be read, checked and changed.
 
     python plans/examples/make_kimi_thirty_gpus.py     # rewrites plans/examples/kimi-thirty-gpus.json
+                                                       # and kimi-thirty-gpus-ram.json
 
 Memory: a GPU trunk offers its device memory less the larger of 512 MiB and 5 % (what
 `swarmctl run --role trunk` offers by default); a home's RAM appears as one CPU member (a second
-swarmctl process on the home's main machine) offering what the family leaves free.
+swarmctl process on the home's main machine) offering what the family leaves free. In
+kimi-thirty-gpus-ram.json the same RAM is instead shared out among the home's GPU members, for the
+routed experts their cards cannot hold (issue 33 item 1: ram_gb, and ram_gb_s at 65 % of the
+RAM's bandwidth, the whole of it per member: for one stream the stages take turns).
 
 Speed: decoding is bound by memory bandwidth, so one Kimi K2 layer per token costs the bytes a
 token reads there (attention, router, shared expert and the 8 routed experts it picks: 0.29 GB at
@@ -76,19 +80,24 @@ class Member:
     ms_per_layer: float
     device: str
     wifi: bool = False
+    ram_gb: float = 0.0  # host RAM for the routed experts its card cannot hold
+    ram_gb_s: float = 0.0
 
 
-def members() -> list[Member]:
+def members(experts_in_ram: bool = False) -> list[Member]:
     out = []
     for home in HOMES:
         for i, card in enumerate(home.cards):
             gib, bandwidth = CARDS[card]
             offered = gib * GIB - max(512 * 1024 ** 2, 0.05 * gib * GIB)
             ms = LAYER_READ_BYTES / (EFFICIENCY * bandwidth * GB) * 1e3 + GPU_OVERHEAD_MS
+            ram = (round(home.ram_gb / len(home.cards), 2), round(EFFICIENCY * home.ram_bandwidth, 2)) \
+                if experts_in_ram else (0.0, 0.0)
             out.append(Member(f"{home.name}-{card}-{i + 1}", home, round(offered / GB, 2), round(ms, 2), "cuda",
-                              i in home.wifi))
-        ms = LAYER_READ_BYTES / (EFFICIENCY * home.ram_bandwidth * GB) * 1e3
-        out.append(Member(f"{home.name}-ram", home, home.ram_gb, round(ms, 2), "cpu"))
+                              i in home.wifi, *ram))
+        if not experts_in_ram:
+            ms = LAYER_READ_BYTES / (EFFICIENCY * home.ram_bandwidth * GB) * 1e3
+            out.append(Member(f"{home.name}-ram", home, home.ram_gb, round(ms, 2), "cpu"))
     return out
 
 
@@ -116,8 +125,9 @@ def render(nodes: list[Member]) -> str:
     for a in nodes:
         links = [f'    "asker": {json.dumps(asker_link(a))}']
         links += [f'    "{b.name}": {json.dumps(link(a, b))}' for b in nodes if b is not a]
+        ram = {"ram_gb": a.ram_gb, "ram_gb_s": a.ram_gb_s} if a.ram_gb else {}
         head = json.dumps({"name": a.name, "site": a.home.name, "memory_gb": a.memory_gb,
-                           "ms_per_layer_token": a.ms_per_layer, "device": a.device})[:-1]
+                           "ms_per_layer_token": a.ms_per_layer, "device": a.device, **ram})[:-1]
         blocks.append(f'  {head}, "links": {{\n' + ",\n".join(links) + "\n  }}")
     return "[\n" + ",\n".join(blocks) + "\n]\n"
 
@@ -131,6 +141,7 @@ def main() -> None:
     assert abs(read - LAYER_READ_BYTES) < 0.001e9, read
     nodes = members()
     Path(__file__).with_name("kimi-thirty-gpus.json").write_text(render(nodes))
+    Path(__file__).with_name("kimi-thirty-gpus-ram.json").write_text(render(members(experts_in_ram=True)))
     cards = sum(1 for m in nodes if m.device == "cuda")
     print(f"{cards} GPUs, {len(HOMES)} homes, {sum(m.memory_gb for m in nodes):.0f} GB offered "
           f"({sum(m.memory_gb for m in nodes if m.device == 'cuda'):.0f} GB of it on GPUs)")

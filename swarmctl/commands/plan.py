@@ -289,13 +289,17 @@ def format_plan(layout, head_layers: int, p, experts=(), nodes=()) -> str:
     lines = [f"plan for {layout.name}: {layout.n_layer} layers, the asker keeps [0, {head_layers}) and "
              f"[{layout.n_layer - head_layers}, {layout.n_layer}); objective {p.objective}"]
     calls = any(s.expert_calls for s in p.stages)
-    rows = [("STAGE", "MEMBER", "LAYERS", "USED", "FREE", "MS/TOKEN") + (("EXPERT CALLS",) if calls else ())]
+    ram = any(s.ram_used for s in p.stages)
+    rows = [("STAGE", "MEMBER", "LAYERS", "USED", "FREE", "MS/TOKEN") + (("EXPERTS IN RAM",) if ram else ())
+            + (("EXPERT CALLS",) if calls else ())]
     for i, s in enumerate(p.stages, start=1):
         rows.append((str(i), s.member, f"[{s.start}, {s.stop})", f"{s.memory_used / gb:.1f} GB",
                      f"{s.memory_free / gb:.1f} GB", f"{s.compute_ms:.1f}")
+                    + ((f"{s.ram_used / gb:.1f} GB" if s.ram_used else "",) if ram else ())
                     + ((f"{s.expert_calls} × {s.expert_ms / max(1, s.expert_calls):.1f} ms",) if calls else ()))
     for e in experts:
-        rows.append(("experts", e.member, f"experts [{e.start}, {e.stop})", "", "", "") + (("",) if calls else ()))
+        rows.append(("experts", e.member, f"experts [{e.start}, {e.stop})", "", "", "") + (("",) if ram else ())
+                    + (("",) if calls else ()))
     lines += _table(rows)
     whole = p.whole_ms_per_token
     single = 1000 / whole if whole else float("inf")
