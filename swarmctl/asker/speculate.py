@@ -117,7 +117,30 @@ class NgramDraft:
         pass
 
 
-class ModelDraft:
+class _EngineDraft:
+    """A draft that runs an engine of its own at the asker: the file, the engine and its runner,
+    and per request a sampler and what ``_forget`` drops."""
+
+    gguf: GGUFFile
+    engine: SliceEngine
+    runner: BatchRunner
+    _samplers: dict[bytes, Sampler]
+
+    def _forget(self, rid: bytes) -> None:
+        raise NotImplementedError
+
+    async def release(self, rid: bytes) -> None:
+        self._forget(rid)
+        self._samplers.pop(rid, None)
+        await self.runner.call(self.engine.release, rid)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.engine.close()
+        self.gguf.close()
+
+
+class ModelDraft(_EngineDraft):
     """A small model with the target's vocabulary, run whole on the asker (``--draft-model``). It
     keeps a KV cache per request and catches up on the tokens the target kept since its last
     draft (rewinding over the ones it drafted and the target did not keep)."""
@@ -169,15 +192,8 @@ class ModelDraft:
         logits, _ = await self.runner.run(step)
         return logits
 
-    async def release(self, rid: bytes) -> None:
+    def _forget(self, rid: bytes) -> None:
         self._held.pop(rid, None)
-        self._samplers.pop(rid, None)
-        await self.runner.call(self.engine.release, rid)
-
-    def close(self) -> None:
-        self.runner.close()
-        self.engine.close()
-        self.gguf.close()
 
 
 class LayerSkipDraft(ModelDraft):
@@ -237,7 +253,7 @@ class _NextnState:
     seen: dict[int, np.ndarray] = field(default_factory=dict)  # position → the target's hidden state, not yet run
 
 
-class MtpDraft:
+class MtpDraft(_EngineDraft):
     """``--speculate mtp``: the model's own multi-token-prediction layer at the asker (DeepSeek-V3's
     MTP module, as vLLM and SGLang run it). The asker's tail returns each step's final normed
     hidden states (kernels.slice.Step.hidden_rows; the logits are unchanged) and the rows the
@@ -319,15 +335,8 @@ class MtpDraft:
         logits, rows = split_hidden(out)
         return logits[-1], rows[-1]
 
-    async def release(self, rid: bytes) -> None:
+    def _forget(self, rid: bytes) -> None:
         self._state.pop(rid, None)
-        self._samplers.pop(rid, None)
-        await self.runner.call(self.engine.release, rid)
-
-    def close(self) -> None:
-        self.runner.close()
-        self.engine.close()
-        self.gguf.close()
 
 
 def _draft_params(sampling: SamplingParams) -> SamplingParams:
