@@ -288,9 +288,7 @@ def test_layerskip_drafts_with_the_askers_own_ends_and_greedy_output_is_unchange
     K = 4 of 30 layers almost none are; docs/speculation.md has the figures)."""
     from swarmctl.asker.speculate import LayerSkipDraft
 
-    asker = Asker(bundled_model, 4, n_threads=N_THREADS, max_context=512)
-    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
-                        max_context=asker.max_context)
+    asker, trunk = asker_and_trunk(bundled_model, 4, stages=2, max_context=512)
     draft = LayerSkipDraft(bundled_model, 4, n_threads=N_THREADS, max_context=512)
     prompt = asker.tokenizer.encode_chat([{"role": "user", "content": "Count from one to twenty in words."}])
     try:
@@ -310,6 +308,15 @@ def test_layerskip_drafts_with_the_askers_own_ends_and_greedy_output_is_unchange
     print(f"layerskip on SmolLM2 (K=4, counting): {spec.accepted} of {spec.drafted} drafts kept")
     with pytest.raises(EngineError, match="head layers do not fit"):
         LayerSkipDraft(bundled_model, 20)
+
+
+def asker_and_trunk(path, head_layers: int, *, stages: int, max_context: int) -> tuple[Asker, InprocTrunk]:
+    """An asker keeping ``head_layers`` at each end and the trunk between in ``stages`` in-process
+    stages (the caller closes both)."""
+    asker = Asker(path, head_layers, n_threads=N_THREADS, max_context=max_context)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, head_layers, stages).trunk, n_threads=N_THREADS,
+                        max_context=asker.max_context)
+    return asker, trunk
 
 
 def test_a_tail_returns_every_rows_hidden_state_without_changing_its_logits(tiny_model):
@@ -353,9 +360,7 @@ def test_mtp_drafts_with_the_models_nextn_layer_and_greedy_output_is_unchanged(t
     from swarmctl.asker.speculate import MtpDraft
 
     path = tiny_model("deepseek2-mtp-q4_1")
-    asker = Asker(path, 1, n_threads=N_THREADS, max_context=256)
-    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 2).trunk, n_threads=N_THREADS,
-                        max_context=asker.max_context)
+    asker, trunk = asker_and_trunk(path, 1, stages=2, max_context=256)
     without = Asker(tiny_model("deepseek2-q4_1"), 2, n_threads=N_THREADS, max_context=256)  # every layer
     draft = MtpDraft(path, n_threads=N_THREADS, max_context=256)
     prompt = asker.tokenizer.encode_chat([{"role": "user", "content": "Write the numbers one to ten."}])
@@ -401,9 +406,7 @@ def test_mtp_drafts_are_kept_when_the_nextn_layer_knows_the_next_token(tiny_mode
     from swarmctl.asker.speculate import MtpDraft
 
     path = tiny_model("deepseek2-echo-f32")
-    asker = Asker(path, 1, n_threads=N_THREADS, max_context=256)
-    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 1).trunk, n_threads=N_THREADS,
-                        max_context=asker.max_context)
+    asker, trunk = asker_and_trunk(path, 1, stages=1, max_context=256)
     draft = MtpDraft(path, n_threads=N_THREADS, max_context=256)
     prompt = asker.tokenizer.encode_prompt("The numbers go on and on")
     greedy = SamplingParams(temperature=0)
@@ -434,9 +437,7 @@ def test_windows_in_flight_stop_at_the_context(tiny_model):
     from swarmctl.asker.speculate import MtpDraft
 
     path = tiny_model("deepseek2-echo-f32")
-    asker = Asker(path, 1, n_threads=N_THREADS, max_context=48)
-    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 1, 1).trunk, n_threads=N_THREADS,
-                        max_context=asker.max_context)
+    asker, trunk = asker_and_trunk(path, 1, stages=1, max_context=48)
     draft = MtpDraft(path, n_threads=N_THREADS, max_context=48)
     greedy = SamplingParams(temperature=0)
     try:
