@@ -193,7 +193,7 @@ class SwarmLink:
                     if waiting.route is not None:  # (its other steps on that route go again with it)
                         self._fail_waiting(str(e), [rid], on=waiting.route)
                         self._carry_out(self.table.failed(rid, on=waiting.route))
-                    await self._await_reroute(deadline)
+                    await self._await_reroute(deadline, failed_at=time.monotonic())
         finally:  # answered, failed, or given up by the asker (a window in flight that fell)
             if self._waiting.get(rid, {}).get(start_pos) is waiting:
                 del self._waiting[rid][start_pos]
@@ -346,10 +346,13 @@ class SwarmLink:
             await conn.drain(stream_id, SEND_BACKLOG)
         return route, replayed
 
-    async def _await_reroute(self, deadline: float) -> None:
-        """After a route failure: the host's next complete plan, or, if the plan stays the same
-        (a link that dropped and came back), the same route again after a pause. Within the deadline
-        and a grace for a swarm that has lost capacity."""
+    async def _await_reroute(self, deadline: float, failed_at: float) -> None:
+        """After a route failure at ``failed_at``: the host's next complete plan, or, if the plan
+        stays the same (a link that dropped and came back), the same route again after a pause.
+        Within the deadline and a grace for a swarm that has lost capacity. A step whose request's
+        other steps already moved the link since it failed goes on the connections they made."""
+        if self._moved_at > failed_at:
+            return
         failed_version = self.plan.version
         retry_same_at = time.monotonic() + SAME_ROUTE_RETRY_S
         give_up = min(deadline, time.monotonic() + NO_PLAN_GRACE)
@@ -357,7 +360,7 @@ class SwarmLink:
             plan = self.host.latest
             now = time.monotonic()
             if plan is not None and plan.complete and (plan.version != failed_version or now > retry_same_at):
-                await self._follow_plan(force=plan.version == failed_version)
+                await self._follow_plan(force=plan.version == failed_version, since=failed_at)
                 return
             if now > give_up:
                 raise SwarmError(cannot_serve(plan))
@@ -388,14 +391,17 @@ class SwarmLink:
         log.info("swarm plan v%d: %s", self.plan.version,
                  ", ".join(f"{s.member}[{s.start},{s.stop})" for s in self.plan.stages))
 
-    async def _follow_plan(self, force: bool = False) -> None:
+    async def _follow_plan(self, force: bool = False, since: float | None = None) -> None:
         """Move to the newest complete plan: new connections to its first and last stage (also on
-        the same plan when ``force``: the old connections may be dead without knowing it yet)."""
+        the same plan when ``force``: the old connections may be dead without knowing it yet).
+        ``since``: when the failure that calls for it happened; a move made after it (by another
+        step, while this one waited or before it came to ask) is the one it needed. Moving again
+        would close the connections that step's replay went out on."""
         if self._reconnecting is None:
             self._reconnecting = asyncio.Lock()
-        moved_at = self._moved_at
+        moved_at = self._moved_at if since is None else since
         async with self._reconnecting:
-            if self._moved_at != moved_at:
+            if self._moved_at > moved_at:
                 return  # another request moved while this one waited for the lock
             if not force and self.host.latest is not None and self.host.latest.version == self.plan.version \
                     and self._stages_alive():
@@ -471,6 +477,13 @@ class SwarmLink:
     def connection_lost(self, conn: SwarmProtocol) -> None:
         if conn in (self.first_conn, self.last_conn):
             self._fail_waiting(f"lost the connection to {conn.peer_name}")
+            return
+        # A connection the link already replaced: steps still out on a route over it (sent just
+        # before the move) fail over too, or they would wait for answers that cannot come.
+        for rid, steps in self._waiting.items():
+            routes = {w.route for w in steps.values() if w.route is not None and w.route.conn is conn}
+            for route in routes:
+                self._fail_waiting(f"lost the connection to {conn.peer_name}", [rid], on=route)
 
     def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
         pass
