@@ -199,7 +199,7 @@ async def _connect(address: Address, config: QuicConfiguration, handler: Connect
     try:
         await asyncio.wait_for(protocol.wait_connected(), CONNECT_TIMEOUT)
     except (ConnectionError, asyncio.TimeoutError) as e:
-        reason = _close_reason(connection)
+        reason = close_reason(connection)
         transport.close()
         if isinstance(e, asyncio.TimeoutError) or reason == QUIC_IDLE_TIMEOUT:
             raise ConnectionError(no_answer(address)) from None
@@ -214,7 +214,8 @@ def no_answer(address: Address) -> str:
     return f"no answer from {address} (is it running, and is UDP port {address.port} reachable?)"
 
 
-def _close_reason(connection: QuicConnection) -> str:
+def close_reason(connection: QuicConnection) -> str:
+    """Why a connection closed, as the peer or aioquic said ("" if it did not say)."""
     event = getattr(connection, "_close_event", None)
     return getattr(event, "reason_phrase", "") or ""
 

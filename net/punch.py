@@ -48,7 +48,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
 from . import batch, path_mtu
-from .endpoint import CONNECT_TIMEOUT, Address, AnonymousGuard, no_answer, resolve
+from .endpoint import CONNECT_TIMEOUT, QUIC_IDLE_TIMEOUT, Address, AnonymousGuard, close_reason, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
 from .tls import (ALPN_SWARM, DEFAULT_DATAGRAM_SIZE, CertificateCheck, client_configuration, datagram_size_for,
@@ -311,16 +311,20 @@ async def connect_on(shared: SharedSocket, address: Address, creds: Credentials,
     if not max_datagram_size:
         max_datagram_size = await shared.datagram_size_to(address) if probe_size else datagram_size_for(address.host)
     config = client_configuration(creds, peer_name=peer_name, max_datagram_size=max_datagram_size)
-    protocol = SwarmProtocol(QuicConnection(configuration=config), handler=handler, max_frame=max_frame)
+    connection = QuicConnection(configuration=config)
+    protocol = SwarmProtocol(connection, handler=handler, max_frame=max_frame)
     protocol.connection_made(shared.transport)
     shared.add_client(protocol)
     protocol.connect((address.host, address.port))
     try:
         await asyncio.wait_for(protocol.wait_connected(), timeout)
-    except (ConnectionError, asyncio.TimeoutError):
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        reason = close_reason(connection)
         protocol.close()
         shared.remove_client(protocol)
-        raise ConnectionError(no_answer(address)) from None
+        if isinstance(e, asyncio.TimeoutError) or reason in ("", QUIC_IDLE_TIMEOUT):
+            raise ConnectionError(no_answer(address)) from None
+        raise ConnectionError(f"cannot connect to {address}: {reason}") from None
     return protocol
 
 

@@ -43,6 +43,7 @@ class CostModel:
         self.act = layout.activation_bytes_per_token
         self.links = LinkModel(nodes)  # measured, or bounded from the measured ones (plans/links.py)
         self.site = {nd.name: nd.site for nd in nodes if nd.site}
+        self._hops: dict[tuple[str, str], float] = {}  # link_ms, once per pair (the searches ask ~10^5 times)
 
     def stage_memory(self, m: str, p: int, q: int) -> tuple[int, int] | None:
         """(device bytes, host RAM bytes) member ``m`` needs for trunk layers [p, q) (indices from
@@ -140,7 +141,10 @@ class CostModel:
     def link_ms(self, a: str, b: str) -> float:
         """One token's activations from ``a`` to ``b``: the link's time (half the round trip, the
         bytes at its rate) and the CPU both ends spend on its datagrams, in the hop's dtype."""
-        return self.links.link(a, b).link.cost_ms(self.hop_bytes(a, b)) + self.packet_ms(a, b)
+        ms = self._hops.get((a, b))
+        if ms is None:
+            ms = self._hops[a, b] = self.links.link(a, b).link.cost_ms(self.hop_bytes(a, b)) + self.packet_ms(a, b)
+        return ms
 
     def hop_dtype(self, a: str, b: str) -> str:
         """What the hop carries under the swarm's --wire-dtype (plans/wire.py); q8_0 needs rows of

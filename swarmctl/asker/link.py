@@ -47,6 +47,7 @@ log = logging.getLogger("swarmctl.client")
 
 SEND_BACKLOG = 8 * 1024 * 1024
 NO_PLAN_GRACE = 20.0  # how long to wait for the swarm to become whole again before giving up
+STAGE_RETRY_S = 1.0  # a stage that did not answer as the link opened is tried again after this (or a new plan)
 SAME_ROUTE_RETRY_S = 2 * SILENCE_LIMIT  # a route that failed on a plan that stays is tried again after this
 
 
@@ -115,13 +116,31 @@ class SwarmLink:
             link.dialer = await Dialer.open(link.creds, memo=PathMemoFile(home.file(PATH_MEMO_FILE)), asking=True,
                                             ask_host=lambda message: ask_route(link.host.conn, message))
             await link.host.connect()
-            link.plan = await link.host.complete(ready_timeout, alive_check, min_stages)
-            await link._connect_stages()
+            await link._reach_stages(time.monotonic() + ready_timeout, alive_check, min_stages)
             link._tasks = [asyncio.ensure_future(link._keep_alive())]
         except BaseException:
             await link.close()
             raise
         return link
+
+    async def _reach_stages(self, deadline: float, alive_check: Callable[[], None] | None, min_stages: int) -> None:
+        """A complete plan and connections to its first and last stage, by ``deadline``. A stage
+        that does not answer (one that just died, before the host noticed; one too busy to finish
+        a handshake in time) is tried again, on the next plan if one comes, until the deadline;
+        the last failure is raised then."""
+        while True:
+            self.plan = await self.host.complete(max(1.0, deadline - time.monotonic()), alive_check, min_stages)
+            try:
+                await self._connect_stages()
+                return
+            except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+                for conn in {self.first_conn, self.last_conn} - {None}:
+                    await close(conn)
+                self.first_conn = self.last_conn = None
+                if time.monotonic() + STAGE_RETRY_S > deadline:
+                    raise
+                log.warning("cannot reach plan v%d's stages (%s); trying again", self.plan.version, e)
+                await self.host.changed(STAGE_RETRY_S)  # a new plan, or a pause before the same again
 
     async def _connect_host(self, addresses: list[str]) -> SwarmProtocol:
         """The host, from our swarm socket (so the host sees where it leads and answers our reach)."""
