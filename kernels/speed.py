@@ -216,6 +216,40 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
     return result
 
 
+@dataclass(frozen=True)
+class RamRate:
+    """How fast this machine's CPU gets through the bytes a token reads in one mixture-of-experts
+    layer held in host RAM: what a GPU member that keeps routed experts in RAM (kernels/device_split.py)
+    offers the planner as its RAM's rate (plans/cost.py charges the experts there at it). Measured
+    by ``measure_speed`` on the CPU, so compute and the threads' reach are in the figure, not only
+    the memory's bandwidth."""
+
+    gb_s: float
+    layer: int
+    ms_per_token: float  # the layer on the CPU, per decode token
+    bytes_per_token: float  # what a token reads in it: the dense part and its share of the experts
+
+    def describe(self) -> str:
+        return (f"{self.gb_s:.1f} GB/s from host RAM ({self.bytes_per_token / 1e6:.1f} MB per token through "
+                f"layer {self.layer} in {self.ms_per_token:.2f} ms on the CPU)")
+
+
+def measure_ram_rate(gguf: GGUFFile, *, n_threads: int | None = None, **kwargs) -> RamRate | None:
+    """The CPU's rate through a token's bytes of one of the model's mixture-of-experts layers in
+    host RAM (``RamRate``); None for a dense model (no routed experts to keep in RAM)."""
+    from .spec import ModelSpec
+
+    spec = ModelSpec.from_gguf(gguf)
+    held = [il for il in spec.moe_layers if spec.layer_bytes[il] > 0 and spec.layer_expert_bytes]
+    if not held or not spec.n_expert:
+        return None
+    il = held[len(held) // 2]
+    ms = measure_speed(gguf, n_threads=n_threads, layer=il, device=None, **kwargs).ms_per_layer_token
+    experts = spec.layer_expert_bytes[il]
+    per_token = spec.layer_bytes[il] - experts + experts * spec.n_expert_used / spec.n_expert
+    return RamRate(per_token / (ms * 1e6), il, ms, per_token)
+
+
 # --- after the first measurement ---
 
 REPORT_FACTOR = 1.25  # tell the host a fresh measurement when it is this far from what it has

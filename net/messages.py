@@ -37,6 +37,7 @@ MAX_MEMORY = 2**50  # 1 PiB: more than any machine offers
 MS_PER_LAYER = (0.001, 60_000.0)  # per token
 MAX_RTT_MS = 60_000.0
 MAX_BANDWIDTH_MB_S = 1e6
+MAX_RAM_GB_S = 2000.0
 MAX_LINKS = 1024
 MAX_NAME = 64
 MAX_ACCUSED = 64
@@ -47,6 +48,9 @@ MsPerLayer = Annotated[float, msgspec.Meta(ge=MS_PER_LAYER[0], le=MS_PER_LAYER[1
 RttMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_RTT_MS)]
 DatagramUs = Annotated[float, msgspec.Meta(ge=0.01, le=100_000)]  # plans/nodes.py MAX_DATAGRAM_US
 Bandwidth = Annotated[float, msgspec.Meta(ge=0, le=MAX_BANDWIDTH_MB_S)]
+# A GPU member's host RAM read rate for routed experts (kernels/speed.py RamRate): the fastest desktop
+# memory systems read a few hundred GB/s; a figure beyond this is no machine's.
+RamGbS = Annotated[float, msgspec.Meta(gt=0, le=MAX_RAM_GB_S)]
 Layer = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Version = Annotated[int, msgspec.Meta(ge=-1, le=2**62)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -83,6 +87,10 @@ class Register(Message, tag="register"):
     local: Annotated[str, msgspec.Meta(max_length=64)] = ""
     relay: bool = False  # it offers to relay links (run --relay)
     datagram_us: DatagramUs | None = None  # CPU per datagram of a hop, both ends (net/packet_cost.py)
+    # A trunk on a GPU may offer host RAM for the routed experts its device cannot hold (run's
+    # --memory there), with the rate its CPU gets through them (measured at start): both or neither.
+    ram_bytes: Memory = 0
+    ram_gb_s: RamGbS | None = None
 
 
 class Ready(Message, tag="ready"):
@@ -272,6 +280,8 @@ class NodeInfo(Part):
     address: str
     links: dict[str, LinkInfo] = {}
     datagram_us: float | None = None  # CPU per datagram of a hop, both ends, as it measured
+    ram_bytes: int = 0  # host RAM beside its device for routed experts, and that RAM's rate
+    ram_gb_s: float = 0.0
 
 
 class Nodes(Message, tag="nodes"):
@@ -287,6 +297,8 @@ class MemberStatus(Part, kw_only=True):
     layers: list[int] | None = None
     experts: list[int] | None = None
     memory: int | None = None
+    ram_bytes: int = 0  # a GPU trunk's host RAM for routed experts (its device's memory is ``memory``)
+    ram_gb_s: float = 0.0
     device: str = ""  # where a trunk computes: cpu, cuda:0, vulkan:0, ... ("": not a trunk, or a host too old)
     placement: str = ""  # its stage's layers by device when they are split (partial offload), else ""
     ms_per_layer_token: float | None = None  # its claim

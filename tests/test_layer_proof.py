@@ -183,7 +183,8 @@ def swarm(tmp_path_factory):
         s.init()
         s.start_host()
         s.wait_host()
-        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast", "lazy", "idle"):
+        for name in ("trunk-a", "trunk-b", "asker", "wrong", "silent", "echo", "fast", "lazy", "idle", "gpu-ram",
+                     "cpu-ram"):
             s.join(name)
         s.start_trunk("trunk-a", capture=False)
         s.start_trunk("trunk-b", capture=False)
@@ -205,8 +206,10 @@ class FakeTrunk:
     says ready when the plan gives it layers (``says_ready``), and answers the host's checks as
     ``answer`` decides (None: not at all)."""
 
-    def __init__(self, swarm: Swarm, name: str, *, memory: int, claim: float | None, answer, says_ready: bool):
+    def __init__(self, swarm: Swarm, name: str, *, memory: int, claim: float | None, answer, says_ready: bool,
+                 **register: object):
         self.swarm, self.name = swarm, name
+        self.register = {"device": "cpu", **register}  # more of what it registers with (device, a RAM offer)
         self.creds = SwarmHome(swarm.homes[name]).credentials()
         self.memory, self.claim, self.answer, self.says_ready = memory, claim, answer, says_ready
         self.conn = None
@@ -220,7 +223,7 @@ class FakeTrunk:
         self.plan_stream = self.conn.open_stream()
         reply = await self.conn.request(encode_control({
             "type": "register", "listen": "127.0.0.1:9", "memory": self.memory, "ms_per_layer_token": self.claim,
-            "device": "cpu", "rtt_ms": 0.5}), stream_id=self.plan_stream)
+            "rtt_ms": 0.5, **self.register}), stream_id=self.plan_stream)
         self._spawn(self._keep_alive())
         message = decode_control(reply.body)
         if message["type"] == "plan":  # the answer to registering is a plan, as later pushes are
@@ -466,4 +469,40 @@ def test_a_proven_member_that_never_loads_its_layers_leaves_the_plan_in_use_serv
         answer_while_staged.stderr
     assert f"did not load layers" in row["health"] and f"of plan v{staged['version']} within 8 s" in row["health"]
     status = swarm.wait_complete(2)
+    assert {m["name"] for m in status["members"] if m["layers"]} == {"trunk-a", "trunk-b"}
+
+
+def test_a_gpu_member_offers_host_ram_for_experts_and_the_host_keeps_it_only_beside_a_device(swarm):
+    """Issue 33 item 1: a trunk on a GPU may offer host RAM for the routed experts its card cannot
+    hold, with the rate it measured (run --device ... --memory); the host keeps both for the planner
+    and shows them in status. A trunk on the CPU offers its RAM as its memory already: a RAM offer
+    beside it is ignored. A rate no machine has is refused in one line, and the host serves on."""
+    swarm.wait_complete(2)
+
+    async def scenario():
+        gpu = FakeTrunk(swarm, "gpu-ram", memory=8 * 10**9, claim=1.0, answer=None, says_ready=False,
+                        device="vulkan:0", ram_bytes=96 * 10**9, ram_gb_s=41.5)
+        cpu = FakeTrunk(swarm, "cpu-ram", memory=8 * 10**9, claim=1.0, answer=None, says_ready=False,
+                        ram_bytes=96 * 10**9, ram_gb_s=41.5)
+        try:
+            registered = [await gpu.start(), await cpu.start()]
+            rows = {m["name"]: m for m in swarm.status()["members"]}
+        finally:
+            await gpu.stop()
+            await cpu.stop()
+        liar = FakeTrunk(swarm, "cpu-ram", memory=8 * 10**9, claim=1.0, answer=None, says_ready=False,
+                         device="vulkan:0", ram_bytes=96 * 10**9, ram_gb_s=5000.0)
+        try:
+            refused = await liar.start()
+        finally:
+            await liar.stop()
+        return registered, rows, refused
+
+    registered, rows, refused = asyncio.run(scenario())
+    assert [r["type"] for r in registered] != ["error", "error"], registered
+    assert rows["gpu-ram"]["device"] == "vulkan:0" and rows["gpu-ram"]["memory"] == 8 * 10**9
+    assert rows["gpu-ram"]["ram_bytes"] == 96 * 10**9 and rows["gpu-ram"]["ram_gb_s"] == 41.5
+    assert rows["cpu-ram"]["ram_bytes"] == 0 and rows["cpu-ram"]["ram_gb_s"] == 0.0
+    assert refused["type"] == "error" and "ram_gb_s" in refused["message"] and "\n" not in refused["message"]
+    status = swarm.wait_complete(2)  # the two trunks serve on
     assert {m["name"] for m in status["members"] if m["layers"]} == {"trunk-a", "trunk-b"}

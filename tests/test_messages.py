@@ -99,7 +99,8 @@ def _strategy(t: mi.Type) -> st.SearchStrategy:
         high = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else 2**63 - 1)
         return st.integers(low, high)
     if isinstance(t, mi.FloatType):
-        return st.floats(t.ge if t.ge is not None else -1e300, t.le if t.le is not None else 1e300,
+        low = t.ge if t.ge is not None else t.gt if t.gt is not None else -1e300
+        return st.floats(low, t.le if t.le is not None else 1e300, exclude_min=t.gt is not None and t.ge is None,
                          allow_nan=False, allow_infinity=False)
     if isinstance(t, mi.StrType):
         if t.pattern is not None:

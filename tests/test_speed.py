@@ -21,8 +21,8 @@ import pytest
 
 from kernels.gguf_file import GGUFFile
 from kernels.speed import (BUDGET_S, MAX_REMEASURES, REMEASURE_AFTER_S, REPEATS, REPORT_INTERVAL_S, Repeat,
-                           SpeedMeasurement, SpeedTracker, classify, collect, measure_speed, n_cpus, robust_figure,
-                           worth_reporting)
+                           SpeedMeasurement, SpeedTracker, classify, collect, measure_ram_rate, measure_speed, n_cpus,
+                           robust_figure, worth_reporting)
 from net.messages import Speed, as_dict
 from plans.hysteresis import (MIN_GAIN, SETTLE_S, SPEED_FACTOR, SUSTAIN_S, assignment_cost, decide_on_speed,
                               materially_changed, sticky_speed)
@@ -417,3 +417,20 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
     a, b = order
     host._links(conns[a], 0, Links(links={b: LinkClaim(rtt_ms=2.5)}))  # about what the plan assumed
     assert planning.plan.version == 2
+
+
+def test_the_ram_rate_is_a_tokens_bytes_through_an_expert_layer_over_its_time_and_dense_models_have_none(
+        tiny_model, bundled_model):
+    """What a GPU member offering RAM for routed experts reports (issue 33 item 1): the CPU's rate
+    through what a token reads in one mixture-of-experts layer, which the planner's layout computes
+    on its own from the same file (plans/layout.py read_bytes)."""
+    path = tiny_model("deepseek2-q4_1")
+    with GGUFFile(path) as gguf:
+        rate = measure_ram_rate(gguf, n_threads=1)
+    layout = ModelLayout.from_gguf(path)
+    assert rate is not None and layout.expert_bytes[rate.layer] > 0
+    assert rate.bytes_per_token == pytest.approx(layout.read_bytes(rate.layer), rel=1e-9)
+    assert rate.gb_s == pytest.approx(rate.bytes_per_token / (rate.ms_per_token * 1e6), rel=1e-9) and rate.gb_s > 0
+    assert rate.bytes_per_token < layout.layer_bytes[rate.layer]  # a token skips the experts it is not routed to
+    with GGUFFile(bundled_model) as gguf:
+        assert measure_ram_rate(gguf, n_threads=1) is None

@@ -219,7 +219,7 @@ async def _from_swarm(args: argparse.Namespace):
     running = Plan.from_dict((await ask_host(home, m.GetPlan(), m.PlanPush)).plan)
     nodes = [NodeDescriptor(n.name, n.memory_bytes, n.ms_per_layer_token, n.device, n.address,
                             {k: Link(v.rtt_ms, v.bandwidth_mb_s) for k, v in n.links.items()},
-                            datagram_us=n.datagram_us)
+                            datagram_us=n.datagram_us, ram_bytes=n.ram_bytes, ram_gb_s=n.ram_gb_s)
              for n in answer.nodes]
     if not nodes:
         raise EngineError("the swarm has no trunk members to plan with yet")

@@ -5,6 +5,8 @@ examples:
   swarmctl run --role host
   swarmctl run --role trunk --memory 12G
   swarmctl run --role trunk --device cuda:0 --gpu-memory 20G
+  swarmctl run --role trunk --device cuda:0 --memory 96G   (a mixture of experts: the routed experts
+                                                          the card cannot hold, in 96 GB of host RAM)
   swarmctl run --role trunk --relay        (a reachable machine that also relays for NATed ones)
 """
 
@@ -60,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["host", "trunk"], required=True)
     parser.add_argument("--memory", metavar="SIZE", type=_size_text,
                         help="memory this trunk offers, e.g. 12G: 12 GB of 10^9 bytes, as 'status' shows it (16GiB "
-                             "for binary units; default: what is available)")
+                             "for binary units; default: what is available). On a GPU: host RAM for the routed "
+                             "experts of a mixture-of-experts model that the device cannot hold (default: none)")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     add_device_option(parser, "a trunk's slices")
     parser.add_argument("--gpu-memory", metavar="SIZE", type=_size_text,
@@ -96,14 +99,14 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
                          f"{args.device}): offer host memory with --memory")
     # What the trunk offers the planner: host memory on the CPU, device memory on a GPU (None: what
     # is there now, less a reserve on a GPU).
+    # On a GPU, --memory is host RAM for the routed experts of a mixture-of-experts model that the
+    # device cannot hold (kernels/device_split.py), as llama.cpp's --override-tensor exps=CPU does.
     offered = args.memory if device.is_cpu else args.gpu_memory
-    if args.memory and not device.is_cpu:
-        log.warning("--memory %s is host memory; this trunk computes on %s and offers its device memory "
-                    "(--gpu-memory)", args.memory, device.label)
     memory = parse_size(offered) if offered else None
+    ram = parse_size(args.memory) if args.memory and not device.is_cpu else 0
     options = TrunkOptions(memory=memory, n_threads=args.threads, device=device,
                            capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise,
-                           relay=args.relay)
+                           relay=args.relay, ram=ram)
     service = TrunkService(home, options, stop)
     log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
              f", offering {service.memory / 1e9:.1f} GB of its memory" if not device.is_cpu else "")

@@ -50,6 +50,8 @@ def format_table(status: m.Status) -> str:
         if member.experts:  # expert parallelism: this member holds experts of every trunk layer
             layers = f"experts [{member.experts[0]}, {member.experts[1]})"
         memory = units.size(member.memory) if member.memory else "-"
+        if member.ram_bytes:  # a GPU trunk's host RAM for the routed experts its device cannot hold
+            memory += f" + {units.size(member.ram_bytes)} RAM"
         rows.append((member.name, member.may, member.address or "-", layers, member.device or "-", memory,
                      member_health(member)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -101,7 +101,8 @@ class PlanKeeper:
         for name, t in ready:
             links = t.planned_links()
             speed = self.speed_basis[name] if t.planning_speed else fallback
-            nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links, datagram_us=t.datagram_us))
+            nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links, datagram_us=t.datagram_us,
+                                        ram_bytes=t.ram_bytes, ram_gb_s=t.ram_gb_s))
         return nodes
 
     def describe_nodes(self) -> list[m.NodeInfo]:
@@ -109,7 +110,8 @@ class PlanKeeper:
         return [m.NodeInfo(name=n.name, memory_bytes=n.memory_bytes, ms_per_layer_token=n.ms_per_layer_token,
                            device=n.device, address=n.address,
                            links={k: m.LinkInfo(rtt_ms=v.rtt_ms, bandwidth_mb_s=v.bandwidth_mb_s)
-                                  for k, v in n.links.items()}, datagram_us=n.datagram_us)
+                                  for k, v in n.links.items()}, datagram_us=n.datagram_us,
+                           ram_bytes=n.ram_bytes, ram_gb_s=n.ram_gb_s)
                 for n in self.descriptors()]
 
     def rebase(self, name: str) -> None:

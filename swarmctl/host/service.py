@@ -266,9 +266,11 @@ class HostService:
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
                                                         device=message.device, rtt_ms=message.rtt_ms,
                                                         local=message.local, relay=message.relay,
-                                                        datagram_us=message.datagram_us)
-        log.info("trunk %s registered at %s with %.1f GB, %s ms per layer", conn.peer_name, listen,
-                 message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured")
+                                                        datagram_us=message.datagram_us, **_ram_offer(message))
+        log.info("trunk %s registered at %s with %.1f GB, %s ms per layer%s", conn.peer_name, listen,
+                 message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured",
+                 f", and {trunk.ram_bytes / 1e9:.1f} GB of host RAM for routed experts at {trunk.ram_gb_s:.1f} GB/s"
+                 if trunk.ram_bytes else "")
         self.checks.at_registration(conn.peer_name, trunk)
         self.planning.rebase(conn.peer_name)
         self.planning.replan(also_send_to=conn.peer_name)
@@ -450,3 +452,11 @@ async def run_host(home: SwarmHome, stop: asyncio.Event, ready_file=None) -> Non
         await stop.wait()
     finally:
         service.close()
+
+
+def _ram_offer(message: m.Register) -> dict:
+    """A trunk's host RAM for routed experts, planned on only with its rate and only beside a device
+    (a trunk on the CPU offers its RAM as its memory already)."""
+    if not message.ram_bytes or message.ram_gb_s is None or message.device == "cpu":
+        return {}
+    return {"ram_bytes": message.ram_bytes, "ram_gb_s": message.ram_gb_s}

@@ -67,6 +67,7 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         layers=[stage.start, stage.stop] if stage else None,
         experts=[expert.start, expert.stop] if expert else None,
         memory=trunk.memory if trunk else None, device=trunk.device if trunk else "",
+        ram_bytes=trunk.ram_bytes if trunk else 0, ram_gb_s=trunk.ram_gb_s if trunk else 0.0,
         placement=trunk.placement if trunk and trunk.placement not in ("", trunk.device) else "",
         health=health(src, name, revoked),
         ms_per_layer_token=trunk.ms_per_layer_token if trunk else None,

@@ -59,6 +59,8 @@ class TrunkInfo:
     local: str = ""  # its swarm socket as it sees itself ("": it advertises an address of its own)
     relay: bool = False  # it offers to relay links (run --relay)
     datagram_us: float | None = None  # what a hop's datagram costs its CPU, as it measured (net/packet_cost.py)
+    ram_bytes: int = 0  # a GPU member's host RAM for routed experts, and its rate, as it measured
+    ram_gb_s: float = 0.0
 
     @property
     def behind_nat(self) -> bool:

@@ -34,6 +34,7 @@ class TrunkOptions:
     advertise: str | None = None  # the address to register instead of the one it listens on
     device: Device | None = None  # where the slices compute (None: the CPU)
     relay: bool = False  # also relay links for members that cannot punch one (net/turn.py)
+    ram: int = 0  # on a GPU: host RAM offered for the routed experts the device cannot hold (--memory there)
 
 
 @dataclass(frozen=True)

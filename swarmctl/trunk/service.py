@@ -75,6 +75,10 @@ class TrunkService:
         self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
         self.datagram_us: float | None = None  # measured as run() starts (net/packet_cost.py)
+        # On a GPU: host RAM offered for routed experts (--memory there), and its rate, measured as
+        # run() starts (kernels/speed.py RamRate; None: not measured, or a dense model).
+        self.ram_bytes = options.ram if device is not None and not device.is_cpu else 0
+        self.ram_gb_s: float | None = None
         self._stop = stop
         self._tasks: set[asyncio.Task] = set()
         self._capture_seq = 0
@@ -104,6 +108,11 @@ class TrunkService:
     async def run(self) -> None:
         if self.model_path.exists():
             await self.speed.measure_at_start()
+            if self.ram_bytes:
+                self.ram_gb_s = await self.speed.measure_ram_rate()
+                if self.ram_gb_s is None:
+                    log.info("--memory offers host RAM for routed experts; %s has none: it stays unused",
+                             self.model_path.name)
         else:
             log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
         self.datagram_us = await self._measure_datagram_cost()
@@ -204,7 +213,13 @@ class TrunkService:
                           ms_per_layer_token=self.speed.ms_per_layer_token,
                           device=self.device.label if self.device is not None else "cpu",
                           local="" if self.advertise else self._local_address(), relay=self.relay is not None,
-                          datagram_us=self.datagram_us)
+                          datagram_us=self.datagram_us, **self._ram_offer())
+
+    def _ram_offer(self) -> dict:
+        """Host RAM for routed experts, with its measured rate: offered together or not at all."""
+        if not self.ram_bytes or self.ram_gb_s is None:
+            return {}
+        return {"ram_bytes": self.ram_bytes, "ram_gb_s": min(self.ram_gb_s, m.MAX_RAM_GB_S)}
 
     def _local_address(self) -> str:
         """Our swarm socket as we see it on the route to the host (the host compares it with where

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kernels.gguf_file import GGUFFile
-from kernels.speed import REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_speed, worth_reporting
+from kernels.speed import (REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_ram_rate, measure_speed,
+                           worth_reporting)
 from net import messages as m
 from swarmctl.trunk.context import TrunkContext
 
@@ -48,6 +49,19 @@ class SpeedReport:
         self.ms_per_layer_token = await loop.run_in_executor(self._executor, self.measure)
         log.info("this machine runs one layer of %s in %.2f ms per token", self.model_path.name,
                  self.ms_per_layer_token)
+
+    async def measure_ram_rate(self) -> float | None:
+        """GB/s at which this machine's CPU gets through routed experts kept in host RAM (a GPU
+        trunk offering RAM beside its device: kernels/speed.py RamRate); None for a dense model,
+        whose layers have no routed experts to keep there."""
+        def measure() -> float | None:
+            with GGUFFile(self.model_path) as gguf:
+                rate = measure_ram_rate(gguf, n_threads=self.n_threads)
+            if rate is not None:
+                log.info("routed experts in host RAM: %s", rate.describe())
+            return rate.gb_s if rate is not None else None
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, measure)
 
     async def measure_slice(self, model: Path, first_layer: int) -> None:
         """A trunk that started without the model file measures on the layers it was sent."""
