@@ -42,6 +42,11 @@ class Recorder:
             d.pop("paths", None)
         if isinstance(d.get("status"), dict) and not d["status"].get("staged"):
             d["status"].pop("staged", None)  # (no plan staged, as in most polls: the line as before)
+        members = d["status"].get("members", []) if isinstance(d.get("status"), dict) else []
+        for row in [*members, *(d.get("nodes") or [])]:
+            if isinstance(row, dict) and not row.get("ram_bytes"):  # (no RAM beside a GPU, as most: as before)
+                row.pop("ram_bytes", None)
+                row.pop("ram_gb_s", None)
         for name, stats in poll.stats.items():
             newest = self._reported.get(name, float("-inf"))
             # 0.1 ms and 10 µs: finer than any chart cell, and a third of the bytes
