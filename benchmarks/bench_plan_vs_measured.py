@@ -6,7 +6,8 @@ measures, at Kimi K2's width.
 Without --model it writes (once, into --cache) a deepseek2 GGUF with Kimi K2's per-layer shapes
 (harness/tiny_models.KIMI_WIDTH: n_embd 7168, 64 heads, q rank 1536, kv rank 512, expert FFN 2048,
 8 of 16 experts used, one shared, the first layer dense; 4 layers, Q8_0, ~3.7 GB), so each token
-reads the bytes a Kimi layer reads. It starts a local swarm of two trunk processes on loopback (the
+reads the bytes a Kimi layer reads; with --shape llama-1b, Llama 3.2 1B's shapes (n_embd 2048, 16
+layers, 32 heads, 8 for K/V, FFN 8192; the bundled vocabulary, tied output; Q8_0, ~1.1 GB). It starts a local swarm of two trunk processes on loopback (the
 asker keeps layers 0 and 3, the embedding and the LM head), runs greedy generations and measures
 decode ms per token (wall time from the first token to the last) and where it went (the asker's
 head and tail, each stage's compute, the rest: transfer and waiting). It asks the host
@@ -46,14 +47,19 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "Explain in two sentences why the sky is blue."
 
 
-def kimi_width_model(cache: Path) -> Path:
-    from harness.tiny_models import KIMI_WIDTH, write_tiny_model
+SHAPES = {"kimi-width": ("KIMI_WIDTH", "kimi-width-4l-16e-q8_0.gguf"), "llama-1b": ("LLAMA_1B", "llama-1b-q8_0.gguf")}
 
-    path = cache / "kimi-width-4l-16e-q8_0.gguf"
+
+def shaped_model(cache: Path, shape: str = "kimi-width") -> Path:
+    """The benchmark's model of that shape (harness/tiny_models), written once into ``cache``."""
+    from harness import tiny_models
+
+    config, name = SHAPES[shape]
+    path = cache / name
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        write_tiny_model(path.with_suffix(".part"), KIMI_WIDTH, default_model_path())
+        tiny_models.write_tiny_model(path.with_suffix(".part"), getattr(tiny_models, config), default_model_path())
         path.with_suffix(".part").rename(path)
         print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
@@ -140,7 +146,10 @@ async def run(model: Path, tokens: int, repeats: int, threads: int, settle_s: fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="a GGUF (default: the Kimi-width file, written once into --cache)")
+    p.add_argument("--model", type=Path, help="a GGUF (default: the --shape file, written once into --cache)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="kimi-width",
+                   help="without --model: Kimi K2's layer shapes (deepseek2, 4 layers, 16 experts) or Llama 3.2 "
+                        "1B's (16 layers)")
     p.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bench-models")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
@@ -148,7 +157,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=20.0, help="seconds after the warm-up before measuring")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    model = args.model or kimi_width_model(args.cache)
+    model = args.model or shaped_model(args.cache, args.shape)
     emit_json(asyncio.run(run(model, args.tokens, args.repeats, args.threads, args.settle)), args.out)
 
 

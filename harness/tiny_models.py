@@ -321,6 +321,11 @@ TINY_CONFIGS = {
 KIMI_WIDTH = TinyConfig(arch="deepseek2", qtype="Q8_0", n_layer=4, n_embd=7168, n_head=64, n_ff=18432, n_ctx=4096, q_rank=1536,
                         kv_rank=512, qk_nope=128, qk_rope=64, v_head=128, n_ff_exp=2048, n_expert=16, n_expert_used=8,
                         n_dense_lead=1, n_shared=1, sigmoid_gating=True, weights_scale=2.827, seed=21)
+# Llama 3.2 1B's shapes (n_embd 2048, 16 layers, 32 heads of which 8 for K/V, FFN 8192) with the
+# bundled model's vocabulary and tied output, Q8_0: ~1.1 GB, the "~1B llama-shaped model" issue 33
+# checks the planner on beside the Kimi-width one (benchmarks/bench_plan_vs_measured.py --shape).
+LLAMA_1B = TinyConfig(arch="llama", qtype="Q8_0", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
+                      n_ctx=4096, seed=23)
 # As wide as Kimi K2 (7168) and otherwise thin (two heads of rank-32 latent attention, a 64-wide
 # dense FFN): a prompt's crossings cost what a Kimi trunk's do and its compute next to nothing
 # (bench_swarm section j: f16 against f32 activations over capped links).
