@@ -240,8 +240,8 @@ def measure_ram_rate(gguf: GGUFFile, *, n_threads: int | None = None, **kwargs) 
     from .spec import ModelSpec
 
     spec = ModelSpec.from_gguf(gguf)
-    held = [il for il in spec.moe_layers if spec.layer_bytes[il] > 0 and spec.layer_expert_bytes]
-    if not held or not spec.n_expert:
+    held = [il for il in spec.moe_layers if spec.layer_bytes[il] > 0] if spec.layer_expert_bytes else []
+    if not held:
         return None
     il = held[len(held) // 2]
     ms = measure_speed(gguf, n_threads=n_threads, layer=il, device=None, **kwargs).ms_per_layer_token
