@@ -171,8 +171,9 @@ def n_cpus() -> int:
 
 def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | None = None,
                   repeats: int = REPEATS, budget_s: float = BUDGET_S, min_repeat_s: float = MIN_REPEAT_S,
-                  device: Device | None = None) -> SpeedMeasurement:
-    """ms per decode token through one layer, as described at the top of this file."""
+                  device: Device | None = None, rows: int = 1) -> SpeedMeasurement:
+    """ms per decode token through one layer, as described at the top of this file; with ``rows``
+    above 1, ms per step of that many prompt rows (``measure_prompt_rate``)."""
     from .slice import Placement, SliceEngine
     from .spec import ModelSpec, SliceSpec
 
@@ -184,20 +185,20 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
     rng = np.random.default_rng(0)
     clocks = _Clocks()
     cpus = n_cpus()
-    with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256,
+    with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256 + 6 * rows,
                      placement=Placement(device=device)) as engine:
         threads = engine.backend.n_threads
         rid = b"speed-probe-0000"
         engine.forward(rid, start_pos=0, hidden=rng.standard_normal((16, spec.n_embd)).astype(np.float32))
-        x = rng.standard_normal((1, spec.n_embd)).astype(np.float32)
-        for pos in range(16, 20):  # warm-up: the first steps fault the weights in and build the graph
+        x = rng.standard_normal((rows, spec.n_embd)).astype(np.float32)
+        for pos in range(16, 16 + 4 * rows, rows):  # warm-up: the first steps fault the weights in and build the graph
             engine.forward(rid, start_pos=pos, hidden=x)
 
         def run_repeat() -> Repeat:
             wall0, cpu0, busy0 = clocks.read()
             times: list[float] = []
             while True:
-                pos = 20 + len(times) % 8  # rewinding keeps every repeat at the same few positions
+                pos = 16 + 4 * rows + len(times) % 8  # rewinding keeps every repeat at the same few positions
                 t = time.perf_counter()
                 engine.forward(rid, start_pos=pos, hidden=x, rewind=True)
                 times.append(time.perf_counter() - t)
@@ -214,6 +215,33 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
         result = collect(run_repeat, n_threads=threads, n_cpus=cpus, repeats=repeats, budget_s=budget_s)
         engine.release(rid)
     return result
+
+
+PROMPT_ROWS = 32  # rows in the prompt probe: enough that a step's cost is its rows' compute
+
+
+def measure_prompt_rate(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | None = None,
+                        device: Device | None = None, rows: int = PROMPT_ROWS, one_row_ms: float | None = None,
+                        **kwargs) -> SpeedMeasurement:
+    """ms per prompt row through one layer beyond a step's first (``one_row_ms``, the decode
+    figure, when given), in steps of ``rows`` rows near the start of a context: what a prompt chunk
+    costs a member per layer and row (plans/prefill.py). A prompt's rows share one read of the
+    weights, so this is compute, not the memory reads a decode token's figure is; per row it held
+    within 5 % from 32 to 512 rows on a 1B llama-shaped layer and a Kimi-width one (measured), while
+    attention over a longer context added 8-25 % per row at 1,500 positions (not in the figure)."""
+    measurement = measure_speed(gguf, n_threads=n_threads, layer=layer, device=device, rows=rows,
+                                **{"repeats": 2, **kwargs})
+    per_row = prompt_row_ms(measurement.ms_per_layer_token, rows, one_row_ms)
+    return SpeedMeasurement(per_row, measurement.repeats, measurement.starved, measurement.contended,
+                            measurement.seconds, measurement.n_threads)
+
+
+def prompt_row_ms(step_ms: float, rows: int, one_row_ms: float | None) -> float:
+    """A step of ``rows`` rows through one layer, per row beyond the first when the first row's
+    cost (a decode step's) is known and below it, else per row."""
+    if one_row_ms is not None and rows > 1 and step_ms > one_row_ms:
+        return (step_ms - one_row_ms) / (rows - 1)
+    return step_ms / rows
 
 
 @dataclass(frozen=True)
@@ -262,6 +290,8 @@ REPORT_INTERVAL_S = 30.0  # at most one serving figure per 30 s (under load the 
 RESEND_S = 60.0  # a served figure is sent again this often while it holds: the host judges by the last few
 REMEASURE_AFTER_S = 10.0  # a contended first measurement is repeated after 10, 20, 40, 80 s
 MAX_REMEASURES = 4
+PROMPT_MIN_ROWS = 16  # a batch with this many rows counts as a prompt's (its rows share the weights' read)
+PROMPT_WINDOW = 8  # prompt batches kept: they are rarer than decode steps, so kept whatever their age
 
 
 def worth_reporting(figure: float | None, reported: float | None, factor: float = REPORT_FACTOR) -> bool:
@@ -309,6 +339,8 @@ class SpeedTracker:
     next_remeasure: float = math.inf  # time.monotonic()
     last_report: float = -math.inf  # time.monotonic() of the last serving figure reported
     cpus: int = field(default_factory=lambda: n_cpus())
+    # ms per layer per row beyond the first, of recent prompt batches that had the CPU (plans/prefill.py)
+    prompt_samples: deque = field(default_factory=lambda: deque(maxlen=PROMPT_WINDOW))
 
     def measured(self, measurement: SpeedMeasurement, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -325,19 +357,24 @@ class SpeedTracker:
         return True
 
     def observe(self, batches: Iterable, n_layers: int, now: float | None = None,
-                n_threads: int | None = None) -> None:
+                n_threads: int | None = None, one_row_ms: float | None = None) -> None:
         """``batches``: records with ``started`` (unix time), ``seconds``, ``tokens`` and maybe
         ``cpu_s`` (this process's CPU time over the batch), oldest first, as
-        ``BatchRunner.stats.recent`` keeps them; each is read once. ``n_threads``: the engine's."""
+        ``BatchRunner.stats.recent`` keeps them; each is read once. ``n_threads``: the engine's;
+        ``one_row_ms``: the decode figure, which a prompt batch's first row costs."""
         now = time.time() if now is None else now
         newest = self.last_seen
         for b in list(batches):
             if b.started <= self.last_seen:
                 continue
             newest = max(newest, b.started)
-            if b.tokens == 1 and n_layers > 0 and b.seconds > 0:
-                starved = batch_starved(b.seconds, getattr(b, "cpu_s", None), n_threads, self.cpus)
+            if n_layers <= 0 or b.seconds <= 0:
+                continue
+            starved = batch_starved(b.seconds, getattr(b, "cpu_s", None), n_threads, self.cpus)
+            if b.tokens == 1:
                 self.samples.append((b.started, b.seconds * 1e3 / n_layers, starved))
+            elif b.tokens >= PROMPT_MIN_ROWS and not starved:
+                self.prompt_samples.append(prompt_row_ms(b.seconds * 1e3 / n_layers, b.tokens, one_row_ms))
         self.last_seen = newest
         while self.samples and (len(self.samples) > self.window or self.samples[0][0] < now - self.max_age_s):
             self.samples.popleft()
@@ -349,6 +386,10 @@ class SpeedTracker:
         if len(clean) < self.min_samples:
             return None
         return clean[int((len(clean) - 1) * SERVED_QUANTILE)]
+
+    def prompt_estimate(self) -> float | None:
+        """The fastest recent prompt batch's figure (interference only adds time), or None."""
+        return min(self.prompt_samples) if self.prompt_samples else None
 
     def serving_report(self, reported: float | None, now: float | None = None) -> float | None:
         """The serving figure, when the host should hear it: ``REPORT_INTERVAL_S`` after the last

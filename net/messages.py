@@ -91,6 +91,9 @@ class Register(Message, tag="register"):
     # --memory there), with the rate its CPU gets through them (measured at start): both or neither.
     ram_bytes: Memory = 0
     ram_gb_s: RamGbS | None = None
+    # ms per prompt row through one layer, in a prompt's chunk (kernels/speed.py measure_prompt_rate):
+    # what the plan's first-token time is computed with, never where layers go.
+    prompt_ms_per_layer_row: MsPerLayer | None = None
 
 
 class Ready(Message, tag="ready"):
@@ -129,6 +132,7 @@ class Speed(Message, tag="speed"):
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
     ms_per_layer_token: MsPerLayer
     serving: bool = False  # seen in the batches it serves (the host smooths these), not measured afresh
+    prompt_ms_per_layer_row: MsPerLayer | None = None  # measured afresh with it (None: no news)
 
 
 class FetchSlice(Message, tag="fetch_slice"):
@@ -282,6 +286,7 @@ class NodeInfo(Part):
     datagram_us: float | None = None  # CPU per datagram of a hop, both ends, as it measured
     ram_bytes: int = 0  # host RAM beside its device for routed experts, and that RAM's rate
     ram_gb_s: float = 0.0
+    prompt_ms_per_layer_row: float | None = None  # a prompt row through one layer, as it measured
 
 
 class Nodes(Message, tag="nodes"):

@@ -55,6 +55,9 @@ class NodeDescriptor:
     # and the rate it reads their weights there; 0: it offers none (its memory is all there is)
     ram_bytes: int = 0
     ram_gb_s: float = 0.0
+    # One prompt row through one layer, in a prompt's chunk (kernels/speed.py measure_prompt_rate):
+    # for the first-token time (plans/prefill.py) only; None: not measured
+    prompt_ms_per_layer_row: float | None = None
 
     @property
     def packet_us(self) -> float:
@@ -81,7 +84,7 @@ def link_between(a: NodeDescriptor, b: NodeDescriptor) -> Link:
 def load_nodes(path: str | Path) -> list[NodeDescriptor]:
     """Nodes from JSON: a list of {"name", "memory_gb", "ms_per_layer_token", "device"?, "site"?,
     "datagram_us"?, "ram_gb"? with "ram_gb_s" (a GPU member's host RAM for routed experts, and
-    its read rate), "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
+    its read rate), "prompt_ms_per_layer_row"?, "links"?: {other or "asker": {"rtt_ms", "bandwidth_mb_s", "via"?}}}."""
     from kernels.errors import EngineError
 
     try:
@@ -106,7 +109,7 @@ def _node(n: dict) -> NodeDescriptor:
                           ms_per_layer_token=float(n["ms_per_layer_token"]), device=str(n.get("device", "cpu")),
                           links={str(k): _link(name, str(k), v) for k, v in (n.get("links") or {}).items()},
                           site=str(n.get("site") or ""), datagram_us=_datagram_us(n.get("datagram_us")),
-                          **_ram(n))
+                          prompt_ms_per_layer_row=_prompt_ms(n.get("prompt_ms_per_layer_row")), **_ram(n))
 
 
 def _ram(n: dict) -> dict:
@@ -114,6 +117,15 @@ def _ram(n: dict) -> dict:
     if ram_gb < 0 or gb_s < 0 or (ram_gb > 0) != (gb_s > 0):
         raise ValueError(f"{n['name']}: ram_gb and ram_gb_s come together, both more than 0")
     return {"ram_bytes": int(ram_gb * GB), "ram_gb_s": gb_s}
+
+
+def _prompt_ms(value) -> float | None:
+    if value is None:
+        return None
+    ms = float(value)
+    if not 0 < ms < math.inf:
+        raise ValueError("prompt_ms_per_layer_row must be more than 0")
+    return ms
 
 
 def _datagram_us(value) -> float | None:

@@ -23,6 +23,7 @@ class AskerModel:
 
     gb_s: float
     basis: str
+    prompt_ms_per_layer_row: float | None = None  # a prompt row through one of its layers (None: unknown)
 
     def ms(self, layout: "ModelLayout", head_layers: int) -> float:
         return layout.asker_read_bytes(head_layers) / (self.gb_s * 1e6)
@@ -32,7 +33,7 @@ class AskerModel:
         """The rate ``node``'s measured ms per layer reads this model's mean layer at."""
         mean_read = sum(layout.read_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
         return cls(mean_read / (node.ms_per_layer_token * 1e6),
-                   f"as {node.name} measured: {node.ms_per_layer_token:.2f} ms per layer")
+                   f"as {node.name} measured: {node.ms_per_layer_token:.2f} ms per layer", node.prompt_ms_per_layer_row)
 
 
 ASSUMED_ASKER = AskerModel(ASKER_GB_S, f"assumed: a desktop reading {ASKER_GB_S:g} GB/s")

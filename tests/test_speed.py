@@ -296,9 +296,12 @@ def test_a_stage_tells_the_host_the_speed_it_serves_at():
     report.refresh((runner, 22), idle=False)
     assert sent == [] and report.ms_per_layer_token == 0.27  # 0.29 is close to 0.27: the host is not bothered
     records += [batch(t0 + 20 + i, 22 * 0.9e-3) for i in range(30)]  # something else took the machine
+    # and two prompt chunks it served: 64 rows in 22 × (0.27 + 63 × 0.05) ms, and a slower one
+    records += [batch(t0 + 51, 22 * (0.27 + 63 * 0.05) * 1e-3, tokens=64),
+                batch(t0 + 52, 22 * (0.27 + 63 * 0.08) * 1e-3, tokens=64)]
     report.refresh((runner, 22), idle=False)
     assert [as_dict(message) for message in sent] == [{"type": "speed", "ms_per_layer_token": pytest.approx(0.9),
-                                                       "serving": True}]
+                                                       "serving": True, "prompt_ms_per_layer_row": pytest.approx(0.05)}]
     assert report.ms_per_layer_token == pytest.approx(0.9)
 
 

@@ -58,7 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the share of drafted tokens kept, for the speculative figures (default 0.8)")
     parser.add_argument("--asker", metavar="MEMBER", help="a member whose measured speed the asker's own layers and "
                         "LM head are charged at (default: a desktop reading 58.5 GB/s)")
+    parser.add_argument("--prompt-tokens", type=_prompt_tokens, default=1000, metavar="N",
+                        help="the prompt length the first-token time is given for (default 1000)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _prompt_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 10_000_000:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens from 1, not {text!r}")
+    return value
 
 
 def _share(text: str) -> float:
@@ -97,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                  "settings": settings.as_dict(), **asdict(proposal), "whole_ms_per_token": proposal.whole_ms_per_token,
                  "experts": [asdict(e) for e in placement.experts],
                  "time": [asdict(t) for t in _time_breakdown(proposal, nodes)],
-                 "speculation": _speculation(layout, proposal, args.acceptance)}
+                 "speculation": _speculation(layout, proposal, args.acceptance),
+                 "first_token": _first_token(layout, nodes, settings, asker, proposal, args.prompt_tokens)}
         if running is not None:
             shown["running"] = running.to_dict()
             shown["changes"] = plan_changes(running, proposal, placement.experts, settings)
@@ -110,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_plan(layout, settings.planner.head_layers, proposal, placement.experts, nodes))
     if proposal.stages:
         print(format_speculation(_speculation(layout, proposal, args.acceptance)))
+        print(_first_token(layout, nodes, settings, asker, proposal, args.prompt_tokens)["said"])
         print(format_other_head_layers(layout, nodes, settings, asker, proposal))
     if running is not None:
         changes = plan_changes(running, proposal, placement.experts, settings)
@@ -130,6 +144,17 @@ def _speculation(layout, proposal, acceptance: float) -> dict:
     many = best_windows(proposal, layout, acceptance)
     return {"acceptance": acceptance, "plain_tokens_per_s": 1000 / proposal.whole_ms_per_token,
             "one_window": asdict(one), "windows_in_flight": asdict(many)}
+
+
+def _first_token(layout, nodes, settings: Settings, asker, proposal, prompt_tokens: int) -> dict:
+    """The first-token time for a prompt of ``prompt_tokens`` (plans/prefill.py), streamed in chunks
+    as a swarm's asker sends it; unknown where a member, or the asker (see --asker), measured no
+    prompt rate."""
+    from plans.prefill import first_token
+    from plans.proposal import ASSUMED_ASKER
+
+    found = first_token(proposal, layout, nodes, asker or ASSUMED_ASKER, settings.planner.head_layers, prompt_tokens)
+    return {**asdict(found), "ms": None if math.isnan(found.ms) else found.ms, "said": found.describe()}
 
 
 def format_speculation(sp: dict) -> str:
@@ -219,7 +244,8 @@ async def _from_swarm(args: argparse.Namespace):
     running = Plan.from_dict((await ask_host(home, m.GetPlan(), m.PlanPush)).plan)
     nodes = [NodeDescriptor(n.name, n.memory_bytes, n.ms_per_layer_token, n.device, n.address,
                             {k: Link(v.rtt_ms, v.bandwidth_mb_s) for k, v in n.links.items()},
-                            datagram_us=n.datagram_us, ram_bytes=n.ram_bytes, ram_gb_s=n.ram_gb_s)
+                            datagram_us=n.datagram_us, ram_bytes=n.ram_bytes, ram_gb_s=n.ram_gb_s,
+                            prompt_ms_per_layer_row=n.prompt_ms_per_layer_row)
              for n in answer.nodes]
     if not nodes:
         raise EngineError("the swarm has no trunk members to plan with yet")

@@ -102,7 +102,8 @@ class PlanKeeper:
             links = t.planned_links()
             speed = self.speed_basis[name] if t.planning_speed else fallback
             nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links, datagram_us=t.datagram_us,
-                                        ram_bytes=t.ram_bytes, ram_gb_s=t.ram_gb_s))
+                                        ram_bytes=t.ram_bytes, ram_gb_s=t.ram_gb_s,
+                                        prompt_ms_per_layer_row=t.prompt_ms_per_layer_row))
         return nodes
 
     def describe_nodes(self) -> list[m.NodeInfo]:
@@ -111,7 +112,7 @@ class PlanKeeper:
                            device=n.device, address=n.address,
                            links={k: m.LinkInfo(rtt_ms=v.rtt_ms, bandwidth_mb_s=v.bandwidth_mb_s)
                                   for k, v in n.links.items()}, datagram_us=n.datagram_us,
-                           ram_bytes=n.ram_bytes, ram_gb_s=n.ram_gb_s)
+                           ram_bytes=n.ram_bytes, ram_gb_s=n.ram_gb_s, prompt_ms_per_layer_row=n.prompt_ms_per_layer_row)
                 for n in self.descriptors()]
 
     def rebase(self, name: str) -> None:

@@ -266,7 +266,9 @@ class HostService:
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
                                                         device=message.device, rtt_ms=message.rtt_ms,
                                                         local=message.local, relay=message.relay,
-                                                        datagram_us=message.datagram_us, **_ram_offer(message))
+                                                        datagram_us=message.datagram_us,
+                                                        prompt_ms_per_layer_row=message.prompt_ms_per_layer_row,
+                                                        **_ram_offer(message))
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer%s", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured",
                  f", and {trunk.ram_bytes / 1e9:.1f} GB of host RAM for routed experts at {trunk.ram_gb_s:.1f} GB/s"
@@ -346,6 +348,8 @@ class HostService:
                 trunk.served = []
                 claim, factor = message.ms_per_layer_token, SPEED_FACTOR
             trunk.ms_per_layer_token = claim  # (status shows the latest claim)
+            if message.prompt_ms_per_layer_row is not None:
+                trunk.prompt_ms_per_layer_row = message.prompt_ms_per_layer_row
             planned = trunk.planning_speed  # never faster than the host timed it
             if planned is None:
                 log.debug("speed of %s: %.3f ms claimed, not planned on until the host has timed it",

@@ -61,6 +61,7 @@ class TrunkInfo:
     datagram_us: float | None = None  # what a hop's datagram costs its CPU, as it measured (net/packet_cost.py)
     ram_bytes: int = 0  # a GPU member's host RAM for routed experts, and its rate, as it measured
     ram_gb_s: float = 0.0
+    prompt_ms_per_layer_row: float | None = None  # its word: only first-token times are computed with it
 
     @property
     def behind_nat(self) -> bool:

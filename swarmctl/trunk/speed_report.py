@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kernels.gguf_file import GGUFFile
-from kernels.speed import (REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_ram_rate, measure_speed,
-                           worth_reporting)
+from kernels.speed import (REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_prompt_rate, measure_ram_rate,
+                           measure_speed, worth_reporting)
 from net import messages as m
 from swarmctl.trunk.context import TrunkContext
 
@@ -30,6 +30,7 @@ class SpeedReport:
         self.n_threads = ctx.n_threads
         self.device = ctx.device  # measured where the slices will run
         self.ms_per_layer_token: float | None = None  # the figure the host has
+        self.prompt_ms_per_layer_row: float | None = None  # a prompt row's, measured with it (plans/prefill.py)
         self.tracker = SpeedTracker()
         self._executor = ctx.executor
         self._tell_host = tell_host
@@ -40,8 +41,13 @@ class SpeedReport:
         starved left out (kernels/speed.py)."""
         with GGUFFile(model or self.model_path) as gguf:
             measurement = measure_speed(gguf, n_threads=self.n_threads, layer=layer, device=self.device)
+            prompt = measure_prompt_rate(gguf, n_threads=self.n_threads, layer=layer, device=self.device,
+                                         one_row_ms=measurement.ms_per_layer_token)
         self.tracker.measured(measurement)
-        log.info("measured %s", measurement.describe())
+        # (a prompt figure from a starved probe is left out: it only ever feeds a prediction)
+        if not prompt.contended or self.prompt_ms_per_layer_row is None:
+            self.prompt_ms_per_layer_row = prompt.ms_per_layer_token
+        log.info("measured %s; a prompt row %.3f ms per layer", measurement.describe(), prompt.ms_per_layer_token)
         return measurement.ms_per_layer_token
 
     async def measure_at_start(self) -> None:
@@ -67,7 +73,8 @@ class SpeedReport:
         """A trunk that started without the model file measures on the layers it was sent."""
         loop = asyncio.get_running_loop()
         self.ms_per_layer_token = await loop.run_in_executor(self._executor, self.measure, model, first_layer)
-        await self._tell_host(m.Speed(ms_per_layer_token=self.ms_per_layer_token))
+        await self._tell_host(m.Speed(ms_per_layer_token=self.ms_per_layer_token,
+                                      prompt_ms_per_layer_row=self.prompt_figure))
 
     def refresh(self, serving: tuple[object, int] | None, idle: bool) -> None:
         """Keep the host's figure current. ``serving``: (the batch runner, the stage's layer count)
@@ -76,7 +83,7 @@ class SpeedReport:
             runner, n_layers = serving
             engine = getattr(runner, "engine", None)
             threads = engine.backend.n_threads if engine is not None else None
-            self.tracker.observe(runner.stats.recent, n_layers, n_threads=threads)
+            self.tracker.observe(runner.stats.recent, n_layers, n_threads=threads, one_row_ms=self.ms_per_layer_token)
             self._report(self.tracker.serving_report(self.ms_per_layer_token), "while serving", serving=True)
         elif idle and self.model_path.exists() and self.tracker.take_remeasure():
             self._spawn(self._remeasure())
@@ -93,4 +100,13 @@ class SpeedReport:
             (log.info if news else log.debug)("%s: %.3f ms per layer (the host had %s)", how, figure,
                                               f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
             self.ms_per_layer_token = figure
-            self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure, serving=serving)))
+            if serving:  # the prompt batches it served since, if any, ride along (plans/prefill.py)
+                self.prompt_ms_per_layer_row = self.tracker.prompt_estimate() or self.prompt_ms_per_layer_row
+            self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure, serving=serving,
+                                                prompt_ms_per_layer_row=self.prompt_figure)))
+
+    @property
+    def prompt_figure(self) -> float | None:
+        """The prompt row figure as the wire bounds it (a GPU's can be below the bound's floor)."""
+        figure = self.prompt_ms_per_layer_row
+        return None if figure is None else min(max(figure, m.MS_PER_LAYER[0]), m.MS_PER_LAYER[1])
