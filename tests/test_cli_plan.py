@@ -75,3 +75,23 @@ def test_a_trunk_reports_what_a_datagram_costs_it_and_plan_charges_the_hops(swar
     out = swarmctl(swarm.homes["carol"], "plan", check=True).stdout
     row = next(line for line in out.splitlines() if line.strip().startswith("packets (CPU per datagram"))
     assert row.split()[6] == "2", out  # count: asker → trunk-a → asker
+
+
+def test_a_trunk_reports_a_prompt_rows_cost_and_plan_predicts_the_first_token(swarm):
+    """The trunk measured a prompt row's cost at start (kernels/speed.py measure_prompt_rate) on its
+    real layer and registered it; `plan` in the swarm predicts a first-token time with it
+    (plans/prefill.py), the asker charged as trunk-a."""
+    import asyncio
+    import json
+
+    from net import messages as m
+    from swarmctl.commands.status import ask_host
+    from swarmctl.home import SwarmHome
+
+    nodes = asyncio.run(ask_host(SwarmHome(swarm.homes["carol"]), m.GetNodes(), m.Nodes)).nodes
+    (trunk,) = [n for n in nodes if n.name == "trunk-a"]
+    assert trunk.prompt_ms_per_layer_row is not None and 0 < trunk.prompt_ms_per_layer_row, trunk
+    out = swarmctl(swarm.homes["carol"], "plan", "--asker", "trunk-a", "--prompt-tokens", "700", "--json",
+                   check=True).stdout
+    found = json.loads(out)["first_token"]
+    assert found["chunks"] == 2 and found["ms"] > json.loads(out)["whole_ms_per_token"], found
