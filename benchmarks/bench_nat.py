@@ -29,7 +29,8 @@ With --model PATH (e.g. the Kimi-width file benchmarks/bench_plan_vs_measured.py
 hub paces what it takes from each port): the same, on that model, plus the plan's prediction
 (issue 33 item 4): `swarmctl plan --json --asker alice` on the host after the runs (the members'
 figures as the host has them then; dave, the asker, is charged at alice's speed: the same box),
-whole ms per token next to the measured decode ms per token.
+whole ms per token next to the measured decode ms per token, and with --long-prompt, the plan's
+first-token time for that prompt (`--prompt-tokens`, plans/prefill.py) next to the measured one.
 
 Compared: b / a decode tok/s (issue 17's target: at least 0.9), and c's extra ms per token next
 to the extra public-network crossings its relayed hops add (the relay's round trip to the host).
@@ -145,11 +146,18 @@ def run_layout(name: str, spec: dict, args, root: Path) -> dict:
         ms = statistics.median(r["decode_ms_per_token"] for r in runs)
         predicted = {}
         if args.model:  # what the plan says for the same token, on the members' figures now
-            plan = json.loads(swarm.swarmctl("host", "plan", "--json", "--asker", TRUNKS[0]).stdout)
+            prompt_tokens = first_token[0]["prompt_tokens"] if first_token else long["prompt_tokens"]
+            plan = json.loads(swarm.swarmctl("host", "plan", "--json", "--asker", TRUNKS[0], "--prompt-tokens",
+                                             str(prompt_tokens)).stdout)
             predicted = {"plan_whole_ms_per_token": round(plan["whole_ms_per_token"], 2),
                          "plan_asker_ms": round(plan["asker_ms"], 2), "plan_asker_basis": plan["asker_basis"],
                          "plan_time": {t["part"]: round(t["ms"], 2) for t in plan["time"]},
                          "plan_over_measured": round(plan["whole_ms_per_token"] / ms, 3)}
+            if first_token and plan["first_token"]["ms"] is not None:  # (plans/prefill.py)
+                measured_first = statistics.median(f["elapsed_s"] for f in first_token)
+                predicted.update(plan_first_token_s=round(plan["first_token"]["ms"] / 1e3, 3),
+                                 plan_first_token_over_measured=round(plan["first_token"]["ms"] / 1e3 / measured_first, 3),
+                                 plan_first_token=plan["first_token"]["said"])
         return {"decode_tok_s_median": round(1e3 / ms, 3), "decode_ms_per_token_median": round(ms, 2),
                 "decode_ms_per_token_runs": [r["decode_ms_per_token"] for r in runs],
                 "cli_tok_s_long_median": statistics.median(r["long"]["cli_tok_s"] for r in runs),

@@ -92,13 +92,30 @@ def measured_parts(gens) -> dict:
 
 
 def plan_of(swarm: LocalSwarm, asker_member: str, prompt_tokens: int) -> dict:
-    r = subprocess.run([sys.executable, "-m", "swarmctl", "plan", "--json", "--asker", asker_member,
-                        "--prompt-tokens", str(prompt_tokens)],
-                       env={**os.environ, "SWARMCTL_HOME": str(swarm.host_home.path)}, capture_output=True,
-                       text=True, timeout=120, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while True:  # (the link may open on one trunk's stage before the other is a member)
+        r = subprocess.run([sys.executable, "-m", "swarmctl", "plan", "--json", "--asker", asker_member,
+                            "--prompt-tokens", str(prompt_tokens)],
+                           env={**os.environ, "SWARMCTL_HOME": str(swarm.host_home.path)}, capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
+        if r.returncode == 0 or "no such member" not in r.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     if r.returncode != 0:
         raise SystemExit(f"swarmctl plan failed: {r.stderr.strip()}")
     return json.loads(r.stdout)
+
+
+async def members_of(swarm: LocalSwarm) -> dict:
+    """The figures the host plans with, per member: a decode token's and a prompt row's per layer."""
+    from net import messages as m
+    from swarmctl.commands.status import ask_host
+    from swarmctl.home import SwarmHome
+
+    nodes = (await ask_host(SwarmHome(swarm.host_home.path), m.GetNodes(), m.Nodes)).nodes
+    return {n.name: {"ms_per_layer_token": round(n.ms_per_layer_token, 3),
+                     "prompt_ms_per_layer_row": n.prompt_ms_per_layer_row and round(n.prompt_ms_per_layer_row, 3)}
+            for n in nodes}
 
 
 def prediction(plan: dict) -> dict:
@@ -108,6 +125,7 @@ def prediction(plan: dict) -> dict:
             "stages": [(s["member"], s["start"], s["stop"]) for s in plan["stages"]],
             "time": {t["part"]: round(t["ms"], 2) for t in plan["time"]},
             "first_token_s": plan["first_token"]["ms"] / 1e3 if plan["first_token"]["ms"] is not None else None,
+            "hops": [{k: h[k] for k in ("src", "dst", "rtt_ms", "bandwidth_mb_s", "ms", "packet_ms")} for h in plan["hops"]],
             "changes_from_the_running_plan": plan.get("changes")}
 
 
@@ -135,10 +153,19 @@ def long_prompt(asker: Asker, tokens: int) -> list[int]:
     return asker.tokenizer.encode_chat([{"role": "user", "content": " ".join(words)}])
 
 
-async def first_token_s(asker: Asker, prompt: list[int], link) -> float:
+async def first_token_s(asker: Asker, prompt: list[int], link, parts: list | None = None) -> float:
     t0 = time.perf_counter()
     gen = await generate_all(asker, prompt, link, max_tokens=1, sampling=GREEDY, ignore_eos=True)
+    if parts is not None:
+        parts.append(prompt_parts(gen))
     return gen.timings[0].done - t0
+
+
+def prompt_parts(gen) -> dict:
+    """Where a prompt's (one) step went: the asker's head and tail, each stage's compute (ms)."""
+    step = gen.timings[0]
+    return {"asker_head_ms": round(step.head.compute_s * 1e3, 1), "asker_tail_ms": round(step.tail.compute_s * 1e3, 1),
+            **{h.stage: round(h.compute_us / 1e3, 1) for h in step.trunk.hops}}
 
 
 async def run(model: Path, tokens: int, repeats: int, threads: int, settle_s: float, long_tokens: int) -> dict:
@@ -148,6 +175,7 @@ async def run(model: Path, tokens: int, repeats: int, threads: int, settle_s: fl
         try:
             prompt = asker.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
             at_start = plan_of(swarm, "trunk-1", len(prompt))  # on the members' start-up probes
+            members_at_start = await members_of(swarm)
             long = long_prompt(asker, long_tokens) if long_tokens else []
             # Warm-up, and long enough for each trunk's figures from the batches it served (a prompt
             # row's, then a decode token's, sent together) to reach the host (kernels/speed.py
@@ -162,26 +190,35 @@ async def run(model: Path, tokens: int, repeats: int, threads: int, settle_s: fl
                 gen = await generate_all(asker, prompt, link, max_tokens=tokens, sampling=GREEDY, ignore_eos=True)
                 gen.first_token_s = gen.timings[0].done - t0
                 gens.append(gen)
-            long_s = [await first_token_s(asker, long, link) for _ in range(repeats)] if long else []
+            long_parts: list[dict] = []
+            long_s = [await first_token_s(asker, long, link, long_parts) for _ in range(repeats)] if long else []
         finally:
             asker.close()
             await link.close()
         served = plan_of(swarm, "trunk-1", len(prompt))  # on the figures as the host has them after serving
+        members_served = await members_of(swarm)
+        measured_lines = {home.path.name: [line.split(" - ")[-1] for line in (home.path / "node.log").read_text(
+            errors="replace").splitlines() if "measured" in line or "while serving" in line]
+            for home in swarm.trunk_homes}
         served_long = plan_of(swarm, "trunk-1", len(long)) if long else None
     measured = measured_parts(gens)
     measured["decode_ms_per_token"] = statistics.median(decode_ms(g) for g in gens)
     measured["decode_runs_ms"] = [round(decode_ms(g), 1) for g in gens]
     measured["first_token_s"] = statistics.median(g.first_token_s for g in gens)
-    predicted = {"on_start_up_probes": prediction(at_start), "after_serving": prediction(served)}
+    measured["first_token_compute_ms"] = [prompt_parts(g) for g in gens]
+    predicted = {"on_start_up_probes": {**prediction(at_start), "members": members_at_start},
+                 "after_serving": {**prediction(served), "members": members_served}}
     out = {"model": model.name, "prompt_tokens": len(prompt), "tokens": tokens, "repeats": repeats,
            "threads_per_process": threads, "settle_s": settle_s, "measured": measured, "predicted": predicted,
+           "trunk_logs": measured_lines,
            "predicted_over_measured": {k: ratios(v, measured) for k, v in predicted.items()},
            "target": "within 20 % (0.8-1.2) for the whole token and the first token"}
     if long:
         measured_long = statistics.median(long_s)
         predicted_long = prediction(served_long)["first_token_s"]
         out["long_prompt"] = {"prompt_tokens": len(long), "measured_first_token_s": round(measured_long, 3),
-                              "runs_s": [round(v, 3) for v in long_s], "predicted_first_token_s": predicted_long,
+                              "runs_s": [round(v, 3) for v in long_s], "compute_ms": long_parts,
+                              "predicted_first_token_s": predicted_long,
                               "predicted_over_measured": round(predicted_long / measured_long, 3)
                               if predicted_long else None}
     return out

@@ -339,7 +339,7 @@ class SpeedTracker:
     next_remeasure: float = math.inf  # time.monotonic()
     last_report: float = -math.inf  # time.monotonic() of the last serving figure reported
     cpus: int = field(default_factory=lambda: n_cpus())
-    # ms per layer per row beyond the first, of recent prompt batches that had the CPU (plans/prefill.py)
+    # (rows, ms per layer per row beyond the first) of recent prompt batches that had the CPU (plans/prefill.py)
     prompt_samples: deque = field(default_factory=lambda: deque(maxlen=PROMPT_WINDOW))
 
     def measured(self, measurement: SpeedMeasurement, now: float | None = None) -> None:
@@ -374,7 +374,7 @@ class SpeedTracker:
             if b.tokens == 1:
                 self.samples.append((b.started, b.seconds * 1e3 / n_layers, starved))
             elif b.tokens >= PROMPT_MIN_ROWS and not starved:
-                self.prompt_samples.append(prompt_row_ms(b.seconds * 1e3 / n_layers, b.tokens, one_row_ms))
+                self.prompt_samples.append((b.tokens, prompt_row_ms(b.seconds * 1e3 / n_layers, b.tokens, one_row_ms)))
         self.last_seen = newest
         while self.samples and (len(self.samples) > self.window or self.samples[0][0] < now - self.max_age_s):
             self.samples.popleft()
@@ -388,8 +388,14 @@ class SpeedTracker:
         return clean[int((len(clean) - 1) * SERVED_QUANTILE)]
 
     def prompt_estimate(self) -> float | None:
-        """The fastest recent prompt batch's figure (interference only adds time), or None."""
-        return min(self.prompt_samples) if self.prompt_samples else None
+        """The fastest (interference only adds time) of the recent prompt batches at least half as
+        long as the longest of them (a long prompt's chunks are what a first-token time waits for;
+        at Kimi's width a 30-row batch's rows cost 10 ms per layer and a 400-row one's 13-15 in the
+        same run, measured), or None."""
+        if not self.prompt_samples:
+            return None
+        longest = max(rows for rows, _ in self.prompt_samples)
+        return min(ms for rows, ms in self.prompt_samples if 2 * rows >= longest)
 
     def serving_report(self, reported: float | None, now: float | None = None) -> float | None:
         """The serving figure, when the host should hear it: ``REPORT_INTERVAL_S`` after the last

@@ -36,6 +36,9 @@ class ModelLayout:
     n_params: int = 0  # all parameters
     # the ones a token reads: the used experts, not the others (embedding and output whole, as published counts do)
     n_active_params: int = 0
+    # FLOPs per token of each layer's attention matrices (part of layer_flops; empty: not known): a
+    # prompt's rows that need no logits skip the last layer's FFN, not its attention (plans/prefill.py)
+    attention_flops: tuple[int, ...] = ()
 
     @property
     def activation_bytes_per_token(self) -> int:
@@ -76,7 +79,7 @@ class ModelLayout:
 
         with GGUFFile(path) as gguf:
             spec = ModelSpec.from_gguf(gguf)
-            flops, experts = [0] * spec.n_layer, [0] * spec.n_layer
+            flops, experts, attention = [0] * spec.n_layer, [0] * spec.n_layer, [0] * spec.n_layer
             for info in gguf.tensors.values():
                 il = layer_of(info.name)
                 if il is not None and il < spec.n_layer and len(info.shape) >= 2:
@@ -87,12 +90,14 @@ class ModelLayout:
                         experts[il] += info.n_bytes
                         n = n * spec.n_expert_used // max(1, spec.n_expert)
                     flops[il] += 2 * n
+                    if ".attn_" in info.name:
+                        attention[il] += 2 * n
             return cls(name=gguf.path.name, n_layer=spec.n_layer, n_embd=spec.n_embd,
                        layer_bytes=spec.layer_bytes, layer_flops=tuple(flops),
                        kv_bytes_per_token_per_layer=spec.kv_bytes_per_token_per_layer,
                        embedding_bytes=spec.embedding_bytes, lm_head_bytes=spec.lm_head_bytes, n_vocab=spec.n_vocab,
                        expert_bytes=tuple(experts) if spec.n_expert else (), n_expert=spec.n_expert,
-                       n_expert_used=spec.n_expert_used)
+                       n_expert_used=spec.n_expert_used, attention_flops=tuple(attention))
 
     @classmethod
     def from_dimensions(cls, name: str, *, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
@@ -105,6 +110,7 @@ class ModelLayout:
         kv = n_head_kv * head_dim
         bits = BITS_PER_WEIGHT
         layer_bytes, layer_flops = [], []
+        attention_flops = (2 * (2 * n_embd * n_embd + 2 * n_embd * kv),) * n_layer  # q, o, k, v
         for il in range(n_layer):
             more = wide_type is not None and (il < n_layer // 8 or il >= 7 * n_layer // 8
                                               or (il - n_layer // 8) % 3 == 2)
@@ -116,7 +122,8 @@ class ModelLayout:
         return cls(name=name, n_layer=n_layer, n_embd=n_embd, layer_bytes=tuple(layer_bytes),
                    layer_flops=tuple(layer_flops), kv_bytes_per_token_per_layer=2 * kv * 2,
                    embedding_bytes=int(n_vocab * n_embd * bits[embedding_type] / 8),
-                   lm_head_bytes=int(n_vocab * n_embd * bits[output_type] / 8) + n_embd * 4, n_vocab=n_vocab)
+                   lm_head_bytes=int(n_vocab * n_embd * bits[output_type] / 8) + n_embd * 4, n_vocab=n_vocab,
+                   attention_flops=attention_flops)
 
     @classmethod
     def from_mla_moe(cls, name: str, *, quantization: str = "Q4_K", mix: bool = False,

@@ -11,9 +11,11 @@ What a station charges a chunk of ``r`` rows:
 - a stage: its plan's compute for one token (memory reads: the weights once) and, for each further
   row, its member's measured prompt row per layer (NodeDescriptor.prompt_ms_per_layer_row: compute,
   the rows sharing that one read), times its layers; expert calls as ``plans/whatif.py`` prices rows;
-- a link: half its round trip, then ``r`` rows' bytes and datagrams at the plan's per-row figures;
-- the asker: its head and tail layers the same way at its own prompt figure (AskerModel), and the
-  LM head once, after the last chunk (only the prompt's last row needs logits).
+- a link: half its round trip, a token's bytes and datagrams for the first row, and for each
+  further row the larger of its bytes' time and one end's share of its datagrams' CPU (``_link``);
+- the asker: its head and tail layers the same way at its own prompt figure (AskerModel), the
+  model's last layer at its attention's share of it (only rows that need logits run its FFN), and
+  the LM head once, after the last chunk (only the prompt's last row needs logits).
 
 Not modelled: attention's growth with the context (measured at 1,500 positions: +8 to +25 % per
 row on one layer; a first chunk sees none), the asker's head and tail sharing one machine's cores
@@ -86,8 +88,19 @@ def stations(proposal: Proposal, layout: ModelLayout, nodes: list[NodeDescriptor
         out.append(Station(stage.member, stage.compute_ms + stage.expert_ms,
                            layers * by_name[stage.member].prompt_ms_per_layer_row + bytes_ms))
     out += [_link(h) for h in proposal.hops[len(proposal.stages):]]
-    out.append(Station("asker tail", sum(layout.read_bytes(il) for il in tail) * per_byte, row))
+    tail_row = asker.prompt_ms_per_layer_row * sum(last_layer_share(layout, il) for il in tail)
+    out.append(Station("asker tail", sum(layout.read_bytes(il) for il in tail) * per_byte, tail_row))
     return out, ()
+
+
+def last_layer_share(layout: ModelLayout, il: int) -> float:
+    """What a prompt row costs in layer ``il`` against a layer's whole row: the model's last layer
+    runs its FFN (or experts) only on the rows that need logits, as llama.cpp's graphs do, so the
+    other rows cost it their attention (measured at Kimi's width: the asker's last layer 2.6-3.2 ms
+    per row against 10-16 in its others); a layout that does not say its attention's share, all of it."""
+    if il != layout.n_layer - 1 or not layout.attention_flops or not layout.layer_flops[il]:
+        return 1.0
+    return layout.attention_flops[il] / layout.layer_flops[il]
 
 
 def lm_head_ms(layout: ModelLayout, asker: AskerModel) -> float:
@@ -96,8 +109,14 @@ def lm_head_ms(layout: ModelLayout, asker: AskerModel) -> float:
 
 
 def _link(hop) -> Station:
-    per_row = hop.ms - hop.rtt_ms / 2  # bytes and datagrams, per token's row (plans/cost.py link_ms)
-    return Station(f"{hop.src} → {hop.dst}", per_row, per_row, hop.rtt_ms / 2)
+    """A hop as a station: one row as a token's (plans/cost.py link_ms: the bytes at the link's rate,
+    then both ends' datagram work one after the other); each further row at the larger of its
+    bytes' time and one end's datagram work, since a stream keeps the wire, the sender and the
+    receiver busy at once (measured on loopback at Kimi's width: 3 hops of a 400-row chunk took
+    0.4-0.6 s, where summing as for one token charged 4.9 s)."""
+    first = hop.ms - hop.rtt_ms / 2
+    wire = first - hop.packet_ms
+    return Station(f"{hop.src} → {hop.dst}", first, max(wire, hop.packet_ms / 2), hop.rtt_ms / 2)
 
 
 def chunk_rows(prompt_tokens: int, chunk: int = PREFILL_CHUNK) -> list[int]:
