@@ -8,9 +8,11 @@ examples:
                                      # change, under the swarm's settings (options override them)
 
 A nodes file is a JSON list of {"name", "memory_gb", "ms_per_layer_token", "device", "site",
-"links": {"other-node" or "asker": {"rtt_ms", "bandwidth_mb_s", "via"}}}: "site" groups machines on
-one LAN; a link with "via": "NAME" is relayed through NAME. Links left out are bounded from the
-measured ones (plans/links.py), never assumed cheap.
+"prompt_ms_per_layer_row", "links": {"other-node" or "asker": {"rtt_ms", "bandwidth_mb_s", "via"}}}:
+"site" groups machines on one LAN; a link with "via": "NAME" is relayed through NAME. Links left
+out are bounded from the measured ones (plans/links.py), never assumed cheap. The first-token time
+for --prompt-tokens (plans/prefill.py) needs every stage's "prompt_ms_per_layer_row" (a trunk in a
+swarm measures its own) and --asker MEMBER for the asker's.
 """
 
 from __future__ import annotations
