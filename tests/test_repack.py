@@ -19,7 +19,7 @@ import pytest
 
 from kernels.backend import REPACK_BUFFER_TYPE, cpu_extra_buffer_types
 from kernels.gguf_file import GGUFFile
-from kernels.oracle_llama import load_llama
+from kernels.oracle_llama import last_logits, load_llama
 from kernels.slice import Placement, SliceEngine
 from kernels.spec import SliceSpec
 from kernels.tokenizer import Tokenizer
@@ -82,6 +82,30 @@ def test_oracle_loads_plain_weight_buffers(q4_0_models):
         assert np.isfinite(np.asarray(llm.scores[39])).all()
     finally:
         llm.close()
+
+
+def test_the_oracle_keeps_routed_experts_where_it_is_told(tiny_model):
+    """``load_llama(keep_on_cpu=...)`` is llama.cpp's ``--override-tensor PATTERN=CPU`` (the
+    baseline a split member is compared with: benchmarks/bench_split_member.py): llama.cpp says it
+    placed exactly the routed expert tensors by the override, and on the CPU the logits are the
+    plain oracle's."""
+    model = tiny_model("deepseek2-q8_0")
+    with llama_log() as lines:
+        split = load_llama(model, keep_on_cpu="_exps", n_ctx=64, n_threads=N_THREADS)
+    plain = load_llama(model, n_ctx=64, n_threads=N_THREADS)
+    try:
+        overridden = sorted(line.split()[1] for line in lines if "buffer type overridden" in line)
+        with GGUFFile(model) as gguf:
+            experts = sorted(name for name in gguf.tensors if "_exps." in name)
+        assert experts and overridden == experts, lines
+        logits = []
+        for llm in (split, plain):
+            llm.eval(list(range(100, 112)))
+            logits.append(last_logits(llm).copy())
+        assert np.abs(logits[0]).max() > 0 and np.array_equal(*logits)
+    finally:
+        split.close()
+        plain.close()
 
 
 def test_llama_cpp_default_would_repack_here(q4_0_models):
