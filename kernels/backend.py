@@ -70,13 +70,15 @@ class Backend:
         # freed and new ones allocated (lavapipe; llama.cpp never frees its compute buffers while
         # it runs, so it never takes that path). They are freed with the backend.
         self._idle_gallocrs: list[int] = []
+        self.weights_kept_on_cpu = False  # set by the weights: some the device cannot hold stay in host memory
         ggml.backend_cpu_set_n_threads(self.cpu_handle, self.n_threads)
         self.name = "cpu" if device is None else device.label
 
     @property
     def partial(self) -> bool:
-        """Some layers on the device, the rest on the CPU."""
-        return self.device_layers is not None
+        """Some layers on the device, the rest on the CPU; or weights the device could not hold
+        kept on the CPU (kernels/weights.py)."""
+        return self.device_layers is not None or self.weights_kept_on_cpu
 
     def on_device(self, layer: int | None, expert: bool = False) -> bool:
         """Whether ``layer``'s weights and KV cache live on the device (None: the slice's

@@ -165,6 +165,7 @@ _declare("new_tensor_2d", "base", "ggml_new_tensor_2d", _P, _P, c_int, c_int64, 
 _declare("new_tensor_3d", "base", "ggml_new_tensor_3d", _P, _P, c_int, c_int64, c_int64, c_int64)
 _declare("new_tensor_4d", "base", "ggml_new_tensor_4d", _P, _P, c_int, c_int64, c_int64, c_int64, c_int64)
 _declare("set_name", "base", "ggml_set_name", _P, _P, c_char_p)
+_declare("get_name", "base", "ggml_get_name", c_char_p, _P)
 _declare("format_name", "base", "ggml_format_name", _P, _P, c_char_p)
 _declare("set_input", "base", "ggml_set_input", None, _P)
 _declare("set_output", "base", "ggml_set_output", None, _P)

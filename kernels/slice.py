@@ -170,7 +170,9 @@ class SliceEngine:
     def placement(self) -> str:
         """Where the slice computes, for logs and status: ``cpu``, ``vulkan:0``, or split
         (kernels/device_split.py) ``vulkan:0 for layers [4, 9), cpu for [9, 15)``."""
-        return self.split.describe(self.backend.name, self.slice, self.spec) if self.split else self.backend.name
+        where = self.split.describe(self.backend.name, self.slice, self.spec) if self.split else self.backend.name
+        kept = self.weights.kept_in_host
+        return where + (f" ({len(kept)} tensors too large for it in host memory: {kept[0]}, ...)" if kept else "")
 
     def compute_buffer_bytes(self) -> int:
         """Bytes of the compute buffers this engine holds: its kept graphs' and segments'

@@ -123,6 +123,7 @@ class SliceWeights:
         self.output_b: int | None = None
         self.rope_freqs: int | None = None  # [head_dim / 2] (llama 3)
         self.nextn: NextnWeights | None = None  # a nextn slice's own tensors (SliceSpec.nextn)
+        self.kept_in_host: tuple[str, ...] = ()  # meant for the device, too large for it (_beyond_device)
         self._ctx = 0
         self._buffer = 0
         self._copy_ctx = 0
@@ -137,6 +138,11 @@ class SliceWeights:
             layer_of = {name: il if il >= 0 else None for (_, il), name in wanted.items()}
             routed = {name for (field_name, _), name in wanted.items() if field_name in _expert_fields(spec)}
             to_copy = [info for info in infos if backend.on_device(layer_of[info.name], expert=info.name in routed)]
+            kept = _beyond_device(backend, to_copy)
+            self.kept_in_host = tuple(sorted(kept))
+            if kept:  # the scheduler then runs their matmuls on the CPU (backend.scheduler_for)
+                to_copy = [info for info in to_copy if info.name not in kept]
+                backend.weights_kept_on_cpu = True
             copy_buft = upload_buft
         else:
             copy_buft = backend.repack_buffer_type() if repack else None
@@ -323,6 +329,26 @@ def _repackable(names: list[str], gguf: GGUFFile, buft: int) -> list[TensorInfo]
             ggml.backend_buffer_free(buffer)
         ggml.free(ctx)
     return [info for info in infos if (info.ggml_type, info.shape) in ok]
+
+
+def _beyond_device(backend: Backend, infos: list[TensorInfo]) -> set[str]:
+    """The tensors of ``infos`` the device's backend says it cannot hold (ggml_backend_supports_op
+    on the weight itself: ggml-vulkan refuses one larger than the device's largest storage buffer,
+    128 MiB on lavapipe, where a Kimi-width dense FFN matrix is 140 MB). They stay in host memory,
+    as llama.cpp's loader keeps them; uploaded, ggml's scheduler aborted on the first graph."""
+    if not infos:
+        return set()
+    ctx = ggml.new_context(len(infos) + 1)
+    try:
+        refused = set()
+        for info in infos:
+            tensor = _new_tensor(ctx, info)
+            ggml.set_name(tensor, info.name.encode())
+            if not ggml.backend_supports_op(backend.handle, tensor):
+                refused.add(info.name)
+        return refused
+    finally:
+        ggml.free(ctx)
 
 
 def _new_tensor(ctx: int, info: TensorInfo) -> int:

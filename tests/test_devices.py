@@ -99,6 +99,34 @@ def test_the_upload_path_is_bit_identical_to_the_zero_copy_path(gguf):
             engine.close()
 
 
+def test_a_weight_the_device_cannot_hold_stays_in_host_memory(gguf, monkeypatch):
+    """A device that refuses a tensor (ggml-vulkan refuses one larger than its largest storage
+    buffer: a Kimi-width dense FFN matrix on lavapipe, where uploading it aborted ggml's scheduler)
+    gets the others; that one stays in the map and the scheduler runs its matmul on the CPU. Here
+    the CPU on the device path stands in for such a device (the refusal is faked: no device here
+    has the limit); the logits must be the all-uploaded path's bits."""
+    refused = {"blk.3.ffn_down.weight", "blk.3.attn_q.weight"}
+    supports = ggml.backend_supports_op
+
+    def refusing(backend: int, tensor: int) -> bool:
+        name = ggml.get_name(tensor).decode() if ggml.get_name(tensor) else ""
+        return name not in refused and supports(backend, tensor)
+
+    uploaded = _engines(gguf, [], placement=Placement(upload=True))
+    monkeypatch.setattr(ggml, "backend_supports_op", refusing)
+    try:
+        (kept,) = _engines(gguf, [], placement=Placement(upload=True))
+    finally:
+        monkeypatch.setattr(ggml, "backend_supports_op", supports)
+    try:
+        assert set(kept.weights.kept_in_host) == refused and not refused & set(kept.weights.uploaded)
+        assert kept.backend.partial and "2 tensors too large for it in host memory" in kept.placement()
+        assert np.array_equal(run_split([kept], PROMPT), run_split(uploaded, PROMPT))
+    finally:
+        for engine in [kept, *uploaded]:
+            engine.close()
+
+
 def test_the_cpu_device_keeps_weights_in_the_map(gguf):
     (engine,) = _engines(gguf, [], placement=Placement(device=choose_device("cpu")))
     try:
