@@ -6,6 +6,7 @@ search (plans/search.py) asks it; it searches nothing itself."""
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 
 from . import units
@@ -44,6 +45,7 @@ class CostModel:
         self.links = LinkModel(nodes)  # measured, or bounded from the measured ones (plans/links.py)
         self.site = {nd.name: nd.site for nd in nodes if nd.site}
         self._hops: dict[tuple[str, str], float] = {}  # link_ms, once per pair (the searches ask ~10^5 times)
+        self._ram_floor = {nd.name: self._ram_floor_of(nd) for nd in nodes if self.offers_ram(nd.name)}
 
     def stage_memory(self, m: str, p: int, q: int) -> tuple[int, int] | None:
         """(device bytes, host RAM bytes) member ``m`` needs for trunk layers [p, q) (indices from
@@ -109,6 +111,58 @@ class CostModel:
             active = self.layout.expert_bytes[self.start + i] * share
             ms += active / (node.ram_gb_s * 1e6) - active * per_byte
         return ms
+
+    def _ram_floor_of(self, node: NodeDescriptor) -> tuple[float, float, float, float]:
+        """(the least a trunk layer's routed experts in RAM add to its time, the smallest trunk
+        layer's need, the largest layer's routed experts, the device's usable bytes): what
+        ``least_stage_ms`` bounds a stage with."""
+        per_byte = node.ms_per_layer_token / self.mean_read
+        share = self.layout.n_expert_used / self.layout.n_expert
+        added = [e * share / (node.ram_gb_s * 1e6) - e * share * per_byte
+                 for e in self.layout.expert_bytes[self.start:self.stop] if e]
+        largest = max((e for e in self.layout.expert_bytes[self.start:self.stop] if e), default=0)
+        return (min(added) if added else 0.0), min(self.need), largest, self.device_usable[node.name]
+
+    def least_stage_ms(self, m: str, c: int) -> float:
+        """No stage of ``c`` trunk layers on member ``m`` computes faster: ``c`` layers at its
+        speed and, for a member keeping routed experts in RAM, the layers whose experts its device
+        cannot hold (at least (c × the smallest layer's need − its device's bytes) over the largest
+        layer's experts) each adding at least the least a layer's experts in RAM add (stage_ms).
+        Convex in ``c``, so the cheapest layer counts follow greedily (``least_compute``)."""
+        speed = self.by_name[m].ms_per_layer_token
+        floor = self._ram_floor.get(m)
+        if floor is None:
+            return c * speed
+        added, smallest, largest, device = floor
+        if added <= 0 or not largest:  # (RAM no slower than the device for a layer's experts)
+            return c * (speed + min(0.0, added))
+        return c * speed + added * max(0.0, (c * smallest - device) / largest)
+
+    def bound_compute(self, order: list[str], cap: dict[str, int]) -> list[float] | None:
+        """Each member's compute in the cheapest layer counts over ``order`` within ``cap`` (a
+        lower bound on any cut's; None: no counts fit), as ``counts`` gives them, or by
+        ``least_stage_ms`` where a member keeps experts in RAM and the objective is latency."""
+        counts = self.counts(order, cap)
+        if counts is None:
+            return None
+        if self.c.objective != "latency" or not any(m in self._ram_floor for m in order):
+            return [counts[m] * self.by_name[m].ms_per_layer_token for m in order]
+        return self.least_compute(order, cap)
+
+    def least_compute(self, order: list[str], cap: dict[str, int]) -> list[float]:
+        """The least sum of ``least_stage_ms`` over ``order`` with every member at least one layer
+        and at most its ``cap``, layers handed out one at a time to the cheapest next one (exact
+        for convex costs); each member's share of it."""
+        counts = {m: 1 for m in order}
+        heap = [(self.least_stage_ms(m, 2) - self.least_stage_ms(m, 1), m) for m in order if cap[m] > 1]
+        heapq.heapify(heap)
+        for _ in range(self.n - len(order)):
+            _, m = heapq.heappop(heap)
+            counts[m] += 1
+            if counts[m] < cap[m]:
+                c = counts[m]
+                heapq.heappush(heap, (self.least_stage_ms(m, c + 1) - self.least_stage_ms(m, c), m))
+        return [self.least_stage_ms(m, counts[m]) for m in order]
 
     def longest_window(self, usable: int) -> int:
         longest, lo, held = 0, 0, 0

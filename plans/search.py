@@ -44,10 +44,9 @@ class Search(CostModel):
         for mask, (path_ms, order) in paths.items():
             if self.c.max_stages and len(order) > self.c.max_stages:
                 continue
-            counts = self.counts(order, self.cap if self.c.objective == "even" else self.room)
-            if counts is None:
+            compute = self.bound_compute(order, self.cap if self.c.objective == "even" else self.room)
+            if compute is None:
                 continue
-            compute = [counts[m] * self.by_name[m].ms_per_layer_token for m in order]
             ranked.append((self.score(order, compute, path_ms), order))
         ranked.sort(key=lambda x: x[0])
         self.ranked = ranked
@@ -81,8 +80,8 @@ class Search(CostModel):
         yield bound, cheapest
         if self.c.objective == "even" or len(cheapest) > PERMUTED_NODES or len(cheapest) < 2:
             return
-        counts = self.counts(cheapest, self.room)  # (the bound's counts: any order's compute is at least these)
-        compute = {m: counts[m] * self.by_name[m].ms_per_layer_token for m in cheapest}
+        # (the bound's compute: any order's is at least this)
+        compute = dict(zip(cheapest, self.bound_compute(cheapest, self.room)))
         others = []
         for order in itertools.permutations(cheapest):
             if list(order) != cheapest:
