@@ -141,6 +141,7 @@ def flow_ms(trip: list[Station], chunks: list[int], streamed: bool = True) -> fl
 def first_token(proposal: Proposal, layout: ModelLayout, nodes: list[NodeDescriptor], asker: AskerModel,
                 head_layers: int, prompt_tokens: int, streamed: bool = True) -> FirstToken:
     rows = chunk_rows(max(1, prompt_tokens))
+    streamed = streamed and bool(proposal.stages)  # (an asker running every layer itself has nothing to overlap)
     trip, unmeasured = stations(proposal, layout, nodes, asker, head_layers)
     if unmeasured:
         return FirstToken(prompt_tokens, len(rows), math.nan, streamed, unmeasured)
