@@ -95,3 +95,16 @@ def test_a_trunk_reports_a_prompt_rows_cost_and_plan_predicts_the_first_token(sw
                    check=True).stdout
     found = json.loads(out)["first_token"]
     assert found["chunks"] == 2 and found["ms"] > json.loads(out)["whole_ms_per_token"], found
+
+
+def test_plan_on_a_member_that_serves_prices_the_asker_as_itself(swarm):
+    """On a trunk member (one that may also ask) `plan` charges the asker's part at the member's
+    own figures, so the first-token time is predicted without --asker; on an asker-only member it
+    says what is missing."""
+    out = swarmctl(swarm.homes["trunk-a"], "plan", check=True).stdout
+    said = next(line for line in out.splitlines() if line.startswith("first token"))
+    assert said.startswith("first token for a 1000-token prompt: ") and "not predicted" not in said, out
+    assert "as trunk-a measured" in out, out
+    said = next(line for line in swarmctl(swarm.homes["carol"], "plan", check=True).stdout.splitlines()
+                if line.startswith("first token"))
+    assert "not predicted (asker measured no prompt rate" in said, said

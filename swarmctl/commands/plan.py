@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", type=_share, default=0.8, metavar="A",
                         help="the share of drafted tokens kept, for the speculative figures (default 0.8)")
     parser.add_argument("--asker", metavar="MEMBER", help="a member whose measured speed the asker's own layers and "
-                        "LM head are charged at (default: a desktop reading 58.5 GB/s)")
+                        "LM head are charged at (default: this machine where it is a member of the swarm, "
+                        "else a desktop reading 58.5 GB/s)")
     parser.add_argument("--prompt-tokens", type=_prompt_tokens, default=1000, metavar="N",
                         help="the prompt length the first-token time is given for (default 1000)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         layout, nodes, running, base, source = asyncio.run(_from_swarm(args))
         settings = settings_from(args, base, source)
-    asker = _asker_model(layout, nodes, args.asker)
+    asker = _asker_model(layout, nodes, args.asker or (_this_member(nodes) if running is not None else None))
     proposal, placement = plan_with(layout, nodes, settings, asker)
     if args.json:
         shown = {"model": layout.name, "n_layer": layout.n_layer, "head_layers": settings.planner.head_layers,
@@ -169,6 +170,15 @@ def format_speculation(sp: dict) -> str:
             f"{many['tokens_per_s']:.2f} tokens/s with up to {many['windows']} windows in flight "
             f"({drafts(many['drafts'])} each; modelled: the asker sends them where the drafts it measures are kept "
             f"often enough)")
+
+
+def _this_member(nodes) -> str | None:
+    """This machine's name when it is one of the swarm's trunk members: a member that both serves
+    and asks is the asker's machine, so its own figures price the asker's part."""
+    from swarmctl.home import SwarmHome
+
+    name = SwarmHome().load_config().name
+    return name if any(n.name == name for n in nodes) else None
 
 
 def _asker_model(layout, nodes, member: str | None):
