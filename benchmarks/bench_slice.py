@@ -266,10 +266,16 @@ def run_child(args: argparse.Namespace, runtime: str, cuts: list[int]) -> dict:
            "--prompt-tokens", str(args.prompt_tokens or 0)]
     if args.model:
         cmd += ["--model", args.model]
+    return json_child(cmd, CHILD_TIMEOUT_S)
+
+
+def json_child(cmd: list[str], timeout_s: float) -> dict:
+    """A child process whose last line of output is its JSON result: that, or ``{"failed": why}``
+    when it crashed, failed or ran past ``timeout_s``."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"failed": f"timed out after {CHILD_TIMEOUT_S} s"}
+        return {"failed": f"timed out after {timeout_s} s"}
     if out.returncode != 0:
         return {"failed": exit_reason(out.returncode, out.stderr)}
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_slice import exit_reason, llama_device_args, warmup_tokens  # noqa: E402
+from benchmarks.bench_slice import json_child, llama_device_args, warmup_tokens  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
 from kernels.devices import choose_device  # noqa: E402
 from kernels.gguf_file import GGUFFile  # noqa: E402
@@ -110,13 +109,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(args: argparse.Namespace, runtime: str, model: Path, tokens: list[int]) -> dict:
     cmd = [sys.executable, __file__, "--child", runtime, "--model", os.fspath(model), "--device", args.device,
            "--threads", str(args.threads), "--decode", str(args.decode), "--tokens", ",".join(map(str, tokens))]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"timed out after {CHILD_TIMEOUT_S} s"}
-    if out.returncode != 0:
-        return {"failed": exit_reason(out.returncode, out.stderr)}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_child(cmd, CHILD_TIMEOUT_S)
 
 
 def measure(args: argparse.Namespace, model: Path) -> dict:
