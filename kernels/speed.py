@@ -191,14 +191,15 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
         rid = b"speed-probe-0000"
         engine.forward(rid, start_pos=0, hidden=rng.standard_normal((16, spec.n_embd)).astype(np.float32))
         x = rng.standard_normal((rows, spec.n_embd)).astype(np.float32)
-        for pos in range(16, 16 + 4 * rows, rows):  # warm-up: the first steps fault the weights in and build the graph
+        warm = 4 if rows == 1 else 1  # (a prompt probe follows a decode probe: the weights are in)
+        for pos in range(16, 16 + warm * rows, rows):  # warm-up: the first steps fault the weights in and build the graph
             engine.forward(rid, start_pos=pos, hidden=x)
 
         def run_repeat() -> Repeat:
             wall0, cpu0, busy0 = clocks.read()
             times: list[float] = []
             while True:
-                pos = 16 + 4 * rows + len(times) % 8  # rewinding keeps every repeat at the same few positions
+                pos = 16 + warm * rows + len(times) % 8  # rewinding keeps every repeat at the same few positions
                 t = time.perf_counter()
                 engine.forward(rid, start_pos=pos, hidden=x, rewind=True)
                 times.append(time.perf_counter() - t)
