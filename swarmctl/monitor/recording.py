@@ -47,6 +47,8 @@ class Recorder:
             if isinstance(row, dict) and not row.get("ram_bytes"):  # (no RAM beside a GPU, as most: as before)
                 row.pop("ram_bytes", None)
                 row.pop("ram_gb_s", None)
+            if isinstance(row, dict) and row.get("prompt_ms_per_layer_row", 0) is None:  # (unmeasured: as before)
+                row.pop("prompt_ms_per_layer_row")
         for name, stats in poll.stats.items():
             newest = self._reported.get(name, float("-inf"))
             # 0.1 ms and 10 µs: finer than any chart cell, and a third of the bytes

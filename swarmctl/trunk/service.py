@@ -106,18 +106,16 @@ class TrunkService:
     # --- lifecycle ---
 
     async def run(self) -> None:
-        if self.model_path.exists():
-            await self.speed.measure_at_start()
-            if self.ram_bytes:
-                self.ram_gb_s = await self.speed.measure_ram_rate()
-                if self.ram_gb_s is None:
-                    log.info("--memory offers host RAM for routed experts; %s has none: it stays unused",
-                             self.model_path.name)
-        else:
-            log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
-        self.datagram_us = await self._measure_datagram_cost()
+        # Bind first: the port is ours before the measurements below (seconds at a real model's
+        # size), which otherwise left it free for another process to take meanwhile (a test's
+        # asker did: "Address already in use").
         listen = Address.parse(self.config.listen)
         self.dialer = await Dialer.open(self.creds, listen, ask_host=lambda message: ask_route(self.host.conn, message))
+        try:
+            await self._measure()
+        except BaseException:
+            self.dialer.close()
+            raise
         if self.options.relay:
             self.relay = NatRelay(listen.host)
         self._server = serve_on(self.dialer.shared, self.creds, self, client_check=self._check_member)
@@ -132,6 +130,20 @@ class TrunkService:
             for task in tasks:
                 task.cancel()
             await self._shutdown()
+
+    async def _measure(self) -> None:
+        """What the host plans with: this machine's speed on the model (and its RAM's, offered
+        beside a GPU), and what a hop's datagram costs it."""
+        if self.model_path.exists():
+            await self.speed.measure_at_start()
+            if self.ram_bytes:
+                self.ram_gb_s = await self.speed.measure_ram_rate()
+                if self.ram_gb_s is None:
+                    log.info("--memory offers host RAM for routed experts; %s has none: it stays unused",
+                             self.model_path.name)
+        else:
+            log.info("no model file at %s: layers will be fetched from the swarm", self.model_path)
+        self.datagram_us = await self._measure_datagram_cost()
 
     async def _measure_datagram_cost(self) -> float | None:
         """What a hop's datagram costs this machine (net/packet_cost.py): the planner charges it."""
