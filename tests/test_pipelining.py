@@ -282,3 +282,46 @@ def test_a_long_prompt_streams_its_chunks_through_the_stages_and_survives_a_brok
     assert recoveries >= 1 and recovered.tokens == want
     for s in stats:
         assert _idle(s), {k: s[k] for k in ("name", "requests", "kv_bytes", "routes")}
+
+
+def test_a_step_whose_answer_never_comes_is_resent_on_a_fresh_route(local_swarm, bundled_model, monkeypatch):
+    """The stages answer pings but one decode step's result is lost on the way back (dropped here
+    as it arrives: nothing in the swarm does that on purpose, which is why it is faked). The link
+    resends that request on a fresh route after its stall limit (lowered from 30 s to 1 s), replays
+    its history, and the tokens are those of a solo run; the stages end idle."""
+    import swarmctl.asker.link as link_module
+    from net.wire import FrameType, PacketKind, decode_packet
+
+    monkeypatch.setattr(link_module, "SAME_ROUTE_RETRY_S", 0.5)
+    prompt = long_prompt(40, seed=22)
+    want = solo_outputs(bundled_model, [(prompt, 8)])[0]
+
+    async def scenario():
+        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
+                                    request_timeout=60)  # (without the resend: SwarmError after this)
+        link.stall_min_s = 1.0
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
+        dropped: list[int] = []
+        deliver = link.frame_received
+
+        def loses_one_result(conn, stream_id, frame):
+            if frame.type == FrameType.ACTIVATION and not dropped:
+                packet = decode_packet(frame.body)
+                if packet.kind == PacketKind.RESULT and packet.start_pos == len(prompt) + 2:
+                    dropped.append(packet.start_pos)
+                    return
+            deliver(conn, stream_id, frame)
+
+        link.frame_received = loses_one_result  # (the connections call their handler's method by name)
+        try:
+            got = await generate_all(asker, prompt, link, max_tokens=8, sampling=GREEDY)
+            return got, dropped, link.stats.stalls, await settled_stats(local_swarm, link)
+        finally:
+            await link.close()
+            asker.close()
+
+    got, dropped, stalls, stats = asyncio.run(scenario())
+    assert dropped == [len(prompt) + 2]  # the fault happened
+    assert stalls == 1 and got.tokens == want
+    for s in stats:
+        assert _idle(s), {k: s[k] for k in ("name", "requests", "kv_bytes", "routes")}

@@ -20,7 +20,9 @@ SHORT_PROMPTS = [PROMPTS[i] for i in (0, 1, 3, 5, 6)]
 
 def test_a_short_soak_loses_no_request_and_leaves_no_stream_open():
     result = run_soak(SHORT, prompts=SHORT_PROMPTS)
-    summary = json.dumps({k: result[k] for k in ("requests", "failures", "wrong", "events", "host")}, indent=1)
+    # (on a failure the run adds what each node and `serve` logged last: node_log_tails)
+    summary = json.dumps({k: result[k] for k in ("requests", "failures", "wrong", "events", "host", "node_log_tails")
+                          if k in result}, indent=1)
     requests, verdict = result["requests"], result["verdict"]
     assert requests["completed_correct"] > 0, summary
     assert "kill" in [e["kind"] for e in result["events"]], summary  # the freeze waits for the kill's recovery

@@ -121,7 +121,7 @@ class Soak:
             events=self.faults.events, samples=self.monitor.samples, idle_streams=self.monitor.idle_streams,
             idle_wait_s=self.monitor.idle_wait_s, errors=self.errors, clock=self.clock)).to_dict()
 
-    def log_tails(self, n: int = 8) -> dict[str, list[str]]:
+    def log_tails(self, n: int = 16) -> dict[str, list[str]]:
         return self.swarm.log_tails(n)
 
     def close(self) -> None:

@@ -127,7 +127,7 @@ class SoakSwarm:
                 self.serve.wait()
         self.harness.close()
 
-    def log_tails(self, n: int = 8) -> dict[str, list[str]]:
+    def log_tails(self, n: int = 16) -> dict[str, list[str]]:
         tails = {}
         for path in sorted(self.root.glob("*.log")):
             lines = path.read_text(errors="replace").splitlines()

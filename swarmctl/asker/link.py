@@ -49,6 +49,12 @@ SEND_BACKLOG = 8 * 1024 * 1024
 NO_PLAN_GRACE = 20.0  # how long to wait for the swarm to become whole again before giving up
 STAGE_RETRY_S = 1.0  # a stage that did not answer as the link opened is tried again after this (or a new plan)
 SAME_ROUTE_RETRY_S = 2 * SILENCE_LIMIT  # a route that failed on a plan that stays is tried again after this
+# A step whose route answers pings but not the step is resent on a fresh route after the larger of
+# STALL_MIN_S and STALL_FACTOR times what the plan expects its rows (and those ahead of it) to take;
+# twice that at each further stall of the same step. Nothing should lose a step on a live route;
+# this bounds what it costs if something does (before, the step waited for the request's deadline).
+STALL_MIN_S = 30.0
+STALL_FACTOR = 20.0
 
 
 class _RouteFailed(Exception):
@@ -67,6 +73,9 @@ class _Waiting:
     sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
     received_bytes: int = 0
     received_at: float = 0.0  # time.perf_counter() as the result's frame arrived
+    sent_at: float = 0.0  # time.monotonic() as it was last sent on a route
+    rows: int = 0  # rows the route runs before this step's answer (its own, and its request's ahead of it)
+    patience: float = 1.0  # doubled at each stall (a stage that is only slow is not asked again and again)
 
 
 @dataclass
@@ -77,6 +86,7 @@ class LinkStats:
     replayed_bytes: int = 0
     last_recovery_s: float | None = None
     most_steps_out: int = 0  # the most steps of one request out at once (a long prompt's chunks stream)
+    stalls: int = 0  # steps resent because a live route did not answer them in time (STALL_MIN_S)
 
 
 class SwarmLink:
@@ -88,6 +98,7 @@ class SwarmLink:
         self.config = config
         self.creds = creds
         self.request_timeout = request_timeout
+        self.stall_min_s = STALL_MIN_S
         self._dtype = dtype
         self.trace = trace
         self.plan: Plan | None = None  # the plan the stage connections follow
@@ -263,7 +274,9 @@ class SwarmLink:
                 waiting = self._waiting.setdefault(rid, {})[start_pos] = _Waiting(
                     asyncio.get_running_loop().create_future())
                 self.table.to_send(rid, start_pos)
+                waiting.route = route
                 self._send(rid, route, hidden, start_pos, layer=target.start)
+                self._sent(waiting, hidden.shape[0])
                 try:
                     result = await self._answer(waiting, deadline)
                 except _RouteFailed as e:
@@ -312,6 +325,7 @@ class SwarmLink:
             elif self.table.to_send(rid, start_pos):
                 waiting.route = route
                 waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
+                self._sent(waiting, sum(s.hidden.shape[0] for s in self.table.out(rid) if s.start_pos <= start_pos))
             await route.conn.drain(route.stream_id, SEND_BACKLOG)
             return replayed
 
@@ -342,6 +356,33 @@ class SwarmLink:
             raise _RouteFailed(str(e)) from None
         return len(frame)
 
+    @staticmethod
+    def _sent(waiting: _Waiting, rows: int) -> None:
+        waiting.sent_at = time.monotonic()
+        waiting.rows = rows
+
+    def _stall_limit_s(self, waiting: _Waiting) -> float:
+        """How long a step may go unanswered on a live route before it is resent (STALL_MIN_S)."""
+        per_row_s = self.plan.expected_ms_per_token / 1000 if self.plan is not None else 0.0
+        return max(self.stall_min_s, STALL_FACTOR * per_row_s * waiting.rows) * waiting.patience
+
+    def _fail_stalled(self) -> None:
+        """Fail over each request with a step out longer than its stall limit on a route whose
+        stages answer pings (a silent one is failed over by ``_keep_alive`` sooner)."""
+        now = time.monotonic()
+        for rid in self.table.waiting():
+            for waiting in self._waiting.get(rid, {}).values():
+                if waiting.route is None or not waiting.sent_at or waiting.result.done():
+                    continue
+                limit = self._stall_limit_s(waiting)
+                if now - waiting.sent_at > limit:
+                    waiting.patience *= 2
+                    self.stats.stalls += 1
+                    log.warning("request %s: no answer in %.0fs from a route that answers pings; resending it on a "
+                                "fresh route", rid.hex()[:8], limit)
+                    self._fail_waiting(f"no answer in {limit:.0f}s", [rid], on=waiting.route)
+                    break
+
     async def _open_route(self, rid: bytes) -> tuple[OpenRoute, int]:
         """A new stream on the current route, and every step the swarm held for the request
         replayed on it back to back (the stages run them in order; their results are not waited
@@ -356,12 +397,15 @@ class SwarmLink:
         steps = self.table.opened(rid, conn, stream_id, self.plan.version)
         for waiting in self._waiting.get(rid, {}).values():
             waiting.route = route  # (every step out goes on it now)
+        rows = 0
         for i, sent in enumerate(steps):
             size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
+            rows += sent.hidden.shape[0]
             if i < answered:
                 replayed += sent.hidden.nbytes
             elif (waiting := self._waiting.get(rid, {}).get(sent.start_pos)) is not None:
                 waiting.sent_bytes = size
+                self._sent(waiting, rows)
             await conn.drain(stream_id, SEND_BACKLOG)
         return route, replayed
 
@@ -474,6 +518,8 @@ class SwarmLink:
                       clock.silence(c) > SILENCE_LIMIT]
             if waiting and silent:
                 self._fail_waiting(f"stage {silent[0].peer_name} went silent")
+            elif waiting:
+                self._fail_stalled()
             if not self.host.is_open:
                 try:
                     self._plan_arrived(await self.host.connect())
