@@ -325,3 +325,34 @@ def test_a_step_whose_answer_never_comes_is_resent_on_a_fresh_route(local_swarm,
     assert stalls == 1 and got.tokens == want
     for s in stats:
         assert _idle(s), {k: s[k] for k in ("name", "requests", "kv_bytes", "routes")}
+
+
+def test_a_route_that_cannot_be_reached_again_fails_with_a_clear_error_by_the_deadline(
+        local_swarm, bundled_model, monkeypatch):
+    """The first stage's connection drops and no new connection can be made (the dialer refuses,
+    faked here: the swarm itself stays up for the other tests). The request keeps trying within its
+    deadline (6 s here) and then fails with SwarmError saying why, not with the link's internal
+    exception, and the link does not hang."""
+    import swarmctl.asker.link as link_module
+    from swarmctl.asker.plan_watch import SwarmError
+
+    monkeypatch.setattr(link_module, "SAME_ROUTE_RETRY_S", 0.5)
+
+    async def scenario():
+        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
+                                    request_timeout=6)
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
+
+        async def unreachable(member, address, handler):
+            raise ConnectionError(f"{member} does not answer (faked)")
+
+        try:
+            link.dialer.connect = unreachable
+            link.first_conn.close()
+            with pytest.raises(SwarmError, match="kept failing, last: .*does not answer"):
+                await asyncio.wait_for(generate_all(asker, long_prompt(20), link, max_tokens=2, sampling=GREEDY), 60)
+        finally:
+            await link.close()
+            asker.close()
+
+    asyncio.run(scenario())

@@ -195,6 +195,7 @@ class SwarmLink:
         deadline = time.monotonic() + self.request_timeout
         failed_at: float | None = None
         replayed = 0
+        unreachable = ""  # why the last move to a new route failed, if one did
         try:
             while True:
                 try:
@@ -219,11 +220,18 @@ class SwarmLink:
                                        activation_bytes=self.dtype.nbytes(*hidden.shape))
                 except _RouteFailed as e:
                     failed_at = failed_at or time.monotonic()
+                    if time.monotonic() > deadline:
+                        raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s (the route "
+                                         f"kept failing, last: {unreachable or e})") from None
                     log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
                     if waiting.route is not None:  # (its other steps on that route go again with it)
                         self._fail_waiting(str(e), [rid], on=waiting.route)
                         self._carry_out(self.table.failed(rid, on=waiting.route))
-                    await self._await_reroute(deadline, failed_at=time.monotonic())
+                    try:
+                        await self._await_reroute(deadline, failed_at=time.monotonic())
+                    except _RouteFailed as again:  # the new route's stages did not answer: go round again
+                        unreachable = str(again)
+                        log.warning("request %s: %s", rid.hex()[:8], again)
         finally:  # answered, failed, or given up by the asker (a window in flight that fell)
             if self._waiting.get(rid, {}).get(start_pos) is waiting:
                 del self._waiting[rid][start_pos]
@@ -389,6 +397,8 @@ class SwarmLink:
         for), then the request's steps out. Returns the route and the bytes replayed."""
         if self.host.latest is not None and self.host.latest.version != self.plan.version:
             await self._follow_plan()
+        if not self._stages_alive():  # (a move to this plan that could not reach its stages)
+            raise _RouteFailed("no open connection to the route's first and last stage")
         conn = self.first_conn
         stream_id = conn.open_stream()
         route = OpenRoute(conn, stream_id, self.plan.version)
