@@ -77,6 +77,21 @@ class _Waiting:
     rows: int = 0  # rows the route runs before this step's answer (its own, and its request's ahead of it)
     patience: float = 1.0  # doubled at each stall (a stage that is only slow is not asked again and again)
 
+    def sent(self, route: OpenRoute, rows: int) -> None:
+        self.route, self.sent_at, self.rows = route, time.monotonic(), rows
+
+    def overdue(self, per_row_s: float, min_s: float) -> float | None:
+        """Its stall limit (min_s, or STALL_FACTOR times ``per_row_s`` for its rows, times its
+        patience) when it has waited longer than that on its route, else None; the patience
+        doubles then."""
+        if self.route is None or not self.sent_at or self.result.done():
+            return None
+        limit = max(min_s, STALL_FACTOR * per_row_s * self.rows) * self.patience
+        if time.monotonic() - self.sent_at <= limit:
+            return None
+        self.patience *= 2
+        return limit
+
 
 @dataclass
 class LinkStats:
@@ -282,9 +297,8 @@ class SwarmLink:
                 waiting = self._waiting.setdefault(rid, {})[start_pos] = _Waiting(
                     asyncio.get_running_loop().create_future())
                 self.table.to_send(rid, start_pos)
-                waiting.route = route
                 self._send(rid, route, hidden, start_pos, layer=target.start)
-                self._sent(waiting, hidden.shape[0])
+                waiting.sent(route, hidden.shape[0])
                 try:
                     result = await self._answer(waiting, deadline)
                 except _RouteFailed as e:
@@ -333,7 +347,7 @@ class SwarmLink:
             elif self.table.to_send(rid, start_pos):
                 waiting.route = route
                 waiting.sent_bytes = self._send(rid, route, hidden, start_pos, rewind, verify)
-                self._sent(waiting, sum(s.hidden.shape[0] for s in self.table.out(rid) if s.start_pos <= start_pos))
+                waiting.sent(route, sum(s.hidden.shape[0] for s in self.table.out(rid) if s.start_pos <= start_pos))
             await route.conn.drain(route.stream_id, SEND_BACKLOG)
             return replayed
 
@@ -364,27 +378,14 @@ class SwarmLink:
             raise _RouteFailed(str(e)) from None
         return len(frame)
 
-    @staticmethod
-    def _sent(waiting: _Waiting, rows: int) -> None:
-        waiting.sent_at = time.monotonic()
-        waiting.rows = rows
-
-    def _stall_limit_s(self, waiting: _Waiting) -> float:
-        """How long a step may go unanswered on a live route before it is resent (STALL_MIN_S)."""
-        per_row_s = self.plan.expected_ms_per_token / 1000 if self.plan is not None else 0.0
-        return max(self.stall_min_s, STALL_FACTOR * per_row_s * waiting.rows) * waiting.patience
-
     def _fail_stalled(self) -> None:
         """Fail over each request with a step out longer than its stall limit on a route whose
         stages answer pings (a silent one is failed over by ``_keep_alive`` sooner)."""
-        now = time.monotonic()
+        per_row_s = self.plan.expected_ms_per_token / 1000 if self.plan is not None else 0.0
         for rid in self.table.waiting():
             for waiting in self._waiting.get(rid, {}).values():
-                if waiting.route is None or not waiting.sent_at or waiting.result.done():
-                    continue
-                limit = self._stall_limit_s(waiting)
-                if now - waiting.sent_at > limit:
-                    waiting.patience *= 2
+                limit = waiting.overdue(per_row_s, self.stall_min_s)
+                if limit is not None:
                     self.stats.stalls += 1
                     log.warning("request %s: no answer in %.0fs from a route that answers pings; resending it on a "
                                 "fresh route", rid.hex()[:8], limit)
@@ -415,7 +416,7 @@ class SwarmLink:
                 replayed += sent.hidden.nbytes
             elif (waiting := self._waiting.get(rid, {}).get(sent.start_pos)) is not None:
                 waiting.sent_bytes = size
-                self._sent(waiting, rows)
+                waiting.sent(route, rows)
             await conn.drain(stream_id, SEND_BACKLOG)
         return route, replayed
 
