@@ -124,6 +124,11 @@ class Swarm:
 
         return asyncio.run(ask_member(Address.parse(member["address"]), creds, name, {"type": "stats"}))
 
+    def plan(self, via: str = "asker") -> dict:
+        """The plan in use, as the host gives it to member ``via`` (get_plan over mTLS)."""
+        creds = SwarmHome(self.homes[via]).credentials()
+        return asyncio.run(ask_member(Address("127.0.0.1", self.host_port), creds, "host", {"type": "get_plan"}))["plan"]
+
     async def watch_plans(self, plans: list[dict], via: str = "asker") -> None:
         """Append every plan the host publishes to ``plans``, as an asker (member ``via``) sees it,
         until cancelled."""

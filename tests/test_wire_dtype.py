@@ -33,6 +33,11 @@ def _stages(status: dict) -> list[tuple[int, int]]:
     return sorted(tuple(m["layers"]) for m in status["members"] if m["layers"])
 
 
+def _hops(plan: dict) -> set[str]:
+    """The dtypes activations travel in under ``plan``: into the first stage and out of each."""
+    return {plan["entry_dtype"], *(s["send_dtype"] for s in plan["stages"])}
+
+
 def _inproc_answer(model, stages: list[tuple[int, int]], hop: DType) -> str:
     """The answer in one process, every hop's rows rounded as ``hop`` delivers them."""
     asker = Asker(model, stages[0][0], n_threads=N_THREADS, max_context=512)
@@ -63,10 +68,11 @@ def test_a_swarm_on_q8_0_answers_what_its_rounding_gives_and_f32_again_after_con
         version = status["plan_version"]
         swarmctl(swarm.host_home, "config", "wire-dtype", "f32", check=True)
         deadline = time.monotonic() + 60
-        # (a changed plan is staged until its stages are ready: wait until none is, so the plan in
-        # use is the one with the new dtype, not another that came between)
+        # (a changed plan is staged until its stages are ready: wait until none is and the plan in
+        # use carries f32 on every hop, not another plan that came between, e.g. a re-plan on the
+        # trunks' served speeds, still at q8_0)
         while not ((now := swarm.status()).get("plan_version", version) > version and now.get("complete")
-                   and not now.get("staged")):
+                   and not now.get("staged") and _hops(swarm.plan(via="alice")) == {"f32"}):
             assert time.monotonic() < deadline, now
             time.sleep(0.3)
         r = swarmctl(swarm.homes["alice"], *ASK)

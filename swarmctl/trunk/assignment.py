@@ -262,10 +262,21 @@ class Assignment:
         if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):
             self.apply()  # the plan moved on while we loaded (maybe to experts, or to nothing)
             return
-        if await self._confirm(Confirmed(self.plan.version, "stage", stage.start, stage.stop)):
-            log.info("serving layers [%d, %d) under plan v%d on %s", stage.start, stage.stop, self.plan.version,
+        self.stage = latest  # these layers as the newest plan has them (how their output travels may differ)
+        plan = self.plan
+        if await self._confirm(Confirmed(plan.version, "stage", stage.start, stage.stop)):
+            log.info("serving layers [%d, %d) under plan v%d on %s", stage.start, stage.stop, plan.version,
                      self.engine.placement() if self.engine else "?")
-            self._spawn(self._events.serving(self.plan))
+            self._spawn(self._events.serving(plan))
+        self._reapply_if_moved(plan)
+
+    def _reapply_if_moved(self, plan: Plan) -> None:
+        """A plan that arrived while this load told the host it was ready was left to the load
+        (``apply`` returns while one runs): take it up now, or this trunk would serve the old
+        assignment under the new plan's version (seen: a wire dtype changed by `config` while
+        the layers stayed, and the stage kept sending the old one)."""
+        if self.plan is not plan:
+            self.apply()
 
     def _take_standby(self, standby: Standby) -> None:
         """On the compute thread: the staged plan is published; its stage (loaded beside the old one
@@ -348,9 +359,11 @@ class Assignment:
         if latest is None or (latest.start, latest.stop) != (expert.start, expert.stop):
             self.apply()
             return
-        if await self._confirm(Confirmed(self.plan.version, "experts", expert.start, expert.stop)):
+        plan = self.plan
+        if await self._confirm(Confirmed(plan.version, "experts", expert.start, expert.stop)):
             log.info("serving experts [%d, %d) of layers [%d, %d) under plan v%d", expert.start, expert.stop,
-                     start, stop, self.plan.version)
+                     start, stop, plan.version)
+        self._reapply_if_moved(plan)
 
     def _open_experts(self, layers: range, first: int, last: int) -> None:
         """On the compute thread."""
