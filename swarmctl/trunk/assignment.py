@@ -110,6 +110,9 @@ class Assignment:
         self._events = events
         self._spawn = ctx.spawn
         self._loading: asyncio.Task | None = None
+        # True while a load replaces the layers held (steps are refused meanwhile); a plan that
+        # keeps them only re-confirms them, and steps run on through that.
+        self.swapping = False
         self._confirmed: Confirmed | None = None
         self.standby: Standby | None = None  # the staged plan's stage, loaded beside this one
         self._preparing: int | None = None  # the staged plan version being prepared
@@ -242,8 +245,9 @@ class Assignment:
                                     (standby.stage.start, standby.stage.stop) != (stage.start, stage.stop)):
             standby = None
         if not same:
-            await self._let_go("this stage is loading other layers")
+            self.swapping = True
             try:
+                await self._let_go("this stage is loading other layers")
                 if standby is not None:  # loaded beside the old layers while the host staged this plan
                     await loop.run_in_executor(self._executor, self._take_standby, standby)
                     model = standby.model
@@ -257,6 +261,8 @@ class Assignment:
                 await self._host.tell(m.Refuse(reason=str(e)))
                 self._events.fail(str(e))
                 return
+            finally:
+                self.swapping = False
         self.stage = stage
         latest = self.plan.stage_for(self.name) if self.plan else None
         if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):

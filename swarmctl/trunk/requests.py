@@ -226,7 +226,7 @@ class StageRequests:
     def _check_packet(self, packet: ActivationPacket) -> tuple[str, bool]:
         """What is wrong with a packet, if anything, and whether a resend under a newer plan may work."""
         held = self.held
-        if held.loading:
+        if held.swapping:
             return f"the plan changed (now v{held.plan.version}): this stage is loading other layers", True
         if held.stage is None or held.runner is None or held.plan is None:
             return "this trunk is not serving any layers right now", True
