@@ -16,7 +16,6 @@ import asyncio
 import json
 import secrets
 import struct
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,12 +381,7 @@ def last_layer_swarm(tmp_path_factory, tiny_model):
             s.join(name, "--model", model, role="asker" if name == "asker" else "trunk")
         s.start_trunk("stage", "--threads", "1", "--memory", "1G", capture=False)
         s.start_trunk("experts", "--threads", "1", "--memory", "2G", capture=False)
-        s.wait_complete(1)
-        deadline = time.monotonic() + 60  # (a plan of "stage" alone may come first, while "experts" registers)
-        while not any(m["name"] == "experts" and m.get("experts") for m in s.status().get("members", [])) \
-                or not s.status().get("complete"):
-            assert time.monotonic() < deadline, s.status()
-            time.sleep(0.3)
+        s.wait_complete(1, expert_nodes=1)  # (a plan of "stage" alone may come first, while "experts" registers)
         yield s, model
     finally:
         s.close()
