@@ -381,7 +381,7 @@ def last_layer_swarm(tmp_path_factory, tiny_model):
             s.join(name, "--model", model, role="asker" if name == "asker" else "trunk")
         s.start_trunk("stage", "--threads", "1", "--memory", "1G", capture=False)
         s.start_trunk("experts", "--threads", "1", "--memory", "2G", capture=False)
-        s.wait_complete(1, expert_nodes=1)  # (a plan of "stage" alone may come first, while "experts" registers)
+        s.wait_complete(1, expert_nodes=("experts",))  # (a plan of "stage" alone may come first, while "experts" registers)
         yield s, model
     finally:
         s.close()

@@ -163,7 +163,7 @@ def moe_swarm(request, tmp_path_factory, tiny_model):
             s.start_trunk(name, "--threads", "1", "--memory", "1G", capture=False)
         for name in EXPERT_NODES:  # the planner gives experts to the members with the most memory
             s.start_trunk(name, "--threads", "1", "--memory", "2G", capture=False)
-        s.wait_complete(2, expert_nodes=2)
+        s.wait_complete(2, expert_nodes=EXPERT_NODES)
         yield s, model
     finally:
         s.close()
