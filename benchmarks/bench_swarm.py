@@ -25,6 +25,10 @@ i. drafts the asker makes with no extra crossing (``--asker-drafts`` runs only t
 j. activations in f16 vs f32 over capped links (``--wire-first-token N`` runs only this section;
    ``--rate-mbit``): first-token time of an N-token prompt on a model as wide as Kimi K2 and
    otherwise thin, so that the crossings dominate as they would for a Kimi-sized trunk.
+k. windows in flight beyond the asker's cap (``--windows-sweep`` runs only this section): single-
+   stream tok/s with 1, 2, 4, 6 and 8 windows always out, ngram and the model drafting for itself,
+   over the same WAN, on the two tasks that copy the prompt; tokens must equal off's; the asker's
+   own choice under two caps (``--caps``), one stream and 8 concurrent requests.
 
 Targets: a ≥ 0.8 × llama-cpp-python; b at 8 ≥ 3 × single-stream; d ≥ 0.85 × the limit;
 e ≤ tensor bytes + KV + 200 MB; g (issue 34): ngram ≥ 4 × off on the repetitive tasks, ≥ 0.97 × on
@@ -153,7 +157,8 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
 
 
 @asynccontextmanager
-async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4, wire_dtype: str = "f32"):
+async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4, wire_dtype: str = "f32",
+                    delay_s: float = WAN["delay_s"]):
     """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
     link to it. Relays run in a process of their own: in the asker's process their per-datagram
     work would share its interpreter and cores and inflate its compute (measured: head + tail
@@ -164,7 +169,7 @@ async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_laye
     relay_ports = [free_udp_port() for _ in range(3)]
     links = [f"{t}:{r}" for t, r in zip([host_port, *trunk_ports], relay_ports)]
     relays = subprocess.Popen([sys.executable, "-m", "net.relay", *sum((["--link", x] for x in links), []),
-                               "--delay", str(WAN["delay_s"]), "--jitter", str(WAN["jitter_s"]),
+                               "--delay", str(delay_s), "--jitter", str(WAN["jitter_s"]),
                                "--loss", str(WAN["loss"]), "--rate-mbit", str(rate_mbit)], stdout=subprocess.PIPE,
                               text=True,
                               cwd=Path(__file__).resolve().parents[1])
@@ -312,6 +317,89 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
     return out
 
 
+async def windows_sweep_run(model: Path, threads: int, max_tokens: int, repeats: int, delay_s: float,
+                            counts: tuple[int, ...] = (1, 2, 4, 6, 8), caps: tuple[int, ...] = (4, 8)) -> dict:
+    """Section k: single-stream tok/s with a fixed number of speculative windows in flight, beyond
+    the asker's cap (speculate.MAX_WINDOWS) too, over the same WAN: ngram drafts on the tasks whose
+    answers repeat the prompt, and the bundled model drafting for itself (k = 4, every draft kept:
+    the chain of windows never breaks, so what more windows buy is the trip they fill). Tokens
+    must equal --speculate off's."""
+    from swarmctl.asker import speculate
+    from swarmctl.asker.speculate import ModelDraft, speculation_for
+
+    saved_cap = speculate.MAX_WINDOWS
+    out: dict = {"links": {**WAN, "delay_s": delay_s}, "one_way_links_per_token": 3, "threads_per_process": threads,
+                 "max_tokens": max_tokens, "repeats": repeats, "tasks": {}}
+    async with wan_swarm(model, threads, delay_s=delay_s) as link:
+        asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=16)
+        draft = ModelDraft(model, asker.gguf, n_threads=threads)
+        try:
+            for task in ("copy_paragraph", "log_extract"):
+                prompt = asker.tokenizer.encode_chat([{"role": "user", "content": SPECULATIVE_TASKS[task]}])
+                await generate_all(asker, prompt, link, max_tokens=4, sampling=GREEDY)  # warm-up
+                off = await generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY)
+                row: dict = {"prompt_tokens": len(prompt), "off_tok_s": round(decode_rate(off), 3)}
+                modes = {**{f"ngram_{n}_windows": (lambda n=n: speculation_for("ngram", windows=n)) for n in counts},
+                         **{f"draft_self_k4_{n}_windows": (lambda n=n: speculation_for("draft", draft, k_max=4,
+                                                                                     windows=n)) for n in counts}}
+                # the asker's own choice of windows under each cap (the module's MAX_WINDOWS, set here
+                # for the run and put back: a benchmark's way to compare caps in one swarm)
+                for cap in caps:
+                    modes[f"ngram_chosen_cap_{cap}"] = lambda cap=cap: (cap, speculation_for("ngram"))
+                    modes[f"draft_self_k4_chosen_cap_{cap}"] = lambda cap=cap: (cap, speculation_for("draft", draft,
+                                                                                                   k_max=4))
+                for mode, make in modes.items():
+                    gens = []
+                    for _ in range(repeats):
+                        made = make()
+                        cap, speculation = made if isinstance(made, tuple) else (speculate.MAX_WINDOWS, made)
+                        speculate.MAX_WINDOWS, saved = cap, speculate.MAX_WINDOWS
+                        try:
+                            gens.append(await generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY,
+                                                           speculation=speculation))
+                        finally:
+                            speculate.MAX_WINDOWS = saved
+                    row[mode] = {"tok_s": round(statistics.median(decode_rate(g) for g in gens), 3),
+                                 "runs": [round(decode_rate(g), 3) for g in gens],
+                                 "acceptance": round(gens[0].accepted / gens[0].drafted, 3) if gens[0].drafted else None,
+                                 "same_tokens_as_off": all(g.tokens == off.tokens for g in gens)}
+                for source in ("ngram", "draft_self_k4"):
+                    top = max(counts)
+                    low = min(counts)
+                    row[f"{source}_{top}_over_{low}_windows"] = round(row[f"{source}_{top}_windows"]["tok_s"]
+                                                                      / row[f"{source}_{low}_windows"]["tok_s"], 3)
+                    if len(caps) == 2:
+                        row[f"{source}_chosen_cap_{caps[1]}_over_cap_{caps[0]}"] = round(
+                            row[f"{source}_chosen_cap_{caps[1]}"]["tok_s"] / row[f"{source}_chosen_cap_{caps[0]}"]["tok_s"], 3)
+                out["tasks"][task] = row
+            # 8 concurrent requests (the four tasks mixed), aggregate: off, and ngram as the asker
+            # chooses under each cap (while the stages queue other requests' steps)
+            prompts = [asker.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in SPECULATIVE_TASKS.values()]
+            batch = [prompts[i % len(prompts)] for i in range(8)]
+            rates: dict[str, list[float]] = {}
+            for _ in range(repeats):  # (modes alternate, so that the box's slow spells fall on all of them)
+                for cap in (None, *caps):
+                    speculate.MAX_WINDOWS, saved = (cap or saved_cap), speculate.MAX_WINDOWS
+                    try:
+                        t0 = time.perf_counter()
+                        gens = await asyncio.gather(*[generate_all(
+                            asker, p, link, max_tokens=max_tokens, sampling=GREEDY,
+                            speculation=speculation_for("ngram") if cap else None) for p in batch])
+                        rate = sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0)
+                    finally:
+                        speculate.MAX_WINDOWS = saved
+                    rates.setdefault(f"ngram_chosen_cap_{cap}" if cap else "off", []).append(round(rate, 3))
+            aggregate = {mode: {"tok_s": statistics.median(r), "runs": r} for mode, r in rates.items()}
+            for cap in caps:
+                aggregate[f"ngram_chosen_cap_{cap}_over_off"] = round(
+                    aggregate[f"ngram_chosen_cap_{cap}"]["tok_s"] / aggregate["off"]["tok_s"], 3)
+            out["concurrency_8_aggregate"] = aggregate
+        finally:
+            draft.close()
+            asker.close()
+    return out
+
+
 async def wire_first_token_run(threads: int, n_tokens: int, rate_mbit: float, repeats: int) -> dict:
     """Section j: first-token time of an ``n_tokens`` prompt over links capped at ``rate_mbit``,
     activations in f32 and in f16 (issue 33's target: f16 at least 1.8x faster), on a model as wide
@@ -425,6 +513,12 @@ def main() -> None:
     p.add_argument("--skip-transport", action="store_true")
     p.add_argument("--skip-wan", action="store_true")
     p.add_argument("--speculative", action="store_true", help="run only section g (speculative steps over the WAN)")
+    p.add_argument("--windows-sweep", action="store_true",
+                   help="run only section k (1 to 8 speculative windows in flight over the WAN)")
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 6, 8], help="section k: windows always out")
+    p.add_argument("--caps", type=int, nargs="+", default=[4, 8],
+                   help="section k: the asker's own choice under these caps of windows (two: their ratio too)")
+    p.add_argument("--delay-ms", type=float, default=WAN["delay_s"] * 1000, help="section k: each link's one-way delay")
     p.add_argument("--spec-tokens", type=int, default=96, help="max tokens per request in section g")
     p.add_argument("--spec-repeats", type=int, default=3)
     p.add_argument("--prompt-stream", type=int, metavar="N", help="run only section h, with an N-token prompt")
@@ -446,6 +540,11 @@ def main() -> None:
     if args.asker_drafts:
         print(json.dumps({"i_asker_drafts": asyncio.run(asker_drafts_run(max(1, args.threads // 3), args.spec_tokens,
                                                                           args.spec_repeats))}, indent=2))
+        return
+    if args.windows_sweep:
+        print(json.dumps({"model": model.name, "k_windows_sweep": asyncio.run(
+            windows_sweep_run(model, max(1, args.threads // 3), args.spec_tokens, args.spec_repeats,
+                              args.delay_ms / 1000, counts=tuple(args.windows), caps=tuple(args.caps)))}, indent=2))
         return
     if args.speculative:
         threads = max(1, args.threads // 3)

@@ -154,7 +154,7 @@ def windows_in_flight(proposal: Proposal, layout: ModelLayout, acceptance: float
                            single, tokens_per_s / single)
 
 
-ASKER_MAX_WINDOWS = 4  # windows one request keeps out at most (swarmctl/asker/speculate.py MAX_WINDOWS)
+ASKER_MAX_WINDOWS = 6  # windows one request keeps out at most (swarmctl/asker/speculate.py MAX_WINDOWS)
 
 
 def best_windows(proposal: Proposal, layout: ModelLayout, acceptance: float, drafts=(1, 2, 3, 4, 6, 8),

@@ -189,7 +189,7 @@ SPECULATION_PROMPTS = [
 def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm, bundled_model):
     """ngram and draft speculation (the bundled model drafting for itself) through 2 trunk
     processes, concurrently with plain requests so that checks share batches, one window per
-    round trip and three windows in flight: every request's tokens equal its plain greedy run,
+    round trip and three (ngram) and six (draft) windows in flight: every request's tokens equal its plain greedy run,
     drafts were both kept and rejected (rewinds happened, windows out fell), and every stage is
     idle afterwards (no cells held for a window that fell)."""
     from swarmctl.asker.speculate import ModelDraft, speculation_for
@@ -201,7 +201,7 @@ def test_speculative_steps_through_the_swarm_keep_every_greedy_token(local_swarm
         try:
             prompts = [asker.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in SPECULATION_PROMPTS]
             modes = {"off": ("off", None), "ngram": ("ngram", None), "draft": ("draft", None),
-                     "ngram_3_windows": ("ngram", 3), "draft_3_windows": ("draft", 3)}
+                     "ngram_3_windows": ("ngram", 3), "draft_6_windows": ("draft", 6)}
             runs = [(mode, p) for mode in modes for p in range(len(prompts))]
             gens = await asyncio.wait_for(asyncio.gather(*[
                 generate_all(asker, prompts[p], link, max_tokens=40, sampling=GREEDY,

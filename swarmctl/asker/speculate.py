@@ -55,7 +55,9 @@ MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
 RHO_PRIOR = 0.25  # a row's cost against a one-row step, until a step has measured it
 PROMPT_ROWS = 512  # positions per step when the nextn layer catches up on a prompt (the prompt's own chunk)
-MAX_WINDOWS = 4  # speculative windows of one request out at once, at most
+MAX_WINDOWS = 6  # speculative windows of one request out at once, at most (benchmarks/bench_swarm.py
+# section k: 6 and 8 windows were exact; 6 always out paid over 4 where the trip had room; the asker's
+# choice under a cap of 6 did as well as under 4 on one CPU-bound box, under 8 it did worse there)
 # A further window goes out only if the chain before it stands (every window out keeps all its
 # drafts) at least this often: while the stages queue other requests' steps, a window that falls
 # takes rows from them; while they idle between this request's trips, it costs little.
