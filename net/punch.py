@@ -114,6 +114,7 @@ class SharedSocket:
                                                       path_mtu.SIZE_ANSWER: self._size_answer_received}
         self.size_waiters: dict[bytes, asyncio.Future[int]] = {}  # nonce → a size probe waiting for its answer
         self._probing = 0  # size probes in progress (Don't Fragment is on meanwhile)
+        self.answer_limit = path_mtu.AnswerLimit()  # how many size probes we answer (spoofed ones too)
         self.punches: dict[bytes, ControlHandler] = {}  # nonce → the punch waiting for its peer's probes
         self.dropped = 0  # datagrams nobody wanted (stale probes, strangers)
 
@@ -155,6 +156,11 @@ class SharedSocket:
             punch(data, addr)
 
     def _size_probe_received(self, data: bytes, addr: tuple) -> None:
+        """Answer a size probe, if it is large enough to be one and within the answer rates: its
+        source address may be forged, and the answer goes there (net/path_mtu.py)."""
+        if not path_mtu.worth_answering(data) or not self.answer_limit.allow(addr[0], time.monotonic()):
+            self.dropped += 1
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.sendto(path_mtu.answer(data), addr)
 

@@ -113,3 +113,61 @@ def test_answers_are_smaller_than_probes_and_only_for_their_nonce():
     body = reply[len(path_mtu.SIZE_ANSWER):]
     assert path_mtu.read_answer(body, b"n" * path_mtu.NONCE) == 1472
     assert path_mtu.read_answer(body, b"m" * path_mtu.NONCE) is None
+
+
+class _Sent:
+    """A transport that keeps what a shared socket sends (no socket: the answering rule alone)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, tuple]] = []
+
+    def sendto(self, data: bytes, addr) -> None:
+        self.sent.append((data, addr))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_size_probes_below_the_minimum_or_over_the_rates_are_not_answered():
+    """Issue 43: a shared socket answered every size probe, of any size, from any (possibly forged)
+    source address, as fast as they came: a reflector. Now a probe smaller than any we send is
+    dropped, and answers are rate-limited per source address and in all."""
+    from net.punch import SharedSocket
+
+    shared, out = SharedSocket(), _Sent()
+    shared.transport = out
+    nonce = b"n" * path_mtu.NONCE
+    for size in (len(path_mtu.SIZE_PROBE) + path_mtu.NONCE, 100, path_mtu.MIN_PROBE - 1):
+        shared.datagram_received(path_mtu.probe(nonce, size), ("198.51.100.7", 4000))
+    assert out.sent == [] and shared.dropped == 3
+    shared.datagram_received(path_mtu.probe(nonce, path_mtu.MIN_PROBE), ("198.51.100.7", 4000))
+    assert len(out.sent) == 1 and len(out.sent[0][0]) < path_mtu.MIN_PROBE  # a real probe: answered, smaller
+
+    # one (forged) address sending as fast as it can gets a burst, then a trickle
+    t0 = time.monotonic()
+    for _ in range(2000):
+        shared.datagram_received(path_mtu.probe(nonce, 1472), ("198.51.100.8", 4000))
+    elapsed = time.monotonic() - t0
+    to_one = sum(1 for _, addr in out.sent if addr[0] == "198.51.100.8")
+    assert 1 <= to_one <= path_mtu.ANSWER_BURST_PER_ADDRESS + path_mtu.ANSWERS_PER_S_PER_ADDRESS * elapsed + 1
+    # many addresses: the socket's own rate bounds the answers to all of them together
+    t0 = time.monotonic()
+    for i in range(5000):
+        shared.datagram_received(path_mtu.probe(nonce, 1472), (f"10.{i // 250}.{i % 250}.1", 4000))
+    elapsed = time.monotonic() - t0
+    to_many = sum(1 for _, addr in out.sent if addr[0].startswith("10."))
+    assert to_many <= path_mtu.ANSWER_BURST + path_mtu.ANSWERS_PER_S * elapsed + 1, (to_many, elapsed)
+
+
+def test_the_answer_limit_refills_per_address_and_in_all_and_stays_bounded():
+    limit = path_mtu.AnswerLimit(burst_per_address=2, per_address_per_s=1, burst=4, per_s=2)
+    assert [limit.allow("a", 0.0) for _ in range(3)] == [True, True, False]  # a's burst
+    assert limit.allow("b", 0.0) and limit.allow("b", 0.0)  # b has its own ...
+    assert not limit.allow("c", 0.0)  # ... but the socket's burst (4) is spent
+    assert limit.allow("a", 1.0) and not limit.allow("a", 1.0)  # a second later: one more for a
+    assert limit.allow("c", 1.0) and not limit.allow("c", 1.0)  # (2 a second in all: a's and c's)
+    assert limit.refused == 4
+    many = path_mtu.AnswerLimit(burst=1e9, per_s=1e9)
+    for i in range(3 * path_mtu.AnswerLimit.MAX_ADDRESSES):  # spoofed addresses cannot grow the table for ever
+        assert many.allow(f"h{i}", i * 10.0)
+    assert len(many._addresses) <= path_mtu.AnswerLimit.MAX_ADDRESSES
