@@ -289,6 +289,34 @@ def write_unsupported_model(path: Path, arch: str = "bert") -> Path:
     return path
 
 
+def write_split_copy(source: Path, dest: Path, n_parts: int) -> list[Path]:
+    """``source`` rewritten as ``n_parts`` parts the way llama.cpp's converter splits a model
+    (gguf's own writer with ``split_max_tensors``: ``DEST-00001-of-0000N.gguf`` ..., the metadata in
+    the first part, ``split.*`` keys in every part). Returns the parts in order."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(source))
+    per_part = -(-len(reader.tensors) // n_parts)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(dest), arch, split_max_tensors=per_part)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment") or key.startswith("split."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = [dest.with_name(f"{dest.stem}-{i:05d}-of-{n_parts:05d}.gguf") for i in range(1, n_parts + 1)]
+    missing = [part for part in parts if not part.exists()]
+    if missing:
+        raise RuntimeError(f"the writer did not write {missing[0]} (too few tensors for {n_parts} parts?)")
+    return parts
+
+
 # The tiny models the tests (and benchmarks) use, by name: tests/conftest.py's tiny_model(name).
 TINY_CONFIGS = {
     "llama-f32": TinyConfig(arch="llama", qtype="F32"),

@@ -42,6 +42,7 @@ class ExpertEngine:
         self.tensors: dict[tuple[int, str], int] = {}
         self.n_bytes = 0
         self.rows_served = 0
+        self._buffers: dict[int, int] = {}  # part of the file → a buffer over its mapped experts (zero-copy)
         infos = []
         if not self.moe_layers:
             raise UnsupportedModelError(f"layers [{layers.start}, {layers.stop}) have no experts")
@@ -56,14 +57,18 @@ class ExpertEngine:
         for il, stem, info in infos:
             slab = info.n_bytes // self.spec.n_expert
             spans.append((il, stem, info, info.offset + first * slab, (last - first) * slab))
-        lo = min(offset for *_, offset, _ in spans)
-        hi = max(offset + size for *_, offset, size in spans)
-        self._buffer = self.backend.weights_buffer(gguf.address + lo, hi - lo)
+        # one buffer over the mapped bytes of each part that holds some (a split model's parts are mapped apart)
+        for part in sorted({info.part for _, _, info, _, _ in spans}):
+            in_part = [(offset, size) for _, _, info, offset, size in spans if info.part == part]
+            lo = min(offset for offset, _ in in_part)
+            hi = max(offset + size for offset, size in in_part)
+            self._buffers[part] = self.backend.weights_buffer(gguf.part_address(part) + lo, hi - lo)
         for il, stem, info, offset, size in spans:
             ne0, ne1, _ = info.shape
             t = ggml.new_tensor_3d(self._ctx, info.ggml_type, ne0, ne1, last - first)
             ggml.set_name(t, f"blk.{il}.{stem}[{first}:{last}]".encode())
-            if ggml.backend_tensor_alloc(self._buffer, t, gguf.address + offset) != ggml.STATUS_SUCCESS:
+            address = gguf.part_address(info.part) + offset
+            if ggml.backend_tensor_alloc(self._buffers[info.part], t, address) != ggml.STATUS_SUCCESS:
                 raise RuntimeError(f"cannot place experts of {info.name}")
             self.tensors[(il, stem)] = t
             self.n_bytes += size
@@ -110,9 +115,9 @@ class ExpertEngine:
         return result
 
     def close(self) -> None:
-        if self._buffer:
-            ggml.backend_buffer_free(self._buffer)
-            self._buffer = 0
+        for buffer in self._buffers.values():
+            ggml.backend_buffer_free(buffer)
+        self._buffers = {}
         if self._ctx:
             ggml.free(self._ctx)
             self._ctx = 0

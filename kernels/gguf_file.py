@@ -5,8 +5,19 @@ memmap view, which takes about 2.3 s on this project's reference machine for Smo
 tokenizer strings, and every trunk process would pay that at start. This reader walks the same
 format (and uses the ``gguf`` package's enums and block sizes) but decodes arrays only when
 asked, so opening the bundled model takes a few tens of milliseconds. Tensor bytes are never read
-here: ``TensorInfo.offset`` is an absolute file offset into ``GGUFFile.address``, the base of the
-read-only memory map that ggml consumes directly.
+here: ``TensorInfo.offset`` is an absolute offset into its part's file, and
+``GGUFFile.tensor_address`` the address in that part's read-only memory map, which ggml consumes
+directly.
+
+Split models. Published GGUFs of large models come in parts written by llama.cpp's ``gguf-split``
+or its converter (``NAME-00001-of-00005.gguf`` ...): the first part carries the metadata, every
+part carries ``split.no`` / ``split.count`` / ``split.tensors.count``, and the tensors are spread
+over all parts. ``GGUFFile`` takes any part, finds its siblings by that naming rule, and opens
+them as one model, each part mapped on its own (no merge, no copy). What it checks: every part is
+there, each says it is part ``i`` of the same count, the parts' tensors add up to the first
+part's ``split.tensors.count`` with no name twice. What it cannot check: a part of another model
+with the same count and tensor names (a different quantization of the same model, say); the
+swarm's layer hashes catch that where they are compared.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +38,9 @@ from .errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+# llama.cpp's naming rule for split parts (llama_split_path): PREFIX-00001-of-00005.gguf, 1-based.
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -47,8 +62,9 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # ggml order: shape[0] is the innermost (contiguous) dimension
     ggml_type: int
-    offset: int  # absolute offset of the first byte in the file
+    offset: int  # absolute offset of the first byte in its part's file
     n_bytes: int
+    part: int = 0  # which part of a split model holds it (0: the first, or the only file)
 
     @property
     def type_name(self) -> str:
@@ -113,40 +129,58 @@ class _Cursor:
             raise ModelFileError(f"{self.path}: GGUF header is truncated")
 
 
-class GGUFFile:
-    """An open GGUF file. Use as a context manager, or call ``close()``."""
+def split_parts(path: Path) -> list[Path]:
+    """The files of the model ``path`` belongs to, by llama.cpp's naming rule: all its parts in
+    order when its name says it is one (``NAME-00003-of-00005.gguf``), else ``[path]``."""
+    match = SPLIT_NAME.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    if not 1 <= int(match["no"]) <= count:
+        raise ModelFileError(f"{path}: its name says part {int(match['no'])} of {count}")
+    return [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._mmap: mmap.mmap | None = None
-        self._view: np.ndarray | None = None
-        if not self.path.exists():
-            raise ModelFileError(f"model file not found: {self.path}")
-        if not self.path.is_file():
-            raise ModelFileError(f"model path is not a file: {self.path}")
+
+class _Part:
+    """One file of the model, memory-mapped read-only, with its header parsed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mmap: mmap.mmap | None = None
+        self.view: np.ndarray | None = None
+        if not path.exists():
+            raise ModelFileError(f"model file not found: {path}")
+        if not path.is_file():
+            raise ModelFileError(f"model path is not a file: {path}")
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 if f.read(4) != GGUF_MAGIC:
-                    raise ModelFileError(f"{self.path} is not a GGUF file (bad magic bytes)")
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    raise ModelFileError(f"{path} is not a GGUF file (bad magic bytes)")
+                self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise ModelFileError(f"cannot read model file {self.path}: {e.strerror}") from None
+            raise ModelFileError(f"cannot read model file {path}: {e.strerror}") from None
         # A read-only numpy view gives us the map's base address without copying anything.
-        self._view = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.address: int = self._view.ctypes.data
-        self.size: int = len(self._mmap)
+        self.view = np.frombuffer(self.mmap, dtype=np.uint8)
+        self.address: int = self.view.ctypes.data
+        self.size: int = len(self.mmap)
         self.metadata: dict[str, Any] = {}
-        self.tensors: dict[str, TensorInfo] = {}
+        self.tensors: list[tuple[str, tuple[int, ...], int, int, int]] = []  # name, shape, type, offset, bytes
         try:
             self._parse()
         except ValueError as e:  # an enum value outside the format
-            raise ModelFileError(f"{self.path}: corrupt GGUF header ({e})") from None
+            self.close()
+            raise ModelFileError(f"{path}: corrupt GGUF header ({e})") from None
+        except ModelFileError:
+            self.close()
+            raise
 
-    # --- parsing ---
+    def split(self, key: str) -> int | None:
+        value = self.metadata.get(key)
+        return int(value) if isinstance(value, (int, np.integer)) else None
 
     def _parse(self) -> None:
-        assert self._mmap is not None
-        cur = _Cursor(self._mmap, self.path, offset=4)
+        assert self.mmap is not None
+        cur = _Cursor(self.mmap, self.path, offset=4)
         version = cur.read("<I")
         if version not in (2, 3):
             raise ModelFileError(f"{self.path}: unsupported GGUF version {version}")
@@ -155,7 +189,7 @@ class GGUFFile:
         for _ in range(n_kv):
             key = cur.read_string()
             vtype = GGUFValueType(cur.read("<I"))
-            self.metadata[key] = self._read_value(cur, vtype)
+            self.metadata[key] = _read_value(cur, vtype)
         infos = []
         for _ in range(n_tensors):
             name = cur.read_string()
@@ -173,18 +207,100 @@ class GGUFFile:
             offset = data_start + rel_offset
             if offset + n_bytes > self.size:
                 raise ModelFileError(f"{self.path}: file is truncated (tensor {name} ends past the end)")
-            self.tensors[name] = TensorInfo(name, shape, ggml_type, offset, n_bytes)
+            self.tensors.append((name, shape, ggml_type, offset, n_bytes))
 
-    def _read_value(self, cur: _Cursor, vtype: GGUFValueType) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return cur.read_string()
-        if vtype == GGUFValueType.ARRAY:
-            element_type = GGUFValueType(cur.read("<I"))
-            count = cur.read("<Q")
-            lazy = _LazyArray(element_type, count, cur.offset)
-            cur.skip_array(element_type, count)
-            return lazy
-        return cur.read(_SCALAR_FORMATS[vtype])
+    def close(self) -> None:
+        # The numpy view pins the map; drop it first so the map can really close.
+        self.view = None
+        if self.mmap is not None:
+            try:
+                self.mmap.close()
+            except BufferError:
+                pass  # someone still holds a memoryview; the map closes when they let go
+            self.mmap = None
+
+
+def _read_value(cur: _Cursor, vtype: GGUFValueType) -> Any:
+    if vtype == GGUFValueType.STRING:
+        return cur.read_string()
+    if vtype == GGUFValueType.ARRAY:
+        element_type = GGUFValueType(cur.read("<I"))
+        count = cur.read("<Q")
+        lazy = _LazyArray(element_type, count, cur.offset)
+        cur.skip_array(element_type, count)
+        return lazy
+    return cur.read(_SCALAR_FORMATS[vtype])
+
+
+class GGUFFile:
+    """An open GGUF model: one file, or every part of a split one. Use as a context manager, or
+    call ``close()``. ``path`` is the first part (what llama.cpp is given); ``parts`` all of them."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        given = Path(path)
+        self._parts: list[_Part] = []
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            self._open(given)
+        except BaseException:
+            self.close()
+            raise
+        self.path: Path = self._parts[0].path
+        self.parts: tuple[Path, ...] = tuple(p.path for p in self._parts)
+        self.size: int = sum(p.size for p in self._parts)  # bytes of all parts
+        self.metadata = dict(self._parts[0].metadata)
+
+    def _open(self, given: Path) -> None:
+        paths = split_parts(given)
+        if len(paths) == 1:
+            part = _Part(given)
+            self._parts.append(part)
+            count = part.split("split.count")
+            if count is not None and count > 1:  # a part renamed away from the naming rule
+                raise ModelFileError(f"{given}: part {part.split('split.no') or 0} of a model split in {count} "
+                                     f"parts, but its name does not say which (expected NAME-00001-of-"
+                                     f"{count:05d}.gguf and its siblings)")
+        else:
+            for path in paths:
+                if not path.exists():
+                    raise ModelFileError(f"split model part missing: {path} (part {paths.index(path) + 1} of "
+                                         f"{len(paths)}, beside {given.name})")
+            self._parts.extend(_Part(p) for p in paths)
+            self._check_parts()
+        for index, part in enumerate(self._parts):
+            for name, shape, ggml_type, offset, n_bytes in part.tensors:
+                if name in self.tensors:
+                    raise ModelFileError(f"{part.path}: tensor {name} is also in "
+                                         f"{self._parts[self.tensors[name].part].path.name}: "
+                                         f"parts of different models?")
+                self.tensors[name] = TensorInfo(name, shape, ggml_type, offset, n_bytes, index)
+
+    def _check_parts(self) -> None:
+        """Each part says it is part i of the same count, and the parts' tensors add up to what
+        the first part says the whole model has."""
+        count = len(self._parts)
+        for index, part in enumerate(self._parts):
+            said_count, said_no = part.split("split.count"), part.split("split.no")
+            if said_count is None or said_no is None:
+                raise ModelFileError(f"{part.path}: named as part {index + 1} of {count}, but carries no "
+                                     f"split.count / split.no metadata (not a gguf-split part)")
+            if said_count != count:
+                raise ModelFileError(f"{part.path}: its split.count is {said_count}, its name says {count}: "
+                                     f"parts of different splits?")
+            if said_no != index:
+                raise ModelFileError(f"{part.path}: its split.no is {said_no}, its name says part {index + 1} "
+                                     f"(split.no {index})")
+        total = self._parts[0].split("split.tensors.count")
+        found = sum(len(part.tensors) for part in self._parts)
+        if total is not None and total != found:
+            raise ModelFileError(f"{self._parts[0].path}: says the model has {total} tensors, its {count} parts "
+                                 f"hold {found}: parts of different models?")
+        for part in self._parts[1:]:
+            other = part.split("split.tensors.count")
+            if other is not None and total is not None and other != total:
+                raise ModelFileError(f"{part.path}: says the model has {other} tensors, the first part {total}: "
+                                     f"parts of different models?")
 
     # --- access ---
 
@@ -205,30 +321,52 @@ class GGUFFile:
         return None
 
     def _decode_array(self, lazy: _LazyArray) -> Any:
-        assert self._mmap is not None
+        buf = self._parts[0].mmap  # metadata is the first part's
+        assert buf is not None
         if lazy.element_type in _SCALAR_FORMATS:
             dtype = np.dtype(_SCALAR_FORMATS[lazy.element_type])
-            return np.frombuffer(self._mmap, dtype=dtype, count=lazy.count, offset=lazy.offset).copy()
-        cur = _Cursor(self._mmap, self.path, lazy.offset)
-        return [self._read_value(cur, lazy.element_type) for _ in range(lazy.count)]
+            return np.frombuffer(buf, dtype=dtype, count=lazy.count, offset=lazy.offset).copy()
+        cur = _Cursor(buf, self.path, lazy.offset)
+        return [_read_value(cur, lazy.element_type) for _ in range(lazy.count)]
+
+    def _map(self, info: TensorInfo) -> mmap.mmap:
+        buf = self._parts[info.part].mmap
+        if buf is None:
+            raise ValueError(f"{self.path} is closed")
+        return buf
 
     def tensor_bytes(self, info: TensorInfo) -> memoryview:
-        """The tensor's bytes in the map (no copy). Touching them faults the pages in."""
-        assert self._mmap is not None
-        return memoryview(self._mmap)[info.offset : info.offset + info.n_bytes]
+        """The tensor's bytes in its part's map (no copy). Touching them faults the pages in."""
+        return memoryview(self._map(info))[info.offset : info.offset + info.n_bytes]
 
-    def release_pages(self, spans: Iterable[tuple[int, int]]) -> None:
-        """Drop this process's pages of the map in the (offset, n_bytes) spans (whole pages only),
-        after their bytes were copied elsewhere. The map is read-only and file-backed, so a later
-        read just faults the pages in again, from the page cache or the file."""
-        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+    def tensor_address(self, info: TensorInfo) -> int:
+        """Where the tensor's first byte is mapped in this process (for ggml, zero-copy)."""
+        self._map(info)
+        return self._parts[info.part].address + info.offset
+
+    def by_part(self, infos: Iterable[TensorInfo]) -> dict[int, list[TensorInfo]]:
+        """``infos`` grouped by the part that holds them (a buffer over mapped bytes spans one part)."""
+        groups: dict[int, list[TensorInfo]] = {}
+        for info in infos:
+            groups.setdefault(info.part, []).append(info)
+        return groups
+
+    def part_address(self, part: int) -> int:
+        return self._parts[part].address
+
+    def release_pages(self, infos: Iterable[TensorInfo]) -> None:
+        """Drop this process's pages of the map under the tensors (whole pages only), after their
+        bytes were copied elsewhere. The map is read-only and file-backed, so a later read just
+        faults the pages in again, from the page cache or the file."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
         page = mmap.PAGESIZE
-        for offset, n_bytes in spans:
-            start = -(-offset // page) * page
-            stop = (offset + n_bytes) // page * page
-            if stop > start:
-                self._mmap.madvise(mmap.MADV_DONTNEED, start, stop - start)
+        for info in infos:
+            buf = self._parts[info.part].mmap
+            start = -(-info.offset // page) * page
+            stop = (info.offset + info.n_bytes) // page * page
+            if buf is not None and stop > start:
+                buf.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def hash_tensors(self, names: Iterable[str]) -> str:
         """SHA-256 over (name, type, shape, bytes) of the named tensors, in the order given."""
@@ -248,14 +386,8 @@ class GGUFFile:
         return self.hash_tensors(self.layer_tensor_names(layer))
 
     def close(self) -> None:
-        # The numpy view pins the map; drop it first so the map can really close.
-        self._view = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # someone still holds a memoryview; the map closes when they let go
-            self._mmap = None
+        for part in self._parts:
+            part.close()
 
     def __enter__(self) -> "GGUFFile":
         return self

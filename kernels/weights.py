@@ -125,7 +125,7 @@ class SliceWeights:
         self.nextn: NextnWeights | None = None  # a nextn slice's own tensors (SliceSpec.nextn)
         self.kept_in_host: tuple[str, ...] = ()  # meant for the device, too large for it (_beyond_device)
         self._ctx = 0
-        self._buffer = 0
+        self._buffers: list[int] = []  # over the mapped bytes, one per part of the file (zero-copy)
         self._copy_ctx = 0
         self._copy_buffer = 0
 
@@ -155,11 +155,15 @@ class SliceWeights:
         # Keep the map open as long as ggml points into it.
         self._gguf = gguf
         by_name: dict[str, int] = {}
-        if mapped:
-            lo = min(info.offset for info in mapped)
-            hi = max(info.offset + info.n_bytes for info in mapped)
-            self._buffer = backend.weights_buffer(gguf.address + lo, hi - lo)
-            by_name.update((info.name, self._map_tensor(info, gguf.address + info.offset)) for info in mapped)
+        # One buffer over the mapped bytes of each part that holds some (a split model's parts are
+        # mapped apart).
+        for part, infos_in_part in gguf.by_part(mapped).items():
+            lo = min(info.offset for info in infos_in_part)
+            hi = max(info.offset + info.n_bytes for info in infos_in_part)
+            buffer = backend.weights_buffer(gguf.part_address(part) + lo, hi - lo)
+            self._buffers.append(buffer)
+            by_name.update((info.name, self._map_tensor(buffer, info, gguf.tensor_address(info)))
+                           for info in infos_in_part)
         if to_copy:
             by_name.update(self._copy(to_copy, gguf, copy_buft, repacking=upload_buft is None))
         self._assign(wanted, by_name)
@@ -185,8 +189,8 @@ class SliceWeights:
         for info in infos:
             if repacking and not ggml.tensor_view(tensors[info.name]).extra:  # ggml would abort on the copy
                 raise RuntimeError(f"ggml has no repacked layout for {info.name}")
-            ggml.backend_tensor_set(tensors[info.name], gguf.address + info.offset, 0, info.n_bytes)
-            gguf.release_pages([(info.offset, info.n_bytes)])  # the copy replaces the mapped bytes
+            ggml.backend_tensor_set(tensors[info.name], gguf.tensor_address(info), 0, info.n_bytes)
+            gguf.release_pages([info])  # the copy replaces the mapped bytes
         return tensors
 
     def _tensor_names(self, gguf: GGUFFile, spec: ModelSpec, s: SliceSpec) -> dict[tuple[str, int], str]:
@@ -218,10 +222,10 @@ class SliceWeights:
                 raise UnsupportedModelError(f"tensor {t.name} is missing from the model")
         return names
 
-    def _map_tensor(self, info: TensorInfo, address: int) -> int:
+    def _map_tensor(self, buffer: int, info: TensorInfo, address: int) -> int:
         tensor = _new_tensor(self._ctx, info)
         ggml.set_name(tensor, info.name.encode())
-        status = ggml.backend_tensor_alloc(self._buffer, tensor, address)
+        status = ggml.backend_tensor_alloc(buffer, tensor, address)
         if status != ggml.STATUS_SUCCESS:
             raise RuntimeError(f"cannot place tensor {info.name} (ggml status {status})")
         return tensor
@@ -241,10 +245,12 @@ class SliceWeights:
             self.nextn = NextnWeights(**nextn)
 
     def close(self) -> None:
-        for buffer in ("_buffer", "_copy_buffer"):
-            if getattr(self, buffer):
-                ggml.backend_buffer_free(getattr(self, buffer))
-                setattr(self, buffer, 0)
+        for buffer in self._buffers:
+            ggml.backend_buffer_free(buffer)
+        self._buffers = []
+        if self._copy_buffer:
+            ggml.backend_buffer_free(self._copy_buffer)
+            self._copy_buffer = 0
         for ctx in ("_ctx", "_copy_ctx"):
             if getattr(self, ctx):
                 ggml.free(getattr(self, ctx))

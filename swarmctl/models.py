@@ -26,19 +26,24 @@ def default_model_path() -> Path:
 
 
 def resolve_model(path: str | None) -> Path:
-    return Path(path).expanduser() if path else default_model_path()
+    """The model file to open: the path given (for a split model, its first part, whichever part
+    was named: llama.cpp opens a split model by its first part), or the bundled default."""
+    from kernels.gguf_file import split_parts
+
+    return split_parts(Path(path).expanduser())[0] if path else default_model_path()
 
 
 def checked_model(path: str | os.PathLike[str] | None) -> Path:
     """``resolve_model``, then a look at the file's header: it exists, is a GGUF and holds a
     supported architecture. Only metadata is read (the file is memory-mapped, its tensors are not
     touched), so this costs milliseconds even for a 40 GB model and lets a command fail with one
-    line before it starts nodes or connects anywhere. Raises ``ModelFileError`` or
-    ``UnsupportedModelError``."""
+    line before it starts nodes or connects anywhere. A split model may be named by any of its
+    parts; the first part's path is returned (what llama.cpp and every member open). Raises
+    ``ModelFileError`` or ``UnsupportedModelError``."""
     from kernels.gguf_file import GGUFFile
     from kernels.spec import ModelSpec
 
     model = resolve_model(os.fspath(path) if path is not None else None)
     with GGUFFile(model) as gguf:
         ModelSpec.from_gguf(gguf)
-    return model
+        return gguf.path
