@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+INVITE_PATTERN = re.compile(r"^[0-9a-f]{1,64}$")  # an invite's token id (hex: net/invite.py)
 MEMBER_VALIDITY = dt.timedelta(days=365)
 CA_VALIDITY = dt.timedelta(days=3650)
 CLOCK_SKEW = dt.timedelta(minutes=5)
@@ -97,16 +98,22 @@ def public_key_from_csr(csr_pem: bytes) -> Ed25519PublicKey:
 
 
 def sign_member(ca_key: Ed25519PrivateKey, ca_cert: x509.Certificate, public_key: Ed25519PublicKey,
-                name: str, validity: dt.timedelta = MEMBER_VALIDITY, role: str = "trunk") -> x509.Certificate:
-    """A member certificate: CN and DNS name = member name, OU = its role, usable as TLS client
-    and server."""
+                name: str, validity: dt.timedelta = MEMBER_VALIDITY, role: str = "trunk",
+                invite: str = "") -> x509.Certificate:
+    """A member certificate: CN and DNS name = member name, OU = its role, UID = the token id of
+    the invite it joined with (if any: see member_account), usable as TLS client and server."""
     if role not in ROLES:
         raise IdentityError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+    if invite and not INVITE_PATTERN.fullmatch(invite):
+        raise IdentityError(f"invalid invite token id {invite!r}")
     now = _now()
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, check_name(name)),
+               x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]
+    if invite:
+        subject.append(x509.NameAttribute(NameOID.USER_ID, invite))
     return (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, check_name(name)),
-                                 x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
+        .subject_name(x509.Name(subject))
         .issuer_name(ca_cert.subject)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
@@ -136,6 +143,17 @@ def member_role(cert: x509.Certificate) -> str:
     roles = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     role = str(roles[0].value) if roles else LEGACY_ROLE
     return role if role in ROLES else "asker"  # an unknown role gets the least
+
+
+def member_account(cert: x509.Certificate) -> str:
+    """Whose budgets the holder of a certificate spends on a node (what it may make the node
+    buffer): every name joined with one invite is one person (swarmctl/membership.py accounts()),
+    so a certificate that names its invite spends the invite's ("invite:<token id>"; no member
+    name has a colon), and one that names none (the host's, a local swarm's, one issued before
+    certificates named their invite) its own name's."""
+    invites = cert.subject.get_attributes_for_oid(NameOID.USER_ID)
+    invite = str(invites[0].value) if invites else ""
+    return f"invite:{invite}" if invite else member_name(cert)
 
 
 def member_name(cert: x509.Certificate) -> str:

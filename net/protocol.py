@@ -21,7 +21,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from . import batch
-from .identity import member_name, member_role
+from .identity import member_account, member_name, member_role
 from .tls import CertificateCheck, peer_certificate, raise_stream_limits, require_client_certificates
 from .wire import DEFAULT_MAX_FRAME, Frame, FrameDecoder, WireError
 
@@ -33,10 +33,11 @@ STREAM_ERROR_BAD_FRAME = 0x101  # application error code for a reset stream
 # sends one small CSR; a member's budget leaves room for many large prefills in flight at once.
 ANONYMOUS_MAX_FRAME = 64 * 1024
 ANONYMOUS_BUFFER_BUDGET = 256 * 1024
-MEMBER_BUFFER_BUDGET = 256 * 1024 * 1024  # per member, over all its connections to this process
-# Every open connection of each member, so a member's unfinished frames are bounded together: two
-# connections of one member with 150 MB each held 305 MB (issue 30 item 5).
-_MEMBER_CONNECTIONS: dict[str, weakref.WeakSet] = {}
+MEMBER_BUFFER_BUDGET = 256 * 1024 * 1024  # per account, over all its connections to this process
+# Every open connection of each account (a member's invite, identity.member_account), so what one
+# person makes us hold is bounded together: two connections of one member with 150 MB each held
+# 305 MB (issue 30 item 5), and four names of one invite 960 MB (issue 43).
+_ACCOUNT_CONNECTIONS: dict[str, weakref.WeakSet] = {}
 
 
 class ConnectionHandler(Protocol):
@@ -65,6 +66,7 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.peer_cert: x509.Certificate | None = None
         self.peer_name = ""  # the authenticated member at the other end ("" for an anonymous joiner)
         self.peer_role = ""  # what its certificate lets it be: "host", "trunk" or "asker" ("" if anonymous)
+        self.peer_account = ""  # whose budget it spends: its invite's, shared by all its names ("" if anonymous)
         self.alpn: str | None = None
         self.is_open = False
         self.close_reason = ""  # what the peer (or we) said when the connection ended
@@ -105,9 +107,10 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.peer_cert = peer_certificate(self._quic)
         self.peer_name = member_name(self.peer_cert) if self.peer_cert is not None else ""
         self.peer_role = member_role(self.peer_cert) if self.peer_cert is not None else ""
+        self.peer_account = member_account(self.peer_cert) if self.peer_cert is not None else ""
         self.is_open = True
         if self.peer_name:
-            _MEMBER_CONNECTIONS.setdefault(self.peer_name, weakref.WeakSet()).add(self)
+            _ACCOUNT_CONNECTIONS.setdefault(self.peer_account, weakref.WeakSet()).add(self)
         self.handler.connection_made(self)
 
     def _stream_data(self, event: events.StreamDataReceived) -> None:
@@ -131,10 +134,12 @@ class SwarmProtocol(QuicConnectionProtocol):
                 budget, held = ANONYMOUS_BUFFER_BUDGET, self.buffered
             else:
                 budget = MEMBER_BUFFER_BUDGET
-                held = sum(c.buffered for c in _MEMBER_CONNECTIONS.get(self.peer_name, ()) if c.is_open)
+                held = sum(c.buffered for c in _ACCOUNT_CONNECTIONS.get(self.peer_account, ()) if c.is_open)
             if held > budget:
+                whose = f"{self.peer_name}" if self.peer_account == self.peer_name else \
+                    f"{self.peer_name} and the other names of its invite"
                 self.close_with(f"over {budget} bytes of unfinished frames buffered"
-                                + ("" if anonymous else f" from {self.peer_name} over all its connections"))
+                                + ("" if anonymous else f" from {whose} over all their connections"))
                 return
         for frame in frames:
             waiter = self._waiters.pop(stream_id, None)

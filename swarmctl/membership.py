@@ -88,7 +88,9 @@ def admit(home: SwarmHome, *, token_id: str, secret: bytes, csr_pem: bytes, name
         members = home.members()
         if name in members:
             raise JoinRefused(f"a member named {name!r} already exists; choose another with --name")
-        cert = sign_member(ca_key, ca_cert, public_key, name, role=record.role)  # the host's record decides
+        # (the host's record decides the role; the invite named in the certificate makes every
+        # name joined with it share one budget wherever the node cannot ask the host: net/protocol.py)
+        cert = sign_member(ca_key, ca_cert, public_key, name, role=record.role, invite=token_id)
         record.uses_left -= 1
         members[name] = MemberRecord(name, cert.serial_number, fingerprint(cert), time.time(), role=record.role,
                                      invite=token_id)

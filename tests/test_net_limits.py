@@ -229,3 +229,68 @@ def test_a_members_unfinished_frames_are_bounded_over_all_its_connections(monkey
 
     still_open, answer = asyncio.run(scenario())
     assert still_open.count(False) == 1 and answer == "ok", still_open
+
+
+def test_the_names_of_one_invite_share_one_budget_of_unfinished_frames(monkeypatch):
+    """Issue 43: the budget was per name, so the four names of one invite held 960 MB of unfinished
+    frames at the host against a 256 MiB budget. A certificate names the invite its holder joined
+    with, and every name of that invite spends one budget (here made 1 MiB, so that the test
+    sends little); a name of another invite keeps its own."""
+    import net.protocol
+
+    monkeypatch.setattr(net.protocol, "MEMBER_BUFFER_BUDGET", 1 << 20)
+
+    def joined(name, ca_key, ca_cert, invite) -> Credentials:
+        key = new_private_key()
+        return Credentials(key, sign_member(ca_key, ca_cert, key.public_key(), name, role="asker", invite=invite),
+                           ca_cert)
+
+    async def scenario() -> tuple[list[bool], bool, str]:
+        server, address, handler, (ca_key, ca_cert) = await _server()
+        names = [joined(name, ca_key, ca_cert, "0a1b2c3d4e5f6071") for name in ("ivy", "ivy-2")]
+        other = joined("olga", ca_key, ca_cert, "99aa88bb77cc66dd")
+        conns = [await connect_member(address, creds, "host", RequestOnlyHandler()) for creds in (*names, other)]
+        try:
+            for conn in conns:  # 700 KB of a 4 MB frame on each: each alone is under the budget
+                stream = conn.open_stream()
+                conn.send(stream, FRAME_HEADER.pack(4_000_000, FrameType.CONTROL) + b"x" * 700_000)
+                await conn.drain(stream, 0)
+                await asyncio.sleep(0.3)
+            await asyncio.sleep(0.5)
+            bob = await connect_member(address, _member("bob", ca_key, ca_cert), "host", RequestOnlyHandler())
+            answer = decode_control((await bob.request(encode_control({"type": "status"}), timeout=5)).body)["type"]
+            await close(bob)
+            return [c.is_open for c in conns[:2]], conns[2].is_open, answer
+        finally:
+            for conn in conns:
+                await close(conn)
+            server.close()
+
+    invite_open, other_open, answer = asyncio.run(scenario())
+    assert invite_open.count(False) == 1 and other_open and answer == "ok", (invite_open, other_open)
+
+
+def test_a_certificate_names_its_invite_and_the_account_follows_it(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    from net.identity import make_csr, member_account
+    from swarmctl.home import SwarmHome
+    from swarmctl.membership import admit, create_swarm, issue_invite
+
+    home = SwarmHome(tmp_path / "host")
+    create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:0", advertise=["127.0.0.1:7470"],
+                 model=None, head_layers=4)
+    invite = issue_invite(home, ttl_seconds=60, uses=2, role="asker")
+    joined = [admit(home, token_id=invite.token_id, secret=invite.secret, name=name,
+                    csr_pem=make_csr(new_private_key(), name).public_bytes(serialization.Encoding.PEM))
+              for name in ("ivy", "ivy-2")]
+    assert {member_account(cert) for cert in joined} == {f"invite:{invite.token_id}"}
+    assert member_account(home.credentials().cert) == "host"  # no invite: its own name
+
+    ca_key, ca_cert = make_ca("accounts")
+    key = new_private_key().public_key()
+    assert member_account(sign_member(ca_key, ca_cert, key, "ivy", invite="0a1b")) == "invite:0a1b"
+    assert member_account(sign_member(ca_key, ca_cert, key, "ivy-2", invite="0a1b")) == "invite:0a1b"
+    assert member_account(sign_member(ca_key, ca_cert, key, "host", role="host")) == "host"  # no invite: its name
+    with pytest.raises(IdentityError):
+        sign_member(ca_key, ca_cert, key, "ivy", invite="not hex\n")
