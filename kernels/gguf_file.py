@@ -29,7 +29,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -368,22 +368,24 @@ class GGUFFile:
             if buf is not None and stop > start:
                 buf.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
-    def hash_tensors(self, names: Iterable[str]) -> str:
-        """SHA-256 over (name, type, shape, bytes) of the named tensors, in the order given."""
-        digest = hashlib.sha256()
-        for name in names:
-            info = self.tensors[name]
-            digest.update(f"{name}|{info.ggml_type}|{info.shape}|".encode())
-            digest.update(self.tensor_bytes(info))
+    def tensor_hash(self, name: str) -> str:
+        """SHA-256 over one tensor's name, type, shape and bytes: what a fetched chunk's tensor is
+        checked against, and what layer hashes are made of."""
+        info = self.tensors[name]
+        digest = hashlib.sha256(f"{name}|{info.ggml_type}|{info.shape}|".encode())
+        digest.update(self.tensor_bytes(info))
         return digest.hexdigest()
 
     def layer_tensor_names(self, layer: int) -> list[str]:
         prefix = f"blk.{layer}."
         return sorted(name for name in self.tensors if name.startswith(prefix))
 
-    def layer_hash(self, layer: int) -> str:
-        """SHA-256 over one layer's tensors: how members check they hold the same weights."""
-        return self.hash_tensors(self.layer_tensor_names(layer))
+    def layer_hash(self, layer: int, tensor_hashes: Mapping[str, str] | None = None) -> str:
+        """One layer's hash, from its tensors' hashes (``tensor_hashes`` where known, else read now):
+        how members check they hold the same weights."""
+        known = tensor_hashes or {}
+        return layer_hash_of({name: known.get(name) or self.tensor_hash(name)
+                              for name in self.layer_tensor_names(layer)})
 
     def close(self) -> None:
         for part in self._parts:
@@ -394,6 +396,12 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def layer_hash_of(tensor_hashes: Mapping[str, str]) -> str:
+    """A layer's hash from its tensors' (name → SHA-256), in name order."""
+    return hashlib.sha256("".join(f"{name}:{tensor_hashes[name]}\n" for name in sorted(tensor_hashes)).encode()
+                          ).hexdigest()
 
 
 def _tensor_bytes(shape: tuple[int, ...], ggml_type: int, path: Path, name: str) -> int:

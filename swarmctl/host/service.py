@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import logging
 import time
 
@@ -37,6 +36,7 @@ from .liveness import unanswered, watch_trunks
 from .planning import PlanKeeper
 from .rendezvous import NoRoute, Rendezvous
 from .reports import AskerReports
+from .model_hashes import CACHE_FOLDER as HASH_CACHE_FOLDER, model_hashes
 from .status import StatusSources, swarm_status
 from .trunks import TrunkInfo, Trunks, observed, reachable_address
 
@@ -53,11 +53,12 @@ class HostService:
         model_path = resolve_model(self.config.model)
         self.gguf = GGUFFile(model_path)  # kept open: the host serves slices from it
         spec = ModelSpec.from_gguf(self.gguf)
-        hashes = [self.gguf.layer_hash(i) for i in range(spec.n_layer)]
+        # every tensor's hash, read once and kept in the home (a restart on the same file reads none)
+        self.hashes, _ = model_hashes(self.gguf, spec.n_layer, home.file(HASH_CACHE_FOLDER))
         plan = Plan(version=0, model_name=model_path.name, n_layer=spec.n_layer,
-                    head_layers=self.config.head_layers, layer_hashes=hashes,
+                    head_layers=self.config.head_layers, layer_hashes=self.hashes.layers,
                     revoked_serials=sorted(home.revoked_serials()),
-                    model_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
+                    model_hash=self.hashes.model_hash,
                     objective=self.config.objective, n_expert=spec.n_expert)
         self.trunks: Trunks = {}
         self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks,
@@ -147,7 +148,7 @@ class HostService:
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None and trunk.conn is conn:
             del self.trunks[conn.peer_name]
-            self.planning.replan()
+            self.planning.lost(conn.peer_name)
 
     def stream_ended(self, conn: SwarmProtocol, stream_id: int) -> None:
         # every host stream is one request, answered in full; a watcher's end changes nothing
@@ -263,6 +264,7 @@ class HostService:
             log.info("trunk %s said it is reached at %s; it is reached at %s, where its connection comes "
                      "from (addresses are observed, not claimed)", conn.peer_name, stated, listen)
         speed = message.ms_per_layer_token
+        replaced = conn.peer_name in self.trunks
         trunk = self.trunks[conn.peer_name] = TrunkInfo(conn, stream_id, listen, message.memory, speed,
                                                         device=message.device, rtt_ms=message.rtt_ms,
                                                         local=message.local, relay=message.relay,
@@ -274,8 +276,7 @@ class HostService:
                  f", and {trunk.ram_bytes / 1e9:.1f} GB of host RAM for routed experts at {trunk.ram_gb_s:.1f} GB/s"
                  if trunk.ram_bytes else "")
         self.checks.at_registration(conn.peer_name, trunk)
-        self.planning.rebase(conn.peer_name)
-        self.planning.replan(also_send_to=conn.peer_name)
+        self.planning.registered(conn.peer_name, replaced=replaced)  # (a plan, sent to it)
 
     def _ready(self, conn: SwarmProtocol, stream_id: int, message: m.Ready) -> None:
         """A trunk says it loaded its layers: it becomes a ready stage once it proved it holds them

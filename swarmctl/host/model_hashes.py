@@ -1,0 +1,136 @@
+"""The host's hashes of the model: one SHA-256 per tensor, each layer's hash made of its tensors'
+(kernels/gguf_file.py), read from the file once and kept in the home.
+
+A restart on an unchanged file reads nothing of it: the hashes are stored under the identity of
+the model's files (each part's device, inode, size and modification time), and a file whose
+identity changed is hashed again. A first hash reads every tensor on every core (hashlib lets
+go of the GIL for large buffers) and logs its progress with an estimate of the time left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from kernels.gguf_file import GGUFFile, layer_hash_of
+
+log = logging.getLogger("swarmctl.host")
+
+CACHE_FORMAT = 1
+CACHE_FOLDER = "model-hashes"
+PROGRESS_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> "FileIdentity":
+        st = os.stat(path)
+        return cls(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class ModelHashes:
+    tensors: dict[str, str]  # tensor name → SHA-256 (GGUFFile.tensor_hash)
+    layers: list[str]  # layer → SHA-256 of its tensors' hashes (layer_hash_of)
+    model_hash: str  # SHA-256 of the layer hashes: names the model in plans and slice files
+
+    @classmethod
+    def from_tensors(cls, gguf: GGUFFile, n_layer: int, tensors: dict[str, str]) -> "ModelHashes":
+        layers = [layer_hash_of({name: tensors[name] for name in gguf.layer_tensor_names(il)})
+                  for il in range(n_layer)]
+        return cls(tensors, layers, hashlib.sha256("".join(layers).encode()).hexdigest())
+
+
+def identity_key(identities: list[FileIdentity]) -> str:
+    return hashlib.sha256(json.dumps([asdict(i) for i in identities]).encode()).hexdigest()[:32]
+
+
+def model_hashes(gguf: GGUFFile, n_layer: int, cache_folder: Path, *,
+                 threads: int | None = None, progress: Callable[[int, int, float], None] | None = None
+                 ) -> tuple[ModelHashes, bool]:
+    """The model's hashes, from the cache when its files are unchanged (then True), else read and
+    stored. A cache entry that does not parse, or does not cover the model's tensors, is hashed
+    again (and said so): it never stands in for a hash it does not hold."""
+    identities = [FileIdentity.of(path) for path in gguf.parts]
+    entry = cache_folder / f"{identity_key(identities)}.json"
+    cached = _read(entry, identities, gguf)
+    if cached is not None:
+        return ModelHashes.from_tensors(gguf, n_layer, cached), True
+    tensors = hash_every_tensor(gguf, threads=threads, progress=progress or _log_progress(gguf))
+    if [FileIdentity.of(path) for path in gguf.parts] != identities:
+        log.warning("the model file changed while it was hashed; the hashes are not kept")
+    else:
+        _write(entry, identities, tensors)
+    return ModelHashes.from_tensors(gguf, n_layer, tensors), False
+
+
+def hash_every_tensor(gguf: GGUFFile, *, threads: int | None = None,
+                      progress: Callable[[int, int, float], None] | None = None) -> dict[str, str]:
+    """Every tensor's hash, on ``threads`` threads (default: every core); ``progress(done_bytes,
+    total_bytes, elapsed_s)`` every few seconds and at the end."""
+    names = sorted(gguf.tensors, key=lambda n: -gguf.tensors[n].n_bytes)  # the big ones first: even shares
+    total = sum(gguf.tensors[n].n_bytes for n in names)
+    done, started, last = 0, time.monotonic(), 0.0
+    out: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
+        for name, digest in zip(names, pool.map(gguf.tensor_hash, names)):
+            out[name] = digest
+            done += gguf.tensors[name].n_bytes
+            now = time.monotonic()
+            if progress is not None and (now - last >= PROGRESS_EVERY_S or done == total):
+                progress(done, total, now - started)
+                last = now
+    return out
+
+
+def _log_progress(gguf: GGUFFile) -> Callable[[int, int, float], None]:
+    def say(done: int, total: int, elapsed: float) -> None:
+        left = elapsed * (total - done) / done if done else 0.0
+        log.info("hashing %s: %.1f of %.1f GB (%.0f %%), %.0f s so far, about %.0f s left", gguf.path.name,
+                 done / 1e9, total / 1e9, 100 * done / max(total, 1), elapsed, left)
+    return say
+
+
+def _read(entry: Path, identities: list[FileIdentity], gguf: GGUFFile) -> dict[str, str] | None:
+    if not entry.exists():
+        return None
+    try:
+        data = json.loads(entry.read_text())
+        if data.get("format") != CACHE_FORMAT or data.get("files") != [asdict(i) for i in identities]:
+            raise ValueError("it was made for other files")
+        tensors = data["tensors"]
+        if not isinstance(tensors, dict) or set(tensors) != set(gguf.tensors) or not all(
+                isinstance(v, str) and len(v) == 64 for v in tensors.values()):
+            raise ValueError("its tensors are not the model's")
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        log.warning("the stored hashes in %s cannot be used (%s); hashing the model again", entry, e)
+        return None
+    return tensors
+
+
+def _write(entry: Path, identities: list[FileIdentity], tensors: dict[str, str]) -> None:
+    """Written whole under a temporary name, then renamed: a crash leaves the old entry or none."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = entry.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": CACHE_FORMAT, "files": [asdict(i) for i in identities], "tensors": tensors}, f)
+        os.replace(tmp, entry)
+    except OSError as e:  # a full disk: the host runs on, and hashes again next start
+        log.warning("cannot keep the model's hashes in %s (%s); the next start hashes again", entry.parent,
+                    e.strerror)
