@@ -41,6 +41,18 @@ and by more than ``LINK_NOISE_MS`` (5 ms: a 1 ms LAN link read at 2 ms is noise,
 or changed path (direct to relayed, another relay); and the host re-plans on it only when the
 plan made with it beats the current assignment, under the same new links, by ``MIN_GAIN``.
 
+Links that moved go through the same ``ReplanGate`` as speeds (the host's ``consider_links``): a
+link claimed bad and good by turns (issue 43: 3 plan switches in 11 s, asks slowed to 10-12 s)
+never holds its gain for ``SUSTAIN_S``, and a plan in use that has not stood ``SETTLE_S`` is not
+left for a link either, so flapping claims cause at most one re-plan per settle period.
+
+Members that come and go are damped too (``Backoff``): a member that rejoins within ``SETTLE_S`` of
+leaving is left out of plans for ``REJOIN_HOLD_S`` before it is planned in again, and a member whose
+stage missed its deadline to be ready (``ready_deadline_s``; a staged plan's, or the plan in use's)
+is left out for ``MISSED_HOLD_S``; each again within ``FORGET_S`` doubles its wait, up to
+``HOLD_MAX_S``. A member the others cannot do without is planned whatever its wait (the host's
+``replan``): the damping is never worth a swarm that cannot serve.
+
 Why not treat speeds within a factor as equal inside the planner? Two genuinely different nodes
 (1.0 and 1.4 ms per layer) deserve different shares under "throughput", and brute force checks
 the planner's answers exactly. Noise is handled where it arises: a robust measurement at join
@@ -52,7 +64,7 @@ bands on what the planner is told.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .layout import ModelLayout
@@ -73,6 +85,15 @@ SETTLE_S = 60.0  # and the plan in use has stood this long
 MAX_DEFER_S = 600.0  # the host then waits for the stages to be idle, this long at most (swarmctl/host/planning.py)
 LINK_FACTOR = 1.5
 LINK_NOISE_MS = 5.0
+# A published plan's stage is given this long to get ready, plus its bytes at LOAD_MB_S (a slice
+# read from a slow disk or fetched over a home link, checked and built); meanwhile the swarm is
+# incomplete (the host's planning.py; a staged plan's deadline is its own: the plan in use serves).
+READY_BASE_S = 60.0
+LOAD_MB_S = 50.0
+REJOIN_HOLD_S = SETTLE_S  # a member that rejoined within SETTLE_S of leaving waits this long first
+MISSED_HOLD_S = 300.0  # a member whose stage was not ready by its deadline waits this long first
+HOLD_MAX_S = 3600.0
+FORGET_S = 6 * 3600.0  # a strike this long after the member's last one counts as its first again
 
 
 def served_figure(reports: Sequence[float], keep: int = SERVED_REPORTS) -> float | None:
@@ -129,6 +150,33 @@ class ReplanGate:
         if self.worth_since is None:
             return None
         return max(self.worth_since + self.sustain_s, self.plan_changed_at + self.settle_s)
+
+
+def ready_deadline_s(stage_bytes: int, base_s: float = READY_BASE_S, load_mb_s: float = LOAD_MB_S) -> float:
+    """How long a stage of ``stage_bytes`` weight bytes may take to get ready in a published plan."""
+    return base_s + max(0, stage_bytes) / (load_mb_s * 1e6)
+
+
+@dataclass
+class Backoff:
+    """How long a member is left out after a strike (it missed a deadline, or rejoined right after
+    leaving): ``first_s``, twice that after a second strike within ``forget_s`` of the one before,
+    and so on up to ``max_s``. I/O-free: the caller passes the time."""
+
+    first_s: float
+    max_s: float = HOLD_MAX_S
+    forget_s: float = FORGET_S
+    strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member → (strikes in a row, the last's time)
+
+    def strike(self, member: str, now: float) -> float:
+        """A strike against ``member`` now: how long it is left out."""
+        count, last = self.strikes.get(member, (0, -math.inf))
+        count = 1 if now - last > self.forget_s else count + 1
+        self.strikes[member] = (count, now)
+        return min(self.max_s, self.first_s * 2.0 ** min(count - 1, 40))
+
+    def count(self, member: str) -> int:
+        return self.strikes.get(member, (0, 0.0))[0]
 
 
 def materially_changed(planned: float | None, figure: float | None, factor: float = SPEED_FACTOR) -> bool:
@@ -266,6 +314,7 @@ class LinkDecision:
     reason: str
     current_ms: float | None = None  # the objective of the current assignment under the new links
     proposed_ms: float | None = None  # the objective of the plan made with them
+    changed: bool = False  # a link moved past its band: the planner is told (and the gate looks)
 
 
 def decide_on_links(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraints: Constraints,
@@ -283,16 +332,16 @@ def decide_on_links(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constr
         return LinkDecision(links, False, f"{member}: links within the noise band of those planned with: kept")
     what = f"{member}'s links to {', '.join(moved)} changed"
     if constraints.objective == "even":
-        return LinkDecision(links, False, f"{what}; objective 'even' keeps its order")
+        return LinkDecision(links, False, f"{what}; objective 'even' keeps its order", changed=True)
     if not current or any(m not in by_name for m, _, _ in current):
-        return LinkDecision(links, False, f"{what}; no current assignment to compare with")
+        return LinkDecision(links, False, f"{what}; no current assignment to compare with", changed=True)
     updated = [replace(n, links={**n.links, **links}) if n.name == member else n for n in nodes]
     try:
         now, new, unit, _ = _replanning(layout, updated, constraints, current)
     except PlanError as e:
-        return LinkDecision(links, False, f"{what}; no plan with them: {e}")
+        return LinkDecision(links, False, f"{what}; no plan with them: {e}", changed=True)
     if new <= now * (1 - min_gain):
         return LinkDecision(links, True, f"{what}: a new plan takes {unit} {new:.1f} ms instead of {now:.1f}",
-                            now, new)
+                            now, new, changed=True)
     return LinkDecision(links, False, f"{what}, but a new plan would take {unit} {new:.1f} ms against "
-                                      f"{now:.1f} now: kept", now, new)
+                                      f"{now:.1f} now: kept", now, new, changed=True)

@@ -7,6 +7,11 @@ and the plan in use stays. Before this, the host published the new plan at once:
 whose stages were not ready, and asks failed until they were (61 s in the issue's case). The same
 over real processes: tests/test_swarm.py (a third trunk joins while asks run) and
 tests/test_layer_proof.py (a proven member that never loads its staged layers).
+
+Issue 43: a published plan's stages have a deadline too (a proven member that never loaded kept
+the swarm incomplete until it disconnected, 60 and 90 s); a member that missed one, or that comes
+straight back after leaving, is left out for a while, longer each time; plan versions are never
+issued twice; links that flap re-plan through the speeds' sustain-and-settle gate.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from plans.hysteresis import MISSED_HOLD_S, REJOIN_HOLD_S, SETTLE_S, SUSTAIN_S, ready_deadline_s
 from plans.layout import ModelLayout
+from plans.nodes import ASKER, Link
 from plans.plan import Plan
 from plans.planner import Constraints
 from swarmctl.host import TrunkInfo
@@ -35,25 +42,67 @@ class Recorder:
 
 
 class Host:
-    def __init__(self, tmp_path, figures: dict[str, float]) -> None:
+    def __init__(self, tmp_path, figures: dict[str, float], objective: str = "throughput",
+                 memory: float = 2 * GB) -> None:
         self.trunks = {}
-        config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective="throughput",
+        self.now = 0.0  # the keeper's clock, in the test's hands
+        self.memory = memory
+        config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective=objective,
                                  plan_max_stages=0, expert_nodes=0, wire_dtype="f32")
         self.planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
                                    Plan(0, "m", 30, 4), self.trunks)
+        self.planning.clock = lambda: self.now
         self.planning.constraints = Constraints(head_layers=4, context_tokens=256, max_concurrent=2,
-                                                objective="throughput")
+                                                objective=objective)
         self.asker = Recorder("asker")
         self.planning.watch(self.asker, 0)
+        self.conns: list[Recorder] = []  # every trunk connection there was
         for name, figure in figures.items():
             self.join(name, figure)
 
-    def join(self, name: str, figure: float) -> None:
-        """A member that proved its claims registers, and the host re-plans (as checks.py does)."""
-        self.trunks[name] = TrunkInfo(conn=Recorder(name), plan_stream=0, listen=f"127.0.0.1:{len(self.trunks) + 1}",
-                                      memory=int(2 * GB), ms_per_layer_token=figure, rtt_ms=1.0,
-                                      registered_at=float(len(self.trunks)), passed_check=True)
-        self.planning.replan()
+    def join(self, name: str, figure: float = 1.0) -> None:
+        """A member the host timed before registers (its claims need no check: checks.py), and the
+        host re-plans (service.py's ``register``)."""
+        replaced = name in self.trunks
+        self.conns.append(Recorder(name))
+        self.trunks[name] = TrunkInfo(conn=self.conns[-1], plan_stream=0, listen=f"127.0.0.1:{len(self.conns)}",
+                                      memory=int(self.memory), ms_per_layer_token=figure, rtt_ms=1.0,
+                                      registered_at=self.now + len(self.conns) * 1e-3, passed_check=True)
+        self.planning.registered(name, replaced=replaced)
+
+    def leave(self, name: str) -> None:
+        """``name`` disconnects (service.py's ``connection_lost``)."""
+        self.trunks[name].conn.is_open = False
+        del self.trunks[name]
+        self.planning.lost(name)
+
+    def wait(self, seconds: float, step: float = 1.0) -> None:
+        """Time passes: the keeper's timers (its deadlines and holds, the gate's look) fire when due."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now = min(end, self.now + step)
+            if (due := self.planning.due()) is not None and due <= self.now:
+                self.planning.tick()
+            if (due := self.planning.gate.due()) is not None and due <= self.now:
+                self.planning.reconsider()
+
+    def load(self, but: str = "") -> None:
+        """Every member but ``but`` loads what the plans (in use, staged) give it, and passes its check."""
+        for plan in (self.planning.plan, self.planning.staged):
+            for s in plan.stages if plan is not None else []:
+                if s.member != but and not s.ready and self.planning.plan_of(plan.version) is plan:
+                    self.ready(s.member, plan.version)
+
+    def members(self, plan: Plan | None = None) -> list[str]:
+        return [s.member for s in (plan or self.planning.plan).stages]
+
+    def issued(self) -> dict[int, set]:
+        """Every plan version anyone was sent (trunks and askers; trials apart) → its assignments."""
+        plans = [p for conn in [self.asker, *self.conns] for p in conn.plans if p.version < 2**40]
+        versions: dict[int, set] = {}
+        for p in plans:
+            versions.setdefault(p.version, set()).add(p.assignments())
+        return versions
 
     def ready(self, name: str, version: int) -> None:
         """``name`` said ready for ``version`` and passed its layer check (checks.py)."""
@@ -142,3 +191,139 @@ def test_a_plan_that_lost_a_member_is_replaced_at_once(tmp_path):
     host.planning.replan()
     assert host.planning.staged is None and host.planning.plan.version > old.version
     assert "bob" not in [s.member for s in host.asker.plans[-1].stages]
+
+
+# --- issue 43 ---
+
+def test_a_published_stage_that_never_loads_is_left_out_at_its_deadline(tmp_path):
+    """Item 5: a proven member registers and never loads; an honest member of the plan in use leaves
+    (a restart), so the new plan is published at once, with the stage that never loads. Before,
+    only staged plans had a deadline: askers held an incomplete plan until the member disconnected.
+    Now it is left out once its deadline (ready_deadline_s of its stage) passed."""
+    host = Host(tmp_path, {"alice": 1.0, "bob": 1.0})
+    host.serve()
+    host.join("mallory")  # proved its claims before; never says ready
+    assert "mallory" in host.members(host.planning.staged)
+    host.leave("bob")  # an honest member restarts: the plan in use is broken, the new one goes out at once
+    published, at = host.planning.plan, host.now
+    assert "mallory" in host.members(published) and host.asker.plans[-1].version == published.version
+    host.load(but="mallory")
+    stage = published.stage_for("mallory")
+    deadline = ready_deadline_s(SMOL.range_bytes(stage.start, stage.stop), host.planning.ready_deadline_s)
+    while "mallory" in host.members() and host.now < at + 10 * deadline:
+        host.wait(1.0)
+    remade_after = host.now - at
+    assert deadline <= remade_after <= deadline + 1.0, (remade_after, deadline)
+    assert "was not ready" in host.trunks["mallory"].refused and "left out of plans for" in host.trunks["mallory"].refused
+    assert "mallory" not in host.members(host.asker.plans[-1])
+    host.serve()  # alice serves the model alone now
+
+
+def test_a_member_that_keeps_missing_its_deadline_waits_longer_each_time_and_versions_are_never_reused(tmp_path):
+    """A member that re-registers after each staged deadline kept a plan staged forever (every
+    trunk reloading a standby each round), and a given-up staged plan's version came back (v7, v9
+    twice). Now each miss leaves it out for MISSED_HOLD_S, doubling, also across its re-registrations,
+    and no version is ever issued for two different plans, nor again by a restarted host."""
+    host = Host(tmp_path, {"alice": 1.0, "bob": 1.0})
+    host.planning.staged_deadline_s = 8.0
+    host.serve()
+    rounds = []  # (when, version) of each staged plan mallory is given to load
+
+    def a_round() -> None:
+        staged = host.planning.staged
+        if staged is not None and "mallory" in host.members(staged):
+            rounds.append((host.now, staged.version))
+
+    host.join("mallory")
+    a_round()
+    while host.now < 4 * MISSED_HOLD_S:
+        was_held, was_staged = bool(host.trunks["mallory"].refused), host.planning.staged is not None
+        host.load(but="mallory")
+        host.wait(1.0)
+        if host.trunks["mallory"].refused and not was_held:  # it missed: it registers again at once
+            host.leave("mallory")
+            host.join("mallory")
+            a_round()
+            assert host.planning.staged is None and host.trunks["mallory"].refused
+        elif not was_staged:
+            a_round()
+    versions = [v for _, v in rounds]
+    assert versions == sorted(set(versions)), rounds  # never the same version twice
+    assert [round(b - a) for (a, _), (b, _) in zip(rounds, rounds[1:])] == [8 + 300, 8 + 600], rounds
+    assert all(len(assignments) == 1 for assignments in host.issued().values()), host.issued()
+    assert host.planning.plan.complete and "mallory" not in host.members()
+    last = max(host.issued())
+    restarted = Host(tmp_path, {})  # the host restarts: it numbers on past every version it issued
+    assert restarted.planning.plan.version > last
+    restarted.join("alice")
+    assert restarted.planning.plan.version > last + 1
+
+
+def test_a_member_that_rejoins_right_after_leaving_is_planned_in_only_after_a_wait(tmp_path):
+    """A member that leaves and rejoins within the settle period is not planned in at once (each
+    turn of a flapping member re-planned the swarm); a second time it waits twice as long."""
+    host = Host(tmp_path, {"alice": 1.0, "bob": 1.0})
+    host.serve()
+    host.join("carol")
+    assert "carol" in host.members(host.planning.staged)
+    host.wait(3.0)
+    host.leave("carol")
+    assert host.planning.staged is None
+    versions = set(host.issued())
+    host.wait(2.0)
+    host.join("carol")  # back 2 s after leaving: no new plan yet
+    assert host.planning.staged is None and set(host.issued()) == versions
+    assert host.trunks["carol"].refused.startswith("rejoined 2 s after leaving")
+    host.wait(REJOIN_HOLD_S - 1)
+    assert host.planning.staged is None
+    host.wait(1.0)
+    assert "carol" in host.members(host.planning.staged)  # its wait is over: staged, as a new member is
+    host.leave("carol")
+    host.join("carol")
+    host.wait(2 * REJOIN_HOLD_S - 1)
+    assert host.planning.staged is None
+    host.wait(1.0)
+    assert "carol" in host.members(host.planning.staged)
+
+
+def test_a_member_the_others_cannot_do_without_is_planned_at_once_whatever_its_wait(tmp_path):
+    """The damping never leaves the swarm unable to serve: with two members that both hold part of
+    the model, one that restarts is planned again as soon as it is back."""
+    host = Host(tmp_path, {"alice": 1.0, "bob": 1.0}, memory=0.35 * GB)  # (50 MB each past the reserve)
+    assert sorted(host.members()) == ["alice", "bob"]
+    host.serve()
+    host.leave("bob")
+    assert host.members() == []
+    host.join("bob")
+    assert sorted(host.members()) == ["alice", "bob"] and not host.trunks["bob"].refused
+
+
+def flapping(tmp_path, seconds: int, bad_until: float = 0.0) -> tuple[Host, int]:
+    """Two trunks that can each hold the model, planned for latency; alice's link to the asker is
+    claimed 100 ms and 1 ms by turns each second (bob's is 20 ms), then, up to ``bad_until``,
+    stays at 100 ms. Returns the host and how many plans were issued meanwhile."""
+    host = Host(tmp_path, {"alice": 1.0, "bob": 1.0}, objective="latency")
+    host.planning.consider_links("bob", {ASKER: Link(20.0)})
+    host.planning.replan()
+    host.serve()
+    assert host.members() == ["alice"]
+    before = set(host.issued())
+    for second in range(seconds):
+        bad = second % 2 == 0 or host.now < bad_until
+        host.planning.consider_links("alice", {ASKER: Link(100.0 if bad else 1.0)})
+        host.load()  # a new plan's stages load at once
+        host.wait(1.0)
+    return host, len(set(host.issued()) - before)
+
+
+def test_links_claimed_bad_and_good_by_turns_replan_nothing(tmp_path):
+    """A link flapping between 1 and 100 ms re-planned at each turn (3 plan switches in 11 s). Link
+    changes go through the speeds' gate now: the gain never holds for SUSTAIN_S, nothing moves."""
+    host, issued = flapping(tmp_path, int(SUSTAIN_S + SETTLE_S) * 2)
+    assert issued == 0 and host.members() == ["alice"]
+
+
+def test_a_link_that_stays_bad_replans_once_its_gain_held(tmp_path):
+    (tmp_path / "a").mkdir()
+    host, issued = flapping(tmp_path / "a", int(SUSTAIN_S) + 30, bad_until=float("inf"))
+    assert issued == 1 and host.members() == ["bob"]

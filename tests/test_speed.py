@@ -387,7 +387,8 @@ def test_repeats_run_while_other_processes_hold_the_cores_are_recognised(bundled
 
 def test_the_host_replans_on_links_that_matter_only(tmp_path):
     """The host's `links` handler: trunks report their measured round trips to the plan's other
-    stages. A slow link inside the plan moves the plan; noise around a figure does not."""
+    stages. A slow link inside the plan moves the plan, once its gain held as a speed's must (issue
+    43: the speeds' sustain-and-settle gate); noise around a figure does not."""
     from plans.plan import Plan
     from swarmctl.host import HostService, TrunkInfo
     from swarmctl.host.planning import PlanKeeper
@@ -405,11 +406,16 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
     host = object.__new__(HostService)  # only what the links handler reads
     host.trunks, host.planning = trunks, planning
     host._reply = lambda conn, sid, message, end=False: None
+    now = [0.0]
+    planning.clock = lambda: now[0]
     planning.replan()
     first, second = [s.member for s in planning.plan.stages]
     assert planning.plan.version == 1
 
     host._links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=300.0)}))
+    assert planning.plan.version == 1  # the gain must hold first
+    now[0] = planning.gate.due()
+    planning.reconsider()  # (the gate's timer)
     assert planning.plan.version == 2
     order = [s.member for s in planning.plan.stages]
     assert (first, second) not in zip(order, order[1:]), order  # the slow hop is out of the plan

@@ -54,6 +54,6 @@ def mark_down(name: str, trunks: Trunks, planning: PlanKeeper, recovery: Recover
     if trunks.get(name) is trunk:
         del trunks[name]
         try:
-            planning.replan()
+            planning.lost(name)
         except Exception:  # noqa: BLE001 - the watcher must outlive any one bad plan
             log.exception("re-planning after %s went silent failed", name)

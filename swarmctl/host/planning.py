@@ -8,12 +8,13 @@ import logging
 import os
 import statistics
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 from net import messages as m
 from net.protocol import SwarmProtocol
-from plans.hysteresis import (MAX_DEFER_S, SPEED_FACTOR, ReplanGate, SpeedDecision, decide_on_links,
-                              decide_on_speed, replan_gain, sticky_links, sticky_speed)
+from plans.hysteresis import (MAX_DEFER_S, MISSED_HOLD_S, READY_BASE_S, REJOIN_HOLD_S, SPEED_FACTOR, Backoff,
+                              ReplanGate, SpeedDecision, decide_on_links, decide_on_speed, ready_deadline_s,
+                              replan_gain, sticky_links, sticky_speed)
 from plans.layout import ModelLayout
 from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, StageAssignment
@@ -31,7 +32,23 @@ IDLE_RECHECK_S = 10.0  # a re-plan on speed waiting for the stages to be idle as
 # A staged plan whose stages are not all ready this long after it was sent is given up: the members
 # that did not load are left out (tests set SWARMCTL_STAGED_DEADLINE_S).
 STAGED_DEADLINE_S = float(os.environ.get("SWARMCTL_STAGED_DEADLINE_S", "600"))
+# A published plan's stages get this long to be ready, plus their bytes' loading time
+# (plans/hysteresis.py ready_deadline_s): the swarm is incomplete meanwhile (tests set
+# SWARMCTL_READY_DEADLINE_S). A stage whose layer check is under way when it is due gets
+# CHECKING_GRACE_S more, as often as it takes: the check has its own deadline.
+READY_DEADLINE_S = float(os.environ.get("SWARMCTL_READY_DEADLINE_S", str(READY_BASE_S)))
+CHECKING_GRACE_S = 10.0
 TRIAL_VERSIONS = 2**40  # trial plans' private versions count from here (never a public plan's)
+
+
+class Hold(NamedTuple):
+    """A member left out of plans for a while (plans/hysteresis.py Backoff): it is refused with
+    ``why`` until ``until`` (the keeper's clock); ``missed``: it missed a deadline (else it rejoined
+    right after leaving)."""
+
+    until: float
+    why: str
+    missed: bool
 
 
 class PlanKeeper:
@@ -64,8 +81,26 @@ class PlanKeeper:
         # Make-before-break: a plan staged to follow the one in use, loading beside it (``_stage``).
         self.staged: Plan | None = None
         self.staged_deadline_s = STAGED_DEADLINE_S
-        self._staged_timer: asyncio.TimerHandle | None = None
-        self.plan.version = self._load_version()  # a restarted host continues the numbering
+        self._staged_by: float | None = None  # when the staged plan is given up (the keeper's clock)
+        # Every published plan's stages have a deadline to be ready too (``_ready_overdue``), counted
+        # from when their member stopped being ready in the plan in use, through re-plans.
+        self.ready_deadline_s = READY_DEADLINE_S
+        self._unready_since: dict[str, float] = {}  # member → since when it is not ready in the plan in use
+        self._ready_by: float | None = None  # when the first of them is due
+        # Members left out for a while: one whose stage missed its deadline, one that rejoined right
+        # after leaving; each again waits longer (plans/hysteresis.py Backoff).
+        self.missed, self.flapped = Backoff(MISSED_HOLD_S), Backoff(REJOIN_HOLD_S)
+        self.holds: dict[str, Hold] = {}
+        self.left_at: dict[str, float] = {}  # member → when its registration ended (the keeper's clock)
+        self._timer: asyncio.TimerHandle | None = None  # the deadlines' and holds' (``tick``)
+        # Versions only grow, also past a staged plan that was given up and across a restart: each is
+        # saved as it is issued, and a restarted host starts one past the last (its plan with no
+        # stages yet shares no number with one a trunk may hold).
+        self.issued = self._load_version()
+        if self.issued:
+            self.issued += 1
+            self.save_version(self.issued)
+        self.plan.version = self.issued
         self.plan.accounts = accounts(home.members())  # (Plan.account: one budget per invite)
 
     def _load_version(self) -> int:
@@ -82,16 +117,17 @@ class PlanKeeper:
 
     # --- the planner's inputs ---
 
-    def descriptors(self, unproven: bool | None = None) -> list[NodeDescriptor]:
+    def descriptors(self, unproven: bool | None = None, held: bool = False) -> list[NodeDescriptor]:
         """The planner's view of the trunks that can serve: speed (its claim, never faster than the
         host timed it; the others' median until the host could time it), memory, and links (to the
         host standing in for the asker). A trunk whose claims are being checked is not planned yet,
         and one that proved nothing (TrunkInfo.proven) only while the proven ones cannot hold the
-        model (``unproven``: include them or not; None: as the last re-plan had to)."""
+        model (``unproven``: include them or not; None: as the last re-plan had to). ``held``: with
+        the members left out for a while (``holds``), as if their wait were over."""
         if unproven is None:
             unproven = self.with_unproven
         ready = [(name, t) for name, t in sorted(self.trunks.items(), key=lambda kv: kv[1].registered_at)
-                 if not t.refused and not t.checking and (unproven or t.proven)]
+                 if (not t.refused or (held and self._held(name))) and not t.checking and (unproven or t.proven)]
         for name, t in ready:  # a member's first figure; later ones come through adopt_speed or rebase
             if name not in self.speed_basis and t.planning_speed is not None:
                 self.speed_basis[name] = t.planning_speed
@@ -169,7 +205,7 @@ class PlanKeeper:
         gain may be sustained."""
         if self.gate.look(worth, self.clock()):
             if self.stage_requests is None:
-                log.info("the speeds' gain held for %.0f s: re-planning", self.gate.sustain_s)
+                log.info("the gain held for %.0f s: re-planning", self.gate.sustain_s)
                 self.replan()
             elif self._asking is None or self._asking.done():
                 self._asking = asyncio.ensure_future(self._replan_when_idle())
@@ -201,11 +237,11 @@ class PlanKeeper:
         if since is None:  # the gain went away (or the plan changed) while the stages answered
             return
         if held and self.clock() - since < MAX_DEFER_S:
-            log.info("the speeds' gain held for %.0f s, but the stages hold %s requests: re-planning once "
+            log.info("the gain held for %.0f s, but the stages hold %s requests: re-planning once "
                      "they are idle", self.clock() - since, held if held > 0 else "unknown")
             self._look_later(self.clock() + IDLE_RECHECK_S)
             return
-        log.info("the speeds' gain held for %.0f s: re-planning", self.clock() - since)
+        log.info("the gain held for %.0f s: re-planning", self.clock() - since)
         self.replan()
 
     def close(self) -> None:
@@ -214,13 +250,15 @@ class PlanKeeper:
             self._look_again = None
         if self._asking is not None:
             self._asking.cancel()
-        if self._staged_timer is not None:
-            self._staged_timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def consider_links(self, name: str, claims: dict[str, Link]) -> None:
         """``name`` reports its measured links: each is planned with once it moved past the noise
-        band, and the host re-plans on them only if that makes the plan materially better
-        (plans/hysteresis.py)."""
+        band, and the host re-plans on them only if that makes the plan materially better, and
+        through the same gate as speeds: the gain sustained, the plan in use settled
+        (plans/hysteresis.py), so links claimed bad and good by turns re-plan nothing."""
         trunk = self.trunks.get(name)
         if trunk is None:
             return
@@ -235,8 +273,8 @@ class PlanKeeper:
                                    claims)
         trunk.links = {peer: decision.links[peer] for peer in claims}
         (log.info if decision.replan else log.debug)("links of %s: %s", name, decision.reason)
-        if decision.replan:
-            self.replan()
+        if decision.changed:
+            self._look(decision.replan)
 
     # --- planning and telling ---
 
@@ -256,13 +294,29 @@ class PlanKeeper:
         except PlanError as e:
             return None, None, str(e)
 
-    def replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
+    def _plan_members(self):
+        """(the unproven trunks, proposal, placement, problem): with the proven trunks, or with the
+        unproven too where the proven cannot serve alone (a swarm starting up)."""
         unproven = [name for name, t in self.trunks.items() if not t.refused and not t.checking and not t.proven]
         self.with_unproven = False
         proposal, placement, problem = self._try_propose()
-        if unproven and proposal is None:  # the proven trunks cannot serve alone (a swarm starting up)
+        if unproven and proposal is None:
             self.with_unproven = True
             proposal, placement, problem = self._try_propose()
+        return unproven, proposal, placement, problem
+
+    def replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
+        unproven, proposal, placement, problem = self._plan_members()
+        # Members waiting out a hold are planned where the others cannot serve without them: first
+        # those that only rejoined right after leaving, then those that missed a deadline.
+        for missed in (False, True):
+            held = [name for name, hold in self.holds.items() if self._held(name) and (missed or not hold.missed)]
+            if proposal is not None or not held:
+                continue
+            log.warning("the others cannot serve without %s: planned before %s wait is over", ", ".join(held),
+                        "its" if len(held) == 1 else "their")
+            self._release(held)
+            unproven, proposal, placement, problem = self._plan_members()
         if problem:
             log.warning("cannot plan: %s", problem)
         for name in unproven:  # planned as they are (the proven cannot serve alone), or sent a trial
@@ -285,6 +339,7 @@ class PlanKeeper:
             elif also_send_to is not None:
                 self.push(only=also_send_to)
             return
+        self.issued = candidate.version = max(self.issued, base.version) + 1  # (never one issued before)
         self.save_version(candidate.version)
         if self.staged is not None and candidate.assignments() == self.plan.assignments():
             log.info("staged plan v%d dropped: the plan in use (v%d) stays", self.staged.version, self.plan.version)
@@ -348,13 +403,8 @@ class PlanKeeper:
         self.plan.next_version = new.version
         log.info("plan v%d staged: %s; v%d serves until every stage of it is ready", new.version, _describe(new),
                  self.plan.version)
-        if self._staged_timer is not None:
-            self._staged_timer.cancel()
-        try:
-            self._staged_timer = asyncio.get_running_loop().call_later(self.staged_deadline_s, self._staged_overdue,
-                                                                       new.version)
-        except RuntimeError:  # (no loop: a test drives ``staged_overdue`` itself)
-            self._staged_timer = None
+        self._staged_by = self.clock() + self.staged_deadline_s
+        self._arm()
         self.push()
 
     def stage_ready(self) -> None:
@@ -363,42 +413,189 @@ class PlanKeeper:
         if self.staged is not None and self.staged.complete:
             log.info("every stage of plan v%d is ready: switching from v%d", self.staged.version, self.plan.version)
             self._publish(self.staged)
-        else:
-            self.push()
+            return
+        self._track_unready()
+        self.push()
 
     def _staged_overdue(self, version: int) -> None:
         """The staged plan did not get ready in time: its members that did not load their layers are
-        left out (as a member that refused), and the plan is made again without them."""
-        self._staged_timer = None
+        left out for a while (``missed``), and the plan is made again without them."""
+        self._staged_by = None
         staged = self.staged
         if staged is None or staged.version != version:
             return
-        late = [s for s in staged.stages if not s.ready]
-        for s in late:
-            trunk = self.trunks.get(s.member)
-            if trunk is not None and not trunk.refused:
-                trunk.refused = f"did not load layers [{s.start}, {s.stop}) of plan v{version} within " \
-                                f"{self.staged_deadline_s:.0f} s"
-                log.warning("trunk %s %s: left out of the plan", s.member, trunk.refused)
+        now = self.clock()
+        for s in staged.stages:
+            if not s.ready:
+                self._hold(s.member, f"did not load layers [{s.start}, {s.stop}) of plan v{version} within "
+                                     f"{self.staged_deadline_s:.0f} s", self.missed.strike(s.member, now), True)
         self.replan()
         if self.staged is not None and self.staged.version == version:  # (nothing else to plan with)
             log.warning("staged plan v%d not ready after %.0f s and no other plan: switching to it",
                         version, self.staged_deadline_s)
             self._publish(self.staged)
 
+    def _unready(self, plan: Plan) -> dict[str, tuple[str, int]]:
+        """{member: (what it is to load, its weight bytes)} of ``plan``'s stages and expert
+        assignments that are not ready, of members registered now."""
+        start, stop = plan.trunk_range
+        experts = sum(self.layout.expert_bytes[start:stop]) if self.layout.expert_bytes else 0
+        unready = {}
+        for a in [*plan.stages, *plan.experts]:
+            if a.ready or a.member not in self.trunks:
+                continue
+            if isinstance(a, ExpertAssignment):
+                unready[a.member] = (f"experts [{a.start}, {a.stop})", experts * (a.stop - a.start) // max(1, plan.n_expert))
+            else:
+                unready[a.member] = (f"layers [{a.start}, {a.stop})", self.layout.range_bytes(a.start, a.stop))
+        return unready
+
+    def _track_unready(self) -> None:
+        """Since when each member of the plan in use is not ready (a member that was not ready in
+        the plan before either keeps its time: a re-plan gives nobody a new deadline), and when the
+        first of them is due (``_ready_overdue``)."""
+        now = self.clock()
+        unready = self._unready(self.plan)
+        self._unready_since = {name: self._unready_since.get(name, now) for name in unready}
+        self._ready_by = min((self._unready_since[name] + ready_deadline_s(size, self.ready_deadline_s)
+                              for name, (_, size) in unready.items()), default=None)
+        self._arm()
+
+    def _ready_overdue(self) -> None:
+        """Members of the plan in use not ready by their deadline (``ready_deadline_s``): each is
+        left out for a while (``missed``) if the others can serve without them, and the plan is
+        made again (issue 43: a proven member that never loaded kept a published plan incomplete
+        until it disconnected). One whose layer check is under way is given CHECKING_GRACE_S more."""
+        plan, now = self.plan, self.clock()
+        late, due = {}, []
+        for name, (what, size) in self._unready(plan).items():
+            since = self._unready_since.setdefault(name, now)
+            by = since + ready_deadline_s(size, self.ready_deadline_s)
+            proving = self.trunks[name].proving
+            if by > now:
+                due.append(by)
+            elif proving is not None and proving[0] == plan.version:
+                due.append(now + CHECKING_GRACE_S)
+            else:
+                late[name] = f"was given {what} of plan v{plan.version} and was not ready {now - since:.0f} s later"
+        self._ready_by = min(due, default=None)
+        self._arm()
+        if not late:
+            return
+        others = [n for n in self.descriptors(unproven=True, held=True) if n.name not in late]
+        try:
+            proposal, _ = self._propose(others)
+        except PlanError:
+            proposal = None
+        if proposal is None:
+            log.warning("plan v%d is not complete (%s), but the others cannot serve without %s: waiting",
+                        plan.version, "; ".join(f"{name} {why}" for name, why in late.items()), ", ".join(late))
+            return
+        for name, why in late.items():
+            self._hold(name, why, self.missed.strike(name, now), True)
+        self.replan()
+
+    # --- members left out for a while ---
+
+    def registered(self, name: str, replaced: bool = False) -> None:
+        """``name`` registered (``replaced``: over a registration of its own): one still waiting out a
+        hold is left out again, one that left less than the settle period ago is left out for a
+        while (a member that comes and goes re-plans nothing at each turn); then the plan is made
+        again and sent to it."""
+        now = self.clock()
+        left = now if replaced else self.left_at.pop(name, None)
+        trunk = self.trunks.get(name)
+        hold = self.holds.get(name)
+        if trunk is not None and not trunk.refused:
+            if hold is not None and hold.until > now:
+                trunk.refused = hold.why
+                log.warning("trunk %s %s: left out of plans for %.0f s more", name, hold.why, hold.until - now)
+            elif left is not None and now - left < self.gate.settle_s:
+                self._hold(name, f"rejoined {now - left:.0f} s after leaving", self.flapped.strike(name, now), False)
+        self.rebase(name)
+        self.replan(also_send_to=name)
+
+    def lost(self, name: str) -> None:
+        """``name``'s registration ended (it disconnected, or was marked down): a plan without it."""
+        self.left_at[name] = self.clock()
+        self.replan()
+
+    def _held(self, name: str) -> bool:
+        """``name`` is registered and refused by its hold (not for another reason)."""
+        hold, trunk = self.holds.get(name), self.trunks.get(name)
+        return hold is not None and trunk is not None and trunk.refused == hold.why
+
+    def _hold(self, name: str, why: str, seconds: float, missed: bool) -> None:
+        """Leave ``name`` out of plans for ``seconds`` (also if it registers again meanwhile)."""
+        hold = self.holds[name] = Hold(self.clock() + seconds, f"{why}; left out of plans for {seconds:.0f} s",
+                                       missed)
+        trunk = self.trunks.get(name)
+        if trunk is not None and not trunk.refused:
+            trunk.refused = hold.why
+        log.warning("trunk %s %s", name, hold.why)
+        self._arm()
+
+    def _release(self, names: list[str]) -> bool:
+        """End the holds of ``names``; True if one of them is registered (it can be planned now)."""
+        back = [name for name in names if self._held(name)]
+        for name in back:
+            self.trunks[name].refused = ""
+        for name in names:
+            del self.holds[name]
+        self._arm()
+        return bool(back)
+
+    # --- the deadlines' and holds' timer ---
+
+    def tick(self) -> None:
+        """The deadlines and holds that are due by the keeper's clock (the timer calls it; a test
+        moves the clock and calls it): a staged plan or the plan in use overdue, waits that ended."""
+        self._timer = None
+        try:
+            now = self.clock()
+            if self._staged_by is not None and now >= self._staged_by:
+                self._staged_overdue(self.staged.version if self.staged is not None else -1)
+            if self._ready_by is not None and now >= self._ready_by:
+                self._ready_overdue()
+            ended = [name for name, hold in self.holds.items() if hold.until <= now]
+            if ended and self._release(ended):
+                log.info("%s waited long enough: planned again", ", ".join(ended))
+                self.replan()
+        finally:
+            self._arm()
+
+    def due(self) -> float | None:
+        """When ``tick`` has something to do next (the keeper's clock), or None."""
+        dues = [t for t in (self._staged_by, self._ready_by) if t is not None]
+        return min([*dues, *(hold.until for hold in self.holds.values())], default=None)
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        due = self.due()
+        if due is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: a test moves the clock and calls ``tick`` itself)
+            return
+        self._timer = loop.call_later(max(0.0, due - self.clock()) + 0.01, self.tick)
+
     def _end_staging(self) -> None:
         self.staged = None
         self.plan.next_version = 0
-        if self._staged_timer is not None:
-            self._staged_timer.cancel()
-            self._staged_timer = None
+        self._staged_by = None
+        self._arm()
 
     def _publish(self, new: Plan) -> None:
-        """``new`` becomes the plan in use: to every trunk and asker."""
+        """``new`` becomes the plan in use: to every trunk and asker. Its stages that are not ready
+        yet have a deadline (``_ready_overdue``)."""
         self._end_staging()
         new.staged, new.next_version = False, 0
         self.plan = new
         self.gate.plan_changed(self.clock())
+        self._track_unready()
         log.info("plan v%d: %s", new.version, _describe(new))
         self.push()
 
