@@ -452,6 +452,8 @@ class Stats(Message, tag="stats", kw_only=True):
     expert_call_bytes: int  # expert calls sent and answered (a stage) or served (an expert node)
     activation_bytes_sent: int
     ms_per_layer_token: float | None
+    # the host's evidence that an accuser re-checked this stage alone (swarmctl/trunk/one_stage.py):
+    one_stage: dict[str, list[int]] = {}  # account → [one-stage steps it computed for it, plan version of the latest]
 
 
 # --- reading and writing ---

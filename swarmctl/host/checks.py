@@ -7,7 +7,19 @@ it proves itself on a trial plan of its own first (planning.py, ``_check_trial``
 A check that could not be made (the host's own side raised: a module missing while packages were
 being reinstalled, a file it could not read) is not the trunk's failure: it is tried again, after
 ``RETRY_FIRST_S``, then twice as long each time up to ``RETRY_MAX_S``, and why it failed shows in
-``status`` and ``top`` meanwhile (issue 29: such a trunk was "checking its claims" forever)."""
+``status`` and ``top`` meanwhile (issue 29: such a trunk was "checking its claims" forever).
+
+A refusal for a failed check ends: the member is left out for a hold (``FAILED_CHECK_HOLD_S``;
+for wrong results ``WRONG_RESULT_HOLD_S``, twice as long at each further strike within
+``STRIKES_FORGOTTEN_S``, at most ``WRONG_RESULT_HOLD_MAX_S``), then it is checked again as at
+registration and planned as before; connected or re-registered meanwhile alike (issue 43 item 4:
+a connected trunk used to stay refused until its owner restarted it).
+
+Wrong results (issue 43 item 4): an asker's accusation, with the evidence reports.py asks for,
+only makes the host check the member itself, on the path askers' steps take (recheck.py): at most
+one such check at a time, and one per member per ``RECHECK_EVERY_S``. Only rows that come back
+wrong from the host's own check take a member out; askers' word alone, from any number of
+invites, never does. A check that passes clears the member's strikes."""
 
 from __future__ import annotations
 
@@ -23,12 +35,16 @@ from net.messages import MS_PER_LAYER
 from swarmctl import layer_proof
 
 from .planning import PlanKeeper
+from .recheck import StageAnswers, StageCheck, check_stage
 from .trunks import TrunkInfo
 
 log = logging.getLogger("swarmctl.host")
 
-RECHECK_EVERY_S = 30.0  # a member named by askers' reports is checked again at most this often
-FAILED_CHECK_HOLD_S = 300.0  # a member that failed a layer check is refused again if it re-registers this soon
+RECHECK_EVERY_S = 60.0  # a member named by askers' reports is checked again at most this often
+FAILED_CHECK_HOLD_S = 300.0  # a member that failed a layer check is left out this long, re-registered or not
+WRONG_RESULT_HOLD_S = 300.0  # ... one that returned wrong results to the host's own check: this long at first,
+WRONG_RESULT_HOLD_MAX_S = 3600.0  # twice as long at each further strike, up to this
+STRIKES_FORGOTTEN_S = 3600.0  # strikes this long after the latest are forgotten
 REPROBES = 3  # a claim faster than the host measured is timed again this often, after 10, 20, 40 s
 REPROBE_AFTER_S = 10.0
 RETRY_FIRST_S = 5.0  # a check that raised on the host's side is tried again after 5, 10, 20 ... s
@@ -37,11 +53,19 @@ RETRY_MAX_S = 300.0
 
 class ClaimChecks:
     def __init__(self, gguf: GGUFFile, planning: PlanKeeper, *, retry_first_s: float = RETRY_FIRST_S,
-                 retry_max_s: float = RETRY_MAX_S) -> None:
+                 retry_max_s: float = RETRY_MAX_S, failed_hold_s: float = FAILED_CHECK_HOLD_S,
+                 wrong_hold_s: float = WRONG_RESULT_HOLD_S,
+                 stage_check: Callable[[str, TrunkInfo, object], Awaitable[StageCheck]] | None = None) -> None:
         self.gguf = gguf  # the host's own copy of the layers: the answers are checked against it
         self.planning = planning
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
-        self.failed: dict[str, float] = {}  # member → time.monotonic() it failed a layer check
+        self.failed_hold_s, self.wrong_hold_s = failed_hold_s, wrong_hold_s
+        # member → (time.monotonic() it may be planned again, what it failed): re-registering does not shorten it
+        self.held_out: dict[str, tuple[float, str]] = {}
+        self.strikes: dict[str, tuple[int, float]] = {}  # member → (wrong-result strikes, time.monotonic() of the latest)
+        self.answers = StageAnswers()  # the stages' answers to the host's own steps (recheck.py)
+        self.stage_check = stage_check or self._check_stage  # (tests pass a fake: no sockets, no kernels)
+        self._check_lock = asyncio.Lock()  # one re-check of a stage's results at a time
         self.measured_speeds: dict[str, float] = {}  # member → the fastest the host timed it (kept across rejoins)
         self._timing_lock = asyncio.Lock()  # one speed probe at a time
         self._tasks: set[asyncio.Task] = set()
@@ -61,12 +85,15 @@ class ClaimChecks:
     # --- when they happen ---
 
     def at_registration(self, name: str, trunk: TrunkInfo) -> None:
-        """A member that failed a check lately stays out; one the host timed before keeps that
-        figure; a claimed speed is timed before the trunk is planned at all."""
-        failed = self.failed.get(name)
-        if failed is not None and time.monotonic() - failed < FAILED_CHECK_HOLD_S:
-            trunk.refused = f"failed a layer check {time.monotonic() - failed:.0f} s ago"
-            log.warning("trunk %s %s: left out of the plan", name, trunk.refused)
+        """A member that failed a check lately stays out until its hold ends (then it is checked
+        as here); one the host timed before keeps that figure; a claimed speed is timed before the
+        trunk is planned at all."""
+        until, what = self.held_out.get(name, (0.0, ""))
+        left = until - time.monotonic()
+        if left > 0:
+            trunk.refused = f"{what}: left out for {left:.0f} s more"
+            log.warning("trunk %s %s", name, trunk.refused)
+            self._spawn(self._hold_ends(name, trunk, trunk.refused, left))
             return
         before = self.measured_speeds.get(name)
         if before is not None:
@@ -102,18 +129,16 @@ class ClaimChecks:
             self._spawn(self._probe_again(name, trunk, REPROBE_AFTER_S * 2 ** trunk.reprobes))
             trunk.reprobes += 1
 
-    def recheck(self, name: str, trunk: TrunkInfo) -> None:
-        """An asker found ``name`` wrong stage by stage: check a layer of its stage now (the host's
-        input, its outputs checked against the host's copy), at most once per RECHECK_EVERY_S."""
+    def recheck(self, name: str, trunk: TrunkInfo) -> bool:
+        """An asker found ``name`` wrong stage by stage (with evidence: reports.py): the host checks
+        its stage's results itself (recheck.py), at most once per RECHECK_EVERY_S and one member at
+        a time; only rows that come back wrong take it out. Whether a check was started."""
         now = time.monotonic()
-        if now - self._rechecked.get(name, -RECHECK_EVERY_S) >= RECHECK_EVERY_S:
-            self._rechecked[name] = now
-            self._spawn(self._probe_again(name, trunk, 0.0))
-
-    def evict(self, name: str, trunk: TrunkInfo, problem: str) -> None:
-        """Leave ``name`` out of the plan (as a failed layer check does, for FAILED_CHECK_HOLD_S)."""
-        self._failed(name, trunk, problem)
-        self.planning.replan()
+        if now - self._rechecked.get(name, -RECHECK_EVERY_S) < RECHECK_EVERY_S:
+            return False
+        self._rechecked[name] = now
+        self._spawn(self._recheck(name, trunk))
+        return True
 
     # --- the checks ---
 
@@ -230,6 +255,26 @@ class ClaimChecks:
         self.planning.rebase(name)
         self.planning.replan(also_send_to=name)  # (the plan in use, also if it does not change)
 
+    async def _recheck(self, name: str, trunk: TrunkInfo) -> None:
+        async with self._check_lock:
+            stage = self.plan.stage_for(name)
+            if stage is None or not self._current(name, trunk) or trunk.refused:
+                return
+            outcome = await self.stage_check(name, trunk, stage)
+        if not self._current(name, trunk) or trunk.refused:
+            return
+        if outcome.wrong:
+            self._wrong_results(name, trunk, outcome.why)
+        elif outcome.passed:
+            self.strikes.pop(name, None)
+            log.info("trunk %s passed the host's re-check of its stage [%d, %d) (%s): it stays", name,
+                     stage.start, stage.stop, outcome.why)
+        else:
+            log.warning("the host could not re-check trunk %s's stage: %s (nothing changes)", name, outcome.why)
+
+    async def _check_stage(self, name: str, trunk: TrunkInfo, stage) -> StageCheck:
+        return await check_stage(self.gguf, self.answers, trunk.conn, self.plan, stage)
+
     async def _probe_again(self, name: str, trunk: TrunkInfo, delay: float) -> None:
         await asyncio.sleep(delay)
         if not self._current(name, trunk) or trunk.refused:
@@ -270,7 +315,44 @@ class ClaimChecks:
             return
         self.planning.consider_speed(name, figure, " as timed")
 
-    def _failed(self, name: str, trunk: TrunkInfo, problem: str) -> None:
+    def _wrong_results(self, name: str, trunk: TrunkInfo, why: str) -> None:
+        now = time.monotonic()
+        strikes, latest = self.strikes.get(name, (0, now))
+        strikes = 1 if now - latest > STRIKES_FORGOTTEN_S else strikes + 1
+        self.strikes[name] = (strikes, now)
+        hold = min(WRONG_RESULT_HOLD_MAX_S, self.wrong_hold_s * 2 ** (strikes - 1))
+        self._failed(name, trunk, f"returned wrong results to the host's own re-check ({why})", hold,
+                     what="returned wrong results to the host's own re-check")
+        self.planning.replan()
+
+    def _failed(self, name: str, trunk: TrunkInfo, problem: str, hold_s: float | None = None,
+                what: str = "failed a layer check") -> None:
+        """Leave ``name`` out of the plan for ``hold_s`` (FAILED_CHECK_HOLD_S unless said)."""
+        hold_s = self.failed_hold_s if hold_s is None else hold_s
         trunk.refused = problem[:300]
-        self.failed[name] = time.monotonic()
-        log.warning("trunk %s %s: left out of the plan", name, trunk.refused)
+        self.held_out[name] = (time.monotonic() + hold_s, what)
+        log.warning("trunk %s %s: left out of the plan for %.0f s", name, trunk.refused, hold_s)
+        self._spawn(self._hold_ends(name, trunk, trunk.refused, hold_s))
+
+    async def _hold_ends(self, name: str, trunk: TrunkInfo, refusal: str, hold_s: float) -> None:
+        await asyncio.sleep(hold_s)
+        self.readmit(name, trunk, refusal)
+
+    def readmit(self, name: str, trunk: TrunkInfo, refusal: str) -> None:
+        """The hold of a refusal for a failed check is over: a trunk still connected and refused
+        for that reason (not another since) is planned again; one that registered during the hold
+        is checked first, as at registration. Its stage counts once it proves its layers again;
+        should it still return wrong results, askers' reports bring the host's check back to it."""
+        if not self._current(name, trunk) or trunk.refused != refusal:
+            return
+        until, _ = self.held_out.get(name, (0.0, ""))
+        if until > time.monotonic():  # (refused again meanwhile: that hold's own task readmits it)
+            return
+        self.held_out.pop(name, None)
+        trunk.refused = ""
+        log.info("trunk %s: its hold is over; planned again%s", name,
+                 "" if trunk.proven else ", once checked as at registration")
+        if not trunk.proven:  # (re-registered during the hold: nothing was checked yet)
+            self.at_registration(name, trunk)
+        self.planning.rebase(name)
+        self.planning.replan(also_send_to=name)

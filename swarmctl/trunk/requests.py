@@ -29,6 +29,7 @@ from swarmctl.log_limit import LogLimit
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.context import TrunkContext
 from swarmctl.trunk.experts import RemoteExpertError
+from swarmctl.trunk.one_stage import OneStageLedger
 from swarmctl.trunk.results import ResultStreams, results_key
 from swarmctl.trunk.routes import (Action, EndOnward, FinishStream, FreeRequest, PassBack, Release, Route,
                                    RouteTable, SendError)
@@ -78,6 +79,7 @@ class StageRequests:
         # Gaussian noise of this size (relative to each output row's RMS) to what it sends on, for the
         # spot-check tests and benchmark (swarmctl/asker/verify.py). Unset or 0 in any real run.
         self._test_corrupt = float(os.environ.get("SWARMCTL_TEST_CORRUPT") or 0)
+        self.one_stage = OneStageLedger()  # who re-checked this stage alone, for the host (in ``stats``)
 
     # --- events from the connections ---
 
@@ -199,6 +201,8 @@ class StageRequests:
                 return
             route.checks.step(packet.start_pos, int(packet.data.shape[0]), packet.verify)
             self.routes.commit(rid, route)
+            if packet.one_stage:  # the host's evidence that this account re-checked this stage (one_stage.py)
+                self.one_stage.record(account_of(route, plan_now), plan_now.version)
             self.peak_kv_bytes = max(self.peak_kv_bytes, engine.kv_bytes)
             if self._test_corrupt:  # test-only (SWARMCTL_TEST_CORRUPT, in __init__): lie about the result
                 out = _corrupted(out, self._test_corrupt)

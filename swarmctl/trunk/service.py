@@ -454,7 +454,8 @@ class TrunkService:
             request_locks=len(requests.routes.locks), rss=proc_status("VmRSS"), peak_rss=proc_status("VmHWM"),
             fetched_bytes=held.fetched_bytes, expert_rows_served=self.expert_server.rows_served,
             expert_call_bytes=self.expert_client.call_bytes + self.expert_server.call_bytes,
-            activation_bytes_sent=requests.activation_bytes_sent, ms_per_layer_token=self.speed.ms_per_layer_token)
+            activation_bytes_sent=requests.activation_bytes_sent, ms_per_layer_token=self.speed.ms_per_layer_token,
+            one_stage=requests.one_stage.stats())
 
     def _capture(self, direction: str, frame: Frame) -> None:
         """With --capture DIR, keep every frame this stage receives and sends, exactly as bytes:
