@@ -276,6 +276,325 @@ def _echo(name: str, data: np.ndarray, held: dict[str, np.ndarray]) -> np.ndarra
     return data
 
 
+# --- deepseek2 files as llama.cpp's converter writes them ------------------------------------------
+# convert_hf_to_gguf.py at the commit llama-cpp-python 0.3.36 vendors (vendor/llama.cpp in its sdist):
+# conversion/deepseek.py's DeepseekV2Model (set_vocab, set_gguf_parameters, modify_tensors) over
+# conversion/base.py's TextModel (set_gguf_parameters, filter_tensors, prepare_tensors' tensor types).
+# A tiny Hugging Face checkpoint (config.json's fields, random weights under their HF names) goes
+# through the same steps, so the file has the converter's key names, value types, tensor names,
+# shapes and types, not ours.
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The config.json fields DeepseekV2Model reads (DeepseekV3ForCausalLM's; Kimi K2's is one), at
+    tiny widths. The defaults are Kimi-K2-Instruct's choices; DEEPSEEK_V3_HF has DeepSeek-V3's."""
+    num_hidden_layers: int = 4
+    hidden_size: int = 64
+    intermediate_size: int = 128  # the dense leading layers' FFN
+    moe_intermediate_size: int = 64
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4  # the checkpoint's (= heads); the file says 1: MLA runs as MQA
+    q_lora_rank: int | None = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float | None = 2.827
+    rope_theta: float = 50000.0
+    # rope_scaling: (type, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim)
+    rope_scaling: tuple = ("yarn", 32.0, 4096, 1.0, 1.0, 1.0, 1.0)
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0  # Kimi K2: 0; DeepSeek-V3: 1 (model.layers.61)
+
+
+DEEPSEEK_V3_HF = HFConfig(first_k_dense_replace=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                          rope_theta=10000.0, rope_scaling=("yarn", 40.0, 4096, 32.0, 1.0, 1.0, 1.0),
+                          max_position_embeddings=163840, num_nextn_predict_layers=1)
+
+KIMI_K2_VOCAB = 163840
+# Kimi K2's named special tokens (its tokenizer_config.json); the rest of ids 163584-163839 are
+# "<|reserved_token_N|>", all of them in its tokenizer's special_tokens
+KIMI_K2_SPECIALS = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>",
+                    163588: "<|im_assistant|>", 163590: "<|start_header_id|>", 163591: "<|end_header_id|>",
+                    163593: "[EOT]", 163594: "<|im_system|>", 163595: "<|tool_calls_section_begin|>",
+                    163596: "<|tool_calls_section_end|>", 163597: "<|tool_call_begin|>",
+                    163598: "<|tool_call_argument_begin|>", 163599: "<|tool_call_end|>", 163601: "<|im_middle|>"}
+KIMI_CHAT_TEMPLATE = ("{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}"
+                      "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+                      "{% endif %}")  # Kimi K2's turn format, abridged (no tools, no default system turn)
+
+# gguf-py's tensor map for deepseek2 (tensor_mapping.py), the part a DeepSeek-V3 checkpoint uses:
+# HF name (within a layer) → GGUF name; the converter renames e_score_correction_bias first
+_HF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b", "self_attn.k_b_proj": "attn_k_b", "self_attn.v_b_proj": "attn_v_b",
+    "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.gate.e_score_correction": "exp_probs_b",
+    "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    # the multi-token-prediction block's own (model.layers.61 in DeepSeek-V3)
+    "embed_tokens": "nextn.embed_tokens", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
+    "eh_proj": "nextn.eh_proj", "shared_head.norm": "nextn.shared_head_norm",
+    "shared_head.head": "nextn.shared_head_head",
+}
+_HF_MODEL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_FILE_TYPES = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+               "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+
+
+def gguf_name_of(hf_name: str) -> str:
+    """The GGUF name the converter gives a (filtered) HF tensor name."""
+    base, suffix = hf_name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        bid, rest = base[len("model.layers."):].split(".", 1)
+        return f"blk.{bid}.{_HF_LAYER_NAMES[rest]}.{suffix}"
+    return f"{_HF_MODEL_NAMES[base]}.{suffix}"
+
+
+def write_converted_deepseek2(path: Path, hf: HFConfig, tokenizer_source: Path, *, outtype: str = "Q8_0",
+                              kimi_vocab: bool = False, keep_mtp: bool = False, legacy_kv_b: bool = False,
+                              seed: int = 0) -> Path:
+    """A tiny deepseek2 GGUF as ``convert_hf_to_gguf.py --outtype {f32,f16,q8_0}`` writes one.
+
+    ``kimi_vocab``: set_vocab's kimi-k2 branch: 163840 entries, pre-tokenizer "kimi-k2", ids the
+    tokenizer lacks as "[PAD{i}]" (UNUSED), special ids CONTROL. The tiktoken ranks are stood in for
+    by ``tokenizer_source``'s byte-level BPE (its tokens and merges keep their ids).
+    ``keep_mtp``: the converter skips the MTP block (``skip_mtp``); kept, it is written the way
+    DeepseekV32Model writes its own: block_count counts it, ``nextn_predict_layers`` says how many,
+    and ``blk.N.*`` carries the whole block with its ``nextn.*`` tensors.
+    ``legacy_kv_b``: the converter before the k_b/v_b split (early-2025 files): one ``attn_kv_b``,
+    head_count_kv = the heads, key/value lengths of full heads, no ``*_mla`` keys.
+    """
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(f"tiny-deepseek2-converted-{outtype}")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if kimi_vocab:
+        n_vocab = _add_kimi_vocab(writer, tokenizer_source)
+    else:  # _set_vocab_gpt2: the source's tokens, merges and special ids
+        n_vocab = _copy_tokenizer(writer, tokenizer_source)
+    n_mtp = hf.num_nextn_predict_layers if keep_mtp else 0
+    _add_converted_keys(writer, hf, n_vocab, n_mtp, legacy_kv_b, outtype)
+    qtype = gguf.GGMLQuantizationType[outtype]
+    for name, data in _converted_tensors(hf, _hf_checkpoint(hf, n_vocab, rng), n_mtp, legacy_kv_b):
+        _add_converted_tensor(writer, name, data, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_kimi_vocab(writer: gguf.GGUFWriter, source: Path) -> int:
+    with GGUFFile(source) as src:
+        tokens = list(src.get("tokenizer.ggml.tokens"))
+        types = [int(t) for t in src.get("tokenizer.ggml.token_type")]
+        merges = list(src.get("tokenizer.ggml.merges"))
+    # the ranks' stand-in is the source's byte-level tokens; its own special tokens are not ranks
+    # (and would clash with Kimi's: llama.cpp aborts on a repeated token), so their ids go unused
+    for i, kind in enumerate(types):
+        if kind != gguf.TokenType.NORMAL:
+            tokens[i], types[i] = f"[PAD{i}]", gguf.TokenType.UNUSED
+    first_special = KIMI_K2_VOCAB - 256
+    for i in range(len(tokens), KIMI_K2_VOCAB):
+        special = i >= first_special
+        tokens.append(KIMI_K2_SPECIALS.get(i, f"<|reserved_token_{i}|>") if special else f"[PAD{i}]")
+        types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("kimi-k2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(163584)  # SpecialVocab: [BOS], [EOS]
+    writer.add_eos_token_id(163585)
+    writer.add_chat_template(KIMI_CHAT_TEMPLATE)
+    return len(tokens)
+
+
+def _add_converted_keys(writer: gguf.GGUFWriter, hf: HFConfig, n_vocab: int, n_mtp: int, legacy_kv_b: bool,
+                        outtype: str) -> None:
+    """TextModel.set_gguf_parameters, then DeepseekV2Model's, with their conditions."""
+    writer.add_block_count(hf.num_hidden_layers + n_mtp)
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads if legacy_kv_b else 1)
+    kind, factor, orig_ctx, beta_fast, beta_slow, _mscale, mscale_all_dim = hf.rope_scaling
+    if kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(orig_ctx)
+        writer.add_rope_scaling_yarn_beta_fast(beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(beta_slow)
+    writer.add_rope_freq_base(hf.rope_theta)
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_expert_count(hf.n_routed_experts)
+    writer.add_expert_used_count(hf.num_experts_per_tok)
+    writer.add_expert_group_count(hf.n_group)
+    writer.add_expert_group_used_count(hf.topk_group)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if hf.scoring_func == "sigmoid"
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_file_type(_FILE_TYPES[outtype])
+    if n_mtp:
+        writer.add_nextn_predict_layers(n_mtp)
+    writer.add_leading_dense_block_count(hf.first_k_dense_replace)
+    writer.add_vocab_size(n_vocab)
+    if hf.q_lora_rank is not None:
+        writer.add_q_lora_rank(hf.q_lora_rank)
+    writer.add_kv_lora_rank(hf.kv_lora_rank)
+    if legacy_kv_b:
+        writer.add_key_length(hf.qk_nope_head_dim + hf.qk_rope_head_dim)
+        writer.add_value_length(hf.v_head_dim)
+    else:  # "MQA with larger heads": the cached latent + RoPE part, then the MLA heads' own widths
+        writer.add_key_length(hf.kv_lora_rank + hf.qk_rope_head_dim)
+        writer.add_value_length(hf.kv_lora_rank)
+        writer.add_key_length_mla(hf.qk_nope_head_dim + hf.qk_rope_head_dim)
+        writer.add_value_length_mla(hf.v_head_dim)
+    writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+    writer.add_expert_shared_count(hf.n_shared_experts)
+    if hf.routed_scaling_factor is not None:
+        writer.add_expert_weights_scale(hf.routed_scaling_factor)
+    if hf.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(hf.qk_rope_head_dim)
+    if kind == "yarn":  # written as 0.1 × mscale_all_dim [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]
+        writer.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)
+
+
+def _hf_checkpoint(hf: HFConfig, n_vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random weights under their Hugging Face names and shapes ([out, in]), the MTP block included
+    (its embed_tokens and shared_head.head copies of the model's, as DeepSeek-V3 ships them)."""
+    w: dict[str, np.ndarray] = {}
+
+    def mat(name: str, out: int, inp: int, scale: float | None = None) -> None:
+        w[name] = (rng.standard_normal((out, inp)) * (scale or inp ** -0.5)).astype(np.float32)
+
+    def vec(name: str, n: int, center: float = 1.0, spread: float = 0.1) -> None:
+        w[name] = (center + spread * rng.standard_normal(n)).astype(np.float32)
+
+    e, heads, k_head = hf.hidden_size, hf.num_attention_heads, hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    mat("model.embed_tokens.weight", n_vocab, e, scale=1.0)
+    for il in range(hf.num_hidden_layers + hf.num_nextn_predict_layers):
+        p = f"model.layers.{il}."
+        vec(p + "input_layernorm.weight", e)
+        if hf.q_lora_rank is not None:
+            mat(p + "self_attn.q_a_proj.weight", hf.q_lora_rank, e)
+            vec(p + "self_attn.q_a_layernorm.weight", hf.q_lora_rank)
+            mat(p + "self_attn.q_b_proj.weight", heads * k_head, hf.q_lora_rank)
+        else:
+            mat(p + "self_attn.q_proj.weight", heads * k_head, e)
+        mat(p + "self_attn.kv_a_proj_with_mqa.weight", hf.kv_lora_rank + hf.qk_rope_head_dim, e)
+        vec(p + "self_attn.kv_a_layernorm.weight", hf.kv_lora_rank)
+        mat(p + "self_attn.kv_b_proj.weight", heads * (hf.qk_nope_head_dim + hf.v_head_dim), hf.kv_lora_rank)
+        mat(p + "self_attn.o_proj.weight", e, heads * hf.v_head_dim)
+        vec(p + "post_attention_layernorm.weight", e)
+        if il < hf.first_k_dense_replace:
+            mat(p + "mlp.gate_proj.weight", hf.intermediate_size, e)
+            mat(p + "mlp.up_proj.weight", hf.intermediate_size, e)
+            mat(p + "mlp.down_proj.weight", e, hf.intermediate_size)
+        else:
+            mat(p + "mlp.gate.weight", hf.n_routed_experts, e)
+            if hf.scoring_func == "sigmoid":
+                vec(p + "mlp.gate.e_score_correction_bias", hf.n_routed_experts, 0.0, 0.05)
+            for x in range(hf.n_routed_experts):
+                mat(p + f"mlp.experts.{x}.gate_proj.weight", hf.moe_intermediate_size, e)
+                mat(p + f"mlp.experts.{x}.up_proj.weight", hf.moe_intermediate_size, e)
+                mat(p + f"mlp.experts.{x}.down_proj.weight", e, hf.moe_intermediate_size)
+            shared = hf.moe_intermediate_size * hf.n_shared_experts
+            mat(p + "mlp.shared_experts.gate_proj.weight", shared, e)
+            mat(p + "mlp.shared_experts.up_proj.weight", shared, e)
+            mat(p + "mlp.shared_experts.down_proj.weight", e, shared)
+        if il >= hf.num_hidden_layers:
+            w[p + "embed_tokens.weight"] = w["model.embed_tokens.weight"]
+            vec(p + "enorm.weight", e)
+            vec(p + "hnorm.weight", e)
+            mat(p + "eh_proj.weight", e, 2 * e)
+            vec(p + "shared_head.norm.weight", e)
+    vec("model.norm.weight", e)
+    if not hf.tie_word_embeddings:
+        mat("lm_head.weight", n_vocab, e, scale=0.5)
+        for il in range(hf.num_hidden_layers, hf.num_hidden_layers + hf.num_nextn_predict_layers):
+            w[f"model.layers.{il}.shared_head.head.weight"] = w["lm_head.weight"]
+    return w
+
+
+def _converted_tensors(hf: HFConfig, checkpoint: dict[str, np.ndarray], n_mtp: int, legacy_kv_b: bool):
+    """(GGUF name, data) as filter_tensors + DeepseekV2Model.modify_tensors yield them: the tied
+    head and the MTP block skipped, each layer's experts stacked into one [n_expert, out, in]
+    tensor, kv_b split into k_b (transposed) and v_b."""
+    experts: dict[int, dict[str, np.ndarray]] = {}
+    for name, data in checkpoint.items():
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        if hf.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if bid is not None and bid >= hf.num_hidden_layers + n_mtp:  # skip_mtp
+            continue
+        if ".mlp.experts." in name:
+            experts.setdefault(bid, {})[name] = data
+            if len(experts[bid]) < 3 * hf.n_routed_experts:
+                continue
+            for w_name in ("down_proj", "gate_proj", "up_proj"):
+                stacked = np.stack([experts[bid][f"model.layers.{bid}.mlp.experts.{x}.{w_name}.weight"]
+                                    for x in range(hf.n_routed_experts)])
+                yield gguf_name_of(f"model.layers.{bid}.mlp.experts.{w_name}.weight"), stacked
+            continue
+        if name.endswith("kv_b_proj.weight") and not legacy_kv_b:
+            nope, v_head = hf.qk_nope_head_dim, hf.v_head_dim
+            kv_b = data.reshape(hf.num_key_value_heads, nope + v_head, data.shape[-1])
+            k_b, v_b = kv_b[:, :nope], kv_b[:, nope:]
+            yield gguf_name_of(name.replace("kv_b_proj", "k_b_proj")), np.ascontiguousarray(k_b.transpose(0, 2, 1))
+            yield gguf_name_of(name.replace("kv_b_proj", "v_b_proj")), np.ascontiguousarray(v_b)
+            continue
+        yield gguf_name_of(name), data
+
+
+def _add_converted_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype) -> None:
+    """prepare_tensors' choice of type: vectors, norms, biases and the router in F32, every other
+    matrix at the outtype (F16 where a row does not divide into blocks)."""
+    if data.ndim <= 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name or not name.endswith(".weight"):
+        qtype = gguf.GGMLQuantizationType.F32
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, data)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        try:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        except gguf.QuantError:
+            writer.add_tensor(name, data.astype(np.float16))
+
+
+# The converted files the tests use, by name: keyword arguments of write_converted_deepseek2.
+CONVERTED_DEEPSEEK2 = {
+    # DeepSeek-V3 as the converter writes it today: split k_b/v_b, no MTP block
+    "deepseek-v3": dict(hf=DEEPSEEK_V3_HF, seed=31),
+    # the same checkpoint with its MTP block kept (nextn_predict_layers 1, blk.4.nextn.*)
+    "deepseek-v3-mtp": dict(hf=DEEPSEEK_V3_HF, keep_mtp=True, seed=31),
+    # the same checkpoint as the converter wrote it before the split: attn_kv_b only
+    "deepseek-v3-kv-b": dict(hf=DEEPSEEK_V3_HF, legacy_kv_b=True, seed=31),
+    # Kimi K2 mainline: one group, scale 2.827, YaRN ×32 from 4096 with beta 1/1, 163840 tokens, no MTP
+    "kimi-k2": dict(hf=HFConfig(), kimi_vocab=True, seed=32),
+}
+
+
 def write_unsupported_model(path: Path, arch: str = "bert") -> Path:
     """A well-formed GGUF of an architecture we do not run."""
     writer = gguf.GGUFWriter(str(path), arch)

@@ -12,6 +12,7 @@ from .gguf_file import GGUFFile
 
 KV_CELL_PAD = 256  # llama.cpp pads the attended KV length to this; we mirror it for identical bits
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama.cpp's llama_expert_gating_func_type values
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's llama_hparams defaults
 
 
 @dataclass(frozen=True)
@@ -250,8 +251,11 @@ def _rope_config(gguf: GGUFFile, arch: Architecture, head_dim: int, n_ctx_train:
         n_ctx_orig=int(key("scaling.original_context_length", n_ctx_train)),
         ext_factor=1.0 if yarn else 0.0,
         attn_factor=float(attn_factor),
-        beta_fast=float(key("scaling.yarn_beta_fast", 32.0)),
-        beta_slow=float(key("scaling.yarn_beta_slow", 1.0)),
+        # llama.cpp's YaRN betas, whatever the file says: the loaders of the architectures we run
+        # do not read rope.scaling.yarn_beta_fast/slow (only grok's and mistral3's do), and
+        # llama-cpp-python passes 32 and 1 anyway. Kimi K2's files say 1 and 1 (its config.json's).
+        beta_fast=YARN_BETA_FAST,
+        beta_slow=YARN_BETA_SLOW,
     )
 
 
