@@ -29,7 +29,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -41,6 +41,8 @@ DEFAULT_ALIGNMENT = 32
 # llama.cpp's naming rule for split parts (llama_split_path): PREFIX-00001-of-00005.gguf, 1-based.
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+# Tensors are hashed in pieces of this size, so that a piece fetched from anyone is checked alone.
+HASH_CHUNK = 1 << 20
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -164,6 +166,7 @@ class _Part:
         self.address: int = self.view.ctypes.data
         self.size: int = len(self.mmap)
         self.metadata: dict[str, Any] = {}
+        self.kv_spans: dict[str, tuple[int, int]] = {}  # key → where its entry (key, type, value) lies
         self.tensors: list[tuple[str, tuple[int, ...], int, int, int]] = []  # name, shape, type, offset, bytes
         try:
             self._parse()
@@ -187,9 +190,11 @@ class _Part:
         n_tensors = cur.read("<Q")
         n_kv = cur.read("<Q")
         for _ in range(n_kv):
+            begin = cur.offset
             key = cur.read_string()
             vtype = GGUFValueType(cur.read("<I"))
             self.metadata[key] = _read_value(cur, vtype)
+            self.kv_spans[key] = (begin, cur.offset)
         infos = []
         for _ in range(n_tensors):
             name = cur.read_string()
@@ -329,6 +334,15 @@ class GGUFFile:
         cur = _Cursor(buf, self.path, lazy.offset)
         return [_read_value(cur, lazy.element_type) for _ in range(lazy.count)]
 
+    def raw_metadata(self, keep: Callable[[str], bool] = lambda key: True) -> tuple[int, bytes]:
+        """The metadata entries whose key ``keep`` says, as the file holds them (key, type, value):
+        their count and bytes, ready to be the KV section of another GGUF (a slice's, an asker's
+        part). A split model's ``split.*`` keys are never included: the new file is one part."""
+        first = self._parts[0]
+        assert first.mmap is not None
+        keys = [key for key in first.kv_spans if keep(key) and key not in SPLIT_KEYS]
+        return len(keys), b"".join(first.mmap[slice(*first.kv_spans[key])] for key in keys)
+
     def _map(self, info: TensorInfo) -> mmap.mmap:
         buf = self._parts[info.part].mmap
         if buf is None:
@@ -368,13 +382,17 @@ class GGUFFile:
             if buf is not None and stop > start:
                 buf.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
-    def tensor_hash(self, name: str) -> str:
-        """SHA-256 over one tensor's name, type, shape and bytes: what a fetched chunk's tensor is
-        checked against, and what layer hashes are made of."""
+    def chunk_hashes(self, name: str) -> list[str]:
+        """SHA-256 of each ``HASH_CHUNK`` piece of the tensor's bytes (the last may be shorter): a
+        fetched chunk is checked on its own, before it is written."""
+        data = self.tensor_bytes(self.tensors[name])
+        return [hashlib.sha256(data[at:at + HASH_CHUNK]).hexdigest() for at in range(0, len(data), HASH_CHUNK)]
+
+    def tensor_hash(self, name: str, chunk_hashes: list[str] | None = None) -> str:
+        """The tensor's hash: of its name, type, shape and its chunks' hashes (``tensor_hash_of``)."""
         info = self.tensors[name]
-        digest = hashlib.sha256(f"{name}|{info.ggml_type}|{info.shape}|".encode())
-        digest.update(self.tensor_bytes(info))
-        return digest.hexdigest()
+        return tensor_hash_of(name, info.ggml_type, info.shape,
+                              self.chunk_hashes(name) if chunk_hashes is None else chunk_hashes)
 
     def layer_tensor_names(self, layer: int) -> list[str]:
         prefix = f"blk.{layer}."
@@ -396,6 +414,45 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def encode_kv(key: str, value: Any, vtype: GGUFValueType) -> bytes:
+    """One metadata entry as GGUF stores it: a scalar or a string (what a slice adds of its own)."""
+    name = key.encode()
+    head = struct.pack("<Q", len(name)) + name + struct.pack("<I", int(vtype))
+    if vtype == GGUFValueType.STRING:
+        text = str(value).encode()
+        return head + struct.pack("<Q", len(text)) + text
+    return head + struct.pack(_SCALAR_FORMATS[vtype], value)
+
+
+def write_header(path: Path, n_kv: int, kv: bytes, tensors: Iterable[tuple[str, tuple[int, ...], int, int]],
+                 alignment: int = DEFAULT_ALIGNMENT) -> tuple[list[int], int]:
+    """Write a GGUF header (version 3) with ``kv`` as its metadata section and ``tensors``
+    (name, shape in ggml order, type, bytes) laid out one after another, each aligned; the file
+    is sized to hold their data (sparse until written). Returns each tensor's absolute data offset
+    and the file's size."""
+    tensors = list(tensors)
+    infos, rel, rel_offsets = [], 0, []
+    for name, shape, ggml_type, n_bytes in tensors:
+        raw = name.encode()
+        rel_offsets.append(rel)
+        infos.append(struct.pack("<Q", len(raw)) + raw + struct.pack("<I", len(shape))
+                     + b"".join(struct.pack("<Q", d) for d in shape) + struct.pack("<IQ", ggml_type, rel))
+        rel += -(-n_bytes // alignment) * alignment
+    header = GGUF_MAGIC + struct.pack("<IQQ", 3, len(tensors), n_kv) + kv + b"".join(infos)
+    data_start = -(-len(header) // alignment) * alignment
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(data_start + rel)
+    return [data_start + r for r in rel_offsets], data_start + rel
+
+
+def tensor_hash_of(name: str, ggml_type: int, shape: Iterable[int], chunk_hashes: list[str]) -> str:
+    """A tensor's hash from its name, type, shape (ggml order) and its chunks' hashes in order."""
+    digest = hashlib.sha256(f"{name}|{ggml_type}|{tuple(int(d) for d in shape)}|".encode())
+    digest.update("".join(chunk_hashes).encode())
+    return digest.hexdigest()
 
 
 def layer_hash_of(tensor_hashes: Mapping[str, str]) -> str:

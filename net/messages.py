@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-from .wire import WireError, decode_control, encode_frame, FrameType
+from .wire import MAX_CONTROL_BYTES as _MAX_CONTROL_BYTES, WireError, decode_control, encode_frame, FrameType
 
 # What a member may claim about itself. Sanity bounds only: a fast liar is caught by the host's
 # own timing (swarmctl/layer_proof.py), not here.
@@ -139,6 +139,14 @@ class FetchSlice(Message, tag="fetch_slice"):
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
     start: Layer
     stop: Layer
+    have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
+
+
+class FetchAskerPart(Message, tag="fetch_asker_part"):
+    """An asker with no model file asks for what it runs: the embedding, its head and tail layers,
+    the output norm and LM head, the metadata (swarmctl/distribution.py)."""
+    senders: ClassVar[tuple[str, ...]] = ("asker", "trunk", "host")
+    head_layers: Layer
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
 
 
@@ -502,9 +510,9 @@ def parse(message: dict[str, Any], accepted: Kinds) -> Message:
         raise MalformedMessage(kind, "nested too deeply") from None
 
 
-def decode(body: bytes, expected: type[M]) -> M:
+def decode(body: bytes, expected: type[M], max_bytes: int = _MAX_CONTROL_BYTES) -> M:
     """A reply of type ``expected``; Refused for an error reply; WireError for anything else."""
-    message = decode_control(body)
+    message = decode_control(body, max_bytes)
     if message["type"] == "error":
         raise Refused(parse(message, {"error": Error}))  # type: ignore[arg-type]
     if message["type"] != expected.__struct_config__.tag:

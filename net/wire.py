@@ -389,12 +389,15 @@ def encode_control(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) 
     return encode_frame(FrameType.CONTROL, json.dumps(message, separators=(",", ":")).encode("utf-8"), max_frame)
 
 
-MAX_CONTROL_BYTES = 4 * 1024 * 1024  # the largest control message we send (a slice manifest) is far smaller
+MAX_CONTROL_BYTES = 4 * 1024 * 1024  # what any member may send us in one control message
+# A fetch's manifest (swarmctl/distribution.py), read only from the host: a model's metadata with its
+# tokenizer (Kimi K2's: several MB) and a hash per MiB of the tensors fetched.
+MAX_MANIFEST_BYTES = 48 * 1024 * 1024
 
 
-def decode_control(body: bytes) -> dict[str, Any]:
-    if len(body) > MAX_CONTROL_BYTES:
-        raise WireError(f"control message of {len(body)} bytes is over the {MAX_CONTROL_BYTES} limit")
+def decode_control(body: bytes, max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
+    if len(body) > max_bytes:
+        raise WireError(f"control message of {len(body)} bytes is over the {max_bytes} limit")
     try:
         message = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -31,7 +31,7 @@ def _hashes(path: Path, cache: Path):
 def _no_reading(monkeypatch):
     def refuse(self, name):
         raise AssertionError(f"read {name} again")
-    monkeypatch.setattr(GGUFFile, "tensor_hash", refuse)
+    monkeypatch.setattr(GGUFFile, "chunk_hashes", refuse)
 
 
 def test_a_restart_on_the_same_file_reads_no_tensor(model, tmp_path, monkeypatch):
@@ -69,8 +69,8 @@ def test_a_damaged_or_foreign_cache_entry_is_not_trusted(model, tmp_path, caplog
     first, _ = _hashes(model, cache)
     entry = next(cache.iterdir())
     data = json.loads(entry.read_text())
-    name = next(iter(data["tensors"]))
-    data["tensors"].pop(name)  # one tensor short
+    name = next(iter(data["chunks"]))
+    data["chunks"].pop(name)  # one tensor short
     entry.write_text(json.dumps(data))
     again, from_cache = _hashes(model, cache)
     assert not from_cache and again == first

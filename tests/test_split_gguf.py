@@ -199,3 +199,47 @@ def test_ask_on_a_local_swarm_from_a_middle_part_answers_as_llama_cpp_on_the_par
     finally:
         llm.close()
     assert r.stdout == expected + "\n"
+
+
+def test_an_asker_with_no_model_file_fetches_only_its_part_of_a_split_model(llama_parts, tiny_model, tmp_path):
+    """The host and a trunk run the model from its parts; a member joined with no model file asks:
+    it fetches its part (embedding, head and tail layers, LM head, metadata) from the host, each
+    chunk checked, keeps it, and answers as llama-cpp-python on the parts; a second ask fetches
+    nothing."""
+    from harness.swarm import Swarm
+    from swarmctl.distribution import asker_tensor_names
+
+    swarm = Swarm(tmp_path)
+    try:
+        swarm.init("--model", str(llama_parts[1]), "--head-layers", "1")
+        swarm.start_host()
+        swarm.wait_host()
+        swarm.join("trunk-a", "--model", str(llama_parts[2]))
+        swarm.join("asker", role="asker")
+        swarm.start_trunk("trunk-a", capture=False)
+        swarm.wait_complete(1)
+        question = ("ask", "--raw", "--temperature", "0", "--max-tokens", "8", "-v", "The capital of France is")
+        first = swarmctl(swarm.homes["asker"], *question, timeout=300)
+        assert first.returncode == 0, first.stderr
+        part = next((swarm.homes["asker"] / "parts").glob("*-asker-1.gguf"))
+        with GGUFFile(part) as mine, GGUFFile(llama_parts[0]) as whole:
+            wanted = asker_tensor_names(whole, 1)
+            assert sorted(mine.tensors) == sorted(wanted)
+            assert not any(n.startswith("blk.1.") or n.startswith("blk.2.") for n in mine.tensors)  # trunk layers
+            assert all(mine.tensor_hash(n) == whole.tensor_hash(n) for n in wanted)
+            part_bytes = sum(whole.tensors[n].n_bytes for n in wanted)
+            assert "split.count" not in mine.metadata and mine.get("tokenizer.chat_template") == \
+                whole.get("tokenizer.chat_template")
+        received = float(first.stderr.split("MB received")[0].rsplit("(", 1)[1])
+        assert abs(received * 1e6 - part_bytes) <= 0.02 * part_bytes + 0.05e6  # (rounded to 0.1 MB in the log)
+        llm = make_oracle(llama_parts[0])
+        try:
+            want = llm.create_completion("The capital of France is", max_tokens=8, temperature=0)["choices"][0]["text"]
+        finally:
+            llm.close()
+        assert first.stdout == want + "\n"
+        again = swarmctl(swarm.homes["asker"], *question, timeout=300)
+        assert again.returncode == 0 and again.stdout == first.stdout
+        assert "MB received" not in again.stderr  # kept in the home: nothing fetched
+    finally:
+        swarm.close()

@@ -76,6 +76,26 @@ def _width(model: Path) -> int:
         return ModelSpec.from_gguf(gguf).n_embd
 
 
+async def _model_for_swarm(home, link, options: SessionOptions) -> Path:
+    """For a home that names no model file: the bundled default where the swarm runs it and this
+    copy's layers match, else this asker's part of the swarm's model, fetched if not yet here."""
+    from kernels.gguf_file import GGUFFile
+    from swarmctl.asker.model_part import asker_part, runs_bundled_default
+
+    bundled = runs_bundled_default(link.plan)
+    if bundled is not None:
+        with GGUFFile(bundled) as gguf:
+            try:
+                link.check_model(gguf)
+                return bundled
+            except EngineError:
+                pass  # another build of the same name: the swarm's own part, then
+    if options.verify:
+        raise EngineError("--verify recomputes the trunk's layers here, and this home holds no model file: "
+                          "pass --model with the swarm's GGUF (or name it at join)")
+    return await asker_part(home, link.plan)
+
+
 @asynccontextmanager
 async def open_session(options: SessionOptions) -> AsyncIterator[Session]:
     opener = _open_inproc if options.transport == "inproc" else _open_swarm
@@ -135,7 +155,10 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         # The model is checked before any node starts or any connection opens: a missing or
         # unusable file is one line at once, not a swarm that fails to come up.
         if home.exists:
-            model = checked_model(options.model or home.load_config().model)
+            # a home that names no model file: the bundled default where the swarm runs it, else this
+            # asker's part of the swarm's model (swarmctl/asker/model_part.py), once the plan is known
+            named = options.model or home.load_config().model
+            model = checked_model(named) if named else None
             swarm_home = home
         else:
             model = checked_model(options.model)
@@ -149,7 +172,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
                                head_layers=DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers,
                                threads=layout.trunk_threads)
             swarm_home = local.asker_home
-        if home.exists:
+        if home.exists and model is not None:
             drafting = _drafting(options, model, threads)
         if local is not None:  # started here: waited for until it says it is ready, not raced
             link = await local.open_link(min_stages=min(local.n_trunks, 22), trace=options.trace)
@@ -158,6 +181,9 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         if options.head_layers is not None and options.head_layers != link.head_layers:
             raise EngineError(f"this swarm's plan keeps {link.head_layers} layers at each end; "
                               f"--head-layers {options.head_layers} does not match")
+        if model is None:
+            model = await _model_for_swarm(home, link, options)
+            drafting = _drafting(options, model, threads)
         asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
                       max_in_flight=options.max_in_flight, device=device)
         link.check_model(asker.gguf)

@@ -26,7 +26,7 @@ from plans.hysteresis import CONVERGE_FACTOR, SERVED_REPORTS, SPEED_FACTOR, serv
 from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
-from swarmctl.distribution import build_manifest, serve_slice
+from swarmctl.distribution import build_asker_manifest, build_manifest, serve_slice
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, accounts, admit
 from swarmctl.models import resolve_model
@@ -61,6 +61,7 @@ class HostService:
                     model_hash=self.hashes.model_hash,
                     objective=self.config.objective, n_expert=spec.n_expert)
         self.trunks: Trunks = {}
+        self._sending_parts: set[str] = set()  # members an asker's part is being sent to
         self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks,
                                    stage_requests=self._stage_requests)
         self.checks = ClaimChecks(self.gguf, self.planning)
@@ -81,7 +82,7 @@ class HostService:
         # revocations and new settings. A joiner (ALPN_JOIN) may send only ``join``.
         self.answers = Dispatcher({
             m.Register: self._register, m.Ready: self._ready, m.Refuse: self._refuse, m.Links: self._links_report,
-            m.Speed: self._speed, m.FetchSlice: self._fetch_slice, m.WatchPlan: self._watch_plan,
+            m.Speed: self._speed, m.FetchSlice: self._fetch_slice, m.FetchAskerPart: self._fetch_asker_part, m.WatchPlan: self._watch_plan,
             m.GetPlan: self._get_plan, m.GetNodes: self._nodes, m.GetStatus: self._status,
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
@@ -382,10 +383,27 @@ class HostService:
         if not lo <= start < stop <= hi:
             self._error(conn, stream_id, f"layers [{start}, {stop}) are not trunk layers [{lo}, {hi})")
             return
-        manifest = build_manifest(self.gguf, start, stop, self.plan.model_hash)
+        manifest = build_manifest(self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks)
         have = set(message.have)
         log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name, len(have))
         asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, have))
+
+    def _fetch_asker_part(self, conn: SwarmProtocol, stream_id: int, message: m.FetchAskerPart) -> None:
+        """An asker with no model file: what it runs, with the plan's head layers (no others). One
+        such transfer per member at a time: the host's uplink is everyone's."""
+        if message.head_layers != self.plan.head_layers:
+            self._error(conn, stream_id, f"this swarm's askers keep {self.plan.head_layers} layers at each end, "
+                                         f"not {message.head_layers}")
+            return
+        if conn.peer_name in self._sending_parts:
+            self._error(conn, stream_id, "a transfer of the asker's part to this member is already under way")
+            return
+        manifest = build_asker_manifest(self.gguf, message.head_layers, self.plan.model_hash, self.hashes.chunks)
+        log.info("sending the asker's part (%.1f MB) to %s (%d chunks already there)", manifest.n_bytes / 1e6,
+                 conn.peer_name, len(message.have))
+        self._sending_parts.add(conn.peer_name)
+        task = asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(message.have)))
+        task.add_done_callback(lambda _: self._sending_parts.discard(conn.peer_name))
 
     async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest, have: set[str]) -> None:
         try:
@@ -395,7 +413,7 @@ class HostService:
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
             trunk.served_bytes += sent
-        log.info("sent %.1f MB of layers [%d, %d) to %s", sent / 1e6, manifest.start, manifest.stop, conn.peer_name)
+        log.info("sent %.1f MB of %s to %s", sent / 1e6, manifest.describe(), conn.peer_name)
 
     # --- anyone ---
 
