@@ -166,7 +166,7 @@ class Backoff:
     first_s: float
     max_s: float = HOLD_MAX_S
     forget_s: float = FORGET_S
-    strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member → (strikes in a row, the last's time)
+    strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member → (strikes in a row, the last's)
 
     def strike(self, member: str, now: float) -> float:
         """A strike against ``member`` now: how long it is left out."""

@@ -214,7 +214,8 @@ def test_a_published_stage_that_never_loads_is_left_out_at_its_deadline(tmp_path
         host.wait(1.0)
     remade_after = host.now - at
     assert deadline <= remade_after <= deadline + 1.0, (remade_after, deadline)
-    assert "was not ready" in host.trunks["mallory"].refused and "left out of plans for" in host.trunks["mallory"].refused
+    refused = host.trunks["mallory"].refused
+    assert "was not ready" in refused and "left out of plans for" in refused
     assert "mallory" not in host.members(host.asker.plans[-1])
     host.serve()  # alice serves the model alone now
 

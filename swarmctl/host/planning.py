@@ -445,7 +445,8 @@ class PlanKeeper:
             if a.ready or a.member not in self.trunks:
                 continue
             if isinstance(a, ExpertAssignment):
-                unready[a.member] = (f"experts [{a.start}, {a.stop})", experts * (a.stop - a.start) // max(1, plan.n_expert))
+                share = experts * (a.stop - a.start) // max(1, plan.n_expert)
+                unready[a.member] = (f"experts [{a.start}, {a.stop})", share)
             else:
                 unready[a.member] = (f"layers [{a.start}, {a.stop})", self.layout.range_bytes(a.start, a.stop))
         return unready
@@ -509,7 +510,8 @@ class PlanKeeper:
         if trunk is not None and not trunk.refused:
             if hold is not None and hold.until > now:
                 trunk.refused = hold.why
-                log.warning("trunk %s %s: left out of plans for %.0f s more", name, hold.why, hold.until - now)
+                log.warning("trunk %s registered again while it waits (%s): %.0f s of its wait left", name, hold.why,
+                            hold.until - now)
             elif left is not None and now - left < self.gate.settle_s:
                 self._hold(name, f"rejoined {now - left:.0f} s after leaving", self.flapped.strike(name, now), False)
         self.rebase(name)
