@@ -276,6 +276,11 @@ class MtpDraft(_EngineDraft):
             if not spec.n_nextn:
                 raise EngineError(f"--speculate mtp: {Path(path).name} has no multi-token-prediction (nextn) layer; "
                                   f"--speculate ngram or layerskip work with any model")
+            probe = f"blk.{spec.n_layer}.nextn.eh_proj.weight"  # llama.cpp's test for a trunk-only file
+            if probe not in self.gguf.tensors:
+                raise EngineError(f"--speculate mtp: {Path(path).name} has no multi-token-prediction (nextn) layer: "
+                                  f"its metadata counts {spec.n_nextn} but {probe} is not in the file; "
+                                  f"--speculate ngram or layerskip work with any model")
             self.engine = SliceEngine(self.gguf, SliceSpec.nextn_of(spec), n_threads=n_threads,
                                       max_context=max_context)
         except BaseException:
