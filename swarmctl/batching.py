@@ -5,9 +5,17 @@ free, everything waiting (up to a token budget) runs as one ``forward_batch`` in
 thread, so decode steps of many requests share their matmuls, and a prefill shares a batch with
 decodes. A step that fails its checks fails alone; the rest of the batch runs.
 
-Which steps go first is fair by member (``fair_batch``): members take turns, one step each, the
-one served least recently first, so a member with a hundred steps queued delays another member's
-step by at most one batch, not by its whole queue (issue 30 item 1).
+Which steps go first is fair by member (``fair_batch``), in rows as well as in steps: the member
+that has had the fewest rows computed goes first (``FairShare``: deficit round robin by rows), one
+step per turn, so a member with a hundred steps queued delays another member's step by at most one
+batch, not by its whole queue (issue 30 item 1), and a member whose steps are huge gets no more rows
+than one whose steps are small. A step of more than ``SPLIT_ROWS`` rows (an honest asker sends
+prompt chunks of 512 rows; a member may send 4096 at once) runs in chunks, batch by batch, other
+members' steps between them; and while others wait a member's steps fill no more than an equal
+share of a batch. So a one-row step waits for at most the batch running when it came (at
+most ``max_batch_tokens`` rows, SPLIT_ROWS of them from one member's huge steps) and then runs beside
+a share of one: one member's 4096-row prefills kept another's 4-token ask at a stage for 52 s
+instead of 2.2 (issue 43), each of its steps waiting out a whole prefill.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import concurrent.futures
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,6 +33,13 @@ from kernels.errors import EngineError
 from kernels.slice import SliceEngine, Step
 
 DEFAULT_MAX_BATCH_TOKENS = 1024
+# A step of more rows than this runs in chunks, and one member's chunks in a batch come to no more
+# than this: the asker's own prompt chunk (swarmctl/asker/head_tail.py PREFILL_CHUNK), so an honest
+# step is never split, and a huge one delays others no more than an honest prompt chunk does.
+# Chunks are at least MIN_SPLIT_ROWS where they fill the rest of a batch (smaller ones would only
+# add graph shapes).
+SPLIT_ROWS = 512
+MIN_SPLIT_ROWS = 64
 
 # All engines of a process compute on one thread. ggml parallelises each graph with OpenMP, and
 # an OpenMP team belongs to the thread that started it: engines on separate threads would each
@@ -58,40 +73,110 @@ class StepTiming:
     batch_tokens: int
 
 
-@dataclass
+@dataclass(eq=False)  # (one waiting step is itself: compared by identity, never by its arrays)
 class _Pending:
     step: Step
     n_tokens: int
     future: asyncio.Future
     member: str = ""  # whose request it is: steps are taken by turns per member
     submitted: float = field(default_factory=time.perf_counter)
+    split: bool = False  # may run in chunks (over a batch's rows, and its outputs can be joined)
+    done: int = 0  # rows already run, in earlier chunks
+    outputs: list = field(default_factory=list)  # those chunks' outputs
+    compute_s: float = 0.0  # their batches' compute time
+
+    @property
+    def rows_left(self) -> int:
+        return self.n_tokens - self.done
+
+    def chunk(self, rows: int) -> Step:
+        """The step that runs the next ``rows`` rows (the step itself when that is all of it)."""
+        step, a = self.step, self.done
+        if a == 0 and rows == self.n_tokens:
+            return step
+        return replace(step, start_pos=step.start_pos + a, rewind=step.rewind and a == 0,
+                       tokens=None if step.tokens is None else step.tokens[a:a + rows],
+                       hidden=None if step.hidden is None else step.hidden[a:a + rows])
 
 
-def fair_batch(pending: list[_Pending], max_tokens: int, last_turn: dict[str, int]) -> list[_Pending]:
-    """The steps of the next batch: members take turns (the one whose last turn is oldest first,
-    then by its oldest step), one step each per round, each member's own steps in the order they
-    came; at most one step per request, and within ``max_tokens`` unless a step is alone."""
+class FairShare:
+    """Rows each member has had computed here, for the order of the next batch: fewest first
+    (deficit round robin by rows). A member that comes back after a pause comes back level with
+    the members being served (``clock``), not ahead by all the rows it did not ask for meanwhile."""
+
+    MAX_MEMBERS = 4096  # records kept before those level with the clock (as good as new) go
+
+    def __init__(self) -> None:
+        self._rows: dict[str, int] = {}
+        self.clock = 0  # the level of the latest turn taken
+
+    def level(self, member: str) -> int:
+        return max(self._rows.get(member, 0), self.clock)
+
+    def charge(self, member: str, rows: int) -> None:
+        start = self.level(member)
+        self.clock = max(self.clock, start)
+        self._rows[member] = start + rows
+
+    def forget_idle(self, waiting: set[str]) -> None:
+        if len(self._rows) > self.MAX_MEMBERS:
+            self._rows = {m: n for m, n in self._rows.items() if m in waiting or n > self.clock}
+
+
+def _take(queue: list[_Pending], seen: set[bytes], fits: int, chunk: int, alone: bool) -> tuple[_Pending, int] | None:
+    """A member's next step for a batch where ``fits`` rows are left to it (``alone``: the batch
+    is empty), and how many of its rows run (of a step that may be split, at most ``chunk``): its
+    own steps in the order they came, at most one per request; a step that cannot be split and
+    does not fit runs only alone."""
+    for p in queue:
+        if p.step.key in seen:
+            continue  # a request's next step waits for this one
+        if p.split:
+            rows = min(p.rows_left, fits, chunk)
+            if rows > 0 and rows >= min(p.rows_left, MIN_SPLIT_ROWS, chunk):
+                return p, rows
+        elif p.rows_left <= fits or alone:
+            return p, p.rows_left
+    return None
+
+
+def fair_batch(pending: list[_Pending], max_tokens: int, share: FairShare) -> list[tuple[_Pending, int]]:
+    """The steps of the next batch, as (step, rows of it that run), charged to their members in
+    ``share``: the member with the fewest rows so far takes the next turn (ties: its oldest step
+    first), one step or chunk a turn, each member's own steps in the order they came; at most one
+    step per request; within ``max_tokens`` rows unless a step that cannot be split is alone;
+    while several members wait, a member's steps after its first take no more than an equal share
+    of the batch; and a member's chunks of split steps no more than SPLIT_ROWS rows."""
     queues: dict[str, list[_Pending]] = {}
     for p in pending:  # (pending is in arrival order, so each queue is too)
         queues.setdefault(p.member, []).append(p)
-    order = sorted(queues, key=lambda member: (last_turn.get(member, -1), queues[member][0].submitted))
-    batch: list[_Pending] = []
+    fair = max(1, max_tokens // max(1, len(queues)))  # a member's share of this batch
+    taken: dict[str, int] = {}
+    chunked: dict[str, int] = {}  # rows of split steps taken, by member
+    batch: list[tuple[_Pending, int]] = []
     seen: set[bytes] = set()
     budget = max_tokens
-    progress = True
-    while progress:
-        progress = False
+    while True:
+        order = sorted(queues, key=lambda m: (share.level(m), queues[m][0].submitted))
         for member in order:
-            queue = queues[member]
-            for i, p in enumerate(queue):
-                if p.step.key in seen or (batch and p.n_tokens > budget):
-                    continue  # a request's next step waits for this one; an oversize step for the next batch
-                batch.append(queue.pop(i))
-                seen.add(p.step.key)
-                budget -= p.n_tokens
-                progress = True
+            fits = budget if member not in taken else min(budget, fair - taken[member])
+            chunk = min(fair, SPLIT_ROWS) - chunked.get(member, 0)
+            picked = _take(queues[member], seen, fits, chunk, alone=not batch)
+            if picked is not None:
                 break
-    return batch
+        else:
+            return batch
+        p, rows = picked
+        batch.append(picked)
+        seen.add(p.step.key)
+        budget -= rows
+        taken[member] = taken.get(member, 0) + rows
+        if p.split:
+            chunked[member] = chunked.get(member, 0) + rows
+        share.charge(member, rows)
+        queues[member].remove(p)
+        if not queues[member]:
+            del queues[member]
 
 
 @dataclass(frozen=True)
@@ -126,8 +211,7 @@ class BatchRunner:
         self._executor = compute_thread()
         self._running = False
         self._closed = False
-        self._batches = 0
-        self._last_turn: dict[str, int] = {}  # member → the batch its last step ran in (fair_batch)
+        self._share = FairShare()  # rows each member has had here (fair_batch)
 
     @property
     def queue_depth(self) -> int:
@@ -140,12 +224,19 @@ class BatchRunner:
             raise EngineClosedError("this engine is closed")
         loop = asyncio.get_running_loop()
         n = len(step.tokens) if step.tokens is not None else int(np.asarray(step.hidden).shape[0])
-        pending = _Pending(step, n, loop.create_future(), member)
+        pending = _Pending(step, n, loop.create_future(), member, split=n > min(SPLIT_ROWS, self.max_batch_tokens) and self._joinable(step))
         self._pending.append(pending)
         if not self._running:
             self._running = True
             loop.create_task(self._drain())
         return await pending.future
+
+    def _joinable(self, step: Step) -> bool:
+        """Whether a step's outputs, run in chunks, join into its own: every row's activations (a
+        slice without the LM head), not logits of its last row or hidden states beside them."""
+        spec = self.engine.slice
+        return not (spec.has_lm_head or spec.nextn or step.hidden_rows) and \
+            (step.tokens is None) != (step.hidden is None)
 
     async def call(self, fn, *args):
         """Run something else on the engine's thread, between batches (release, load, stats)."""
@@ -157,26 +248,26 @@ class BatchRunner:
             while self._pending:
                 for pending in [p for p in self._pending if p.future.done()]:
                     self._pending.remove(pending)  # cancelled while queued (a client gone): never run it
-                batch = fair_batch(self._pending, self.max_batch_tokens, self._last_turn)
-                if not batch:
+                chosen = fair_batch(self._pending, self.max_batch_tokens, self._share)
+                if not chosen:
                     continue
-                self._batches += 1
-                for pending in batch:
-                    self._pending.remove(pending)
-                    self._last_turn[pending.member] = self._batches
-                if len(self._last_turn) > 4096:  # (members come and go: keep those still waiting)
-                    self._last_turn = {p.member: self._last_turn.get(p.member, -1) for p in self._pending}
+                self._share.forget_idle({p.member for p in self._pending})
                 # A canonical order: the same requests make the same graph shape whatever order they
                 # arrived in, so the engine reuses the built graph instead of building another.
-                batch.sort(key=lambda p: p.step.key)
+                chosen.sort(key=lambda pick: pick[0].step.key)
+                batch = [p for p, _ in chosen]
+                steps = [p.chunk(rows) for p, rows in chosen]
+                for pending, rows in chosen:
+                    if rows == pending.rows_left:
+                        self._pending.remove(pending)  # (a step with chunks left keeps its place)
                 started, wall, cpu = time.perf_counter(), time.time(), time.process_time()
                 try:
-                    results = await loop.run_in_executor(self._executor, self._run_batch, [p.step for p in batch])
+                    results = await loop.run_in_executor(self._executor, self._run_batch, steps)
                 except Exception as e:  # noqa: BLE001 - the executor itself failed: no step may wait forever
                     results = [EngineError(f"{type(e).__name__}: {e}")] * len(batch)
                 compute, cpu_s = time.perf_counter() - started, time.process_time() - cpu
                 ok = [r for r in results if not isinstance(r, Exception)]
-                timing_tokens = sum(p.n_tokens for p, r in zip(batch, results) if not isinstance(r, Exception))
+                timing_tokens = sum(rows for (_, rows), r in zip(chosen, results) if not isinstance(r, Exception))
                 self.stats.batches += 1
                 self.stats.steps += len(ok)
                 self.stats.tokens += timing_tokens
@@ -185,14 +276,23 @@ class BatchRunner:
                 self.stats.recent.append(BatchRecord(wall, compute, tuple(
                     p.step.key for p, r in zip(batch, results) if not isinstance(r, Exception)), timing_tokens,
                     cpu_s))
-                for pending, result in zip(batch, results):
+                for (pending, rows), result in zip(chosen, results):
                     if pending.future.done():
                         continue
                     if isinstance(result, Exception):
+                        if pending in self._pending:
+                            self._pending.remove(pending)  # (its later chunks cannot run either)
                         pending.future.set_exception(result)
-                    else:
-                        pending.future.set_result((result, StepTiming(started - pending.submitted, compute, len(ok),
-                                                                      timing_tokens)))
+                        continue
+                    pending.done += rows
+                    pending.outputs.append(result)
+                    pending.compute_s += compute
+                    if pending.rows_left == 0:
+                        out = pending.outputs[0] if len(pending.outputs) == 1 else np.concatenate(pending.outputs)
+                        # (queued: until its last chunk's batch began, less its earlier chunks' compute)
+                        waited = started - pending.submitted - (pending.compute_s - compute)
+                        pending.future.set_result((out, StepTiming(waited, pending.compute_s, len(ok),
+                                                                   timing_tokens)))
         finally:
             self._running = False
 

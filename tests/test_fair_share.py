@@ -18,7 +18,8 @@ from net.endpoint import Address, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.tls import MAX_STREAMS
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
-from swarmctl.batching import _Pending, fair_batch
+from swarmctl.asker.head_tail import PREFILL_CHUNK
+from swarmctl.batching import SPLIT_ROWS, FairShare, _Pending, fair_batch
 from swarmctl.budget import MEMBER_SHARE_OF_STREAMS, Limits
 from swarmctl.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
@@ -27,22 +28,31 @@ ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "4")
 PROMPT = "The capital of France is"
 
 
-def _pending(member: str, n_tokens: int) -> _Pending:
+def _pending(member: str, n_tokens: int, split: bool = False) -> _Pending:
     step = Step(secrets.token_bytes(16), 0, hidden=np.zeros((n_tokens, 4), np.float32))
-    return _Pending(step, n_tokens, None, member)  # (fair_batch never looks at the future)
+    return _Pending(step, n_tokens, None, member, split=split)  # (fair_batch never looks at the future)
+
+
+def _run_batches(pending: list[_Pending], share: FairShare, until: _Pending, max_tokens: int = 1024,
+                 rows: list[int] | None = None) -> int:
+    """Drain ``pending`` batch by batch as BatchRunner does, until ``until`` has run all its rows;
+    in which batch that happened. ``rows``: each batch's rows are appended to it."""
+    for n in range(1, 10_000):
+        batch = fair_batch(pending, max_tokens, share)
+        assert batch, "nothing could run"
+        for p, k in batch:
+            p.done += k
+            if p.rows_left == 0:
+                pending.remove(p)
+        if rows is not None:
+            rows.append(sum(k for _, k in batch))
+        if until.rows_left == 0:
+            return n
+    raise AssertionError("never ran")
 
 
 def _batches_until(pending: list[_Pending], wanted: _Pending, max_tokens: int = 1024) -> int:
-    """Drain ``pending`` batch by batch as BatchRunner does; in which batch ``wanted`` runs."""
-    last_turn: dict[str, int] = {}
-    for n in range(1, len(pending) + 1):
-        batch = fair_batch(pending, max_tokens, last_turn)
-        for p in batch:
-            pending.remove(p)
-            last_turn[p.member] = n
-        if wanted in batch:
-            return n
-    raise AssertionError("never ran")
+    return _run_batches(pending, FairShare(), wanted, max_tokens)
 
 
 def test_a_member_with_a_long_queue_delays_another_by_one_batch_at_most():
@@ -53,8 +63,120 @@ def test_a_member_with_a_long_queue_delays_another_by_one_batch_at_most():
     mine = [_pending("bob", 1) for _ in range(3)]
     twice = _pending("bob", 1)
     twice.step = mine[0].step
-    batch = fair_batch([*mine, twice], 1024, {})
-    assert batch == mine
+    batch = fair_batch([*mine, twice], 1024, FairShare())
+    assert [p for p, _ in batch] == mine
+
+
+def _small_ask_behind_huge_prefills(split: bool, steps: int = 5) -> tuple[int, int]:
+    """Eve keeps 32 prefills of 4096 rows queued; alice runs ``steps`` one-row steps, each sent
+    when the one before has run (an ask: its prompt, then a token at a time), and arriving while
+    a batch of eve's runs. The rows the stage computes from alice's first step's arrival until her
+    last has run, and the most rows in one batch she waited for."""
+    pending = [_pending("eve", 4096, split) for _ in range(32)]
+    share, computed, worst = FairShare(), 0, 0
+    for _ in range(steps):
+        batch = fair_batch(pending, 1024, share)  # the batch running when alice's step comes
+        for p, k in batch:
+            p.done += k
+            if p.rows_left == 0:
+                pending.remove(p)
+        alice = _pending("alice", 1)
+        pending.append(alice)
+        rows = [sum(k for _, k in batch)]
+        _run_batches(pending, share, alice, rows=rows)
+        computed += sum(rows)
+        worst = max(worst, *rows)
+    return computed, worst
+
+
+def test_a_huge_prefill_runs_in_chunks_and_a_small_ask_waits_little():
+    """Issue 43: one member's 4096-row prefills, sent straight to the last stage, kept another's
+    4-token ask there for 52 s instead of 2.2: turns were fair by steps, and each of eve's steps
+    was 4096 rows, so each of alice's waited out a whole one. A step over SPLIT_ROWS now runs in
+    chunks, other members' steps between them, and one member's rows in a batch are at most
+    SPLIT_ROWS (an equal share while others wait)."""
+    before, before_worst = _small_ask_behind_huge_prefills(split=False)  # (as it ran before: whole steps)
+    after, after_worst = _small_ask_behind_huge_prefills(split=True)
+    print(f"alice's 5 one-row steps behind eve's 4096-row prefills: {before} rows computed meanwhile, "
+          f"batches of up to {before_worst}; in chunks: {after} rows, batches of up to {after_worst}")
+    assert before_worst == 4096 and after_worst <= SPLIT_ROWS + 1
+    # each of alice's steps: the batch running when it came (eve's chunk), then hers (1 row and eve's share)
+    assert after <= 5 * (SPLIT_ROWS + 1 + SPLIT_ROWS) < before // 3
+
+
+def test_rows_are_shared_not_just_turns():
+    """Fair by rows: bob's 512-row prompt chunks get as many rows as eve's 4096-row prefills (by
+    turns alone he got an eighth: one 512 for each 4096 of hers)."""
+    for split in (False, True):
+        eve = [_pending("eve", 4096, split) for _ in range(40)]
+        bob = [_pending("bob", 512) for _ in range(80)]
+        pending = [*eve, *bob]
+        share = FairShare()
+        served = {"eve": 0, "bob": 0}
+        for _ in range(40):
+            for p, k in fair_batch(pending, 1024, share):
+                p.done += k
+                served[p.member] += k
+                if p.rows_left == 0:
+                    pending.remove(p)
+        print(f"{'in chunks' if split else 'whole'}: {served}")
+    assert abs(served["bob"] - served["eve"]) <= SPLIT_ROWS, served
+
+
+def test_a_split_step_keeps_its_order_its_chunks_and_only_joinable_steps_split():
+    huge = _pending("eve", 1300, split=True)
+    huge.step = Step(huge.step.request_id, 7, hidden=np.arange(1300 * 4, dtype=np.float32).reshape(1300, 4),
+                     rewind=True)
+    share, rows = FairShare(), []
+    pending = [huge]
+    chunks = []
+    while pending:
+        batch = fair_batch(pending, 1024, share)
+        assert len(batch) == 1  # (one step per request per batch)
+        p, k = batch[0]
+        chunks.append(p.chunk(k))
+        p.done += k
+        if p.rows_left == 0:
+            pending.remove(p)
+    assert [c.start_pos for c in chunks] == [7, 7 + SPLIT_ROWS, 7 + 2 * SPLIT_ROWS]
+    assert [c.rewind for c in chunks] == [True, False, False]
+    np.testing.assert_array_equal(np.concatenate([c.hidden for c in chunks]), huge.step.hidden)
+    # a step that cannot be split (logits of its last row, say) still runs whole, alone
+    whole = _pending("eve", 1300)
+    assert fair_batch([whole, _pending("alice", 1)], 1024, FairShare()) == [(whole, 1300)]
+    assert SPLIT_ROWS == PREFILL_CHUNK  # an attacker's huge step costs others what an honest prompt chunk does
+    # a member alone still fills a batch with its (small) steps, as before: decode throughput
+    assert sum(k for _, k in fair_batch([_pending("bob", 8) for _ in range(100)], 1024, FairShare())) == 800
+
+
+def test_the_runner_joins_a_split_steps_chunks_into_its_own_output(bundled_model):
+    """A trunk slice fed a prefill larger than a batch runs it in chunks, another member's step in
+    between, and returns the rows it returns for the prefill run whole."""
+    from kernels.slice import SliceEngine
+    from kernels.spec import SliceSpec
+    from swarmctl.batching import BatchRunner
+    from tests.conftest import N_THREADS
+
+    x = np.random.default_rng(3).standard_normal((1300, 576)).astype(np.float32)
+    small = np.random.default_rng(4).standard_normal((1, 576)).astype(np.float32)
+    with SliceEngine.open(bundled_model, SliceSpec(26, 30), n_threads=N_THREADS) as engine:
+        whole = engine.forward(b"w" * 16, start_pos=0, hidden=x)
+        alone = engine.forward(b"s" * 16, start_pos=0, hidden=small)
+        engine.release(b"w" * 16)
+        engine.release(b"s" * 16)
+        runner = BatchRunner(engine)
+
+        async def both():
+            big = asyncio.ensure_future(runner.run(Step(b"w" * 16, 0, hidden=x), member="eve"))
+            await asyncio.sleep(0)  # (eve's step is first in the queue)
+            return await asyncio.gather(big, runner.run(Step(b"s" * 16, 0, hidden=small), member="alice"))
+
+        (got, timing), (got_small, small_timing) = asyncio.run(both())
+        batches = [r.request_ids for r in runner.stats.recent]
+    assert [b"s" * 16 in ids for ids in batches] == [False, True, False]  # chunk, alice + chunk, chunk
+    assert got.shape == whole.shape and timing.compute_s > 0
+    np.testing.assert_array_equal(got, whole)  # (quantized weights: the same bits in chunks as whole)
+    np.testing.assert_array_equal(got_small, alone)
 
 
 def test_a_members_share_of_a_stage_is_well_below_what_a_connection_carries():
