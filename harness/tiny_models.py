@@ -590,6 +590,13 @@ CONVERTED_DEEPSEEK2 = {
     "deepseek-v3-mtp": dict(hf=DEEPSEEK_V3_HF, keep_mtp=True, seed=31),
     # the same checkpoint as the converter wrote it before the split: attn_kv_b only
     "deepseek-v3-kv-b": dict(hf=DEEPSEEK_V3_HF, legacy_kv_b=True, seed=31),
+    # DeepSeek-V2-Lite: no Q rank (the converter then writes no q_lora_rank key, which llama.cpp
+    # accepts only from a 26- or 27-layer file: V2-Lite has 27), softmax gating, weights not
+    # normalised, scale 1, two shared experts, YaRN ×40 with mscale_all_dim 0.707
+    "deepseek-v2-lite": dict(hf=HFConfig(num_hidden_layers=27, q_lora_rank=None, scoring_func="softmax",
+                                         norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=2,
+                                         rope_theta=10000.0, rope_scaling=("yarn", 40.0, 4096, 32.0, 1.0, 0.707, 0.707),
+                                         max_position_embeddings=163840), seed=33),
     # Kimi K2 mainline: one group, scale 2.827, YaRN ×32 from 4096 with beta 1/1, 163840 tokens, no MTP
     "kimi-k2": dict(hf=HFConfig(), kimi_vocab=True, seed=32),
 }

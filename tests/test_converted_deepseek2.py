@@ -5,13 +5,15 @@ checkpoint through convert_hf_to_gguf.py's DeepseekV2Model steps at the commit l
 0.3.36 vendors: DeepSeek-V3 today (split attn_k_b / attn_v_b), the same checkpoint with its MTP
 block kept, and as the converter wrote it before the split (attn_kv_b only); Kimi K2 mainline
 (one expert group, scale 2.827, YaRN x32 from 4096 with betas 1/1, a 163840-entry vocabulary with
-the kimi-k2 pre-tokenizer, no MTP block). Each opens in our engine and in llama-cpp-python, and
+the kimi-k2 pre-tokenizer, no MTP block); DeepSeek-V2-Lite (no Q rank, softmax, 27 layers). Each opens in our engine and in llama-cpp-python, and
 answers the same: bit-identical prefill logits and the oracle rule on greedy decoding.
 
 What the installed llama.cpp does not do with these files, and we follow it:
 - it ignores rope.scaling.yarn_beta_fast / yarn_beta_slow for deepseek2 (its loader reads them
   for grok and mistral3 only, and llama-cpp-python passes 32 and 1 anyway): Kimi K2's 1 and 1 are
   run as 32 and 1 (test_kimi_k2s_yarn_betas_are_not_read);
+- it refuses a file without q_lora_rank (V2-Lite's conversion) unless the file has 26 or 27 layers
+  (test_deepseek_v2_lite_without_a_q_rank_key);
 - it never runs the MTP block through llama-cpp-python (the block's tensors are skipped at
   load), so our nextn layer is checked by speculation's exactness, not against the oracle.
 The kimi-k2 pre-tokenizer is known to the installed llama.cpp (llama-vocab.cpp,
@@ -211,8 +213,33 @@ def test_deepseek_v3_with_mtp_and_before_the_split(converted):
     assert keys["deepseek2.rope.scaling.factor"] == (40.0, T.FLOAT32)
 
 
+def test_deepseek_v2_lite_without_a_q_rank_key(converted, tmp_path, bundled_model):
+    """V2-Lite's q_lora_rank is null, so the converter writes no q_lora_rank key; with softmax
+    scoring and norm_topk_prob false: gating 1 and no expert_weights_norm key; mscale_all_dim 0.707
+    gives a log multiplier of 0.0707. llama.cpp reads a file without the key only when it has 26 or
+    27 layers (its is_lite guess; V2-Lite has 27): the same file cut to 4 layers it refuses, which
+    our engine runs (nothing to compare it with)."""
+    keys, tensors = _fields(converted("deepseek-v2-lite"))
+    a = "deepseek2."
+    assert a + "attention.q_lora_rank" not in keys and a + "expert_weights_norm" not in keys
+    assert "blk.0.attn_q.weight" in tensors and not any(".attn_q_a." in n for n in tensors)
+    assert keys[a + "expert_gating_func"] == (1, T.UINT32) and keys[a + "expert_shared_count"] == (2, T.UINT32)
+    assert keys[a + "expert_weights_scale"] == (1.0, T.FLOAT32) and keys[a + "block_count"] == (27, T.UINT32)
+    assert np.float32(keys[a + "rope.scaling.yarn_log_multiplier"][0]) == np.float32(0.1 * 0.707)
+    from dataclasses import replace
+
+    args = CONVERTED_DEEPSEEK2["deepseek-v2-lite"]
+    short = write_converted_deepseek2(tmp_path / "lite-4.gguf", tokenizer_source=bundled_model,
+                                      **dict(args, hf=replace(args["hf"], num_hidden_layers=4)))
+    with pytest.raises(ValueError, match="Failed to load model"):
+        _oracle(short)
+    with GGUFFile(short) as f, SliceEngine(f, SliceSpec(0, 4, True, True), n_threads=N_THREADS,
+                                           max_context=N_CTX) as engine:
+        assert np.isfinite(run_split([engine], [1, 504, 3000])).all()
+
+
 @pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-kv-b", "deepseek-v3-mtp", "deepseek-v3-mtp-stripped",
-                                  "kimi-k2"])
+                                  "deepseek-v2-lite", "kimi-k2"])
 def test_a_converted_file_answers_as_llama_cpp(converted, name):
     """Prefill logits are llama-cpp-python's exact bits; greedy decoding passes the oracle rule."""
     path = converted(name)
