@@ -4,7 +4,8 @@ They carry the bundled model's tokenizer (vocabulary, merges, chat template) so 
 llama-cpp-python loads them and stays the oracle. Architectures: llama, qwen2 (Q/K/V biases,
 separate output matrix with a bias), qwen3 (per-head Q/K norms), llama-MoE, qwen3moe and deepseek2
 (latent attention with or without a Q rank, dense leading layers, shared experts, softmax or
-sigmoid gating, a routing bias, expert groups, YaRN); F32 or a quantized type.
+sigmoid gating, a routing bias, expert groups, YaRN); F32 or a quantized type. Also deepseek2
+files as llama.cpp's converter writes them (write_converted_deepseek2, CONVERTED_DEEPSEEK2).
 """
 
 from __future__ import annotations
