@@ -148,6 +148,7 @@ def test_the_hf_to_gguf_names_are_gguf_pys():
     assert checked >= 23
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_kimi_k2_carries_the_converters_keys_tensors_and_types(converted):
     keys, tensors = _fields(converted("kimi-k2"))
     a = "deepseek2."
@@ -190,6 +191,7 @@ def test_kimi_k2_carries_the_converters_keys_tensors_and_types(converted):
     assert spec.rope.freq_scale == pytest.approx(1 / 32) and spec.rope.n_ctx_orig == 4096
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_deepseek_v3_with_mtp_and_before_the_split(converted):
     """The MTP block kept: block_count counts it, nextn_predict_layers says 1, blk.4 holds a whole
     MoE block plus its nextn.* tensors. Before the split: attn_kv_b [kv_rank, heads x (nope + v)],
@@ -213,6 +215,7 @@ def test_deepseek_v3_with_mtp_and_before_the_split(converted):
     assert keys["deepseek2.rope.scaling.factor"] == (40.0, T.FLOAT32)
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_deepseek_v2_lite_without_a_q_rank_key(converted, tmp_path, bundled_model):
     """V2-Lite's q_lora_rank is null, so the converter writes no q_lora_rank key; with softmax
     scoring and norm_topk_prob false: gating 1 and no expert_weights_norm key; mscale_all_dim 0.707
@@ -238,6 +241,7 @@ def test_deepseek_v2_lite_without_a_q_rank_key(converted, tmp_path, bundled_mode
         assert np.isfinite(run_split([engine], [1, 504, 3000])).all()
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 @pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-kv-b", "deepseek-v3-mtp", "deepseek-v3-mtp-stripped",
                                   "deepseek-v2-lite", "kimi-k2"])
 def test_a_converted_file_answers_as_llama_cpp(converted, name):
@@ -275,6 +279,7 @@ def _greedy(engine: SliceEngine, llm, prompt: list[int], n: int) -> list[int]:
         engine.release(rid)
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_kimi_k2s_yarn_betas_are_not_read(converted, tmp_path, bundled_model):
     """Kimi K2's files say yarn_beta_fast 1 and yarn_beta_slow 1; llama.cpp runs deepseek2 with 32 and
     1 whatever they say, and so do we: a copy of the file saying 32 gives the same bits in both."""
@@ -300,6 +305,7 @@ def test_kimi_k2s_yarn_betas_are_not_read(converted, tmp_path, bundled_model):
     np.testing.assert_array_equal(ours_1, ours_32)
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_the_split_and_the_pre_split_files_are_one_model(tmp_path, bundled_model):
     """One checkpoint converted with k_b / v_b and with the older attn_kv_b (F32, so both layouts
     hold the same numbers): the same model, by our engine and by llama.cpp, to float rounding.
@@ -323,6 +329,7 @@ def test_the_split_and_the_pre_split_files_are_one_model(tmp_path, bundled_model
         assert (split.argmax(1) == unsplit.argmax(1)).all()
 
 
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_speculate_mtp_runs_the_converted_mtp_block_and_changes_nothing(converted):
     """--speculate mtp on the DeepSeek-V3 file with its MTP block (own embed_tokens and
     shared_head_head, as the checkpoint has them): greedy output equals plain decoding."""
@@ -350,6 +357,7 @@ def test_speculate_mtp_runs_the_converted_mtp_block_and_changes_nothing(converte
     ("deepseek-v3-mtp-stripped", "has no multi-token-prediction (nextn) layer: its metadata counts 1 but "
                                  "blk.4.nextn.eh_proj.weight is not in the file"),
 ])
+@pytest.mark.slow  # files written, models loaded into llama.cpp: seconds
 def test_speculate_mtp_on_a_file_without_an_mtp_block_is_one_line(converted, name, says):
     path = converted(name)
     result = swarmctl(None, "ask", "--transport", "inproc", "--model", str(path), "--head-layers", "1",
