@@ -262,3 +262,32 @@ def test_the_stage_ledger_counts_per_account_and_stays_bounded():
     for i in range(MAX_ACCOUNTS + 5):
         ledger.record(f"m{i}", 5)
     assert len(ledger.stats()) == MAX_ACCOUNTS and "alice" not in ledger.stats()
+
+
+def test_one_report_of_a_member_is_judged_at_a_time(tmp_path):
+    """A flood of reports asks the accused stage once per report being judged, not once each."""
+
+    async def scenario():
+        host = FakeHost(tmp_path)
+        asked = []
+        stage = host.stages["honest"]
+        answer = asyncio.get_running_loop().create_future()
+
+        async def slow_request(data, timeout=30.0):
+            asked.append(data)
+            await answer
+            return SimpleNamespace(body=stats_body("honest", stage.ledger.stats()))
+
+        stage.request = slow_request
+        report = m.BadResult(members=["honest"], attributed=True, plan_version=host.planning.plan.version)
+        alice = SimpleNamespace(peer_name="alice", is_open=True)
+        for _ in range(50):
+            host.host._bad_result(alice, 0, report)
+        await host.settle()
+        assert len(asked) == 1 and len(host.replies) == 49 and all(r.get("counted") == [] for r in host.replies)
+        answer.set_result(None)
+        await host.settle()
+        assert len(host.replies) == 50 and host.host.reports.judging == set()
+        host.checks.close()
+
+    asyncio.run(scenario())

@@ -53,9 +53,11 @@ output), and each stage is sent its clean input as a new request that comes back
 alone; the stages whose answers are wrong are named (``attributed``). A stage is named only on its
 own answer, so a liar cannot get an honest neighbour named; one that lies only now and then, or only
 to requests that pass on through it, can come out of the re-check clean, and then every member of
-the route is named, as before. The host counts reports and shows them in status (and checks a
-named member itself; askers of two invites naming it take it out of the plan: host/service.py);
-one asker's word alone removes nobody (swarmctl/host/reports.py). The request is replayed on
+the route is named, as before. The host counts reports and shows them in status; a named stage's
+report counts only if that stage recorded this asker's re-check steps (swarmctl/trunk/one_stage.py),
+and then makes the host check the stage itself on its serving path (swarmctl/host/recheck.py): only
+a failed check of the host's takes it out, askers' word never does (swarmctl/host/reports.py). The
+asker routes around the members it caught either way. The request is replayed on
 another route: this machine. Its steps, exactly as they were sent, run again on a fresh local cache (the
 same steps and kernels as an honest trunk: the same bits), the drawn step's correct output is
 returned, and the request goes on here to its end. Later requests whose route passes through a

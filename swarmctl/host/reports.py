@@ -16,7 +16,9 @@ member only when
 So a report needs the accuser to have sent the accused stage steps of its own, under its own
 certificate and on its own budget there; a message to the host alone is not enough. A counted
 report only makes the host check the member itself (recheck.py); it evicts nobody, from however
-many invites. Reports the evidence does not back are answered and logged, and not counted.
+many invites. Reports the evidence does not back are answered and logged, and not counted. The
+host judges one attributed report of each member's at a time (it asks the accused stage for its
+record once per report); one that comes while another is judged is not counted.
 
 A report that names a whole route (``attributed`` false: the re-check stage by stage found no
 single stage, or the route had one) is counted for status as before, with no evidence asked, and
@@ -59,6 +61,7 @@ class AskerReports:
     attributed: dict[str, dict[str, float]] = field(default_factory=dict)
     # (accused, its registration) → {account: the accused's one-stage steps for it when last counted}
     evidence_used: dict[tuple[str, float], dict[str, int]] = field(default_factory=dict)
+    judging: set[str] = field(default_factory=set)  # accusers with an attributed report being judged (one each)
     window_s: float = REPORT_WINDOW_S
     clock: Callable[[], float] = time.monotonic
     _log: LogLimit = field(default_factory=lambda: LogLimit(log))  # a flood of reports must not fill the disk

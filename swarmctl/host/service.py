@@ -457,6 +457,10 @@ class HostService:
         if not message.attributed:
             self._ok(conn, stream_id, counted=self.reports.bad_result(conn.peer_name, message, serving))
             return
+        if conn.peer_name in self.reports.judging:  # one report of a member's judged at a time: the
+            self._ok(conn, stream_id, counted=[])  # host asks the accused stage once per report
+            return
+        self.reports.judging.add(conn.peer_name)
         asyncio.ensure_future(self._attributed(conn, stream_id, message, serving))
 
     async def _attributed(self, conn: SwarmProtocol, stream_id: int, message: m.BadResult, serving: set[str]) -> None:
@@ -476,6 +480,7 @@ class HostService:
         except Exception:  # noqa: BLE001 - the edge, as in frame_received: the host carries on
             log.exception("bad_result from %s: unexpected error", conn.peer_name)
         finally:
+            self.reports.judging.discard(conn.peer_name)
             self._ok(conn, stream_id, counted=counted)
 
     async def _one_stage_record(self, trunk: TrunkInfo) -> dict[str, list[int]]:
