@@ -9,32 +9,62 @@ is llama.cpp's JSON grammar.
     grammar = Grammar.for_json_schema(tokenizer, schema)   # or Grammar.for_json(tokenizer)
     row = grammar.mask(logits_row); token = sample(row); grammar.accept(token)
     grammar.close()
+
+Bounds. A schema comes from a client, and llama.cpp's grammar engine has no bounds of its own
+that protect the process: the converter writes ``maxLength`` N (and a pattern's ``{0,N}``) as N
+nested groups, which the engine's parser descends recursively (20,000 overflowed the stack:
+SIGSEGV); an enum of 100,000 values took 12.9 s to build and 19.3 s per full-vocabulary mask.
+So ``check_schema`` refuses, before the converter or the engine sees it, a schema beyond
+``SchemaLimits`` (each refusal names its limit), and ``check_gbnf`` refuses any grammar text too
+large or nested too deeply for the parser (the second line: a grammar not from a schema, or a
+converter that nests in a new way). The work that remains runs in worker threads
+(``build_grammar``, ``Grammar.run``), each call within a time budget, so the caller's event loop
+never waits on it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 import numpy as np
 
-from .errors import EngineError
+from .grammar_limits import LIMITS, GrammarError, GrammarLimitError, GrammarLimits, check_gbnf, check_schema
 from .tokenizer import Tokenizer
+
+__all__ = ["Grammar", "GrammarBudgetError", "GrammarError", "GrammarLimitError", "GrammarLimits", "build_grammar",
+           "check_gbnf", "check_schema"]
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 PREFILTER = 64  # greedy: the likeliest tokens asked about first, before the whole vocabulary is masked
+BUILD_BUDGET_S = 10.0  # turning a schema into a grammar and the engine's parse of it
+STEP_BUDGET_S = 10.0  # one step's masking and advancing (a full mask at the limits: 0.4 s here)
+WORKERS = 4  # threads for grammar work, all requests together
+T = TypeVar("T")
 
 
-class GrammarError(EngineError):
-    """A grammar (or schema) llama.cpp's engine cannot take."""
+class GrammarBudgetError(GrammarError):
+    """Grammar work that ran past its time budget (the request ends; the thread finishes alone)."""
 
 
 class Grammar:
-    def __init__(self, tokenizer: Tokenizer, gbnf: str, root: str = "root") -> None:
+    def __init__(self, tokenizer: Tokenizer, gbnf: str, root: str = "root", *,
+                 step_budget_s: float = STEP_BUDGET_S, limits: GrammarLimits = LIMITS) -> None:
         import llama_cpp
 
         self._llama_cpp = llama_cpp
+        self._sampler = None
+        self._lock = threading.Lock()  # guards _sampler, _busy, _closing: a worker may hold the sampler
+        self._busy = False
+        self._closing = False
+        check_gbnf(gbnf, limits)  # before the engine's recursive parser sees it
         self.gbnf = gbnf
+        self.step_budget_s = step_budget_s
         self._sampler = llama_cpp.llama_sampler_init_grammar(tokenizer.vocab, gbnf.encode("utf-8"),
                                                              root.encode("utf-8"))
         if not self._sampler:
@@ -43,22 +73,47 @@ class Grammar:
         self._data["id"] = np.arange(tokenizer.n_vocab, dtype=np.int32)
 
     @classmethod
-    def for_json(cls, tokenizer: Tokenizer) -> "Grammar":
+    def for_json(cls, tokenizer: Tokenizer, **kwargs) -> "Grammar":
         """Any JSON object (OpenAI's ``{"type": "json_object"}``)."""
         from llama_cpp.llama_grammar import JSON_GBNF
 
-        return cls(tokenizer, JSON_GBNF)
+        return cls(tokenizer, JSON_GBNF, **kwargs)
 
     @classmethod
-    def for_json_schema(cls, tokenizer: Tokenizer, schema: dict) -> "Grammar":
-        """JSON that validates against ``schema`` (the subset llama.cpp's converter supports)."""
+    def for_json_schema(cls, tokenizer: Tokenizer, schema: dict, *, limits: GrammarLimits = LIMITS,
+                        **kwargs) -> "Grammar":
+        """JSON that validates against ``schema`` (the subset llama.cpp's converter supports); a
+        schema beyond ``limits`` is a GrammarLimitError, before the converter sees it."""
         from llama_cpp.llama_grammar import LlamaGrammar
 
+        check_schema(schema, limits)
         try:
             gbnf = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)._grammar
         except Exception as e:  # noqa: BLE001 - the converter raises what it likes on schemas it cannot take
-            raise GrammarError(f"cannot turn this JSON schema into a grammar: {e}") from None
-        return cls(tokenizer, gbnf)
+            message = "it nests too deeply" if isinstance(e, RecursionError) else e
+            raise GrammarError(f"cannot turn this JSON schema into a grammar: {message}") from None
+        return cls(tokenizer, gbnf, limits=limits, **kwargs)
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` (which masks and advances this grammar) in a grammar worker thread, off
+        the caller's event loop, within ``step_budget_s`` of its start: GrammarBudgetError past it.
+        The thread cannot be stopped; it finishes alone, and ``close`` frees the engine's state
+        only once it has."""
+        return await off_loop(lambda: self._holding(fn, *args), self.step_budget_s,
+                              "masking the logits by the grammar for one step")
+
+    def _holding(self, fn: Callable[..., T], *args) -> T:
+        with self._lock:
+            if self._sampler is None or self._closing:
+                raise GrammarError("the grammar was closed")
+            self._busy = True
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._closing:
+                    self._free()
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (one row) with every token the grammar forbids next at -inf."""
@@ -94,9 +149,84 @@ class Grammar:
         self._llama_cpp.llama_sampler_accept(self._sampler, int(token))
 
     def close(self) -> None:
+        """Free the engine's state now, or, while a worker is using it, as soon as it is done."""
+        with self._lock:
+            self._closing = True
+            if not self._busy:
+                self._free()
+
+    def _free(self) -> None:
         if self._sampler:
             self._llama_cpp.llama_sampler_free(self._sampler)
             self._sampler = None
 
     def __del__(self) -> None:
-        self.close()
+        if getattr(self, "_lock", None) is not None:
+            self.close()
+
+
+async def build_grammar(tokenizer: Tokenizer, schema: dict | None, *, budget_s: float = BUILD_BUDGET_S,
+                        step_budget_s: float = STEP_BUDGET_S, limits: GrammarLimits = LIMITS) -> Grammar:
+    """The grammar for ``schema`` ({}: any JSON object), converted and parsed in a grammar worker
+    thread within ``budget_s`` of its start (GrammarBudgetError past it, and the grammar, once the
+    thread has made it, is freed)."""
+    def build() -> Grammar:
+        if not schema:
+            return Grammar.for_json(tokenizer, step_budget_s=step_budget_s, limits=limits)
+        return Grammar.for_json_schema(tokenizer, schema, step_budget_s=step_budget_s, limits=limits)
+
+    return await off_loop(build, budget_s, "building the grammar for this schema", discard=Grammar.close)
+
+
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="grammar")
+        return _workers
+
+
+async def off_loop(fn: Callable[[], T], budget_s: float, what: str,
+                   discard: Callable[[T], None] | None = None) -> T:
+    """``fn()`` in a grammar worker thread, its event loop free meanwhile. The budget counts from
+    when a worker starts it (a wait for a free worker is bounded by the request's own deadline,
+    not by this): past it, GrammarBudgetError, at once (the thread cannot be stopped: what ``fn``
+    returns later goes to ``discard``), or when it returns having taken longer. Cancelling the
+    caller leaves a started call to finish alone likewise."""
+    loop = asyncio.get_running_loop()
+    started = loop.create_future()
+    given_up = threading.Event()
+
+    def work() -> tuple[T, float]:
+        began = time.monotonic()
+        loop.call_soon_threadsafe(lambda: started.done() or started.set_result(began))
+        result = fn()
+        if given_up.is_set() and discard is not None:
+            discard(result)
+        return result, time.monotonic() - began
+
+    future = asyncio.wrap_future(_executor().submit(work))
+    over = GrammarBudgetError(f"{what} took longer than its budget of {budget_s:g} s; use a simpler schema")
+    try:
+        await asyncio.wait([started, future], return_when=asyncio.FIRST_COMPLETED)
+        if not future.done():
+            remaining = budget_s - (time.monotonic() - started.result())
+            await asyncio.wait_for(asyncio.shield(future), max(0.0, remaining))
+        result, took = future.result()
+    except asyncio.TimeoutError:
+        raise over from None
+    finally:
+        if not future.done():
+            given_up.set()
+            future.cancel()  # (a call not yet started never starts; a started one runs to its end)
+        if not started.done():
+            started.cancel()
+    if took > budget_s:
+        if discard is not None:
+            discard(result)
+        raise over
+    return result

@@ -48,6 +48,7 @@ def http_error_body(status: int, message: str, code: str | None = None) -> bytes
 def from_exception(error: BaseException) -> ApiError:
     """A failure while generating → the error the client gets. The trunk link failing or the
     admission bound timing out mean the swarm cannot take the request now: 503."""
+    from kernels.grammar import GrammarError
     from swarmctl.asker.head_tail import BusyError
     from swarmctl.asker.link import SwarmError
 
@@ -60,8 +61,23 @@ def from_exception(error: BaseException) -> ApiError:
         return ApiError(503, message, type="server_error", code="swarm_busy")
     if isinstance(error, (SwarmError, ConnectionError, OSError)):
         return unavailable(f"the swarm is unavailable: {message}")
+    if isinstance(error, GrammarError) and grammar_error_code(error) is not None:
+        # structured output too costly (a step past its time budget): the schema's doing, not the server's
+        return bad_request(message, code=grammar_error_code(error))
     if isinstance(error, ModelFileError):  # e.g. a model without a chat template
         return bad_request(message)
     if isinstance(error, EngineError):
         return ApiError(500, message, type="server_error")
     return ApiError(500, f"internal error ({type(error).__name__})", type="server_error")
+
+
+def grammar_error_code(error: Exception) -> str | None:
+    """The code of a structured-output refusal (kernels/grammar.py): a schema beyond the limits,
+    or grammar work past its time budget; None for others."""
+    from kernels.grammar import GrammarBudgetError, GrammarLimitError
+
+    if isinstance(error, GrammarLimitError):
+        return "schema_too_complex"
+    if isinstance(error, GrammarBudgetError):
+        return "grammar_budget_exceeded"
+    return None

@@ -129,7 +129,8 @@ class Responder:
 
     def _headers(self, headers: dict[str, str]) -> dict[str, str]:
         # Said on HTTP/1.1 too (aiohttp leaves it implicit): clients and tests can see the choice.
-        return {**headers, "Connection": "keep-alive" if self.keep_alive else "close", "Server": SERVER_HEADER}
+        return {"X-Content-Type-Options": "nosniff", **headers,
+                "Connection": "keep-alive" if self.keep_alive else "close", "Server": SERVER_HEADER}
 
     def _start(self, response: web.StreamResponse) -> web.StreamResponse:
         if self.started:
@@ -429,7 +430,8 @@ class _Exchange:
 
 def json_response(status: int, body: bytes, headers: dict[str, str], keep_alive: bool) -> web.Response:
     response = web.Response(status=status, body=body, headers={
-        "Content-Type": "application/json", **headers, "Server": SERVER_HEADER,
+        "Content-Type": "application/json", "X-Content-Type-Options": "nosniff", **headers,
+        "Server": SERVER_HEADER,
         "Connection": "keep-alive" if keep_alive else "close"})
     if not keep_alive:
         response.force_close()

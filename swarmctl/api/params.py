@@ -12,9 +12,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kernels.grammar_limits import GrammarLimitError, check_schema
 from kernels.sampling import SamplingParams
 from swarmctl.api.errors import bad_request
-from swarmctl.api.tools import Tool, ToolChoice, call_text, parse_tool_choice, parse_tools
+from swarmctl.api.tools import Tool, ToolChoice, call_text, check_tool_schemas, parse_tool_choice, parse_tools
 
 DEFAULT_SAMPLING = SamplingParams(temperature=0.2, top_k=40, top_p=0.9)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
@@ -123,6 +124,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     choice = parse_tool_choice(body, tools)
     if choice.mode in ("required", "function") and params.json_schema is not None:
         raise bad_request("a required tool call and response_format cannot both shape the answer", "tool_choice")
+    check_tool_schemas(tools, choice)
     return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), params, tools, choice)
 
 
@@ -206,6 +208,11 @@ def _response_format(body: dict[str, Any]) -> dict | None:
         if not isinstance(schema, dict):
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               "response_format")
+        try:
+            check_schema(schema)  # kernels/grammar_limits.py: what llama.cpp's grammar engine can take safely
+        except GrammarLimitError as e:
+            raise bad_request(f"response_format.json_schema.schema: {e}", "response_format",
+                              code="schema_too_complex") from None
         return schema
     raise bad_request("'response_format.type' must be text, json_object or json_schema", "response_format")
 

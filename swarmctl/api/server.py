@@ -18,13 +18,14 @@ import socket
 import ssl
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from importlib import resources
 from typing import Awaitable, Callable, Sequence
 
 from kernels.errors import ModelFileError
-from kernels.grammar import Grammar, GrammarError
-from swarmctl.api import sse
-from swarmctl.api.errors import ApiError, bad_request, context_exceeded, from_exception, http_error_body
+from kernels.grammar import BUILD_BUDGET_S, STEP_BUDGET_S, Grammar, GrammarError, build_grammar
+from swarmctl.api import browser, sse
+from swarmctl.api.browser import HostPolicy, check_browser, check_json_body
+from swarmctl.api.errors import (ApiError, bad_request, context_exceeded, from_exception, grammar_error_code,
+                                 http_error_body)
 from swarmctl.api.generation import TextGeneration, TextRequest
 from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
@@ -51,6 +52,9 @@ class ApiSettings:
     ui: bool = False  # the web page at / (serve --ui; on by default for loopback)
     nodes: Callable[[], dict[str, str]] | None = None  # what each node holds (the page's swarm view)
     wire_dtype: str = "f32"  # how activations leave this asker (the page's swarm view)
+    hosts: HostPolicy | None = HostPolicy()  # Host and Origin checks (swarmctl/api/browser.py); None: none
+    grammar_build_s: float = BUILD_BUDGET_S  # structured output: time to build a request's grammar
+    grammar_step_s: float = STEP_BUDGET_S  # and to mask and advance it for one step (kernels/grammar.py)
 
 
 class ApiServer:
@@ -82,9 +86,10 @@ class ApiServer:
                                   port=port, sock=sock, tls=tls, limits=limits)
 
     def check_head(self, request: Request) -> Refusal | None:
-        """Before the body is read: a request without the key is refused on its head alone, so a
-        stranger cannot make this server buffer bodies."""
-        return check_key(request, self.api_key)
+        """Before the body is read: a request from another web page or by a name this server does
+        not answer for, without the key, or with a body that is not JSON is refused on its head
+        alone, so a stranger cannot make this server buffer bodies."""
+        return check_head(request, self.api_key, self.settings.hosts)
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """The HTTP handler: route, answer, and turn any failure into OpenAI's error shape."""
@@ -128,8 +133,8 @@ class ApiServer:
     async def _root(self, request: Request, responder: Responder, request_id: str) -> None:
         """The web page for a browser (with --ui), else what this server is, as JSON."""
         if self.settings.ui and request.path == "/" and "text/html" in request.headers.get("accept", ""):
-            page = resources.files("swarmctl.api").joinpath("ui/index.html").read_bytes()
-            await responder.send(200, page, "text/html; charset=utf-8", headers={"x-request-id": request_id})
+            page, headers = browser.page()
+            await responder.send(200, page, "text/html; charset=utf-8", headers={**headers, "x-request-id": request_id})
             return
         endpoints = [f"{method} {path}" for path, (method, _) in self.routes.items() if path.startswith("/v1/")]
         await _send_json(responder, describe_server(self.model_id, endpoints), request_id)
@@ -157,7 +162,7 @@ class ApiServer:
         from jinja2 import TemplateError
 
         tokenizer = self.asker.tokenizer
-        params, tools, shown = chat.params, (), None
+        params, tools, shown, schema_param = chat.params, (), None, "response_format"
         native = bool(chat.tools) and tokenizer.knows_tools  # a template that renders tools itself
         messages = [m.as_template_input(native) for m in chat.messages]
         if chat.tools and chat.tool_choice.mode != "none":  # swarmctl/api/tools.py
@@ -172,11 +177,13 @@ class ApiServer:
                     messages.insert(0, {"role": "system", "content": told})
             if chat.tool_choice.mode in ("required", "function"):
                 params = replace(params, json_schema=call_schema(tools, chat.tool_choice))
+                schema_param = "tools"
         try:
             prompt = tokenizer.encode_chat(messages, shown)
         except (TemplateError, ModelFileError) as e:
             raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
-        await self._generate(Envelope(chat=True, model=self.model_id), prompt, params, responder, request_id, tools)
+        await self._generate(Envelope(chat=True, model=self.model_id), prompt, params, responder, request_id, tools,
+                             schema_param)
 
     async def _completions(self, request: Request, responder: Responder, request_id: str) -> None:
         completion = parse_completion(parse_json(request.body))
@@ -194,7 +201,8 @@ class ApiServer:
     # --- generation ---
 
     async def _generate(self, envelope: Envelope, prompt: Sequence[int], params: GenerationParams,
-                        responder: Responder, request_id: str, tools: tuple[Tool, ...] = ()) -> None:
+                        responder: Responder, request_id: str, tools: tuple[Tool, ...] = (),
+                        schema_param: str = "response_format") -> None:
         context = self.asker.max_context
         if params.max_tokens_param is not None and params.max_tokens is not None and params.max_tokens > context:
             # As OpenAI: a limit no request could reach is refused, naming the most there is.
@@ -208,8 +216,9 @@ class ApiServer:
                                    f"{len(prompt)}, which leaves no room for the completion.")
         # Like llama.cpp's server (and `swarmctl ask`), a completion that reaches the end of the
         # context stops there with finish_reason "length" rather than being refused up front.
+        grammar = await self._grammar(params, schema_param)
         request = TextRequest(prompt, max_tokens=params.max_tokens or context, sampling=params.sampling,
-                              stops=params.stop, logprobs=params.logprobs, grammar=self._grammar(params))
+                              stops=params.stop, logprobs=params.logprobs, grammar=grammar)
         generation = TextGeneration(self.asker, self.trunk, request, timeout=self.request_timeout,
                                     speculation=self.drafting.for_request())
         try:
@@ -230,17 +239,17 @@ class ApiServer:
             await generation.aclose()
             await self._write_trace(request_id, generation)
 
-    def _grammar(self, params: GenerationParams) -> Grammar | None:
-        """response_format as a grammar for this request (kernels/grammar.py); a schema llama.cpp's
-        converter cannot take is a 400."""
+    async def _grammar(self, params: GenerationParams, param: str) -> Grammar | None:
+        """response_format (or a required call's schema) as a grammar for this request, built in
+        a worker thread within its budget (kernels/grammar.py); a schema beyond the limits, one
+        llama.cpp's converter cannot take, or one too costly to build is a 400."""
         if params.json_schema is None:
             return None
         try:
-            if not params.json_schema:
-                return Grammar.for_json(self.asker.tokenizer)
-            return Grammar.for_json_schema(self.asker.tokenizer, params.json_schema)
+            return await build_grammar(self.asker.tokenizer, params.json_schema, budget_s=self.settings.grammar_build_s,
+                                       step_budget_s=self.settings.grammar_step_s)
         except GrammarError as e:
-            raise bad_request(str(e), "response_format") from None
+            raise bad_request(str(e), param, code=grammar_error_code(e)) from None
 
     def _logprobs(self, envelope: Envelope, generation: TextGeneration, offset: int = 0) -> dict:
         """The log-probabilities of the tokens whose text has gone out since the last call, in the
@@ -345,12 +354,29 @@ def check_key(request: Request, api_key: str | None) -> Refusal | None:
     try:
         authorize(request, api_key)
     except ApiError as error:
-        request_id = "req_" + secrets.token_hex(12)
-        log.warning("%s %s %s -> %d %s", request_id, request.method, request.path, error.status, error.message)
         # (a browser asks its user for the key: any user name, the key as password)
-        return Refusal(error.status, error.encode(), {"x-request-id": request_id,
-                                                      "WWW-Authenticate": 'Basic realm="swarmctl serve"'})
+        return _refusal(request, error, {"WWW-Authenticate": 'Basic realm="swarmctl serve"'})
     return None
+
+
+def check_head(request: Request, api_key: str | None, hosts: HostPolicy | None, *,
+               bodies: bool = True) -> Refusal | None:
+    """`serve`'s whole gate: a web page of another origin or a Host it does not answer for
+    (swarmctl/api/browser.py), then the key, then (``bodies``) a body not declared JSON."""
+    error = check_browser(request, hosts)
+    if error is not None:
+        return _refusal(request, error)
+    refusal = check_key(request, api_key)
+    if refusal is not None or not bodies:
+        return refusal
+    error = check_json_body(request)
+    return _refusal(request, error) if error is not None else None
+
+
+def _refusal(request: Request, error: ApiError, headers: dict[str, str] | None = None) -> Refusal:
+    request_id = "req_" + secrets.token_hex(12)
+    log.warning("%s %s %s -> %d %s", request_id, request.method, request.path[:200], error.status, error.message)
+    return Refusal(error.status, error.encode(), {"x-request-id": request_id, **(headers or {})})
 
 
 def _drop_tracebacks(error: BaseException) -> None:

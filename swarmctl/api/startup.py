@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 
+from swarmctl.api.browser import HostPolicy
 from swarmctl.api.errors import ApiError
 from swarmctl.api.http import Refusal, Request, Responder
-from swarmctl.api.server import ApiServer, check_key
+from swarmctl.api.server import ApiServer, check_head
 
 log = logging.getLogger("swarmctl.serve")
 
@@ -24,8 +25,10 @@ RETRY_AFTER_S = 2  # what a client polling during start-up is told to wait betwe
 class StartingServer:
     """The HTTP handler and gate of `serve`: 503 + Retry-After until ``ready`` hands it the API."""
 
-    def __init__(self, api_key: str | None) -> None:
+    def __init__(self, api_key: str | None, hosts: HostPolicy | None = None) -> None:
+        """``hosts``: the Host and Origin checks (swarmctl/api/browser.py; None: none)."""
         self.api_key = api_key or None
+        self.hosts = hosts
         self.api: ApiServer | None = None
 
     def ready(self, api: ApiServer) -> None:
@@ -34,7 +37,7 @@ class StartingServer:
     def check_head(self, request: Request) -> Refusal | None:
         if self.api is not None:
             return self.api.check_head(request)
-        return check_key(request, self.api_key)
+        return check_head(request, self.api_key, self.hosts, bodies=False)  # (bodies are not read: 503 to all)
 
     async def handle(self, request: Request, responder: Responder) -> None:
         if self.api is not None:

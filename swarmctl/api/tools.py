@@ -19,6 +19,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from kernels.grammar_limits import GrammarLimitError, check_schema
 from swarmctl.api.errors import bad_request
 
 MAX_TOOLS = 64
@@ -88,6 +89,22 @@ def parse_tool_choice(body: dict[str, Any], tools: tuple[Tool, ...]) -> ToolChoi
     if name not in {t.name for t in tools}:
         raise bad_request(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
     return ToolChoice("function", name)
+
+
+def check_tool_schemas(tools: tuple[Tool, ...], choice: ToolChoice) -> None:
+    """A required call is constrained by the grammar of its tools' schemas: each must be within
+    what llama.cpp's grammar engine can take safely (kernels/grammar_limits.py), a 400 naming the
+    tool and the limit otherwise. (With ``auto`` the schemas only go into the prompt.)"""
+    if choice.mode not in ("required", "function"):
+        return
+    for i, tool in enumerate(tools):
+        if choice.mode == "function" and tool.name != choice.name:
+            continue
+        try:
+            check_schema(tool.parameters)
+        except GrammarLimitError as e:
+            raise bad_request(f"tools.[{i}].function.parameters: {e}", f"tools.[{i}]",
+                              code="schema_too_complex") from None
 
 
 def tool_prompt(tools: tuple[Tool, ...], choice: ToolChoice) -> str:

@@ -242,6 +242,18 @@ class GrammarRows:
         return len(self.rows)
 
 
+def choose_constrained(grammar: Grammar, sample: Sampler, rows: np.ndarray, checked: Draft) -> tuple[list[int], int]:
+    """``accept`` with only what the grammar allows, and the grammar advanced by the tokens
+    chosen (run in a grammar worker thread: ``Grammar.run``)."""
+    if sample.params.greedy and not checked.tokens and (best := grammar.best_allowed(rows[0])) is not None:
+        # (the likeliest allowed among the likeliest few is the constrained argmax: no mask needed)
+        grammar.accept(best)
+        return [best], 0
+    tokens, kept = accept(sample, GrammarRows(grammar, rows, checked.tokens), checked)
+    grammar.accept(tokens[-1])
+    return tokens, kept
+
+
 @dataclass
 class _Window:
     """A step out: its lead (the last chosen token, a prompt's last chunk, or, for a window in
@@ -405,14 +417,8 @@ class Asker:
                 rows = logits[len(logits) - len(window.draft.tokens) - 1:]  # row j: what follows the j-th last position
                 if grammar is None:
                     tokens, kept = accept(sample, rows, checked, choose_last=following is None)
-                elif sample.params.greedy and not checked.tokens and (best := grammar.best_allowed(rows[0])) is not None:
-                    # (the likeliest allowed among the likeliest few is the constrained argmax: no mask needed)
-                    tokens, kept = [best], 0
-                    grammar.accept(best)
-                else:
-                    constrained = GrammarRows(grammar, rows, checked.tokens)
-                    tokens, kept = accept(sample, constrained, checked)
-                    grammar.accept(tokens[-1])
+                else:  # in a grammar worker, within its time budget: a full mask can take long (kernels/grammar.py)
+                    tokens, kept = await grammar.run(choose_constrained, grammar, sample, rows, checked)
                 chain_holds = following is not None and kept == len(checked.tokens)
                 timing.done = time.perf_counter()
                 timing.sample_s = timing.done - sampling_started

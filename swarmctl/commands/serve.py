@@ -15,11 +15,17 @@ $SWARMCTL_API_KEY, which keeps the key out of the process list); clients send it
 "Authorization: Bearer KEY". With --tls-cert and --tls-key (PEM files) it serves HTTPS, so the
 key and the conversation are not sent in the clear.
 
+Web pages of other origins are kept out: it answers only requests whose Host is a loopback name
+or address, the address it listens on, or a name given with --allow-host (a page that re-points
+its own name at this machine, DNS rebinding, gets 421); a browser request from another origin
+gets 403, and a POST body must be sent as Content-Type: application/json (415 otherwise).
+
 examples:
   swarmctl serve
   swarmctl serve --port 8080 --api-key "$(openssl rand -hex 16)"
   SWARMCTL_API_KEY=... swarmctl serve --host 0.0.0.0
   swarmctl serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem --api-key "$KEY"
+  swarmctl serve --host 0.0.0.0 --allow-host gpu-box.lan --api-key "$KEY"   (clients use http://gpu-box.lan:8000)
   swarmctl serve --trace traces/     (one Chrome trace-event JSON per request, for ui.perfetto.dev)
 
   python -c 'from openai import OpenAI
@@ -59,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request may take, waiting for a slot included (default 600)")
     parser.add_argument("--max-connections", type=positive_int, default=64, metavar="N",
                         help="client connections open at once (default 64; a quarter per client address until it shows the key); more are answered 503 and closed unless they carry the key")
+    parser.add_argument("--allow-host", metavar="NAME", action="append", default=[],
+                        help="a host name clients may reach this server by, besides loopback names and addresses and "
+                             "the address it listens on (repeatable; '*': any name, which lets DNS-rebinding pages "
+                             "in)")
     parser.add_argument("--tls-cert", metavar="PEM", default=None,
                         help="serve HTTPS with this certificate (chain), together with --tls-key")
     parser.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
@@ -122,6 +132,7 @@ def open_server_warning(host: str) -> str:
 
 async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str | None,
                  tls: ssl.SSLContext | None) -> int:
+    from swarmctl.api.browser import HostPolicy
     from swarmctl.api.errors import http_error_body
     from swarmctl.api.http import Limits, start_server
     from swarmctl.api.server import ApiServer, ApiSettings
@@ -139,7 +150,8 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
     for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly: the local swarm must be shut down
         loop.add_signal_handler(sig, stop.set)
     # Answer from now on: 503 with Retry-After while the model loads and the swarm comes up.
-    front = StartingServer(api_key)
+    hosts = HostPolicy(listen=args.host, names=tuple(args.allow_host))
+    front = StartingServer(api_key, hosts)
     http_server = await start_server(front.handle, error_body=http_error_body, gate=front.check_head, sock=listener,
                                      tls=tls, limits=Limits(max_connections=args.max_connections))
     host, port = listener.getsockname()[:2]
@@ -155,7 +167,7 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
             front.ready(ApiServer(session.asker, session.trunk, model_id,
                                   ApiSettings(api_key=api_key, created=int(session.model.stat().st_mtime),
                                               request_timeout=args.timeout, drafting=session.drafting,
-                                              traces=traces, nodes=session.describe_nodes,
+                                              traces=traces, nodes=session.describe_nodes, hosts=hosts,
                                               ui=is_loopback(args.host) if args.ui is None else args.ui,
                                               wire_dtype=wire.label if wire is not None else "in process")))
             print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
