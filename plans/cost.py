@@ -242,6 +242,13 @@ class CostModel:
             for m in sorted(order, key=lambda m: -self.usable[m]):  # hand out what rounding left
                 while sum(counts.values()) < self.n and counts[m] < caps[m]:
                     counts[m] += 1
+            # the floor of one layer each can hand out more than there are (one member far larger
+            # than the rest): take the surplus back from the largest counts, down to one each
+            while sum(counts.values()) > self.n:
+                m = max(order, key=lambda m: (counts[m], self.usable[m]))
+                if counts[m] <= 1:
+                    break
+                counts[m] -= 1
             return counts if sum(counts.values()) == self.n else None
         if self.c.objective == "latency":
             counts = {m: 1 for m in order}

@@ -47,7 +47,8 @@ never holds its gain for ``SUSTAIN_S``, and a plan in use that has not stood ``S
 left for a link either, so flapping claims cause at most one re-plan per settle period.
 
 Members that come and go are damped too (``Backoff``): a member that rejoins within ``SETTLE_S`` of
-leaving is left out of plans for ``REJOIN_HOLD_S`` before it is planned in again, and a member whose
+leaving a second time in a row (the first, a restart after a crash, costs nothing) is left out of
+plans for ``REJOIN_HOLD_S`` before it is planned in again, and a member whose
 stage missed its deadline to be ready (``ready_deadline_s``; a staged plan's, or the plan in use's)
 is left out for ``MISSED_HOLD_S``; each again within ``FORGET_S`` doubles its wait, up to
 ``HOLD_MAX_S``. A member the others cannot do without is planned whatever its wait (the host's
@@ -166,14 +167,17 @@ class Backoff:
     first_s: float
     max_s: float = HOLD_MAX_S
     forget_s: float = FORGET_S
+    free: int = 0  # strikes in a row that cost nothing (a member restarted once after a crash is honest)
     strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member → (strikes in a row, the last's)
 
     def strike(self, member: str, now: float) -> float:
-        """A strike against ``member`` now: how long it is left out."""
+        """A strike against ``member`` now: how long it is left out (0: not at all)."""
         count, last = self.strikes.get(member, (0, -math.inf))
         count = 1 if now - last > self.forget_s else count + 1
         self.strikes[member] = (count, now)
-        return min(self.max_s, self.first_s * 2.0 ** min(count - 1, 40))
+        if count <= self.free:
+            return 0.0
+        return min(self.max_s, self.first_s * 2.0 ** min(count - 1 - self.free, 40))
 
     def count(self, member: str) -> int:
         return self.strikes.get(member, (0, 0.0))[0]

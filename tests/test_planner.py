@@ -47,6 +47,17 @@ def test_llama_3_70b_on_four_heterogeneous_nodes():
     assert gpu.stop - gpu.start == max(s.stop - s.start for s in latency.stages)  # the fast node takes most
 
 
+def test_even_plans_when_one_member_claims_far_more_memory_than_the_rest():
+    """Every member gets at least one layer, so one huge memory claim used to hand out more layers
+    than there are and leave no plan at all: anyone registering 100 TB broke an "even" swarm."""
+    layout = layout_by_name("llama-3-70b-q4_k_m")
+    nodes = friends() + [NodeDescriptor("huge", int(1e14), 2.0)]
+    p = plan_layers(layout, nodes, Constraints(objective="even"))
+    assert p.stages[0].start == 4 and p.stages[-1].stop == 76 and len(p.stages) == 5
+    assert all(s.stop - s.start >= 1 for s in p.stages)
+    assert max(p.stages, key=lambda s: s.stop - s.start).member == "huge"
+
+
 def test_a_swarm_too_small_says_how_much_memory_is_missing():
     layout = layout_by_name("llama-3-70b-q4_k_m")
     nodes = friends()[1:3]  # 16 + 12 GB
@@ -517,3 +528,4 @@ def test_the_search_is_exact_with_members_keeping_experts_in_ram():
         with_ram += any(s.ram_used for s in plan.stages)
         assert plan.ms_per_token == pytest.approx(best, rel=1e-9), (layout, nodes)
     assert with_ram >= 100
+

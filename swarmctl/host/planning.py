@@ -89,7 +89,7 @@ class PlanKeeper:
         self._ready_by: float | None = None  # when the first of them is due
         # Members left out for a while: one whose stage missed its deadline, one that rejoined right
         # after leaving; each again waits longer (plans/hysteresis.py Backoff).
-        self.missed, self.flapped = Backoff(MISSED_HOLD_S), Backoff(REJOIN_HOLD_S)
+        self.missed, self.flapped = Backoff(MISSED_HOLD_S), Backoff(REJOIN_HOLD_S, free=1)
         self.holds: dict[str, Hold] = {}
         self.left_at: dict[str, float] = {}  # member → when its registration ended (the keeper's clock)
         self._timer: asyncio.TimerHandle | None = None  # the deadlines' and holds' (``tick``)
@@ -513,7 +513,9 @@ class PlanKeeper:
                 log.warning("trunk %s registered again while it waits (%s): %.0f s of its wait left", name, hold.why,
                             hold.until - now)
             elif left is not None and now - left < self.gate.settle_s:
-                self._hold(name, f"rejoined {now - left:.0f} s after leaving", self.flapped.strike(name, now), False)
+                wait = self.flapped.strike(name, now)  # (the first quick return is free: a restart)
+                if wait > 0:
+                    self._hold(name, f"rejoined {now - left:.0f} s after leaving", wait, False)
         self.rebase(name)
         self.replan(also_send_to=name)
 
