@@ -135,11 +135,16 @@ class Speed(Message, tag="speed"):
     prompt_ms_per_layer_row: MsPerLayer | None = None  # measured afresh with it (None: no news)
 
 
+# chunk ids ("tensor:index") a fetch asks for in one batch (swarmctl/distribution.py)
+ChunkIds = Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=4096)]
+
+
 class FetchSlice(Message, tag="fetch_slice"):
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
     start: Layer
     stop: Layer
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
+    want: ChunkIds | None = None  # None: manifest and all chunks not in have; []: manifest alone; else those
 
 
 class FetchAskerPart(Message, tag="fetch_asker_part"):
@@ -148,6 +153,7 @@ class FetchAskerPart(Message, tag="fetch_asker_part"):
     senders: ClassVar[tuple[str, ...]] = ("asker", "trunk", "host")
     head_layers: Layer
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
+    want: ChunkIds | None = None  # as FetchSlice's
 
 
 class Unanswered(Message, tag="unanswered"):

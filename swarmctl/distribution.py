@@ -1,27 +1,37 @@
-"""Slice distribution: a member that lacks the model receives exactly the tensors it runs from a
-member that has them, over the swarm's QUIC links, and keeps them on disk as a GGUF of its own:
-a trunk its layers, an asker with no model file its part (the embedding, its head and tail layers,
-the output norm and LM head, the whole metadata with the tokenizer).
+"""Slice distribution: a member that lacks the model receives exactly the tensors it runs from the
+host and, at the same time, from a web mirror of the model's files if the host names one
+(``swarmctl init --model-url``), and keeps them on disk as a GGUF of its own: a trunk its layers,
+an asker with no model file its part (the embedding, its head and tail layers, the output norm and
+LM head, the whole metadata with the tokenizer).
 
-    trunk → host   {"type": "fetch_slice", "start", "stop", "have": ["3:0", ...]}
-    asker → host   {"type": "fetch_asker_part", "head_layers", "have": [...]}
-    host  → member {"type": "manifest", ...}   the file's metadata section, tensor directory and
-                                               the SHA-256 of every 1 MiB chunk of every tensor
-                   DATA frames: tensor:u32 offset:u64 bytes   (1 MiB chunks not in "have")
-                   {"type": "done"}                       then the stream ends
+    trunk → host   {"type": "fetch_slice", "start", "stop", "have": [...], "want": []}
+    asker → host   {"type": "fetch_asker_part", "head_layers", "have": [...], "want": []}
+    host  → member {"type": "manifest", ...}   the file's metadata section, tensor directory, the
+                                               SHA-256 of every 1 MiB chunk of every tensor, and
+                                               for a mirror its URL and each tensor's file and offset
+                   {"type": "done"}            then the stream ends
+    member → host  the same with "want": ["3:0", "3:1", ...]   (a batch of chunk ids, one stream each)
+    host  → member DATA frames: tensor:u32 offset:u64 bytes, then {"type": "done"}
+    member → mirror  GET FILE with Range: bytes=a-b for each run of adjacent chunks → 206
+
+(Without "want", as members before batches asked, the host sends the manifest and every chunk not
+in "have" on one stream.) Which source fetches which chunk is swarmctl/fetch_plan.py's: each pulls
+the next batch when it is free, a source that sends a wrong chunk or fails three batches in a row
+is dropped for the fetch, and at the end an idle source may duplicate a chunk a slow one still has.
 
 The member writes the GGUF header once (``*.gguf.part``), checks each chunk against its hash
-before it places it at its offset (a wrong chunk ends the fetch: ``WrongChunk``), and appends the
-chunk's id to ``*.part.progress``: an interrupted fetch resumes by telling the host what it already
-has. When every chunk is there, each tensor (and each of a slice's layers, against the plan's
-hash) is checked again, and only then is the file renamed into place. A node that already has the
-file uses it.
+before it places it at its offset (a wrong chunk drops its sender: ``WrongChunk``), and appends the
+chunk's id to ``*.part.progress``: an interrupted fetch resumes by asking only for what it lacks.
+When every chunk is there, each tensor (and each of a slice's layers, against the plan's hash) is
+checked again, and only then is the file renamed into place. A node that already has the file
+uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import os
@@ -38,6 +48,7 @@ from kernels.gguf_file import DEFAULT_ALIGNMENT, HASH_CHUNK, GGUFFile, encode_kv
 from kernels.spec import ModelSpec, layer_of
 from net import messages as m
 from net.protocol import SwarmProtocol
+from swarmctl.fetch_plan import FetchPlan
 from net.wire import MAX_MANIFEST_BYTES, FrameType, WireError, encode_frame
 
 log = logging.getLogger("swarmctl.distribution")
@@ -54,6 +65,8 @@ class TensorEntry:
     ggml_type: int
     n_bytes: int
     chunks: list[str]  # SHA-256 of each CHUNK of its bytes, from the host's hashes
+    file: str = ""  # the name of the model's file (part) that holds it, for a mirror ("": unknown)
+    offset: int = -1  # where its bytes start in that file
 
     @property
     def hash(self) -> str:
@@ -75,6 +88,7 @@ class SliceManifest:
     kv: bytes  # the GGUF metadata section of the file to write
     alignment: int
     tensors: list[TensorEntry]
+    mirror: str = ""  # a folder URL serving the model's files with Range requests ("": none)
 
     @property
     def n_bytes(self) -> int:
@@ -90,12 +104,13 @@ class SliceManifest:
     def to_dict(self) -> dict:
         return {"model_hash": self.model_hash, "kind": self.kind, "start": self.start, "stop": self.stop,
                 "n_kv": self.n_kv, "kv": base64.b64encode(self.kv).decode(), "alignment": self.alignment,
-                "tensors": [asdict(t) for t in self.tensors]}
+                "tensors": [asdict(t) for t in self.tensors], "mirror": self.mirror}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SliceManifest":
         tensors = [TensorEntry(str(t["name"]), [int(x) for x in t["shape"]], int(t["ggml_type"]), int(t["n_bytes"]),
-                               [str(h) for h in t["chunks"]]) for t in d["tensors"]]
+                               [str(h) for h in t["chunks"]], str(t.get("file", "")), int(t.get("offset", -1)))
+                   for t in d["tensors"]]
         for t in tensors:
             if t.n_bytes < 0 or len(t.chunks) != -(-t.n_bytes // CHUNK):
                 raise ValueError(f"tensor {t.name}: {len(t.chunks)} chunk hashes for {t.n_bytes} bytes")
@@ -105,8 +120,16 @@ class SliceManifest:
         alignment = int(d["alignment"])
         if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
             raise ValueError(f"alignment {alignment}")
+        mirror = str(d.get("mirror", ""))
+        if mirror and not mirror.startswith(("http://", "https://")):
+            raise ValueError(f"mirror {mirror!r} is not an HTTP(S) URL")
         return cls(str(d["model_hash"]), kind, int(d["start"]), int(d["stop"]), int(d["n_kv"]),
-                   base64.b64decode(d["kv"], validate=True), alignment, tensors)
+                   base64.b64decode(d["kv"], validate=True), alignment, tensors, mirror)
+
+    def chunk_sizes(self) -> dict[str, int]:
+        """Every chunk's id ("tensor:index") and size, in the order the slice's file holds them."""
+        return {f"{i}:{j}": min(CHUNK, t.n_bytes - j * CHUNK)
+                for i, t in enumerate(self.tensors) for j in range(-(-t.n_bytes // CHUNK))}
 
 
 # --- the side that fetches ---
@@ -199,7 +222,7 @@ def _trunk_keeps(key: str) -> bool:
 
 
 def build_manifest(gguf: GGUFFile, start: int, stop: int, model_hash: str,
-                   chunk_hashes: Mapping[str, list[str]] | None = None) -> SliceManifest:
+                   chunk_hashes: Mapping[str, list[str]] | None = None, mirror: str = "") -> SliceManifest:
     """Layers [start, stop) for a trunk. ``chunk_hashes``: the host's (read now where not given)."""
     spec = ModelSpec.from_gguf(gguf)
     if not 0 <= start < stop <= spec.n_layer:
@@ -214,7 +237,7 @@ def build_manifest(gguf: GGUFFile, start: int, stop: int, model_hash: str,
     names = [n for n in gguf.tensors if (il := layer_of(n)) is not None and start <= il < stop]
     names.sort(key=lambda n: (layer_of(n), n))
     return SliceManifest(model_hash, "layers", start, stop, n_kv + len(extra) + 1, kv, _alignment(gguf),
-                         _entries(gguf, names, chunk_hashes))
+                         _entries(gguf, names, chunk_hashes), mirror)
 
 
 def asker_tensor_names(gguf: GGUFFile, head_layers: int) -> list[str]:
@@ -228,13 +251,13 @@ def asker_tensor_names(gguf: GGUFFile, head_layers: int) -> list[str]:
 
 
 def build_asker_manifest(gguf: GGUFFile, head_layers: int, model_hash: str,
-                         chunk_hashes: Mapping[str, list[str]] | None = None) -> SliceManifest:
+                         chunk_hashes: Mapping[str, list[str]] | None = None, mirror: str = "") -> SliceManifest:
     spec = ModelSpec.from_gguf(gguf)
     if not 0 <= head_layers <= spec.n_layer // 2:
         raise EngineError(f"{head_layers} head layers do not fit the model's {spec.n_layer}")
     n_kv, kv = gguf.raw_metadata()
     return SliceManifest(model_hash, "asker", head_layers, head_layers, n_kv, kv, _alignment(gguf),
-                         _entries(gguf, asker_tensor_names(gguf, head_layers), chunk_hashes))
+                         _entries(gguf, asker_tensor_names(gguf, head_layers), chunk_hashes), mirror)
 
 
 def _alignment(gguf: GGUFFile) -> int:
@@ -244,92 +267,313 @@ def _alignment(gguf: GGUFFile) -> int:
 def _entries(gguf: GGUFFile, names: list[str], chunk_hashes: Mapping[str, list[str]] | None) -> list[TensorEntry]:
     known = chunk_hashes or {}
     return [TensorEntry(n, list(gguf.tensors[n].shape), gguf.tensors[n].ggml_type, gguf.tensors[n].n_bytes,
-                        list(known[n]) if n in known else gguf.chunk_hashes(n)) for n in names]
+                        list(known[n]) if n in known else gguf.chunk_hashes(n),
+                        gguf.parts[gguf.tensors[n].part].name, gguf.tensors[n].offset) for n in names]
+
+
+def parse_chunk_ids(manifest: SliceManifest, ids: list[str]) -> list[tuple[int, int]]:
+    """(tensor, chunk index) of each id ("tensor:index"); ValueError for one the slice does not have."""
+    out = []
+    for chunk_id in ids:
+        i, _, j = chunk_id.partition(":")
+        tensor, index = int(i), int(j)
+        if not 0 <= tensor < len(manifest.tensors) or not 0 <= index * CHUNK < manifest.tensors[tensor].n_bytes:
+            raise ValueError(f"no chunk {chunk_id!r} in {manifest.describe()}")
+        out.append((tensor, index))
+    return out
 
 
 async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manifest: SliceManifest,
-                      have: set[str]) -> int:
-    """Send the manifest, then every chunk not in ``have``; returns the bytes sent."""
-    conn.send(stream_id, m.encode(m.Manifest(manifest=manifest.to_dict())))
+                      have: set[str], want: list[tuple[int, int]] | None = None) -> int:
+    """What a fetch asked for: ``want`` None, the manifest and every chunk not in ``have`` (members
+    before batched fetching); ``want`` [], the manifest alone; else just those chunks. Then
+    ``done``. Returns the bytes sent."""
+    if not want:
+        conn.send(stream_id, m.encode(m.Manifest(manifest=manifest.to_dict())))
+    if want is None:
+        want = [(i, j) for i, entry in enumerate(manifest.tensors) for j in range(-(-entry.n_bytes // CHUNK))
+                if f"{i}:{j}" not in have]
     sent = 0
-    for i, entry in enumerate(manifest.tensors):
-        data = gguf.tensor_bytes(gguf.tensors[entry.name])
-        for j in range(-(-entry.n_bytes // CHUNK)):
-            if f"{i}:{j}" in have:
-                continue
-            piece = bytes(data[j * CHUNK:(j + 1) * CHUNK])
-            conn.send(stream_id, encode_frame(FrameType.DATA, CHUNK_HEADER.pack(i, j * CHUNK) + piece))
-            sent += len(piece)
-            await conn.drain(stream_id, SEND_BACKLOG)
-            if not conn.is_open:
-                return sent
+    for i, j in want:
+        data = gguf.tensor_bytes(gguf.tensors[manifest.tensors[i].name])
+        piece = bytes(data[j * CHUNK:(j + 1) * CHUNK])
+        conn.send(stream_id, encode_frame(FrameType.DATA, CHUNK_HEADER.pack(i, j * CHUNK) + piece))
+        sent += len(piece)
+        await conn.drain(stream_id, SEND_BACKLOG)
+        if not conn.is_open:
+            return sent
     conn.send(stream_id, m.encode(m.Done(bytes=sent)), end=True)
     return sent
 
 
-async def fetch_slice(conn: SwarmProtocol, frames: asyncio.Queue, stream_id: int, folder: Path, *, model_hash: str,
-                      start: int, stop: int, layer_hashes: list[str],
+# --- fetching from several sources at once (which chunk from whom: swarmctl/fetch_plan.py) ---
+
+HOST_BATCH = 16  # chunks per request to the host: 16 MiB, then the next batch is asked for
+MIRROR_BATCH = 64  # chunks per batch from a mirror, one Range request per run of adjacent chunks
+MIRROR_TIMEOUT = 30.0  # seconds a mirror may take to connect or between bytes
+MIRROR_GAP = 64 * 1024  # bytes between two tensors in a file that one Range request reads over
+
+
+class SourceGone(Exception):
+    """A source that cannot serve this fetch (a mirror that answers anything but the range asked
+    for): dropped at once, the fetch goes on from the others."""
+
+
+OpenStream = Callable[[], "tuple[int, asyncio.Queue]"]
+
+
+class HostSource:
+    """The host, over the member's connection: one stream per request, which the host ends."""
+
+    name = "host"
+    batch = HOST_BATCH
+
+    def __init__(self, conn: SwarmProtocol, open_stream: OpenStream, close_stream: Callable[[int], None],
+                 request: Callable[[list[str], list[str] | None], m.Message], timeout: float = 60.0) -> None:
+        self.conn = conn
+        self.open_stream = open_stream
+        self.close_stream = close_stream
+        self.request = request  # (have, want) → the message
+        self.timeout = timeout
+
+    async def manifest(self, have: list[str]) -> SliceManifest:
+        stream_id, frames = self.open_stream()
+        try:
+            self.conn.send(stream_id, m.encode(self.request(have, [])), end=True)
+            first = await asyncio.wait_for(frames.get(), self.timeout)
+            if first.type != FrameType.CONTROL:
+                raise WireError("no manifest")
+            manifest = SliceManifest.from_dict(m.decode(first.body, m.Manifest, MAX_MANIFEST_BYTES).manifest)
+            await asyncio.wait_for(frames.get(), self.timeout)  # its "done": the stream ends on both sides
+            return manifest
+        finally:
+            self.close_stream(stream_id)
+
+    async def fetch(self, ids: list[str]):
+        """Yields (chunk id, bytes) for what the host sends of ``ids``."""
+        stream_id, frames = self.open_stream()
+        try:
+            self.conn.send(stream_id, m.encode(self.request([], ids)), end=True)
+            while True:
+                frame = await asyncio.wait_for(frames.get(), self.timeout)
+                if frame.type == FrameType.CONTROL:
+                    try:
+                        m.decode(frame.body, m.Done)
+                    except (m.Refused, WireError) as e:
+                        raise ConnectionError(str(e)) from None
+                    return
+                if frame.type != FrameType.DATA or len(frame.body) < CHUNK_HEADER.size:
+                    raise WrongChunk("the host sent something that is not a data chunk")
+                tensor, offset = CHUNK_HEADER.unpack_from(frame.body)
+                if offset % CHUNK:
+                    raise WrongChunk(f"the host sent a chunk at offset {offset}, not a chunk boundary")
+                yield f"{tensor}:{offset // CHUNK}", frame.body[CHUNK_HEADER.size:]
+        finally:
+            self.close_stream(stream_id)
+
+
+class MirrorSource:
+    """A web server holding the model's files (``manifest.mirror``): one GET with ``Range`` per run
+    of adjacent chunks of a tensor. Anything but a 206 with the Content-Range asked for ends it
+    (SourceGone)."""
+
+    name = "mirror"
+    batch = MIRROR_BATCH
+
+    def __init__(self, manifest: SliceManifest, session, timeout: float = MIRROR_TIMEOUT) -> None:
+        self.manifest = manifest
+        self.session = session  # aiohttp.ClientSession
+        self.timeout = timeout
+
+    def _runs(self, ids: list[str]) -> list[tuple[str, int, int, list[tuple[str, int, int]]]]:
+        """One Range request per run of chunks adjacent in a file (tensors are, but for alignment
+        padding of at most MIRROR_GAP bytes, read and skipped): (file, first byte, last byte,
+        [(chunk id, its offset in the file, its size)])."""
+        runs: list[tuple[str, int, int, list[tuple[str, int, int]]]] = []
+        for tensor, index in parse_chunk_ids(self.manifest, ids):
+            entry = self.manifest.tensors[tensor]
+            if not entry.file or entry.offset < 0:
+                raise SourceGone(f"the host did not say which file holds {entry.name}")
+            at, size = entry.offset + index * CHUNK, min(CHUNK, entry.n_bytes - index * CHUNK)
+            if runs and runs[-1][0] == entry.file and 0 <= at - runs[-1][2] - 1 <= MIRROR_GAP:
+                file, first, _, chunks = runs[-1]
+                runs[-1] = (file, first, at + size - 1, chunks + [(f"{tensor}:{index}", at, size)])
+            else:
+                runs.append((entry.file, at, at + size - 1, [(f"{tensor}:{index}", at, size)]))
+        return runs
+
+    async def fetch(self, ids: list[str]):
+        import aiohttp
+        from urllib.parse import quote
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+        for file, a, b, chunks in self._runs(ids):
+            url = f"{self.manifest.mirror.rstrip('/')}/{quote(file)}"
+            try:
+                async with self.session.get(url, headers={"Range": f"bytes={a}-{b}"}, timeout=timeout) as resp:
+                    if resp.status != 206:
+                        why = " (it ignores Range and would send the whole file)" if resp.status == 200 else ""
+                        raise SourceGone(f"{url} answered {resp.status} {resp.reason or ''}".rstrip() + why)
+                    got = resp.headers.get("Content-Range", "")
+                    if not _content_range_matches(got, a, b):
+                        raise SourceGone(f"{url} answered Content-Range {got!r} to bytes={a}-{b}")
+                    position = a
+                    for chunk_id, at, size in chunks:
+                        if at > position:
+                            await resp.content.readexactly(at - position)  # alignment padding
+                        yield chunk_id, await resp.content.readexactly(size)
+                        position = at + size
+            except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError, OSError) as e:
+                what = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+                raise SourceGone(f"{url}: {what}") from None
+
+
+def _content_range_matches(header: str, a: int, b: int) -> bool:
+    unit, _, rest = header.strip().partition(" ")
+    span, _, size = rest.partition("/")
+    return unit == "bytes" and span == f"{a}-{b}" and (size == "*" or size.isdigit())
+
+
+async def fetch_slice(conn: SwarmProtocol, open_stream: OpenStream, close_stream: Callable[[int], None],
+                      folder: Path, *, model_hash: str, start: int, stop: int, layer_hashes: list[str],
                       on_progress: Callable[[int, int], None] | None = None,
                       stop_after_bytes: int | None = None) -> tuple[Path, int]:
-    """Fetch layers [start, stop) over ``conn``; frames for ``stream_id`` arrive on ``frames``.
-    Returns the slice file and the bytes received. ``stop_after_bytes`` simulates a crash
-    (for the resume test): the process exits abruptly once that many bytes are in."""
+    """Fetch layers [start, stop) from the host over ``conn`` (each request on a stream from
+    ``open_stream``, whose frames arrive on its queue) and from the manifest's mirror, if any.
+    Returns the slice file and the bytes received. ``stop_after_bytes`` simulates a crash (for
+    the resume test): the process exits abruptly once that many bytes are in."""
     final = slice_path(folder, model_hash, start, stop)
-    return await _fetch(conn, frames, stream_id, final, lambda have: m.FetchSlice(start=start, stop=stop, have=have),
-                        f"layers [{start}, {stop})", model_hash, layer_hashes, on_progress, stop_after_bytes)
+    host = HostSource(conn, open_stream, close_stream,
+                      lambda have, want: m.FetchSlice(start=start, stop=stop, have=have, want=want))
+    return await fetch_file(host, final, f"layers [{start}, {stop})", model_hash, layer_hashes, on_progress,
+                            stop_after_bytes)
 
 
-async def fetch_asker_part(conn: SwarmProtocol, frames: asyncio.Queue, stream_id: int, folder: Path, *,
-                           model_hash: str, head_layers: int,
+async def fetch_asker_part(conn: SwarmProtocol, open_stream: OpenStream, close_stream: Callable[[int], None],
+                           folder: Path, *, model_hash: str, head_layers: int,
                            on_progress: Callable[[int, int], None] | None = None) -> tuple[Path, int]:
     """Fetch what an asker keeping ``head_layers`` at each end runs (``build_asker_manifest``)."""
     final = asker_part_path(folder, model_hash, head_layers)
-    return await _fetch(conn, frames, stream_id, final,
-                        lambda have: m.FetchAskerPart(head_layers=head_layers, have=have),
-                        "the asker's part of the model", model_hash, [], on_progress, None)
+    host = HostSource(conn, open_stream, close_stream,
+                      lambda have, want: m.FetchAskerPart(head_layers=head_layers, have=have, want=want))
+    return await fetch_file(host, final, "the asker's part of the model", model_hash, [], on_progress, None)
 
 
-async def _fetch(conn: SwarmProtocol, frames: asyncio.Queue, stream_id: int, final: Path,
-                 request: Callable[[list[str]], m.Message], what: str, model_hash: str, layer_hashes: list[str],
-                 on_progress: Callable[[int, int], None] | None, stop_after_bytes: int | None) -> tuple[Path, int]:
+async def fetch_file(host, final: Path, what: str, model_hash: str, layer_hashes: list[str],
+                     on_progress: Callable[[int, int], None] | None = None,
+                     stop_after_bytes: int | None = None, mirror_timeout: float = MIRROR_TIMEOUT) -> tuple[Path, int]:
+    """The manifest from ``host``, then the chunks not yet on disk from the host and the manifest's
+    mirror at once; the file once all are there and checked."""
     if final.exists():
         return final, 0
-    part = final.with_suffix(".gguf.part")
-    progress = final.with_suffix(".part.progress")
+    part, progress = final.with_suffix(".gguf.part"), final.with_suffix(".part.progress")
     have = sorted(set(progress.read_text().split())) if part.exists() and progress.exists() else []
-    conn.send(stream_id, m.encode(request(have)))
-    first = await asyncio.wait_for(frames.get(), 60)
     try:
-        if first.type != FrameType.CONTROL:
-            raise WireError("no manifest")
-        manifest = SliceManifest.from_dict(m.decode(first.body, m.Manifest, MAX_MANIFEST_BYTES).manifest)
-    except (m.Refused, WireError, KeyError, TypeError, ValueError) as e:
-        raise EngineError(f"cannot fetch {what}: {e}") from None
+        manifest = await host.manifest(have)
+    except (m.Refused, WireError, KeyError, TypeError, ValueError, ConnectionError, asyncio.TimeoutError) as e:
+        raise EngineError(f"cannot fetch {what}: {e or type(e).__name__}") from None
     if manifest.model_hash != model_hash:
         raise EngineError(f"the host offered {what} of a different model")
     out = SliceFile(final, manifest)
-    total, last_report = manifest.n_bytes, 0.0
-    while True:
-        frame = await asyncio.wait_for(frames.get(), 60)
-        if frame.type == FrameType.CONTROL:
-            try:
-                m.decode(frame.body, m.Done)
-                break
-            except (m.Refused, WireError) as e:
-                raise EngineError(f"fetching {what} failed: {e}") from None
-        if frame.type != FrameType.DATA or len(frame.body) < CHUNK_HEADER.size:
-            raise EngineError(f"fetching {what}: the host sent something that is not a data chunk")
-        tensor, offset = CHUNK_HEADER.unpack_from(frame.body)
-        out.write(tensor, offset, frame.body[CHUNK_HEADER.size:])
-        have_bytes = sum(_chunk_len(manifest, c) for c in out.done)
-        if on_progress is not None and (time.monotonic() - last_report > 0.5 or have_bytes == total):
+    if not manifest.mirror:
+        plan = await _pull(out, [host], what, on_progress, stop_after_bytes)
+    else:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            plan = await _pull(out, [MirrorSource(manifest, session, mirror_timeout), host], what, on_progress,
+                               stop_after_bytes)
+    if not out.complete:
+        reasons = "; ".join(f"{s.name}: {s.dropped}" for s in plan.sources.values() if s.dropped)
+        raise EngineError(f"fetching {what} ended with chunks missing ({reasons or 'no source had them'})")
+    _log_shares(plan, what)
+    return out.finish(layer_hashes), out.received
+
+
+async def _pull(out: SliceFile, sources: list, what: str, on_progress: Callable[[int, int], None] | None,
+                stop_after_bytes: int | None) -> FetchPlan:
+    """Every source pulls batches from one FetchPlan until no chunk is left (or no source can give
+    what is). The first source listed asks first: a mirror, whose uplink is not the swarm's."""
+    sizes = {c: n for c, n in out.manifest.chunk_sizes().items() if c not in out.done}
+    plan = FetchPlan(sizes)
+    for source in sources:
+        plan.add_source(source.name)
+    total = out.manifest.n_bytes
+    already = total - sum(sizes.values())
+    changed = asyncio.Event()
+    last_report = [0.0]
+
+    def arrived(source, chunk: str, data: bytes) -> None:
+        tensor, index = (int(x) for x in chunk.split(":"))
+        _write(out, tensor, index * CHUNK, data, what)
+        plan.delivered(source.name, chunk)
+        have_bytes = already + sum(plan.shares().values())
+        if on_progress is not None and (time.monotonic() - last_report[0] > 0.5 or have_bytes == total):
             on_progress(have_bytes, total)
-            last_report = time.monotonic()
+            last_report[0] = time.monotonic()
         if stop_after_bytes is not None and out.received >= stop_after_bytes:
             os._exit(3)  # a crash mid-transfer, for the resume test: no cleanup, no goodbye
-    if not out.complete:
-        raise EngineError(f"fetching {what} ended with chunks missing")
-    return out.finish(layer_hashes), out.received
+
+    async def pull(source) -> None:
+        state = plan.sources[source.name]
+        while not plan.finished and not state.dropped:
+            batch = plan.next_batch(source.name, source.batch)
+            if not batch:
+                if not any(s.out for s in plan.sources.values()):
+                    return  # nothing out anywhere: nothing will come back to take
+                changed.clear()
+                await changed.wait()
+                continue
+            try:
+                async with contextlib.aclosing(source.fetch(batch)) as chunks:
+                    async for chunk, data in chunks:
+                        if plan.wanted(source.name, chunk):
+                            arrived(source, chunk, data)
+                plan.batch_ended(source.name)
+            except WrongChunk as e:
+                plan.wrong(source.name, str(e))
+                log.warning("fetching %s: the %s sent a wrong chunk (%s); not used again for this fetch",
+                            what, source.name, e)
+            except SourceGone as e:
+                plan.drop(source.name, str(e))
+                log.warning("fetching %s: not using the %s for this fetch: %s", what, source.name, e)
+            except (ConnectionError, asyncio.TimeoutError, WireError, ValueError) as e:
+                if plan.failed(source.name, f"{e or type(e).__name__}"):
+                    log.warning("fetching %s: not using the %s for this fetch: %s", what, source.name,
+                                state.dropped)
+            finally:
+                changed.set()
+
+    tasks = [asyncio.ensure_future(pull(source)) for source in sources]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return plan
+
+
+def _write(out: SliceFile, tensor: int, offset: int, data: bytes, what: str) -> None:
+    """A checked chunk onto disk; a full disk (any write error) ends the fetch in one line,
+    keeping what was written for the next try."""
+    try:
+        out.write(tensor, offset, data)
+    except WrongChunk:
+        raise
+    except OSError as e:
+        kept = sum(_chunk_len(out.manifest, c) for c in out.done)
+        raise EngineError(f"cannot write {what} to {out.part.parent}: {e.strerror or e}; the {kept / 1e6:.1f} MB "
+                          f"already written are kept and the next fetch resumes from there") from None
+
+
+def _log_shares(plan: FetchPlan, what: str) -> None:
+    """One line: which share of the bytes came from which source."""
+    shares = plan.shares()
+    total = sum(shares.values())
+    if total:
+        log.info("fetched %s (%.1f MB): %s", what, total / 1e6, "; ".join(
+            f"{100 * n / total:.0f}% from the {name}" for name, n in sorted(shares.items(), key=lambda kv: -kv[1])))
 
 
 def _chunk_len(manifest: SliceManifest, chunk_id: str) -> int:

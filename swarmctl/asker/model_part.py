@@ -43,6 +43,9 @@ class _FetchStreams:
         self.queues[stream_id] = asyncio.Queue()
         return stream_id, self.queues[stream_id]
 
+    def close(self, stream_id: int) -> None:
+        self.queues.pop(stream_id, None)
+
     def connection_made(self, conn: SwarmProtocol) -> None:
         pass
 
@@ -81,15 +84,15 @@ async def asker_part(home: SwarmHome, plan: Plan) -> Path:
     except NoAddressAnswered as e:
         raise EngineError(f"no model file here, and the host cannot be reached to fetch this asker's part: {e}") \
             from None
-    stream_id, frames = handler.open(conn)
 
     def progress(have: int, total: int) -> None:
         log.info("fetching the asker's part of %s: %.1f / %.1f MB (%.0f%%)", plan.model_name, have / 1e6,
                  total / 1e6, 100 * have / max(total, 1))
 
     try:
-        path, received = await fetch_asker_part(conn, frames, stream_id, folder, model_hash=plan.model_hash,
-                                                 head_layers=plan.head_layers, on_progress=progress)
+        path, received = await fetch_asker_part(conn, lambda: handler.open(conn), handler.close, folder,
+                                                 model_hash=plan.model_hash, head_layers=plan.head_layers,
+                                                 on_progress=progress)
     finally:
         await close(conn)
     if received:

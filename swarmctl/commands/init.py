@@ -3,6 +3,8 @@
 examples:
   swarmctl init --name host --listen 0.0.0.0:7470
   swarmctl init --advertise 192.168.1.20:7470 --model ~/models/llama-3-70b.Q4_K_M.gguf
+  swarmctl init --model ~/models/Kimi-K2-UD-IQ2_XXS-00001-of-00006.gguf \
+      --model-url https://huggingface.co/unsloth/Kimi-K2-Instruct-GGUF/resolve/main/UD-IQ2_XXS/
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import socket
 
 from net.endpoint import Address
 from plans import options
-from swarmctl.home import DEFAULT_PORT, SwarmHome
+from swarmctl.home import DEFAULT_PORT, HomeError, SwarmHome
 from swarmctl.membership import create_swarm
 from swarmctl.models import checked_model
 
@@ -25,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise", action="append", metavar="HOST:PORT",
                         help="address members use to reach the host (repeatable; default: this machine's)")
     parser.add_argument("--model", metavar="PATH", help="the GGUF the swarm runs (default: the bundled SmolLM2)")
+    parser.add_argument("--model-url", metavar="URL", default="",
+                        help="a folder URL where the model's files (every part, named as here) are served by a "
+                             "server that answers Range requests, e.g. a Hugging Face resolve/main/ folder: "
+                             "members fetch from it and the host at once")
     options.add_arguments(parser)  # the planner's (plans/options.py)
 
 
@@ -46,10 +52,13 @@ def run(args: argparse.Namespace) -> int:
     advertise = [str(Address.parse(a, default_port=listen.port)) for a in args.advertise] if args.advertise \
         else _default_advertise(listen)
     model = str(checked_model(args.model).resolve()) if args.model else None  # fails now, not at 'run'
+    if args.model_url and not args.model_url.startswith(("http://", "https://")):
+        raise HomeError(f"--model-url {args.model_url!r} is not an http:// or https:// URL")
     home = SwarmHome()
     config = create_swarm(home, swarm_name=args.swarm, host_name=args.name, listen=str(listen),
                           advertise=advertise, model=model, head_layers=args.head_layers)
     options.PlannerSettings(**options.given(args)).into_config(config)
+    config.model_url = args.model_url
     home.save_config(config)
     print(f"created swarm '{config.swarm_name}' in {home.path}")
     print(f"host: {config.name}, reachable at {', '.join(config.host_addresses)} (UDP)")

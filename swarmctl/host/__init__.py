@@ -21,7 +21,8 @@ Control messages (JSON frames, one request per stream unless noted):
                                                        returning a wrong result → ok (counted, shown in status;
                                                        attributed: found stage by stage, see service.py)
     watch_plan  {}                                     asker → plan now, and every new plan after
-    fetch_slice {start, stop, have}                    a trunk without the model → manifest, data
+    fetch_slice {start, stop, have, want}              a trunk without the model → manifest ("want": []),
+                                                       or the chunks "want" names, then done
     nodes       {}                                     anyone → the planner's view of the members
     ready       {plan_version}                         trunk loaded its layers → ok
     refuse      {reason}                               trunk cannot serve (e.g. model mismatch) → ok

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import logging
 import time
+from typing import Callable
 
 from cryptography import x509
 
@@ -26,7 +27,7 @@ from plans.hysteresis import CONVERGE_FACTOR, SERVED_REPORTS, SPEED_FACTOR, serv
 from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
-from swarmctl.distribution import build_asker_manifest, build_manifest, serve_slice
+from swarmctl.distribution import SliceManifest, build_asker_manifest, build_manifest, parse_chunk_ids, serve_slice
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, accounts, admit
 from swarmctl.models import resolve_model
@@ -61,7 +62,8 @@ class HostService:
                     model_hash=self.hashes.model_hash,
                     objective=self.config.objective, n_expert=spec.n_expert)
         self.trunks: Trunks = {}
-        self._sending_parts: set[str] = set()  # members an asker's part is being sent to
+        self._sending_to: dict[str, asyncio.Lock] = {}  # one stream of chunks per member at a time
+        self._manifests: dict[tuple[str, int, int], SliceManifest] = {}  # (kind, start, stop) → built once
         self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks,
                                    stage_requests=self._stage_requests)
         self.checks = ClaimChecks(self.gguf, self.planning)
@@ -383,37 +385,59 @@ class HostService:
         if not lo <= start < stop <= hi:
             self._error(conn, stream_id, f"layers [{start}, {stop}) are not trunk layers [{lo}, {hi})")
             return
-        manifest = build_manifest(self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks)
-        have = set(message.have)
-        log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name, len(have))
-        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, have))
+        manifest = self._manifest(("layers", start, stop), lambda: build_manifest(
+            self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks, self.config.model_url))
+        if message.want is None or message.want == []:
+            log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name,
+                     len(message.have))
+        self._start_sending(conn, stream_id, manifest, message.have, message.want)
 
     def _fetch_asker_part(self, conn: SwarmProtocol, stream_id: int, message: m.FetchAskerPart) -> None:
         """An asker with no model file: what it runs, with the plan's head layers (no others). One
-        such transfer per member at a time: the host's uplink is everyone's."""
+        stream of chunks per member at a time (the host's uplink is everyone's); a member's next
+        batch waits for its last."""
         if message.head_layers != self.plan.head_layers:
             self._error(conn, stream_id, f"this swarm's askers keep {self.plan.head_layers} layers at each end, "
                                          f"not {message.head_layers}")
             return
-        if conn.peer_name in self._sending_parts:
-            self._error(conn, stream_id, "a transfer of the asker's part to this member is already under way")
-            return
-        manifest = build_asker_manifest(self.gguf, message.head_layers, self.plan.model_hash, self.hashes.chunks)
-        log.info("sending the asker's part (%.1f MB) to %s (%d chunks already there)", manifest.n_bytes / 1e6,
-                 conn.peer_name, len(message.have))
-        self._sending_parts.add(conn.peer_name)
-        task = asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(message.have)))
-        task.add_done_callback(lambda _: self._sending_parts.discard(conn.peer_name))
+        manifest = self._manifest(("asker", message.head_layers, message.head_layers), lambda: build_asker_manifest(
+            self.gguf, message.head_layers, self.plan.model_hash, self.hashes.chunks, self.config.model_url))
+        if message.want is None or message.want == []:
+            log.info("sending the asker's part (%.1f MB) to %s (%d chunks already there)", manifest.n_bytes / 1e6,
+                     conn.peer_name, len(message.have))
+        self._start_sending(conn, stream_id, manifest, message.have, message.want)
 
-    async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest, have: set[str]) -> None:
+    def _manifest(self, key: tuple[str, int, int], build: Callable[[], SliceManifest]) -> SliceManifest:
+        """A slice's manifest, built once (each batch of a fetch names its chunks by it)."""
+        if key not in self._manifests:
+            self._manifests[key] = build()
+        return self._manifests[key]
+
+    def _start_sending(self, conn: SwarmProtocol, stream_id: int, manifest: SliceManifest, have: list[str],
+                       want: list[str] | None) -> None:
         try:
-            sent = await serve_slice(conn, stream_id, self.gguf, manifest, have)
+            chunks = None if want is None else parse_chunk_ids(manifest, want)
+        except ValueError as e:
+            self._error(conn, stream_id, str(e))
+            return
+        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(have), chunks))
+
+    async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest: SliceManifest, have: set[str],
+                          want: list[tuple[int, int]] | None) -> None:
+        lock = self._sending_to.setdefault(conn.peer_name, asyncio.Lock())
+        try:
+            if want == []:  # the manifest alone: no need to wait
+                sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
+            else:
+                async with lock:
+                    sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
         except ConnectionError:
             return
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None:
             trunk.served_bytes += sent
-        log.info("sent %.1f MB of %s to %s", sent / 1e6, manifest.describe(), conn.peer_name)
+        if want is None:
+            log.info("sent %.1f MB of %s to %s", sent / 1e6, manifest.describe(), conn.peer_name)
 
     # --- anyone ---
 

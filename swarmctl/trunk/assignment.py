@@ -324,18 +324,14 @@ class Assignment:
 
         if not self._host.is_open:
             raise EngineError("no model file and no host to fetch layers from")
-        stream_id, frames = self._host.open_fetch()
         crash_after = os.environ.get("SWARMCTL_TEST_FETCH_CRASH_AFTER")  # fault injection for the resume test
-        try:
-            path, received = await fetch_slice(
-                self._host.conn, frames, stream_id, self.slices_dir, model_hash=plan.model_hash,
-                start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
-                on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
-                                                         stage.start, stage.stop, have / 1e6, total / 1e6,
-                                                         100 * have / total),
-                stop_after_bytes=int(crash_after) if crash_after else None)
-        finally:
-            self._host.close_fetch(stream_id)
+        path, received = await fetch_slice(
+            self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
+            model_hash=plan.model_hash, start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
+            on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
+                                                     stage.start, stage.stop, have / 1e6, total / 1e6,
+                                                     100 * have / total),
+            stop_after_bytes=int(crash_after) if crash_after else None)
         self.fetched_bytes += received
         log.info("layers [%d, %d) ready in %s (%.1f MB received)", stage.start, stage.stop, path.name, received / 1e6)
         return path
