@@ -7,7 +7,8 @@ told to it, and it answers with chunk ids.
 - A source that fails a batch gives its chunks back (``failed``); three failed batches in a row,
   or one wrong chunk (``wrong``), and it is dropped for this fetch (``drop``).
 - The end game: when nothing is pending, an idle source may take one chunk that is still out with
-  another source; the first copy to arrive wins (``delivered`` says whether a copy is the first).
+  another source, the last of its batch (the one it reaches last); the first copy to arrive wins
+  (``delivered`` says whether a copy is the first).
 
 A source is known by its name; ``holds`` (None: every chunk) is what it can send, so a member that
 holds some layers can be one more source with its own set.
@@ -80,7 +81,7 @@ class FetchPlan:
         for other in self.sources.values():
             if other is state or other.dropped:
                 continue
-            for chunk in sorted(other.out, key=self.index.__getitem__):
+            for chunk in sorted(other.out, key=self.index.__getitem__, reverse=True):  # what it reaches last
                 if state.can_send(chunk) and self.holders(chunk) == [other.name]:
                     return [chunk]
         return []

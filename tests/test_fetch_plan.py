@@ -69,15 +69,15 @@ def test_the_end_game_duplicates_one_chunk_of_a_slow_source_and_the_first_copy_w
     assert plan.next_batch("fast", 2) == ["0:2"]
     plan.delivered("fast", "0:2")
     plan.batch_ended("fast")
-    assert plan.next_batch("fast", 2) == ["0:0"]  # nothing pending: one chunk still out with "slow"
-    assert plan.wanted("fast", "0:0")
-    assert plan.delivered("fast", "0:0")
-    assert not plan.wanted("slow", "0:0")  # the slow copy, when it comes, is not written
+    assert plan.next_batch("fast", 2) == ["0:1"]  # nothing pending: the chunk "slow" reaches last
+    assert plan.wanted("fast", "0:1")
+    assert plan.delivered("fast", "0:1")
+    assert not plan.wanted("slow", "0:1")  # the slow copy, when it comes, is not written
     plan.batch_ended("fast")
-    assert plan.next_batch("fast", 2) == ["0:1"]
+    assert plan.next_batch("fast", 2) == ["0:0"]
     assert plan.next_batch("slow", 2) == []  # still busy with its batch
-    plan.delivered("slow", "0:1")
-    assert not plan.wanted("fast", "0:1")
+    plan.delivered("slow", "0:0")
+    assert not plan.wanted("fast", "0:0")
     assert plan.finished and plan.shares() == {"slow": 10, "fast": 20}
 
 
