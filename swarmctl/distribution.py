@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -349,8 +350,9 @@ class HostSource:
         finally:
             self.close_stream(stream_id)
 
-    async def fetch(self, ids: list[str]):
-        """Yields (chunk id, bytes) for what the host sends of ``ids``."""
+    async def fetch(self, ids: list[str], wanted: Callable[[str], bool] = lambda chunk: True):
+        """Yields (chunk id, bytes) for what the host sends of ``ids`` (all of them: a batch is
+        small)."""
         stream_id, frames = self.open_stream()
         try:
             self.conn.send(stream_id, m.encode(self.request([], ids)), end=True)
@@ -402,7 +404,9 @@ class MirrorSource:
                 runs.append((entry.file, at, at + size - 1, [(f"{tensor}:{index}", at, size)]))
         return runs
 
-    async def fetch(self, ids: list[str]):
+    async def fetch(self, ids: list[str], wanted: Callable[[str], bool] = lambda chunk: True):
+        """Yields (chunk id, bytes) for ``ids``; stops a range early once ``wanted`` is false for
+        the rest of it."""
         import aiohttp
         from urllib.parse import quote
 
@@ -418,7 +422,9 @@ class MirrorSource:
                     if not _content_range_matches(got, a, b):
                         raise SourceGone(f"{url} answered Content-Range {got!r} to bytes={a}-{b}")
                     position = a
-                    for chunk_id, at, size in chunks:
+                    for n, (chunk_id, at, size) in enumerate(chunks):
+                        if not any(wanted(c) for c, _, _ in chunks[n:]):
+                            break  # the rest came from elsewhere (the end game): stop downloading it
                         if at > position:
                             await resp.content.readexactly(at - position)  # alignment padding
                         yield chunk_id, await resp.content.readexactly(size)
@@ -525,7 +531,8 @@ async def _pull(out: SliceFile, sources: list, what: str, on_progress: Callable[
                 await changed.wait()
                 continue
             try:
-                async with contextlib.aclosing(source.fetch(batch)) as chunks:
+                wanted = functools.partial(plan.wanted, source.name)
+                async with contextlib.aclosing(source.fetch(batch, wanted)) as chunks:
                     async for chunk, data in chunks:
                         if plan.wanted(source.name, chunk):
                             arrived(source, chunk, data)

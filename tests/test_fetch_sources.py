@@ -38,7 +38,7 @@ class LocalHost:
     async def manifest(self, have: list[str]) -> SliceManifest:
         return self.manifest_
 
-    async def fetch(self, ids: list[str]):
+    async def fetch(self, ids: list[str], wanted=None):
         self.asked += ids
         for tensor, index in parse_chunk_ids(self.manifest_, ids):
             await asyncio.sleep(0.002)  # slower than the mirror, as a home uplink is
@@ -205,3 +205,23 @@ def test_a_mirror_asks_one_range_per_run_of_chunks_adjacent_in_the_file(model):
     assert [c for run in runs for c, _, _ in run[3]] == ids[:-3] + ids[-2:]
     first = manifest.tensors[by_offset[0]]
     assert runs[0][1] == first.offset and runs[0][0] == first.file
+
+
+def test_a_mirror_stops_a_range_once_the_rest_of_it_came_from_elsewhere(model):
+    path, manifest, _ = model
+    by_offset = sorted(range(len(manifest.tensors)), key=lambda i: manifest.tensors[i].offset)
+    ids = [f"{i}:0" for i in by_offset[:6]]
+    got: list[str] = []
+
+    async def go(url: str):
+        import aiohttp
+
+        man = SliceManifest.from_dict({**manifest.to_dict(), "mirror": url})
+        async with aiohttp.ClientSession() as session:
+            source = distribution.MirrorSource(man, session)
+            assert len(source._runs(ids)) == 1  # one Range request ...
+            async for chunk, _ in source.fetch(ids, lambda c: c in ids[:2] and c not in got):
+                got.append(chunk)
+
+    asyncio.run(with_mirror(path.parent, "ok", go))
+    assert got == ids[:2]  # ... read only as far as anything in it is still wanted

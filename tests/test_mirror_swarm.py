@@ -1,6 +1,6 @@
-"""A real swarm with a web mirror of its model's parts (``swarmctl init --model-url``): an asker with
-no model file fetches its part from the mirror and the host at once, most of it from the mirror,
-and answers as llama-cpp-python on the parts. (Bad mirrors: tests/test_fetch_sources.py.)"""
+"""A real swarm with a web mirror of its model's parts (``swarmctl init --model-url``): a trunk with
+no model file fetches its slice, and an asker with none its part, from the mirror and the host at
+once, the asker's mostly from the mirror; the swarm answers as llama-cpp-python on the parts. (Bad mirrors: tests/test_fetch_sources.py.)"""
 
 from __future__ import annotations
 
@@ -61,13 +61,14 @@ class Mirror:
         self._thread.join(5)
 
 
-def shares_in(stderr: str) -> dict[str, int]:
-    line = next(ln for ln in stderr.splitlines() if "fetched the asker's part" in ln)
+def shares_in(log: str, what: str = "fetched the asker's part") -> dict[str, int]:
+    """Each source's share of the bytes, from the fetch's last line."""
+    line = next(ln for ln in log.splitlines() if what in ln)
     return {part.split(" from the ")[1].strip(): int(part.split("%")[0].strip())
             for part in line.split("MB): ", 1)[1].split("; ")}
 
 
-def test_an_asker_fetches_its_part_mostly_from_the_mirror_and_answers_the_same(tiny_model, tmp_path):
+def test_a_trunk_and_an_asker_fetch_mostly_from_the_mirror_and_the_answer_is_the_same(tiny_model, tmp_path):
     parts = write_split_copy(tiny_model("llama-q8_0"), tmp_path / "parts" / "tiny-llama.gguf", 3)
     swarm = Swarm(tmp_path / "swarm")
     with Mirror(parts[0].parent) as mirror:
@@ -76,15 +77,20 @@ def test_an_asker_fetches_its_part_mostly_from_the_mirror_and_answers_the_same(t
             swarm.start_host()
             swarm.wait_host()
             swarm.join("trunk-a", "--model", str(parts[2]))
+            swarm.join("trunk-b", "--model", str(tmp_path / "no-such-model.gguf"))
             swarm.join("asker", role="asker")
             swarm.start_trunk("trunk-a", capture=False)
             swarm.wait_complete(1)
+            trunk_b = swarm.start_trunk("trunk-b", capture=False)
+            swarm.wait_complete(2)
             question = ("ask", "--raw", "--temperature", "0", "--max-tokens", "8", "-v", PROMPT)
             first = swarmctl(swarm.homes["asker"], *question, timeout=300)
             assert first.returncode == 0, first.stderr
         finally:
             swarm.close()
     shares = shares_in(first.stderr)
+    # (the trunk's slice is a few small tensors: whichever source answers first sends most of it)
+    assert sum(shares_in(trunk_b.log(), "fetched layers").values()) in (99, 100, 101), trunk_b.log()
     assert shares.get("mirror", 0) >= 50, first.stderr
     assert mirror.requests and all(r.startswith("bytes=") for r in mirror.requests)
     part = next((swarm.homes["asker"] / "parts").glob("*-asker-1.gguf"))
