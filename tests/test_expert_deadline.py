@@ -139,6 +139,9 @@ class _Planning:
     def replan(self) -> None:
         self.replans += 1
 
+    def lost(self, name: str) -> None:  # (the host's PlanKeeper: a plan made again without it)
+        self.replan()
+
 
 def test_the_host_marks_an_unanswered_member_down_only_if_it_has_not_heard_it_either():
     """A stage's report speeds the verdict up; it does not replace it: a member the host heard

@@ -135,7 +135,7 @@ def test_recording_round_trip(tmp_path):
     again = read_recording(path)
     assert len(again) == len(polls) > 10
     assert again[-1].stats == polls[-1].stats and again[-1].status == polls[-1].status
-    assert path.stat().st_size <= FEED.stat().st_size * 1.01  # only new batches are written
+    assert path.stat().st_size <= FEED.stat().st_size * 1.05  # only new batches (the same again would double it)
 
 
 def test_a_recording_from_before_may_and_budget_replays(tmp_path):
