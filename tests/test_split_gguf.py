@@ -193,12 +193,16 @@ def test_ask_on_a_local_swarm_from_a_middle_part_answers_as_llama_cpp_on_the_par
     r = swarmctl(None, "ask", "--model", str(llama_parts[1]), "--raw", "--temperature", "0", "--max-tokens", "8",
                  "--head-layers", "1", "The capital of France is", timeout=300)
     assert r.returncode == 0, r.stderr
-    llm = make_oracle(llama_parts[0])
+    assert r.stdout == _oracle_completion(llama_parts[0], "The capital of France is", 8) + "\n"
+
+
+def _oracle_completion(model: Path, prompt: str, n: int) -> str:
+    """llama-cpp-python's greedy completion of ``prompt`` on ``model`` (a split model's first part)."""
+    llm = make_oracle(model)
     try:
-        expected = llm.create_completion("The capital of France is", max_tokens=8, temperature=0)["choices"][0]["text"]
+        return llm.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]["text"]
     finally:
         llm.close()
-    assert r.stdout == expected + "\n"
 
 
 def test_an_asker_with_no_model_file_fetches_only_its_part_of_a_split_model(llama_parts, tiny_model, tmp_path):
@@ -232,12 +236,7 @@ def test_an_asker_with_no_model_file_fetches_only_its_part_of_a_split_model(llam
                 whole.get("tokenizer.chat_template")
         received = float(first.stderr.split("MB received")[0].rsplit("(", 1)[1])
         assert abs(received * 1e6 - part_bytes) <= 0.02 * part_bytes + 0.05e6  # (rounded to 0.1 MB in the log)
-        llm = make_oracle(llama_parts[0])
-        try:
-            want = llm.create_completion("The capital of France is", max_tokens=8, temperature=0)["choices"][0]["text"]
-        finally:
-            llm.close()
-        assert first.stdout == want + "\n"
+        assert first.stdout == _oracle_completion(llama_parts[0], "The capital of France is", 8) + "\n"
         again = swarmctl(swarm.homes["asker"], *question, timeout=300)
         assert again.returncode == 0 and again.stdout == first.stdout
         assert "MB received" not in again.stderr  # kept in the home: nothing fetched
