@@ -119,12 +119,18 @@ def test_a_member_cannot_fill_a_stage_with_kv_caches(swarm):
     assert f"over budget at {first['member']}: member 'eve' would hold" in over[0] and "over its limit of" in over[0]
     eve_held = held["budget"]["members"]["eve"]
     assert eve_held["kv_bytes"] <= limits["member_kv_bytes"]
-    others = [p.message for p in answers if "over budget" not in p.message]  # (none expected: said if any)
-    assert eve_held["requests"] == limits["member_kv_bytes"] // per_request == len(ran) == n_attack - len(over), others
+    # Refusals other than the budget's: only a stage's "cannot reach the next stage" (a handshake
+    # that timed out on a loaded box, seen once in CI), a retryable one for a request that was
+    # admitted, and so still held here until the sender retries or leaves.
+    others = [p for p in answers if "over budget" not in p.message]
+    passed_on_failed = [p for p in others if p.retry and "cannot reach the next stage" in p.message]
+    assert len(passed_on_failed) == len(others), [p.message for p in others]
+    assert eve_held["requests"] == limits["member_kv_bytes"] // per_request == len(ran) + len(passed_on_failed) \
+        == n_attack - len(over)
     assert held["kv_bytes"] == held["budget"]["charged_kv_bytes"]  # the books match the engine's own figure
     # The next stage charges the same member (carried in reply_to), not the stage that forwarded it.
     assert set(later["budget"]["members"]) <= {"eve", "alice"} and "trunk-a" not in later["budget"]["members"]
-    assert later["budget"]["members"]["eve"]["requests"] == eve_held["requests"]
+    assert later["budget"]["members"]["eve"]["requests"] == len(ran)
     print(f"eve's ask: {mine.stderr.strip()}")
     assert mine.returncode != 0 and mine.stdout == ""
     assert f"the swarm refused the request: over budget at {first['member']}: member 'eve'" in mine.stderr, mine.stderr
