@@ -18,7 +18,7 @@ from . import ggml
 from .devices import Device, DeviceError
 
 # The CPU extra buffer type whose weights the engine may repack (kernels.weights, repack=True).
-# Never "AMX": llama.cpp's AMX matmul dies with SIGILL on some AMX CPUs (issue 13).
+# Never "AMX": llama.cpp's AMX matmul dies with SIGILL on some AMX CPUs.
 REPACK_BUFFER_TYPE = "CPU_REPACK"
 
 

@@ -1,4 +1,4 @@
-"""Which of a slice's weights a device with too little memory holds, by tensor kind (issue 33).
+"""Which of a slice's weights a device with too little memory holds, by tensor kind.
 
 A dense model offloads as llama.cpp's ``n_gpu_layers`` does: its first layers whole, as many as
 fit, the rest on the CPU. A mixture-of-experts model is placed the way people run DeepSeek-V3 and

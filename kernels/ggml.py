@@ -114,7 +114,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 _P = c_void_p  # any pointer: context, tensor, graph, backend, buffer
 
 # What each binding is, bound on first use: importing kernels (the host reads a GGUF's spec, the
-# planner its layout) loads no shared library; the first ggml call loads them (issue 31 item 6).
+# planner its layout) loads no shared library; the first ggml call loads them.
 _DECLARED: dict[str, tuple[str, str, object, tuple]] = {}
 
 

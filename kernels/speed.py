@@ -23,8 +23,8 @@ and back to 0.24 after). So ``measure_speed``:
    clean repeats or the ``budget_s`` is spent, and takes the best (fastest) of the clean repeats:
    interference only ever adds time, so on a loaded machine the fastest short run is the one
    nearest the machine's own speed, and it is what two probes a minute apart agree on (a median
-   or a single long run swung 20-30x from one probe to the next on a loaded 2-core machine,
-   issue 29). With no clean repeat at all it takes the fastest step and says ``contended``, and
+   or a single long run swung 20-30x from one probe to the next on a loaded 2-core machine).
+   With no clean repeat at all it takes the fastest step and says ``contended``, and
    the trunk measures again later.
 
 ``SpeedTracker`` then keeps the figure honest while the trunk serves, by the same rule: the best
@@ -321,7 +321,7 @@ class SpeedTracker:
     the best quarter (``SERVED_QUANTILE``) of the batches that had the CPU: a batch during which
     this process got too little CPU (``batch_starved``: on one machine, the asker computing its
     layers, or another trunk) is kept out, so the swarm's own load never reads as this machine's
-    slowness (issue 29: 0.41 idle against 4.51 ms per layer under load re-planned the swarm in a
+    slowness (0.41 idle against 4.51 ms per layer under load re-planned the swarm in a
     loop). The time includes the forward pass's fixed overhead spread over the layers, so it reads
     a little above the micro-benchmark; the host smooths what it hears (``plans/hysteresis.py``),
     so figures it plans with converge to what the stage serves.

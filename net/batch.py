@@ -1,4 +1,4 @@
-"""Datagrams by the batch, not one at a time (issue 32 item 1).
+"""Datagrams by the batch, not one at a time.
 
 asyncio hands a UDP protocol one datagram per socket wake-up, and aioquic answers every datagram
 with a full send pass (build what is due, ACKs, arm the timer), although an ACK is due about one

@@ -1,4 +1,4 @@
-"""One way to answer control messages: a table from message type to handler (issue 31 item 3).
+"""One way to answer control messages: a table from message type to handler.
 
 Each role (host, trunk, asker) builds one ``Dispatcher`` from its handlers; what it accepts is
 derived from that table, so a new message is one struct in net/messages.py and one entry here,

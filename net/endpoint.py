@@ -23,7 +23,7 @@ from .wire import DEFAULT_MAX_FRAME, decode_control, encode_control
 CONNECT_TIMEOUT = 10.0
 # Connections a server holds that are not (yet) a member's: handshakes in progress and joiners.
 # Each costs a QUIC connection and TLS state (200 of them added 63 MB to a host) and may buffer
-# up to ANONYMOUS_BUFFER_BUDGET; beyond this many the oldest is closed (issue 30 item 5). A
+# up to ANONYMOUS_BUFFER_BUDGET; beyond this many the oldest is closed. A
 # member's handshake takes a round trip, so a flood must open this many within it to stop one.
 MAX_ANONYMOUS_CONNECTIONS = 64
 QUIC_IDLE_TIMEOUT = "Idle timeout"  # aioquic's reason when a connection heard nothing for idle_timeout

@@ -158,7 +158,7 @@ class FetchAskerPart(Message, tag="fetch_asker_part"):
 
 class Unanswered(Message, tag="unanswered"):
     """A stage's expert call to ``member`` got no answer, nor did a ping after it: the host judges
-    the member by its own link at once, not at its next silence verdict (issue 29 item 2)."""
+    the member by its own link at once, not at its next silence verdict."""
 
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
     member: Name

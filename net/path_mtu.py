@@ -1,4 +1,4 @@
-"""The largest datagram a path carries (issue 32 item 2), found by probing as DPLPMTUD does
+"""The largest datagram a path carries, found by probing as DPLPMTUD does
 (RFC 8899): never a fixed guess where the path can say.
 
 Before a member opens a QUIC connection to another member's shared socket, it asks its kernel

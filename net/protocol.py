@@ -36,7 +36,7 @@ ANONYMOUS_BUFFER_BUDGET = 256 * 1024
 MEMBER_BUFFER_BUDGET = 256 * 1024 * 1024  # per account, over all its connections to this process
 # Every open connection of each account (a member's invite, identity.member_account), so what one
 # person makes us hold is bounded together: two connections of one member with 150 MB each held
-# 305 MB (issue 30 item 5), and four names of one invite 960 MB (issue 43).
+# 305 MB, and four names of one invite 960 MB.
 _ACCOUNT_CONNECTIONS: dict[str, weakref.WeakSet] = {}
 
 

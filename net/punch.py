@@ -13,7 +13,7 @@ our mapping, too little to reach the peer's. A router that drops unasked datagra
 would forward them (FORWARD DROP, INPUT ACCEPT: common on Linux-based home routers) takes a
 probe that arrives before its member sent anything as meant for itself, answers it and keeps a
 conntrack entry for it; that entry holds the member's public port, so the member's own datagrams
-to that peer then leave from another port and the punch fails (issue 29 item 4). While the first
+to that peer then leave from another port and the punch fails. While the first
 probes of both ends die on the way, each end's own mapping is open before the other's full probes
 arrive. An end sends full probes once it has heard the peer (its mapping is open) or the opening
 time is over. (A peer whose ticket came later than ours by more than that can still hit the

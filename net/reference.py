@@ -1,4 +1,4 @@
-"""The protocol's reference page, generated from the code that defines it (issue 31 item 3).
+"""The protocol's reference page, generated from the code that defines it.
 
 ``python -m net.reference > docs/protocol.md`` writes it: the frame and packet format from
 net/wire.py's docstring, then every control message of net/messages.py in source order, under the

@@ -4,7 +4,7 @@ A trunk's ms per layer is a measurement, and measurements wobble: the same node,
 minute later on a machine where something else woke up, reads tens of percent off, and a figure
 refreshed from the batches it serves carries the serving overhead as well. A re-plan is not free:
 every stage whose range moves drops its requests' KV caches (their askers replay them: 5-8 s under
-load, issue 29) and loads, or fetches, other layers. So the host re-plans on a new figure only when
+load) and loads, or fetches, other layers. So the host re-plans on a new figure only when
 all of these hold:
 
 1. The figure moved by at least ``SPEED_FACTOR`` (1.5×) from the one the host plans with, for a
@@ -15,7 +15,7 @@ all of these hold:
    apart, for a stage to be judged slower). A ±30% wobble of a single measurement is a ratio
    between 0.7 and 1.3, at most 1/0.7 = 1.43× either way, below 1.5×; served figures are many
    batches' best quarter, steady enough that the plan can follow them closely, so the figures
-   planned with converge to what members serve (issue 29: a stage planned with a contended
+   planned with converge to what members serve (a stage planned with a contended
    start-up 44.6 served at 38.6). A figure inside its band is not adopted at all: the planner
    keeps the old one, so a re-plan for another reason (a trunk joining or leaving) is not
    reshuffled by the wobble either.
@@ -30,7 +30,7 @@ all of these hold:
    cold and replays its requests; its figures are not yet what it serves).
 4. The host then re-plans once the stages hold no request, or after ``MAX_DEFER_S`` of a gain
    held under load: a move replays every request in flight, and a figure taken under the swarm's
-   own load is the one most likely to mislead (issue 29), so under steady load nothing moves.
+   own load is the one most likely to mislead, so under steady load nothing moves.
 
 Objective "even" places layers by memory, not speed: speed never re-plans it.
 
@@ -42,7 +42,7 @@ or changed path (direct to relayed, another relay); and the host re-plans on it 
 plan made with it beats the current assignment, under the same new links, by ``MIN_GAIN``.
 
 Links that moved go through the same ``ReplanGate`` as speeds (the host's ``consider_links``): a
-link claimed bad and good by turns (issue 43: 3 plan switches in 11 s, asks slowed to 10-12 s)
+link claimed bad and good by turns (3 plan switches in 11 s, asks slowed to 10-12 s)
 never holds its gain for ``SUSTAIN_S``, and a plan in use that has not stood ``SETTLE_S`` is not
 left for a link either, so flapping claims cause at most one re-plan per settle period.
 
@@ -80,7 +80,7 @@ SERVED_REPORTS = 3  # a member's served figure: the best of its last three serve
 MIN_GAIN = 0.10
 PAYBACK_S = 120.0  # a move has to repay what it costs within two minutes of serving
 RELOAD_MB_S = 200.0  # a stage loading layers it did not hold (read, checked against the hashes, built)
-REPLAY_S = 5.0  # the requests of a stage that changes are replayed elsewhere (issue 29: 5-8 s under load)
+REPLAY_S = 5.0  # the requests of a stage that changes are replayed elsewhere (5-8 s under load)
 SUSTAIN_S = 90.0  # a re-plan on speed: the gain held at every look for this long (3 served reports)
 SETTLE_S = 60.0  # and the plan in use has stood this long
 MAX_DEFER_S = 600.0  # the host then waits for the stages to be idle, this long at most (swarmctl/host/planning.py)

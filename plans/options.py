@@ -1,7 +1,7 @@
 """The planner's options, written once: `swarmctl init` takes them, `swarmctl plan` overrides them,
 `swarmctl config` changes them on the host, the host keeps them in its node.json (NodeConfig) and
 plans with them (Constraints). Each option's flag, default, bounds and meaning live here, and each
-of those places derives what it needs (issue 31 item 4: they were written out in each).
+of those places derives what it needs (they were written out in each).
 """
 
 from __future__ import annotations

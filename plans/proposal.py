@@ -16,7 +16,7 @@ ASKER_GB_S = 58.5  # an asker on paper: a DDR5-5600 dual-channel desktop reading
 
 @dataclass(frozen=True)
 class AskerModel:
-    """The asker as a plan charges it (issue 33 item 4): decoding reads weights, so its share of a
+    """The asker as a plan charges it: decoding reads weights, so its share of a
     token is the bytes of its head and tail layers and the LM head (the LM head's width times the
     vocabulary) at the rate it reads them: measured on a member (``from_member``: a member that
     also asks, or one like the asker's machine), or assumed."""

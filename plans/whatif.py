@@ -120,7 +120,7 @@ def bottleneck_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_e
 
 @dataclass(frozen=True)
 class WindowsInFlight:
-    """Speculative windows sent before the previous one's verdict (issue 34 item 1), as modelled
+    """Speculative windows sent before the previous one's verdict, as modelled
     here; the asker keeps up to ASKER_MAX_WINDOWS out where what it measures says they pay."""
 
     routing: str

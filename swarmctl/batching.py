@@ -8,14 +8,14 @@ decodes. A step that fails its checks fails alone; the rest of the batch runs.
 Which steps go first is fair by member (``fair_batch``), in rows as well as in steps: the member
 that has had the fewest rows computed goes first (``FairShare``: deficit round robin by rows), one
 step per turn, so a member with a hundred steps queued delays another member's step by at most one
-batch, not by its whole queue (issue 30 item 1), and a member whose steps are huge gets no more rows
+batch, not by its whole queue, and a member whose steps are huge gets no more rows
 than one whose steps are small. A step of more than ``SPLIT_ROWS`` rows (an honest asker sends
 prompt chunks of 512 rows; a member may send 4096 at once) runs in chunks, batch by batch, other
 members' steps between them; and while others wait a member's steps fill no more than an equal
 share of a batch. So a one-row step waits for at most the batch running when it came (at
 most ``max_batch_tokens`` rows, SPLIT_ROWS of them from one member's huge steps) and then runs beside
 a share of one: one member's 4096-row prefills kept another's 4-token ask at a stage for 52 s
-instead of 2.2 (issue 43), each of its steps waiting out a whole prefill.
+instead of 2.2, each of its steps waiting out a whole prefill.
 """
 
 from __future__ import annotations

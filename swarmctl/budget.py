@@ -1,4 +1,4 @@
-"""What each member may hold at one stage: requests and KV-cache bytes (issue 14, finding 5).
+"""What each member may hold at one stage: requests and KV-cache bytes.
 
 A stage keeps a KV cache per request until the request ends or idles out. Without a bound, one
 member sending prefills with fresh request ids grows the stage's memory until the machine gives
@@ -33,7 +33,7 @@ REQUESTS_PER_PLANNED = 32  # × plan_concurrent
 MIN_REQUESTS = 64
 # ... and never more than this share of the streams one connection carries: between two stages
 # every member's requests ride one connection, a stream each, so one member's held requests must
-# leave the path to the others (issue 30 item 1: 128 held requests filled aioquic's 128 streams).
+# leave the path to the others (128 held requests filled aioquic's 128 streams).
 MEMBER_SHARE_OF_STREAMS = 8  # a member may hold at most MAX_STREAMS / 8 requests at a stage
 
 

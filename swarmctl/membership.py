@@ -100,7 +100,7 @@ def admit(home: SwarmHome, *, token_id: str, secret: bytes, csr_pem: bytes, name
 
 
 def accounts(members: dict[str, MemberRecord]) -> dict[str, str]:
-    """Whose budget each member spends (issue 30 item 5): one invite is one person, however many
+    """Whose budget each member spends: one invite is one person, however many
     names they joined with, so every name of an invite is charged to the first that joined with it.
     Only the names that are charged to another are listed (the rest spend their own)."""
     first: dict[str, str] = {}

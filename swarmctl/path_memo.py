@@ -1,5 +1,5 @@
 """What the last attempts to reach each trunk found, so that a punch known to fail is not tried
-again on every ask's clock (issue 29 item 3).
+again on every ask's clock.
 
 A punch towards a member behind a symmetric NAT fails after net.punch.PUNCH_TIMEOUT (3 s), and
 only then does the member ask for a relay. Every `swarmctl ask` is a new process, so without a

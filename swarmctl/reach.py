@@ -1,5 +1,5 @@
 """How a member reaches another: one UDP socket for all its swarm connections, and the path to
-each trunk the host tells it to take (issue 17).
+each trunk the host tells it to take.
 
 A member behind a home router cannot be reached at an address it listens on. So every member
 (trunk or asker) keeps one swarm socket (``net.punch.SharedSocket``): its connection to the host
@@ -17,7 +17,7 @@ Without a host answer (an older host, the host unreachable) the member connects 
 
 What each attempt found is remembered (swarmctl/path_memo.py; an asker keeps it in its home, so
 the next `swarmctl ask` benefits): where punching to a trunk failed lately, the member asks for
-the relay at once and punches again in the background, off the ask's clock (issue 29 item 3).
+the relay at once and punches again in the background, off the ask's clock.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Memory: a GPU trunk offers its device memory less the larger of 512 MiB and 5 % 
 `swarmctl run --role trunk` offers by default); a home's RAM appears as one CPU member (a second
 swarmctl process on the home's main machine) offering what the family leaves free. In
 kimi-thirty-gpus-ram.json the same RAM is instead shared out among the home's GPU members, for the
-routed experts their cards cannot hold (issue 33 item 1: ram_gb, and ram_gb_s at 65 % of the
+routed experts their cards cannot hold (ram_gb, and ram_gb_s at 65 % of the
 RAM's bandwidth, the whole of it per member: for one stream the stages take turns).
 
 Speed: decoding is bound by memory bandwidth, so one Kimi K2 layer per token costs the bytes a

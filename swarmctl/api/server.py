@@ -69,7 +69,7 @@ class ApiServer:
         self.request_timeout = settings.request_timeout
         self.settings = settings
         self.routes: dict[str, tuple[str, Callable[[Request, Responder, str], Awaitable[None]]]] = {
-            "/": ("GET", self._root),  # what this server is (a web page will take its place: issue 35)
+            "/": ("GET", self._root),  # what this server is
             "/v1": ("GET", self._root),
             "/v1/models": ("GET", self._models),
             "/v1/swarm": ("GET", self._swarm),

@@ -466,7 +466,7 @@ class Asker:
 
     async def _more_windows(self, rid: bytes, windows: list["_Window"], context: list[int], left: int,
                             speculation: Speculation, sampling: SamplingParams, trunk: Trunk | None) -> None:
-        """Windows in flight (issue 34): while the cost model says another window pays, draft one
+        """Windows in flight: while the cost model says another window pays, draft one
         on the guess that every window out keeps all its drafts (its first token is the guess of
         what follows the last of them), and send it before their verdicts. ``left``: tokens still
         to generate."""

@@ -1,4 +1,4 @@
-"""Speculative steps on the asker (issue 18): draft a few tokens cheaply, check them all in one
+"""Speculative steps on the asker: draft a few tokens cheaply, check them all in one
 step through the swarm, keep the prefix the model agrees with.
 
 Over a WAN every token pays every link's round trip; a step that carries the last token plus k
@@ -431,7 +431,7 @@ class DraftLength:
         self.k = self.best_k()
 
     def windows(self) -> int:
-        """How many windows to keep in flight (issue 34): window n + 1 stands only if window n keeps
+        """How many windows to keep in flight: window n + 1 stands only if window n keeps
         all its drafts and the guess after them. How often a window keeps them all is measured
         (drafts are not kept independently: copied text keeps whole windows, then misses at an
         edit). The i-th extra window goes out while the chain before it stands often enough

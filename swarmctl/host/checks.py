@@ -7,15 +7,15 @@ it proves itself on a trial plan of its own first (planning.py, ``_check_trial``
 A check that could not be made (the host's own side raised: a module missing while packages were
 being reinstalled, a file it could not read) is not the trunk's failure: it is tried again, after
 ``RETRY_FIRST_S``, then twice as long each time up to ``RETRY_MAX_S``, and why it failed shows in
-``status`` and ``top`` meanwhile (issue 29: such a trunk was "checking its claims" forever).
+``status`` and ``top`` meanwhile (such a trunk was "checking its claims" forever).
 
 A refusal for a failed check ends: the member is left out for a hold (``FAILED_CHECK_HOLD_S``;
 for wrong results ``WRONG_RESULT_HOLD_S``, twice as long at each further strike within
 ``STRIKES_FORGOTTEN_S``, at most ``WRONG_RESULT_HOLD_MAX_S``), then it is checked again as at
-registration and planned as before; connected or re-registered meanwhile alike (issue 43 item 4:
+registration and planned as before; connected or re-registered meanwhile alike (
 a connected trunk used to stay refused until its owner restarted it).
 
-Wrong results (issue 43 item 4): an asker's accusation, with the evidence reports.py asks for,
+Wrong results: an asker's accusation, with the evidence reports.py asks for,
 only makes the host check the member itself, on the path askers' steps take (recheck.py): at most
 one such check at a time, and one per member per ``RECHECK_EVERY_S``. Only rows that come back
 wrong from the host's own check take a member out; askers' word alone, from any number of

@@ -465,7 +465,7 @@ class PlanKeeper:
     def _ready_overdue(self) -> None:
         """Members of the plan in use not ready by their deadline (``ready_deadline_s``): each is
         left out for a while (``missed``) if the others can serve without them, and the plan is
-        made again (issue 43: a proven member that never loaded kept a published plan incomplete
+        made again (a proven member that never loaded kept a published plan incomplete
         until it disconnected). One whose layer check is under way is given CHECKING_GRACE_S more."""
         plan, now = self.plan, self.clock()
         late, due = {}, []

@@ -1,4 +1,4 @@
-"""How often one member may make trunks punch towards it through `reach` (issue 30 item 4).
+"""How often one member may make trunks punch towards it through `reach`.
 
 A `reach` answered with a punch makes the trunk send probes to the asker (every
 net.punch.PROBE_INTERVAL for up to net.punch.PUNCH_TIMEOUT): work done on behalf of a member

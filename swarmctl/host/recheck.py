@@ -1,4 +1,4 @@
-"""The host's own re-check of a stage's results, on the path askers' steps take (issue 43 item 4).
+"""The host's own re-check of a stage's results, on the path askers' steps take.
 
 When an asker's re-check stage by stage names a stage (``bad_result``, attributed; the evidence
 rule is in reports.py), the host does not take its word: it checks the stage itself, the way the

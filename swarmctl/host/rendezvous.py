@@ -1,4 +1,4 @@
-"""The host as rendezvous: how a member reaches a trunk (issue 17, swarmctl/reach.py).
+"""The host as rendezvous: how a member reaches a trunk (swarmctl/reach.py).
 
 Every member's connection to the host leaves from its swarm socket, so the host sees each
 socket's public ip:port on the connection itself. A trunk also says where it sees that socket
@@ -7,7 +7,7 @@ connect to it unasked: the host introduces the two ends (a nonce, each one's pub
 they punch; where punching fails, the host gives the link a relay (net/turn.py) on its own
 address, through which QUIC runs end to end.
 
-Every address handed out is one the host observed (issue 30 item 4): a member's public ip:port
+Every address handed out is one the host observed: a member's public ip:port
 as it sees its connection on a validated path (trunks.observed), a trunk's stated port only at
 its observed IP, and its stated LAN address only to members behind the same public IP. Punch
 tickets, which make a trunk send probes, are rate-limited per member (reach_limit.py).

@@ -2,7 +2,7 @@
 their spot checks caught. Counted and shown in status; what the host does about a wrong result is
 HostService's and ClaimChecks' (service.py, checks.py): a check of its own, never the askers' word.
 
-Which accusations count (issue 43 item 4). An asker that re-checked its route stage by stage names
+Which accusations count. An asker that re-checked its route stage by stage names
 the stage whose own answer was wrong (``attributed``). The host counts such a report against a
 member only when
 

@@ -476,7 +476,7 @@ class HostService:
         for status only. One whose re-check stage by stage named a member counts only with the
         accused stage's own record of the accuser's re-check steps (reports.py), and then only
         makes the host check the member itself (checks.py, recheck.py): the host's own check
-        decides, never the askers' word, from however many invites (issue 43 item 4)."""
+        decides, never the askers' word, from however many invites."""
         serving = {s.member for s in self.plan.stages} | set(self.trunks)
         if not message.attributed:
             self._ok(conn, stream_id, counted=self.reports.bad_result(conn.peer_name, message, serving))

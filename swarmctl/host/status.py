@@ -80,7 +80,7 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
 
 
 def _address(src: StatusSources, name: str) -> str:
-    """A trunk's own address as the host knows it (issue 29 item 11: behind a NAT, its mapping as
+    """A trunk's own address as the host knows it (behind a NAT, its mapping as
     the host sees it, not its listen port at its router's IP, which another member behind the
     same router may hold)."""
     trunk = src.trunks[name]

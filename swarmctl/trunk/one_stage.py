@@ -1,4 +1,4 @@
-"""Who re-checked this stage alone: the stage's own record, the host's evidence (issue 43 item 4).
+"""Who re-checked this stage alone: the stage's own record, the host's evidence.
 
 An asker whose spot check caught a wrong result re-checks its route stage by stage: it sends each
 stage its clean input as a request of its own that comes back from that stage alone (ONE_STAGE
