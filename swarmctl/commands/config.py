@@ -8,11 +8,14 @@ settings:
   concurrent    requests whose KV each stage must hold at once
   max-stages    use at most N trunks at once, the others stand by (0: no limit)
   expert-nodes  mixture-of-experts models: trunks that hold the experts (0: none)
+  wire-dtype    how activations travel between machines: f32 (answers identical to one
+                machine's), f16, q8_0, or auto (f32 within a site, f16 between sites)
 
 examples:
   swarmctl config                          # show them
   swarmctl config objective throughput
   swarmctl config context 8192 concurrent 2
+  swarmctl config wire-dtype f16
 """
 
 from __future__ import annotations
