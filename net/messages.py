@@ -6,18 +6,9 @@ a field of the wrong type, or a number outside what a real machine can have (a 4
 once broke every re-plan). Handlers then dispatch on the struct's class and read attributes; no
 ``.get()`` chains, no second check.
 
-Who sends what (the host's and the trunk's handlers list the ones they answer):
-
-    member → host   join, register, ready, refuse, links, speed, fetch_slice, recovered, bad_result,
-                    watch_plan, get_plan, nodes, status, revoked, reconfigure
-    host → member   ok, error, joined, plan, status, nodes, manifest, done
-    host → trunk    prove, probe_run, probe_reveal (swarmctl/layer_proof.py)
-    trunk → host    proof, probe_done, probe_outputs
-    member → trunk  subscribe, probe, stats  → ok, error, stats
-    member → host   probe (a throughput probe of the link to the host, net/probe.py) → ok, error
-    member → host   reach (how to reach a trunk: direct, punch or relay) → route, error
-    host → trunk    punch_with, relay_end (on its plan stream: the other end of a reach)
-    host → trunk    allocate_relay (to a trunk that runs --relay) → relay_allocated, error
+Who sends which message: docs/protocol.md lists them by direction (member → host, host → trunk,
+...), generated from this module by net/reference.py; the host's and the trunk's handler tables
+say what each answers.
 
 Structs decode with msgspec (typed structs, tagged unions, validating conversion); unknown extra
 fields are ignored, so a newer member can add one without breaking an older one.

@@ -8,28 +8,8 @@
     reports.py   AskerReports: recoveries and wrong results askers report
     status.py    swarm_status: the answer to ``status``
 
-Control messages (JSON frames, one request per stream unless noted):
-
-    join        {token_id, secret, csr, name}          joiner (join ALPN) → host → joined | error
-    register    {listen, memory, ms_per_layer_token,   trunk → host; the stream stays open and
-                 device, rtt_ms}                       the host sends every new plan on it
-    links       {links: {peer: {rtt_ms, bandwidth_mb_s}}}  trunk's measured links → ok
-    speed       {ms_per_layer_token}                   a trunk's new figure (measured after a fetch or again,
-                                                       or seen while serving) → ok; re-plans if material
-    recovered   {recovery_s, replayed_bytes}           an asker rerouted a request after a failure → ok
-    bad_result  {members, plan_version, layers, ...}   an asker's spot check (--verify) caught its route
-                                                       returning a wrong result → ok (counted, shown in status;
-                                                       attributed: found stage by stage, see service.py)
-    watch_plan  {}                                     asker → plan now, and every new plan after
-    fetch_slice {start, stop, have, want}              a trunk without the model → manifest ("want": []),
-                                                       or the chunks "want" names, then done
-    nodes       {}                                     anyone → the planner's view of the members
-    ready       {plan_version}                         trunk loaded its layers → ok
-    refuse      {reason}                               trunk cannot serve (e.g. model mismatch) → ok
-    get_plan    {}                                     anyone → plan
-    status      {}                                     anyone → status
-    revoked     {}                                     the host's own CLI after 'swarmctl revoke' → ok
-    reconfigure {}                                     the host's own CLI after 'swarmctl config' → ok
+The control messages it answers are the handler table in ``HostService.__init__``; every message,
+its fields and who sends it are in docs/protocol.md, generated from net/messages.py.
 
 The host asks too (host → trunk, on new streams of the trunk's register connection): ``prove``,
 ``probe_run``, ``probe_reveal`` (swarmctl/layer_proof.py). A trunk becomes a ready stage only once
