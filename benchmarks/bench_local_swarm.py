@@ -35,6 +35,7 @@ from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate, llama_cpp_decode
 from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
+from swarmctl.asker.local_link import open_local_link  # noqa: E402
 from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
 
@@ -64,7 +65,7 @@ class Running:
         self.asker: Asker | None = None
 
     async def start(self, model: Path) -> None:
-        self.link = await self.swarm.open_link(min_stages=self.layout.trunks)
+        self.link = await open_local_link(self.swarm, min_stages=self.layout.trunks)
         self.asker = Asker(model, self.link.head_layers, n_threads=self.layout.asker_threads, max_in_flight=64)
 
     async def decode(self, prompt: list[int], n: int) -> float:

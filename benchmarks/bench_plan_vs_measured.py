@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import emit_json  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
+from swarmctl.asker.local_link import open_local_link  # noqa: E402
 from swarmctl.local_swarm import LocalSwarm  # noqa: E402
 from swarmctl.models import default_model_path  # noqa: E402
 
@@ -170,7 +171,7 @@ def prompt_parts(gen) -> dict:
 
 async def run(model: Path, tokens: int, repeats: int, threads: int, settle_s: float, long_tokens: int) -> dict:
     with LocalSwarm(model=str(model), n_trunks=2, head_layers=1, threads=threads) as swarm:
-        link = await swarm.open_link(bound=900)
+        link = await open_local_link(swarm, bound=900)
         asker = Asker(model, link.head_layers, n_threads=threads)
         try:
             prompt = asker.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])

@@ -6,10 +6,10 @@ on exit. Certificates are issued directly by the local CA (the same records an i
 would produce, without the round trip).
 
 Sizing (``size_local_swarm``): the processes share this machine's cores, so how many trunks and
-how many compute threads each follows from the cores there are. Readiness (``open_link``): the
-swarm was started here, so the asker waits for it to say it is ready (the host's ready file, then
-a complete plan over every trunk), however long a loaded machine takes, and gives up only when a
-node died or after ``READY_BOUND_S``.
+how many compute threads each follows from the cores there are. Readiness (``wait_host``, then
+swarmctl/asker/local_link.py): the swarm was started here, so the asker waits for it to say it is
+ready (the host's ready file, then a complete plan over every trunk), however long a loaded
+machine takes, and gives up only when a node died or after ``READY_BOUND_S``.
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kernels.errors import EngineError
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.membership import create_swarm, issue_direct
-
-if TYPE_CHECKING:
-    from swarmctl.asker.link import SwarmLink
 
 log = logging.getLogger("swarmctl.local")
 
@@ -203,30 +199,24 @@ class LocalSwarm:
         """The command line of a node (``args``: ``run --role ...``); tests wrap it to start a node late."""
         return [sys.executable, "-m", "swarmctl", *args]
 
-    async def open_link(self, *, bound: float = READY_BOUND_S, **kwargs) -> "SwarmLink":
-        """The asker's link, once this swarm is ready: the host listening (its ready file), then a
-        complete plan of every trunk (``SwarmLink.open``'s wait). Progress is logged every few
-        seconds; EngineError only when a node exited or after ``bound`` seconds from the start."""
-        from swarmctl.asker.link import SwarmLink
-
+    async def wait_host(self, bound: float = READY_BOUND_S) -> float:
+        """Wait for the host to listen (its ready file); returns the deadline, ``bound`` seconds from
+        the start, that the rest of the wait (the asker's link seeing every trunk ready) keeps.
+        EngineError at once when a node exited, or after the deadline."""
         deadline = self.started + bound
-        await self._wait_host(deadline, bound)
-        trunks = "its trunk to load its layers" if self.n_trunks == 1 else \
-            f"its {self.n_trunks} trunks to load their layers"
-        log.info("local swarm: host listening after %.1f s; waiting for %s", time.monotonic() - self.started, trunks)
-        link = await SwarmLink.open(self.asker_home, ready_timeout=max(1.0, deadline - time.monotonic()),
-                                    alive_check=_Progress(self, trunks), **kwargs)
-        log.info("local swarm ready after %.1f s", time.monotonic() - self.started)
-        return link
-
-    async def _wait_host(self, deadline: float, bound: float) -> None:
-        report = _Progress(self, "the host to start")
+        report = self.progress("the host to start")
         while not (self.host_ready_file.exists() and self.host_ready_file.read_text().strip()):
             report()  # a host that exited fails here at once
             if time.monotonic() > deadline:
                 raise EngineError(f"the local swarm's host did not start within {bound:g} s: "
                                   f"{self._last_log_line(self.processes[0])}")
             await asyncio.sleep(0.1)
+        log.info("local swarm: host listening after %.1f s", time.monotonic() - self.started)
+        return deadline
+
+    def progress(self, what: str) -> "Progress":
+        """A check to call while waiting for ``what``: raises if a node exited, logs every few seconds."""
+        return Progress(self, what)
 
     def check_alive(self) -> None:
         for process in self.processes:
@@ -270,7 +260,7 @@ class LocalSwarm:
         self.close()
 
 
-class _Progress:
+class Progress:
     """Called while waiting for a local swarm: raises if a node exited, and logs what is awaited
     every ``PROGRESS_EVERY_S`` (shown with -v)."""
 

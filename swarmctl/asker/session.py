@@ -145,6 +145,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
     from swarmctl.models import checked_model
     from swarmctl.asker.link import SwarmLink
+    from swarmctl.asker.local_link import open_local_link
 
     home = SwarmHome()
     local = link = asker = verifier = None
@@ -175,7 +176,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         if home.exists and model is not None:
             drafting = _drafting(options, model, threads)
         if local is not None:  # started here: waited for until it says it is ready, not raced
-            link = await local.open_link(min_stages=min(local.n_trunks, 22), trace=options.trace)
+            link = await open_local_link(local, min_stages=min(local.n_trunks, 22), trace=options.trace)
         else:
             link = await SwarmLink.open(swarm_home, trace=options.trace)
         if options.head_layers is not None and options.head_layers != link.head_layers:
