@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plans.hysteresis import ready_deadline_s  # noqa: E402
-from tests.test_make_before_break import SMOL, Host, flapping  # noqa: E402
+from harness.planning_host import SMOL, Host, flapping  # noqa: E402
 
 
 def never_loads(tmp: Path) -> dict:

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import emit_json  # noqa: E402
 from harness.soak.config import IDLE_STREAMS, PROMPTS, Config, Prompt  # noqa: E402
 from harness.soak.faults import FaultInjector  # noqa: E402
 from harness.soak.load import LoadGenerator  # noqa: E402
