@@ -34,14 +34,12 @@ from swarmctl.api.stops import StopScanner
 from swarmctl.asker.head_tail import Asker, BusyError, TrunkResult
 from swarmctl.commands.serve import is_loopback
 from swarmctl.asker.link import SwarmError
+from tests.serving import API_KEY, MODEL, Served, raw_request, served  # noqa: F401 - served: the shared fixture
 
-API_KEY = "test-key-0123456789"
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT_PROMPT = "Name the three primary colours."
 RAW_PROMPT = "The three primary colours are"
 MAX_TOKENS = 24
 LOGPROB_TOLERANCE = 1e-3  # nats, the issue's bound (measured here: 2e-7 at most)
-STARTUP_TIMEOUT = 120
 
 
 def swarmctl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -70,77 +68,6 @@ def ask_greedy(prompt: str, *extra: str) -> AskResult:
 @pytest.fixture(scope="module")
 def asked() -> dict[str, AskResult]:
     return {"chat": ask_greedy(CHAT_PROMPT), "raw": ask_greedy(RAW_PROMPT, "--raw")}
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """`swarmctl serve --port 0 --api-key ...` with no swarm joined: a local swarm behind it."""
-    root = tmp_path_factory.mktemp("serve")
-    env = {**os.environ, "SWARMCTL_HOME": str(root / "no-swarm-here")}
-    out, err = root / "stdout", root / "stderr"
-    with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "swarmctl", "serve", "-v", "--port", "0", "--api-key",
-                                    API_KEY], env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
-    try:
-        starting = _poll_while_starting(process, out, err)
-        match = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", out.read_text())
-        yield Served(match[1], process, err, starting)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise
-        assert process.returncode == 0, err.read_text()  # SIGTERM stops it cleanly, local swarm and all
-
-
-def _poll_while_starting(process: subprocess.Popen, out: Path, err: Path) -> list[tuple[int, str | None]]:
-    """Wait for "serving ... at URL", asking GET /v1/models with the key meanwhile, as a script
-    polling for readiness does (issue 29, item 14): the (status, Retry-After) answers it got
-    before the line. The port comes from the "listening at" line that -v logs at once."""
-    answers: list[tuple[int, str | None]] = []
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while not re.search(r"serving .* at http://", out.read_text()):
-        assert process.poll() is None, f"serve exited: {err.read_text()}"
-        assert time.monotonic() < deadline, "serve did not start"
-        listening = re.search(r"listening at (http://127\.0\.0\.1:\d+)", err.read_text())
-        if listening:
-            request = urllib.request.Request(listening[1] + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
-            try:
-                with urllib.request.urlopen(request, timeout=2) as response:
-                    answers.append((response.status, None))
-            except urllib.error.HTTPError as e:
-                answers.append((e.code, e.headers.get("Retry-After")))
-                e.read()
-            except OSError as e:  # a client that gives up: what made the server log a 500 before
-                answers.append((0, type(e).__name__))
-        time.sleep(0.1)
-    return answers
-
-
-@dataclass
-class Served:
-    base_url: str
-    process: subprocess.Popen
-    stderr: Path
-    starting: list[tuple[int, str | None]]  # what a client polling during start-up got
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=kwargs.pop("api_key", API_KEY), max_retries=0,
-                             timeout=120, **kwargs)
-
-
-def raw_request(base_url: str, path: str, body: bytes | None, headers: dict[str, str] | None = None,
-                method: str = "POST") -> tuple[int, dict]:
-    request = urllib.request.Request(base_url + path, data=body, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def assert_error_shape(body: dict, code: str | None = None) -> None:

@@ -76,6 +76,11 @@ class TextGeneration:
         return taken
 
     @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.found
+
+    @property
     def usage(self) -> Usage:
         g = self.generation
         return Usage(g.prompt_tokens, len(g.tokens), g.drafted if self.speculates else None, g.accepted)

@@ -16,13 +16,14 @@ import logging
 import secrets
 import socket
 import ssl
-from contextlib import aclosing
-from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from kernels.errors import ModelFileError
 from kernels.grammar import BUILD_BUDGET_S, STEP_BUDGET_S, Grammar, GrammarError, build_grammar
 from swarmctl.api import browser, sse
+from swarmctl.api.anthropic_routes import AnthropicRoutes
+from swarmctl.api.anthropic_shapes import encode_error
 from swarmctl.api.browser import HostPolicy, check_browser, check_json_body
 from swarmctl.api.errors import (ApiError, bad_request, context_exceeded, from_exception, grammar_error_code,
                                  http_error_body)
@@ -30,7 +31,8 @@ from swarmctl.api.generation import TextGeneration, TextRequest
 from swarmctl.api.http import DEFAULT_MAX_CONNECTIONS, Limits, Refusal, Request, Responder, start_server
 from swarmctl.api.params import GenerationParams, parse_chat, parse_completion, parse_json
 from swarmctl.api.shapes import Envelope, chat_logprobs, completion_logprobs, model_list, model_object
-from swarmctl.api.tools import Tool, call_schema, parse_call, tool_prompt
+from swarmctl.api.prompting import render_chat
+from swarmctl.api.tools import Tool, parse_call
 from swarmctl.asker.head_tail import Asker, Trunk
 from swarmctl.asker.speculate import Drafting
 from swarmctl.asker.trace import TraceError, TraceFolder
@@ -75,6 +77,7 @@ class ApiServer:
             "/v1/swarm": ("GET", self._swarm),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
+            **AnthropicRoutes(self).routes(),  # /v1/messages and its count_tokens (swarmctl/api/anthropic_routes.py)
         }
 
     async def start(self, host: str | None = None, port: int | None = None, *, sock: socket.socket | None = None,
@@ -111,7 +114,8 @@ class ApiServer:
                             error.message, detail)
                 if responder.started:
                     return  # the response is incomplete, so the connection closes
-                await responder.send(error.status, error.encode(), headers={"x-request-id": request_id})
+                await responder.send(error.status, encode_error(request.path, error),
+                                     headers={"x-request-id": request_id})
             finally:
                 _drop_tracebacks(e)
 
@@ -123,7 +127,7 @@ class ApiServer:
             return "GET", self._model
         raise ApiError(404, f"Invalid URL ({path})", code="unknown_url")
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model not in (self.model_id, self.model_id + ".gguf"):
             raise ApiError(404, f"The model '{model}' does not exist; this server runs '{self.model_id}'",
                            param="model", code="model_not_found")
@@ -153,41 +157,19 @@ class ApiServer:
         await _send_json(responder, model_list(self.model_id, self.created), request_id)
 
     async def _model(self, request: Request, responder: Responder, request_id: str) -> None:
-        self._check_model(_v1(request.path).removeprefix("/v1/models/"))
+        self.check_model(_v1(request.path).removeprefix("/v1/models/"))
         await _send_json(responder, model_object(self.model_id, self.created), request_id)
 
     async def _chat(self, request: Request, responder: Responder, request_id: str) -> None:
         chat = parse_chat(parse_json(request.body))
-        self._check_model(chat.params.model)
-        from jinja2 import TemplateError
-
-        tokenizer = self.asker.tokenizer
-        params, tools, shown, schema_param = chat.params, (), None, "response_format"
-        native = bool(chat.tools) and tokenizer.knows_tools  # a template that renders tools itself
-        messages = [m.as_template_input(native) for m in chat.messages]
-        if chat.tools and chat.tool_choice.mode != "none":  # swarmctl/api/tools.py
-            tools = chat.tools
-            if native:
-                shown = [t.as_openai() for t in tools]
-            else:
-                told = tool_prompt(tools, chat.tool_choice)
-                if messages[0]["role"] == "system":
-                    messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{told}"}
-                else:
-                    messages.insert(0, {"role": "system", "content": told})
-            if chat.tool_choice.mode in ("required", "function"):
-                params = replace(params, json_schema=call_schema(tools, chat.tool_choice))
-                schema_param = "tools"
-        try:
-            prompt = tokenizer.encode_chat(messages, shown)
-        except (TemplateError, ModelFileError) as e:
-            raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
-        await self._generate(Envelope(chat=True, model=self.model_id), prompt, params, responder, request_id, tools,
-                             schema_param)
+        self.check_model(chat.params.model)
+        prompt = render_chat(self.asker.tokenizer, chat)  # swarmctl/api/prompting.py (tools too)
+        await self._generate(Envelope(chat=True, model=self.model_id), prompt.tokens, prompt.params, responder,
+                             request_id, prompt.tools, prompt.schema_param)
 
     async def _completions(self, request: Request, responder: Responder, request_id: str) -> None:
         completion = parse_completion(parse_json(request.body))
-        self._check_model(completion.params.model)
+        self.check_model(completion.params.model)
         if isinstance(completion.prompt, str):
             prompt = self.asker.tokenizer.encode_prompt(completion.prompt)
         else:
@@ -203,6 +185,25 @@ class ApiServer:
     async def _generate(self, envelope: Envelope, prompt: Sequence[int], params: GenerationParams,
                         responder: Responder, request_id: str, tools: tuple[Tool, ...] = (),
                         schema_param: str = "response_format") -> None:
+        async with self.generation(prompt, params, request_id, schema_param) as generation:
+            if params.stream and not tools:
+                await self._stream(envelope, generation, params, responder, request_id)
+            elif params.stream:
+                await self._stream_call(envelope, generation, params, responder, request_id, tools)
+            else:
+                async with aclosing(generation.pieces()) as pieces:
+                    text = "".join([piece async for piece in pieces])
+                logprobs = self._logprobs(envelope, generation) if generation.wants_logprobs else None
+                call = parse_call(text, tools) if tools else None
+                await _send_json(responder, envelope.response(text, generation.finish_reason, generation.usage,
+                                                              logprobs, [call.as_dict()] if call else None),
+                                 request_id)
+
+    @asynccontextmanager
+    async def generation(self, prompt: Sequence[int], params: GenerationParams, request_id: str,
+                         schema_param: str = "response_format") -> AsyncIterator[TextGeneration]:
+        """A request's generation, checked and started (admitted, its prompt prefilled, its first
+        token out), closed and traced on exit; every API's routes generate through this."""
         context = self.asker.max_context
         if params.max_tokens_param is not None and params.max_tokens is not None and params.max_tokens > context:
             # As OpenAI: a limit no request could reach is refused, naming the most there is.
@@ -223,18 +224,7 @@ class ApiServer:
                                     speculation=self.drafting.for_request())
         try:
             await generation.start()
-            if params.stream and not tools:
-                await self._stream(envelope, generation, params, responder, request_id)
-            elif params.stream:
-                await self._stream_call(envelope, generation, params, responder, request_id, tools)
-            else:
-                async with aclosing(generation.pieces()) as pieces:
-                    text = "".join([piece async for piece in pieces])
-                logprobs = self._logprobs(envelope, generation) if generation.wants_logprobs else None
-                call = parse_call(text, tools) if tools else None
-                await _send_json(responder, envelope.response(text, generation.finish_reason, generation.usage,
-                                                              logprobs, [call.as_dict()] if call else None),
-                                 request_id)
+            yield generation
         finally:
             await generation.aclose()
             await self._write_trace(request_id, generation)
@@ -343,8 +333,11 @@ def authorize(request: Request, api_key: str | None) -> None:
     # Constant-time comparison: response timing says nothing about how much of a guess matched.
     if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode()):
         return
-    message = "Incorrect API key provided." if header else \
-        "You didn't provide an API key. Send it in an Authorization header: Bearer YOUR_KEY."
+    anthropic_key = request.headers.get("x-api-key")  # how Anthropic's clients send it
+    if anthropic_key is not None and hmac.compare_digest(anthropic_key.strip().encode(), api_key.encode()):
+        return
+    message = "Incorrect API key provided." if header or anthropic_key is not None else \
+        "You didn't provide an API key. Send it in an Authorization header: Bearer YOUR_KEY (or in x-api-key)."
     raise ApiError(401, message, code="invalid_api_key")
 
 
@@ -376,7 +369,7 @@ def check_head(request: Request, api_key: str | None, hosts: HostPolicy | None, 
 def _refusal(request: Request, error: ApiError, headers: dict[str, str] | None = None) -> Refusal:
     request_id = "req_" + secrets.token_hex(12)
     log.warning("%s %s %s -> %d %s", request_id, request.method, request.path[:200], error.status, error.message)
-    return Refusal(error.status, error.encode(), {"x-request-id": request_id, **(headers or {})})
+    return Refusal(error.status, encode_error(request.path, error), {"x-request-id": request_id, **(headers or {})})
 
 
 def _drop_tracebacks(error: BaseException) -> None:
@@ -397,7 +390,8 @@ def _drop_tracebacks(error: BaseException) -> None:
 def describe_server(model_id: str, endpoints: list[str]) -> dict:
     """GET /: what this server is, for a person or a script that finds the address."""
     return {"object": "server", "name": "swarmctl serve", "model": model_id,
-            "api": "OpenAI-compatible: use this address with /v1 as the base URL", "endpoints": endpoints}
+            "api": "OpenAI-compatible: use this address with /v1 as the base URL; Anthropic Messages API: "
+                   "this address as the base URL", "endpoints": endpoints}
 
 
 def _v1(path: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from swarmctl.api.anthropic_shapes import encode_error
 from swarmctl.api.browser import HostPolicy
 from swarmctl.api.errors import ApiError
 from swarmctl.api.http import Refusal, Request, Responder
@@ -47,4 +48,4 @@ class StartingServer:
         log.debug("%s %s -> 503 (starting)", request.method, request.path[:200])
         error = ApiError(503, "the server is starting (loading the model and reaching the swarm); retry shortly",
                          type="server_error", code="starting")
-        await responder.send(503, error.encode(), headers={"Retry-After": str(RETRY_AFTER_S)})
+        await responder.send(503, encode_error(request.path, error), headers={"Retry-After": str(RETRY_AFTER_S)})

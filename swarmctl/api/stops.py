@@ -13,14 +13,15 @@ class StopScanner:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
         self._held = ""  # text not yet released: the start of a possible stop string
+        self.found: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; returns (text safe to release, whether a stop string was found). After a
         stop, the released text ends just before it and the rest is dropped."""
         held = self._held + text
-        cut = min((i for i in (held.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, found = min(((i, s) for s, i in ((s, held.find(s)) for s in self.stops) if i >= 0), default=(-1, None))
         if cut >= 0:
-            self._held = ""
+            self._held, self.found = "", found
             return held[:cut], True
         keep = self._partial_stop_length(held)
         self._held = held[len(held) - keep:] if keep else ""
