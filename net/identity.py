@@ -133,6 +133,11 @@ def sign_member(ca_key: Ed25519PrivateKey, ca_cert: x509.Certificate, public_key
 REVOKED_REASON = "membership revoked"  # why a revoked member's connections close, and its handshakes fail
 
 
+def revoked_reason(name: str) -> str:
+    """What a revoked member is told, wherever it is refused (a handshake, a connection closed)."""
+    return f"{REVOKED_REASON}: member {name!r} was revoked by the host"
+
+
 def is_revocation(reason: str) -> bool:
     """Whether a connection's close reason says this member was revoked (it should stop retrying)."""
     return REVOKED_REASON in reason
@@ -177,7 +182,7 @@ def verify_member(cert: x509.Certificate, ca_cert: x509.Certificate, revoked_ser
     if now < cert.not_valid_before_utc or now > cert.not_valid_after_utc:
         raise IdentityError("certificate is outside its validity period")
     if cert.serial_number in revoked_serials:
-        raise IdentityError(f"{REVOKED_REASON}: member {member_name(cert)!r} was revoked by the host")
+        raise IdentityError(revoked_reason(member_name(cert)))
     try:
         if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
             raise IdentityError("a CA certificate cannot act as a member")

@@ -11,7 +11,8 @@ activations). When a route fails (a stage dies, the plan changes, a link drops),
 host's next complete plan and replays those same steps, back to back, through the new route, so
 the new stages rebuild the request's KV cache bit for bit (same steps, same kernels), then
 resends the step that failed. A request that cannot be rerouted before its deadline fails with the
-reason (for a swarm too small to hold the model: the missing layers).
+reason (for a swarm too small to hold the model: the missing layers). A refusal that no route can
+get past (this member was revoked: every stage and the host refuse it) ends every request at once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from net.endpoint import close
-from net.identity import Credentials
+from net.identity import REVOKED_REASON, Credentials, is_revocation
 from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
 from net.ping import quiet_ping
 from net.protocol import SwarmProtocol
@@ -37,7 +38,7 @@ from plans.plan import Plan
 from swarmctl.asker.head_tail import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
-from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep
+from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep, cut_steps
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, cannot_serve
 from swarmctl.reach import Dialer, ask_route
 
@@ -131,6 +132,7 @@ class SwarmLink:
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
         self.dialer: Dialer | None = None  # our swarm socket, and the path to each stage (swarmctl/reach.py)
+        self.refused = ""  # why no route can serve this member any more (its revocation), once a node said so
 
     @classmethod
     async def open(cls, home: SwarmHome, *, ready_timeout: float = 60.0,
@@ -203,6 +205,8 @@ class SwarmLink:
         """One step through the trunk. Several steps of one request may be out at once, handed
         over in position order (a long prompt's chunks): they travel the route in that order, and
         a failover replays the history and then every step out, in order."""
+        if self.refused:
+            raise SwarmError(self.refused)
         self.table.begin(rid, SentStep(start_pos, hidden, verify))
         out = self._waiting.setdefault(rid, {})
         waiting = out[start_pos] = _Waiting(asyncio.get_running_loop().create_future())
@@ -234,6 +238,8 @@ class SwarmLink:
                                        received_bytes=waiting.received_bytes,
                                        activation_bytes=self.dtype.nbytes(*hidden.shape))
                 except _RouteFailed as e:
+                    if self.refused:  # (a reroute would meet the same refusal at every stage, until the deadline)
+                        raise SwarmError(self.refused) from None
                     failed_at = failed_at or time.monotonic()
                     if time.monotonic() > deadline:
                         raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s (the route "
@@ -251,10 +257,37 @@ class SwarmLink:
             if self._waiting.get(rid, {}).get(start_pos) is waiting:
                 del self._waiting[rid][start_pos]
 
-    async def release(self, rid: bytes) -> None:
+    async def release(self, rid: bytes, keep: tuple[bytes, int] | None = None) -> None:
+        """The request is over; ``keep`` (prefix id, positions): every stage keeps its cells
+        [0, positions) as that prefix of this member's account (swarmctl/trunk/prefixes.py)."""
         self._waiting.pop(rid, None)
         self._sending.pop(rid, None)
-        self._carry_out(self.table.release(rid, self.plan.version), rid)
+        self._carry_out(self.table.release(rid, self.plan.version, keep), rid)
+
+    # --- kept prefixes (swarmctl/asker/prefixes.py) ---
+
+    async def keep(self, rid: bytes, prefix: bytes, positions: int) -> list[SentStep] | None:
+        """End the request, asking the route's stages to keep its cells [0, positions) as
+        ``prefix``; returns the steps that rebuild them on another route (None: this link did
+        not send them all, and the prefix cannot be resumed here)."""
+        history = cut_steps(self.table.history(rid), positions)
+        covered = sum(s.hidden.shape[0] for s in history)
+        whole = covered == positions and all(s.start_pos == sum(h.hidden.shape[0] for h in history[:i])
+                                             for i, s in enumerate(history))
+        await self.release(rid, keep=(prefix, positions) if whole else None)
+        return history if whole else None
+
+    async def resume(self, rid: bytes, prefix: bytes, positions: int, record: list[SentStep] | None) -> bool:
+        """Before request ``rid``'s first step: its route's stages may hold ``record``'s cells cut to
+        ``positions`` as ``prefix``; if any does not, the link replays them from position 0.
+        False (nothing changed) without a record to replay."""
+        if record is None:
+            return False
+        self.table.resume(rid, prefix, cut_steps(record, positions))
+        return True
+
+    async def forget(self, prefix: bytes) -> None:
+        """(The stages drop a prefix nobody resumes on their own: their budget and idle limits.)"""
 
     def _carry_out(self, actions: list[Action], rid: bytes = b"") -> None:
         for action in actions:
@@ -263,8 +296,10 @@ class SwarmLink:
             if isinstance(action, Free):
                 action.conn.finish(action.stream_id)  # abandoned: let QUIC forget it
                 continue
-            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
-                                   np.empty((0, 0), np.float32))
+            keep = getattr(action, "keep", None)
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers,
+                                   keep[1] if keep else 0, np.empty((0, 0), np.float32),
+                                   prefix=keep[0] if keep else b"")
             try:
                 action.conn.send(action.stream_id, encode_packet(end), end=True)
             except ConnectionError:
@@ -362,13 +397,14 @@ class SwarmLink:
         return result
 
     def _send(self, rid: bytes, route: OpenRoute, hidden: np.ndarray, start_pos: int, rewind: bool = False,
-              verify: bool = False, layer: int | None = None) -> int:
+              verify: bool = False, layer: int | None = None, prefix: bytes = b"") -> int:
         """Send one step (activations at ``layer``: the head's output unless said, and then the
-        step comes back from that stage alone); returns the frame's size in bytes."""
-        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
+        step comes back from that stage alone; ``prefix``: the stages start from that kept
+        prefix); returns the frame's size in bytes."""
+        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 or prefix else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, route.version, self.plan.head_layers if layer is None else layer,
                                   start_pos, hidden, self.dtype, self.session, rewind=rewind, verify=verify,
-                                  trace=self.trace, one_stage=layer is not None)
+                                  trace=self.trace, one_stage=layer is not None, prefix=prefix)
         if not route.conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
         frame = encode_packet(packet)
@@ -404,13 +440,15 @@ class SwarmLink:
         stream_id = conn.open_stream()
         route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
-        answered = len(self.table.history(rid))
+        prefix = self.table.resuming(rid)  # the stages may hold the history: its first step out names it
+        answered = 0 if prefix else len(self.table.history(rid))
         steps = self.table.opened(rid, conn, stream_id, self.plan.version)
         for waiting in self._waiting.get(rid, {}).values():
             waiting.route = route  # (every step out goes on it now)
         rows = 0
         for i, sent in enumerate(steps):
-            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
+            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify,
+                              prefix=prefix if i == 0 else b"")
             rows += sent.hidden.shape[0]
             if i < answered:
                 replayed += sent.hidden.nbytes
@@ -431,6 +469,8 @@ class SwarmLink:
         retry_same_at = time.monotonic() + SAME_ROUTE_RETRY_S
         give_up = min(deadline, time.monotonic() + NO_PLAN_GRACE)
         while True:
+            if self.refused:
+                raise SwarmError(self.refused)
             plan = self.host.latest
             now = time.monotonic()
             if plan is not None and plan.complete and (plan.version != failed_version or now > retry_same_at):
@@ -487,6 +527,9 @@ class SwarmLink:
                     await self._connect_stages(fresh=force or attempt > 0)
                     break
                 except (ConnectionError, OSError, SwarmError, asyncio.TimeoutError) as e:
+                    if is_revocation(str(e)):
+                        self._refused_for_good(str(e))
+                        raise SwarmError(self.refused) from None
                     if attempt == 2:
                         raise _RouteFailed(f"cannot connect to the new route: {e}") from None
                     await asyncio.sleep(0.5)
@@ -512,6 +555,17 @@ class SwarmLink:
                     waiting.result.set_exception(_RouteFailed(reason))
                     waiting.result.exception()  # (seen: its coroutine may be rerouting already, not awaiting it)
                     waiting.result = loop.create_future()
+
+    def _refused_for_good(self, reason: str) -> None:
+        """Every step out ends with ``reason`` now, and every step after it too: a refusal that
+        holds at every node (a revocation) is the request's answer, not a route to replace."""
+        if not self.refused:  # (said from the refusal on: "cannot connect to ADDRESS: " is no news)
+            self.refused = f"the swarm refused the request: {reason[reason.index(REVOKED_REASON):]}"
+        for steps in self._waiting.values():
+            for waiting in steps.values():
+                if not waiting.result.done():
+                    waiting.result.set_exception(SwarmError(self.refused))
+                    waiting.result.exception()  # (its coroutine may be between awaits, not awaiting it)
 
     async def _keep_alive(self) -> None:
         """Ping the stages and the host every second; a stage gone silent while steps wait on it
@@ -551,6 +605,9 @@ class SwarmLink:
         pass
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
+        if is_revocation(conn.close_reason):  # closed by a node that will refuse us from now on: no reroute
+            self._refused_for_good(conn.close_reason)
+            return
         if conn in (self.first_conn, self.last_conn):
             self._fail_waiting(f"lost the connection to {conn.peer_name}")
             return
