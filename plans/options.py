@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from .proposal import Constraints
+from .proposal import HEAD_LAYERS, Constraints
 
 OBJECTIVES = ("latency", "throughput", "even")
 WIRE_DTYPES = ("f32", "f16", "q8_0", "auto")  # auto: f32 within a site, f16 between sites (plans/wire.py)
@@ -48,7 +48,7 @@ OPTIONS: tuple[PlannerOption, ...] = (
     PlannerOption("objective", "objective", "objective", "latency", "",
                   "what the planner optimises: one stream's latency, the pipeline's throughput, or every trunk "
                   "used in proportion to its memory (even)"),
-    PlannerOption("head-layers", "head_layers", "head_layers", 4, "K",
+    PlannerOption("head-layers", "head_layers", "head_layers", HEAD_LAYERS, "K",
                   "layers each asker keeps at each end of the model", minimum=0, configurable=False),
     PlannerOption("context", "context", "plan_context", 4096, "TOKENS",
                   "KV room per request each stage must hold", minimum=1, describe=lambda v: f"{v} tokens"),
@@ -72,7 +72,7 @@ BY_KEY = {option.key: option for option in OPTIONS}
 @dataclass(frozen=True)
 class PlannerSettings:
     objective: str = "latency"
-    head_layers: int = 4
+    head_layers: int = HEAD_LAYERS
     context: int = 4096
     concurrent: int = 4
     max_stages: int = 0
@@ -89,6 +89,7 @@ class PlannerSettings:
         return cls(**{o.field: getattr(config, o.config_field) for o in OPTIONS})
 
     def into_config(self, config) -> None:
+        """Written into a host's NodeConfig (node.json): `init` and the local swarm."""
         for o in OPTIONS:
             setattr(config, o.config_field, getattr(self, o.field))
 
@@ -120,3 +121,8 @@ def _whole(option: PlannerOption) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
     parse.__name__ = "whole number"
     return parse
+
+
+# ``--head-layers`` wherever a command takes it (ask, serve, audit, plans.whatif), bounded as `init`
+# bounds it; whether the model keeps layers for the trunk is checked once the model is known.
+head_layers_arg = _whole(BY_KEY["head-layers"])

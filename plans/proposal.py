@@ -39,9 +39,12 @@ class AskerModel:
 ASSUMED_ASKER = AskerModel(ASKER_GB_S, f"assumed: a desktop reading {ASKER_GB_S:g} GB/s")
 
 
+HEAD_LAYERS = 4  # layers the asker keeps at each end, unless a swarm's init says otherwise
+
+
 @dataclass(frozen=True)
 class Constraints:
-    head_layers: int = 4  # the asker keeps [0, K) and [L-K, L)
+    head_layers: int = HEAD_LAYERS  # the asker keeps [0, K) and [L-K, L)
     context_tokens: int = 4096
     max_concurrent: int = 4  # requests whose KV a stage must hold at once
     objective: str = "latency"  # or "throughput", or "even"

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from .layout import ModelLayout
 from .nodes import ASKER, NodeDescriptor
+from .options import HEAD_LAYERS, head_layers_arg
 from .plan import PlanError
 from .planner import Constraints, Proposal, add_expert_calls, describe, place_experts, plan_layers, time_breakdown
 from .search import Search, best_paths
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m plans.whatif", description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", required=True)
     p.add_argument("--nodes", required=True)
-    p.add_argument("--head-layers", type=int, default=4)
+    p.add_argument("--head-layers", type=head_layers_arg, default=HEAD_LAYERS)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--concurrent", type=int, default=4)
     p.add_argument("--objective", default="latency")

@@ -30,6 +30,7 @@ from cryptography import x509
 from kernels.errors import EngineError
 from net.identity import (Credentials, load_cert, load_private_key, save_cert, save_private_key, write_public,
                           write_secret)
+from plans.proposal import HEAD_LAYERS
 
 DEFAULT_PORT = 7470
 
@@ -59,7 +60,7 @@ class NodeConfig:
     host_addresses: list[str]  # where members reach the host
     listen: str  # where this node listens, HOST:PORT
     model: str | None = None  # GGUF path; None = the bundled default
-    head_layers: int = 4  # host only: layers the asker keeps at each end
+    head_layers: int = HEAD_LAYERS  # host only: layers the asker keeps at each end
     created_at: float = field(default_factory=time.time)
     objective: str = "latency"  # host only: what the planner optimises (latency or throughput)
     plan_context: int = 4096  # host only: KV room per request each stage must hold ...

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.errors import EngineError
+from plans.options import PlannerSettings
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.membership import create_swarm, issue_direct
 
@@ -151,14 +152,11 @@ class LocalSwarm:
             address = f"127.0.0.1:{fronts.host_port if fronts else free_udp_port()}"
             create_swarm(self.host_home, swarm_name="local", host_name="host", listen=address,
                          advertise=[fronts.host_address if fronts else address], model=model,
-                         head_layers=head_layers)
-            # Every trunk here shares one machine: plan "even", so each of the N trunks asked for serves
-            # layers (the latency planner would rightly put them all on one, as an extra hop buys nothing).
-            config = self.host_home.load_config()
-            config.objective = "even"
-            config.expert_nodes = expert_nodes
-            config.wire_dtype = wire_dtype
-            self.host_home.save_config(config)
+                         # Every trunk here shares one machine: plan "even", so each of the N trunks
+                         # asked for serves layers (the latency planner would rightly put them all on
+                         # one, as an extra hop buys nothing).
+                         planner=PlannerSettings(objective="even", head_layers=head_layers,
+                                                 expert_nodes=expert_nodes, wire_dtype=wire_dtype))
             ports = fronts.trunk_ports if fronts else [0] * n_trunks
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
                                 for i in range(n_trunks)]

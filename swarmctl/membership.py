@@ -11,6 +11,7 @@ from kernels.errors import EngineError
 from net.identity import (IdentityError, check_name, fingerprint, make_ca, new_private_key, public_key_from_csr,
                           sign_member)
 from net.invite import Invite, hash_secret, secret_matches
+from plans.options import PlannerSettings
 from swarmctl.home import InviteRecord, MemberRecord, NodeConfig, SwarmHome
 
 
@@ -22,7 +23,8 @@ class JoinRefused(EngineError):
 
 
 def create_swarm(home: SwarmHome, *, swarm_name: str, host_name: str, listen: str, advertise: list[str],
-                 model: str | None, head_layers: int) -> NodeConfig:
+                 model: str | None, planner: PlannerSettings = PlannerSettings()) -> NodeConfig:
+    """A new swarm in ``home``, this node its host and CA, planning with ``planner``."""
     if home.exists:
         raise JoinRefused(f"{home.path} already holds a swarm node (remove it or set SWARMCTL_HOME)")
     check_name(host_name)
@@ -33,8 +35,8 @@ def create_swarm(home: SwarmHome, *, swarm_name: str, host_name: str, listen: st
     home.save_ca(ca_key)
     home.save_identity(key, cert, ca_cert)
     config = NodeConfig(name=host_name, role="host", swarm_name=swarm_name, ca_fingerprint=fingerprint(ca_cert),
-                        host_name=host_name, host_addresses=advertise, listen=listen, model=model,
-                        head_layers=head_layers)
+                        host_name=host_name, host_addresses=advertise, listen=listen, model=model)
+    planner.into_config(config)
     with home.locked():
         home.save_members({host_name: MemberRecord(host_name, cert.serial_number, fingerprint(cert), time.time(),
                                                    role="host")})

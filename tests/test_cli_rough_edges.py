@@ -58,6 +58,17 @@ def test_ask_with_a_bad_model_and_no_swarm_says_so_at_once(tmp_path, case):
     assert time.monotonic() - t0 < 8  # no local swarm was started and waited for (that took ~9 s and more)
 
 
+@pytest.mark.parametrize("k, rc, expected", [
+    ("-2", 2, "argument --head-layers: head-layers must be a whole number of at least 0, not '-2'"),
+    ("15", 1, "--head-layers 15 leaves 0 of the model's 30 layers for 1 local trunk: use at most 14"),
+])
+def test_ask_with_head_layers_out_of_bounds_says_so_before_a_local_swarm_starts(tmp_path, k, rc, expected):
+    """A bound at parsing, and one against the model once it is known: a local swarm whose trunk
+    had no layer used to wait for a plan until its 600 s bound."""
+    r = swarmctl(tmp_path / "no-swarm-here", "ask", "--trunk-nodes", "1", "--head-layers", k, "hello", timeout=60)
+    assert r.returncode == rc and expected in _one_line_error(r), r.stderr
+
+
 def test_ask_with_a_joined_home_checks_the_model_before_connecting(tmp_path):
     home = tmp_path / "host"  # a swarm whose host is not running: only the model check can answer quickly
     swarmctl(home, "init", "--listen", f"127.0.0.1:{free_udp_port()}", check=True)
@@ -87,7 +98,7 @@ def _joiner_csr(name: str) -> bytes:
 def host_home(tmp_path) -> SwarmHome:
     home = SwarmHome(tmp_path / "host")
     create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:7470", advertise=["127.0.0.1:7470"],
-                 model=None, head_layers=4)
+                 model=None)
     return home
 
 

@@ -159,7 +159,7 @@ def test_a_home_folder_is_made_private_even_if_it_existed_loose(tmp_path):
     old = os.umask(0)
     try:
         create_swarm(SwarmHome(home), swarm_name="s", host_name="host", listen="127.0.0.1:0",
-                     advertise=["127.0.0.1:7470"], model=None, head_layers=4)
+                     advertise=["127.0.0.1:7470"], model=None)
     finally:
         os.umask(old)
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
@@ -279,7 +279,7 @@ def test_a_certificate_names_its_invite_and_the_account_follows_it(tmp_path):
 
     home = SwarmHome(tmp_path / "host")
     create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:0", advertise=["127.0.0.1:7470"],
-                 model=None, head_layers=4)
+                 model=None)
     invite = issue_invite(home, ttl_seconds=60, uses=2, role="asker")
     joined = [admit(home, token_id=invite.token_id, secret=invite.secret, name=name,
                     csr_pem=make_csr(new_private_key(), name).public_bytes(serialization.Encoding.PEM))

@@ -277,7 +277,7 @@ def test_the_monitor_reaches_trunks_the_way_the_host_says(tmp_path):
 
     home = SwarmHome(tmp_path / "host")
     create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:7470", advertise=["127.0.0.1:7470"],
-                 model=None, head_layers=4)
+                 model=None)
 
     class Dialer:
         def __init__(self) -> None:
@@ -458,8 +458,7 @@ def test_unreachable_swarm_shows_a_banner_and_keeps_retrying(tmp_path):
     "unreachable ... retrying", and the app stays up until q."""
     home = SwarmHome(tmp_path / "lonely-host")
     address = f"127.0.0.1:{free_udp_port()}"
-    create_swarm(home, swarm_name="gone", host_name="host", listen=address, advertise=[address], model=None,
-                 head_layers=4)
+    create_swarm(home, swarm_name="gone", host_name="host", listen=address, advertise=[address], model=None)
 
     async def scenario() -> None:
         app = TopApp(Monitor(home, MonitorConfig(interval_s=0.25, max_backoff_s=1.0)))

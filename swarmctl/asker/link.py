@@ -38,7 +38,7 @@ from plans.plan import Plan
 from swarmctl.asker.head_tail import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
-from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep, cut_steps
+from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, cannot_serve
 from swarmctl.reach import Dialer, ask_route
 
@@ -257,37 +257,10 @@ class SwarmLink:
             if self._waiting.get(rid, {}).get(start_pos) is waiting:
                 del self._waiting[rid][start_pos]
 
-    async def release(self, rid: bytes, keep: tuple[bytes, int] | None = None) -> None:
-        """The request is over; ``keep`` (prefix id, positions): every stage keeps its cells
-        [0, positions) as that prefix of this member's account (swarmctl/trunk/prefixes.py)."""
+    async def release(self, rid: bytes) -> None:
         self._waiting.pop(rid, None)
         self._sending.pop(rid, None)
-        self._carry_out(self.table.release(rid, self.plan.version, keep), rid)
-
-    # --- kept prefixes (swarmctl/asker/prefixes.py) ---
-
-    async def keep(self, rid: bytes, prefix: bytes, positions: int) -> list[SentStep] | None:
-        """End the request, asking the route's stages to keep its cells [0, positions) as
-        ``prefix``; returns the steps that rebuild them on another route (None: this link did
-        not send them all, and the prefix cannot be resumed here)."""
-        history = cut_steps(self.table.history(rid), positions)
-        covered = sum(s.hidden.shape[0] for s in history)
-        whole = covered == positions and all(s.start_pos == sum(h.hidden.shape[0] for h in history[:i])
-                                             for i, s in enumerate(history))
-        await self.release(rid, keep=(prefix, positions) if whole else None)
-        return history if whole else None
-
-    async def resume(self, rid: bytes, prefix: bytes, positions: int, record: list[SentStep] | None) -> bool:
-        """Before request ``rid``'s first step: its route's stages may hold ``record``'s cells cut to
-        ``positions`` as ``prefix``; if any does not, the link replays them from position 0.
-        False (nothing changed) without a record to replay."""
-        if record is None:
-            return False
-        self.table.resume(rid, prefix, cut_steps(record, positions))
-        return True
-
-    async def forget(self, prefix: bytes) -> None:
-        """(The stages drop a prefix nobody resumes on their own: their budget and idle limits.)"""
+        self._carry_out(self.table.release(rid, self.plan.version), rid)
 
     def _carry_out(self, actions: list[Action], rid: bytes = b"") -> None:
         for action in actions:
@@ -296,10 +269,8 @@ class SwarmLink:
             if isinstance(action, Free):
                 action.conn.finish(action.stream_id)  # abandoned: let QUIC forget it
                 continue
-            keep = getattr(action, "keep", None)
-            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers,
-                                   keep[1] if keep else 0, np.empty((0, 0), np.float32),
-                                   prefix=keep[0] if keep else b"")
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
+                                   np.empty((0, 0), np.float32))
             try:
                 action.conn.send(action.stream_id, encode_packet(end), end=True)
             except ConnectionError:
@@ -397,14 +368,13 @@ class SwarmLink:
         return result
 
     def _send(self, rid: bytes, route: OpenRoute, hidden: np.ndarray, start_pos: int, rewind: bool = False,
-              verify: bool = False, layer: int | None = None, prefix: bytes = b"") -> int:
+              verify: bool = False, layer: int | None = None) -> int:
         """Send one step (activations at ``layer``: the head's output unless said, and then the
-        step comes back from that stage alone; ``prefix``: the stages start from that kept
-        prefix); returns the frame's size in bytes."""
-        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 or prefix else PacketKind.DECODE
+        step comes back from that stage alone); returns the frame's size in bytes."""
+        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, route.version, self.plan.head_layers if layer is None else layer,
                                   start_pos, hidden, self.dtype, self.session, rewind=rewind, verify=verify,
-                                  trace=self.trace, one_stage=layer is not None, prefix=prefix)
+                                  trace=self.trace, one_stage=layer is not None)
         if not route.conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
         frame = encode_packet(packet)
@@ -440,15 +410,13 @@ class SwarmLink:
         stream_id = conn.open_stream()
         route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
-        prefix = self.table.resuming(rid)  # the stages may hold the history: its first step out names it
-        answered = 0 if prefix else len(self.table.history(rid))
+        answered = len(self.table.history(rid))
         steps = self.table.opened(rid, conn, stream_id, self.plan.version)
         for waiting in self._waiting.get(rid, {}).values():
             waiting.route = route  # (every step out goes on it now)
         rows = 0
         for i, sent in enumerate(steps):
-            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify,
-                              prefix=prefix if i == 0 else b"")
+            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
             rows += sent.hidden.shape[0]
             if i < answered:
                 replayed += sent.hidden.nbytes

@@ -12,16 +12,18 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from kernels.devices import choose_device
 from kernels.errors import EngineError
+from plans.proposal import HEAD_LAYERS
 from swarmctl.asker.head_tail import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
 from swarmctl.asker.speculate import MAX_DRAFT, Drafting, open_drafting
 
-log = logging.getLogger("swarmctl.asker.session")
+if TYPE_CHECKING:
+    from kernels.spec import ModelSpec
 
-DEFAULT_HEAD_LAYERS = 4
+log = logging.getLogger("swarmctl.asker.session")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class SessionOptions:
     model: str | None = None  # a GGUF path; None: the swarm's, or the bundled default
     trunk_nodes: int | None = None  # trunk processes of the local swarm started when none is joined (None: sized)
     streams: int = 1  # requests expected at once (serve: many): how a local swarm splits the cores
-    head_layers: int | None = None  # None: 4, or what a joined swarm's plan says
+    head_layers: int | None = None  # None: HEAD_LAYERS, or what a joined swarm's plan says
     stages: int = 2  # trunk stages with transport "inproc"
     threads: int | None = None
     ctx: int | None = None
@@ -67,13 +69,22 @@ def _drafting(options: SessionOptions, model: Path, threads: int | None, head_la
     return drafting
 
 
-def _width(model: Path) -> int:
-    """The model's n_embd, from its header (milliseconds: tensors are not read)."""
+def _header_spec(model: Path) -> ModelSpec:
+    """The model's shape, from its header (milliseconds: tensors are not read)."""
     from kernels.gguf_file import GGUFFile
     from kernels.spec import ModelSpec
 
     with GGUFFile(model) as gguf:
-        return ModelSpec.from_gguf(gguf).n_embd
+        return ModelSpec.from_gguf(gguf)
+
+
+def _check_local_head_layers(n_layer: int, head_layers: int, trunks: int) -> None:
+    """Before a local swarm starts: its trunks must have a layer each (else its host could never
+    make a plan, and the asker would wait for one until its bound)."""
+    if n_layer - 2 * head_layers < trunks:
+        most = (n_layer - trunks) // 2
+        raise EngineError(f"--head-layers {head_layers} leaves {max(0, n_layer - 2 * head_layers)} of the model's "
+                          f"{n_layer} layers for {trunks} local trunk{'s' if trunks > 1 else ''}: use at most {most}")
 
 
 async def _model_for_swarm(home, link, options: SessionOptions) -> Path:
@@ -112,7 +123,7 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
         raise EngineError("--verify checks what a swarm's trunks return; with --transport inproc every layer "
                           "already runs in this process")
     model = resolve_model(options.model)
-    head_layers = DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers
+    head_layers = HEAD_LAYERS if options.head_layers is None else options.head_layers
     device = choose_device(options.device)
     t0 = time.perf_counter()
     drafting = _drafting(options, model, options.threads, head_layers)
@@ -165,12 +176,14 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             model = checked_model(options.model)
             drafting = _drafting(options, model, threads)  # a draft that cannot serve: one line, before nodes start
             # The local trunks and this process share this machine's cores (swarmctl/local_swarm.py).
+            spec = _header_spec(model)
             layout = size_local_swarm(usable_cpus(), trunks=options.trunk_nodes, threads=options.threads,
-                                      streams=options.streams, width=_width(model))
+                                      streams=options.streams, width=spec.n_embd)
+            head_layers = HEAD_LAYERS if options.head_layers is None else options.head_layers
+            _check_local_head_layers(spec.n_layer, head_layers, layout.trunks)
             log.info("no swarm joined: starting a local one (%s)", layout.describe())
             threads = layout.asker_threads
-            local = LocalSwarm(model=str(model.resolve()), n_trunks=layout.trunks,
-                               head_layers=DEFAULT_HEAD_LAYERS if options.head_layers is None else options.head_layers,
+            local = LocalSwarm(model=str(model.resolve()), n_trunks=layout.trunks, head_layers=head_layers,
                                threads=layout.trunk_threads)
             swarm_home = local.asker_home
         if home.exists and model is not None:

@@ -1,7 +1,7 @@
 """The audit end to end: traffic through a local swarm whose trunks capture, the attack on the
 captures, the score against what the asker kept.
 
-    report = run_audit(model, load_prompts(), AuditSettings(head_layers=4))
+    report = run_audit(model, load_prompts(), AuditSettings())
     print(report.table())
 """
 
@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from plans.proposal import HEAD_LAYERS
 from swarmctl.local_swarm import LocalSwarm
 
 from .attack import attack
@@ -28,7 +29,7 @@ from .traffic import PromptRun, run_prompts
 
 @dataclass
 class AuditSettings:
-    head_layers: int = 4
+    head_layers: int = HEAD_LAYERS
     max_tokens: int = 8  # generated per prompt (greedy)
     uplink_noise: float = 0.0  # sigma scale of the mitigation; 0 = off
     noise_seed: int | None = None  # for reproducible curves; None draws fresh randomness

@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from plans.options import HEAD_LAYERS, head_layers_arg
 from swarmctl.commands.options import positive_int
 from swarmctl.errors import UsageError
 
@@ -44,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, metavar="FILE",
                         help="one prompt per line ('#' comments, \\n for a newline; default: the bundled 20 "
                              "prompts with names, numbers and code)")
-    parser.add_argument("--head-layers", type=_non_negative_int, default=4, metavar="K",
-                        help="layers the asker keeps at each end (default 4)")
+    parser.add_argument("--head-layers", type=head_layers_arg, default=HEAD_LAYERS, metavar="K",
+                        help=f"layers the asker keeps at each end (default {HEAD_LAYERS})")
     parser.add_argument("--model", metavar="PATH", help="a GGUF model (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=positive_int, default=8, metavar="N",
                         help="tokens generated per prompt (default 8)")

@@ -56,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
         raise HomeError(f"--model-url {args.model_url!r} is not an http:// or https:// URL")
     home = SwarmHome()
     config = create_swarm(home, swarm_name=args.swarm, host_name=args.name, listen=str(listen),
-                          advertise=advertise, model=model, head_layers=args.head_layers)
-    options.PlannerSettings(**options.given(args)).into_config(config)
+                          advertise=advertise, model=model, planner=options.PlannerSettings(**options.given(args)))
     config.model_url = args.model_url
     home.save_config(config)
     print(f"created swarm '{config.swarm_name}' in {home.path}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from plans.options import HEAD_LAYERS, head_layers_arg
+
 VERIFY_HELP = ("recompute a random share P of the trunk's steps on this machine and compare (0 to 1; default 0: "
                "off). A wrong result is reported to the host and the request goes on here. Needs the whole "
                "model file here; costs up to one more trunk pass per step (benchmarks/bench_verify.py)")
@@ -39,9 +41,9 @@ def add_asker_options(parser: argparse.ArgumentParser, *, model_default: str) ->
                         help="trunk processes of the local swarm started when no swarm is joined (default: 1, "
                              "or 2 from 8 cores on)")
     parser.add_argument("--model", metavar="PATH", help=f"a GGUF model (default: {model_default})")
-    parser.add_argument("--head-layers", type=int, default=None, metavar="K",
-                        help="layers kept on this machine at each end of the model (default 4; a joined "
-                             "swarm's plan decides)")
+    parser.add_argument("--head-layers", type=head_layers_arg, default=None, metavar="K",
+                        help=f"layers kept on this machine at each end of the model (default {HEAD_LAYERS}; a "
+                             "joined swarm's plan decides, and a different K here is refused)")
     parser.add_argument("--stages", type=int, default=2, metavar="N", help="trunk stages with --transport inproc "
                                                                            "(default 2)")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help="compute threads")

@@ -12,7 +12,6 @@ from typing import Callable
 
 from cryptography import x509
 
-from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
@@ -29,7 +28,6 @@ from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
 from swarmctl.distribution import SliceManifest, build_asker_manifest, build_manifest, parse_chunk_ids, serve_slice
-from swarmctl.expert_slices import build_expert_manifest
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, accounts, admit
 from swarmctl.models import resolve_model
@@ -39,7 +37,6 @@ from .liveness import unanswered, watch_trunks
 from .planning import PlanKeeper
 from .rendezvous import NoRoute, Rendezvous
 from .reports import AskerReports
-from .source_reports import SourceReports
 from .model_hashes import CACHE_FOLDER as HASH_CACHE_FOLDER, model_hashes
 from .status import StatusSources, swarm_status
 from .trunks import TrunkInfo, Trunks, observed, reachable_address
@@ -71,7 +68,6 @@ class HostService:
                                    stage_requests=self._stage_requests)
         self.checks = ClaimChecks(self.gguf, self.planning)
         self.reports = AskerReports()
-        self.sources = SourceReports()  # who holds which layers for fetches, and reports of wrong chunks
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
         # serve, top), so "online" means any of them is open, and revoking closes them all.
         self.connections: set[SwarmProtocol] = set()
@@ -93,7 +89,6 @@ class HostService:
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
             m.Probe: self._probe, m.Reach: self._reach, m.Unanswered: self._unanswered,
-            m.BadSource: self._bad_source,
         })
         self.joins = Dispatcher({m.Join: self._join})
         self.rendezvous: Rendezvous | None = None  # once the host listens
@@ -280,7 +275,6 @@ class HostService:
                                                         local=message.local, relay=message.relay,
                                                         datagram_us=message.datagram_us,
                                                         prompt_ms_per_layer_row=message.prompt_ms_per_layer_row,
-                                                        holds=self._layer_ranges(message.holds),
                                                         **_ram_offer(message))
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer%s", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured",
@@ -297,7 +291,6 @@ class HostService:
             if message.placement != trunk.placement and message.placement not in ("", trunk.device):
                 log.info("trunk %s computes its stage on %s", conn.peer_name, message.placement)
             trunk.placement = message.placement
-            trunk.holds = self._layer_ranges(message.holds)
             self.checks.when_ready(conn.peer_name, trunk, message.plan_version)
         self._ok(conn, stream_id)
 
@@ -392,23 +385,10 @@ class HostService:
         if not lo <= start < stop <= hi:
             self._error(conn, stream_id, f"layers [{start}, {stop}) are not trunk layers [{lo}, {hi})")
             return
-        if message.experts:  # an expert node: its experts of the layers' expert tensors
-            first, last = (message.experts + [0])[:2]
-            if not 0 <= first < last <= self.plan.n_expert:
-                self._error(conn, stream_id, f"experts [{first}, {last}) are not among the plan's {self.plan.n_expert}")
-                return
-            try:
-                manifest = self._manifest(("experts", start, stop, first, last), lambda: build_expert_manifest(
-                    self.gguf, start, stop, first, last, self.plan.model_hash, self.hashes.chunks,
-                    self.config.model_url))
-            except EngineError as e:  # layers with no experts
-                self._error(conn, stream_id, str(e))
-                return
-        else:
-            manifest = self._manifest(("layers", start, stop), lambda: build_manifest(
-                self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks, self.config.model_url))
+        manifest = self._manifest(("layers", start, stop), lambda: build_manifest(
+            self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks, self.config.model_url))
         if message.want is None or message.want == []:
-            log.info("sending %s to %s (%d chunks already there)", manifest.describe(), conn.peer_name,
+            log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name,
                      len(message.have))
         self._start_sending(conn, stream_id, manifest, message.have, message.want)
 
@@ -427,7 +407,7 @@ class HostService:
                      conn.peer_name, len(message.have))
         self._start_sending(conn, stream_id, manifest, message.have, message.want)
 
-    def _manifest(self, key: tuple, build: Callable[[], SliceManifest]) -> SliceManifest:
+    def _manifest(self, key: tuple[str, int, int], build: Callable[[], SliceManifest]) -> SliceManifest:
         """A slice's manifest, built once (each batch of a fetch names its chunks by it)."""
         if key not in self._manifests:
             self._manifests[key] = build()
@@ -440,25 +420,14 @@ class HostService:
         except ValueError as e:
             self._error(conn, stream_id, str(e))
             return
-        holders = self._holders(conn.peer_name, manifest) if want == [] and manifest.kind != "asker" else []
-        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(have), chunks, holders))
-
-    def _holders(self, asker: str, manifest: SliceManifest) -> list[m.Holder]:
-        """The members (trunks online, not refused, not distrusted) that say they hold some of the
-        manifest's layers: the fetcher pulls from them too (source_reports.py)."""
-        holders = self.sources.holders(asker, manifest.start, manifest.stop, {
-            name: (t.listen, t.holds) for name, t in self.trunks.items() if t.holds and t.conn.is_open and not t.refused})
-        if holders:
-            log.info("members holding %s for %s: %s", manifest.describe(), asker, ", ".join(
-                f"{h.name} [{h.start}, {h.stop})" for h in holders))
-        return holders
+        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(have), chunks))
 
     async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest: SliceManifest, have: set[str],
-                          want: list[tuple[int, int]] | None, holders: list[m.Holder] | None = None) -> None:
+                          want: list[tuple[int, int]] | None) -> None:
         lock = self._sending_to.setdefault(conn.peer_name, asyncio.Lock())
         try:
-            if want == []:  # the manifest alone (and who else holds it): no need to wait
-                sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want, holders)
+            if want == []:  # the manifest alone: no need to wait
+                sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
             else:
                 async with lock:
                     sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
@@ -469,17 +438,6 @@ class HostService:
             trunk.served_bytes += sent
         if want is None:
             log.info("sent %.1f MB of %s to %s", sent / 1e6, manifest.describe(), conn.peer_name)
-
-    def _layer_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """What a trunk says it holds, within the model's layers (a claim: every chunk it sends is
-        checked by the fetcher against our hashes)."""
-        return [(a, min(b, self.plan.n_layer)) for a, b in ranges if a < min(b, self.plan.n_layer)]
-
-    def _bad_source(self, conn: SwarmProtocol, stream_id: int, message: m.BadSource) -> None:
-        """A fetching member got a wrong chunk from another: counted against it, bounded
-        (source_reports.py); the host evicts nobody on it."""
-        self._ok(conn, stream_id, counted=[message.member] if self.sources.report(
-            conn.peer_name, message.member, message.reason) else [])
 
     # --- anyone ---
 
