@@ -20,7 +20,27 @@ from .errors import InputShapeError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .spec import ModelSpec
 
-_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# An expert node's fetched file (swarmctl/expert_slices.py) holds only experts [first, last) of
+# each expert tensor, and says which in these keys.
+FIRST_KEY, LAST_KEY = "swarmctl.experts.first", "swarmctl.experts.last"
+
+
+def expert_slabs(gguf: GGUFFile, layer: int, first: int, last: int) -> list[tuple[int, str, object, int, int]]:
+    """Where experts [first, last) of ``layer``'s expert tensors lie in ``gguf``: (layer, stem, tensor
+    info, byte offset in its part, bytes) for each expert tensor the layer has, in EXPERT_TENSORS'
+    order. The file may be the model's or an expert node's cut to the experts it holds (FIRST_KEY)."""
+    spec = ModelSpec.from_gguf(gguf)
+    held_first, held_last = int(gguf.get(FIRST_KEY, 0)), int(gguf.get(LAST_KEY, spec.n_expert))
+    if not held_first <= first < last <= held_last:
+        raise UnsupportedModelError(f"{gguf.path.name} holds experts [{held_first}, {held_last}), not [{first}, {last})")
+    out = []
+    for stem in EXPERT_TENSORS:
+        info = gguf.tensors.get(f"blk.{layer}.{stem}.weight")
+        if info is not None:
+            slab = info.n_bytes // (held_last - held_first)
+            out.append((layer, stem, info, info.offset + (first - held_first) * slab, (last - first) * slab))
+    return out
 
 
 def rows_for(selected: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,16 +67,13 @@ class ExpertEngine:
         if not self.moe_layers:
             raise UnsupportedModelError(f"layers [{layers.start}, {layers.stop}) have no experts")
         for il in self.moe_layers:
-            for stem in _EXPERT_TENSORS:
+            for stem in EXPERT_TENSORS:
                 info = gguf.tensors.get(f"blk.{il}.{stem}.weight")
                 if info is None:
                     raise UnsupportedModelError(f"layer {il} has no {stem} tensor")
                 infos.append((il, stem, info))
         self._ctx = ggml.new_context(len(infos) + 1)
-        spans = []
-        for il, stem, info in infos:
-            slab = info.n_bytes // self.spec.n_expert
-            spans.append((il, stem, info, info.offset + first * slab, (last - first) * slab))
+        spans = [span for il in self.moe_layers for span in expert_slabs(gguf, il, first, last)]
         # one buffer over the mapped bytes of each part that holds some (a split model's parts are mapped apart)
         for part in sorted({info.part for _, _, info, _, _ in spans}):
             in_part = [(offset, size) for _, _, info, offset, size in spans if info.part == part]

@@ -136,6 +136,9 @@ class FetchSlice(Message, tag="fetch_slice"):
     stop: Layer
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
     want: ChunkIds | None = None  # None: manifest and all chunks not in have; []: manifest alone; else those
+    # [first, last): an expert node asks for just those experts of the layers' expert tensors
+    # (swarmctl/expert_slices.py); []: the layers whole
+    experts: Annotated[list[Layer], msgspec.Meta(max_length=2)] = []
 
 
 class FetchAskerPart(Message, tag="fetch_asker_part"):
@@ -380,6 +383,9 @@ class Prove(Message, tag="prove"):
     nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
     windows: list[list[int]]  # [[layer, offset, length], ...]; layer_proof.check_windows bounds them
     probe: ProbeSpec | None = None
+    # an expert node's [first, last): the windows are over those experts' slabs of each layer's
+    # expert tensors (all it holds of a layer), and there is no probe; []: over whole layers
+    experts: Annotated[list[Layer], msgspec.Meta(max_length=2)] = []
 
 
 class ProbeRun(Message, tag="probe_run"):

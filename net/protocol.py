@@ -28,6 +28,7 @@ from .wire import DEFAULT_MAX_FRAME, Frame, FrameDecoder, WireError
 log = logging.getLogger("swarmctl.net")
 
 STREAM_ERROR_BAD_FRAME = 0x101  # application error code for a reset stream
+STREAM_ERROR_NOT_WANTED = 0x102  # ... for a stream whose data we no longer want (STOP_SENDING)
 # What a peer may make us hold in frames it has not finished sending. aioquic keeps raising its
 # flow-control windows as we read, so these are the only bound. A joiner (no certificate yet)
 # sends one small CSR; a member's budget leaves room for many large prefills in flight at once.
@@ -92,6 +93,8 @@ class SwarmProtocol(QuicConnectionProtocol):
         elif isinstance(event, events.StreamReset):
             self._forget_stream(event.stream_id)
             self._fail_waiter(event.stream_id, ConnectionResetError("the peer reset the stream"))
+        elif isinstance(event, events.StopSendingReceived):
+            self._wake_senders()  # a sender waiting in drain() for this stream: nothing more will drain
         elif isinstance(event, events.ConnectionTerminated):
             self.is_open = False
             self.ended = True
@@ -247,7 +250,9 @@ class SwarmProtocol(QuicConnectionProtocol):
 
     def _backlog(self, stream_id: int) -> int:
         stream = self._quic._streams.get(stream_id)
-        return len(stream.sender._buffer) if stream is not None else 0
+        if stream is None or stream.sender._reset_error_code is not None:
+            return 0  # (a reset stream's buffer is never sent nor acknowledged: its next send raises)
+        return len(stream.sender._buffer)
 
     def _wake_senders(self) -> None:
         if self._progress is not None and not self._progress.done():
@@ -282,6 +287,17 @@ class SwarmProtocol(QuicConnectionProtocol):
             self._quic.reset_stream(stream_id, STREAM_ERROR_BAD_FRAME)
         except (ValueError, AssertionError):
             pass  # e.g. a peer-initiated unidirectional stream we cannot send on
+        self.transmit()
+
+    def abandon(self, stream_id: int) -> None:
+        """We no longer want what the peer sends on a stream we opened (a fetch's batch whose
+        chunks came from elsewhere first): ask it to stop sending, and drop what still arrives."""
+        self._forget_stream(stream_id)
+        self._dead_streams.add(stream_id)
+        try:
+            self._quic.stop_stream(stream_id, STREAM_ERROR_NOT_WANTED)
+        except (ValueError, AssertionError):
+            pass  # (the peer had ended it already)
         self.transmit()
 
     def _forget_stream(self, stream_id: int) -> None:

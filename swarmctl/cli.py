@@ -29,6 +29,7 @@ class CommandInfo:
 
 COMMANDS: dict[str, CommandInfo] = {
     "ask": CommandInfo("swarmctl.commands.ask", "ask the model and stream its answer"),
+    "chat": CommandInfo("swarmctl.commands.chat", "chat with the model in the terminal (/help inside)"),
     "serve": CommandInfo("swarmctl.commands.serve", "serve the model over an OpenAI-compatible HTTP API"),
     "init": CommandInfo("swarmctl.commands.init", "create a swarm here (this machine becomes the host)"),
     "invite": CommandInfo("swarmctl.commands.invite", "print a one-line invite code for a friend"),

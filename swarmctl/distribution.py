@@ -38,14 +38,15 @@ import logging
 import os
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
 from gguf import GGUFValueType
 
 from kernels.errors import EngineError
-from kernels.gguf_file import DEFAULT_ALIGNMENT, HASH_CHUNK, GGUFFile, encode_kv, tensor_hash_of, write_header
+from kernels.gguf_file import (DEFAULT_ALIGNMENT, HASH_CHUNK, GGUFFile, encode_kv, layer_hash_of, tensor_hash_of,
+                               write_header)
 from kernels.spec import ModelSpec, layer_of
 from net import messages as m
 from net.protocol import SwarmProtocol
@@ -90,22 +91,57 @@ class SliceManifest:
     alignment: int
     tensors: list[TensorEntry]
     mirror: str = ""  # a folder URL serving the model's files with Range requests ("": none)
+    # kind "experts" (an expert node's, swarmctl/expert_slices.py): experts [first_expert,
+    # last_expert) of the model's n_expert, of each expert tensor of layers [start, stop); only the
+    # chunks holding them are fetched and only their bytes kept. other_tensors: the hashes of the
+    # layers' other tensors, so that the member can check the manifest against the plan's layer hashes.
+    first_expert: int = 0
+    last_expert: int = 0
+    n_expert: int = 0
+    other_tensors: dict[str, str] = field(default_factory=dict)
 
     @property
     def n_bytes(self) -> int:
-        return sum(t.n_bytes for t in self.tensors)
+        """The bytes a fetch moves."""
+        return sum(self.chunk_sizes().values())
 
     def describe(self) -> str:
+        if self.kind == "experts":
+            return f"experts [{self.first_expert}, {self.last_expert}) of layers [{self.start}, {self.stop})"
         return f"layers [{self.start}, {self.stop})" if self.kind == "layers" else \
             f"the asker's part ({self.start} layers at each end)"
 
+    def window(self, tensor: int) -> tuple[int, int]:
+        """The bytes of tensor #``tensor`` the member keeps: all of them, or (an expert node) the
+        slabs of its experts, one after another in an expert tensor."""
+        n_bytes = self.tensors[tensor].n_bytes
+        if self.kind != "experts":
+            return 0, n_bytes
+        slab = n_bytes // self.n_expert
+        return self.first_expert * slab, self.last_expert * slab
+
+    def stored(self, tensor: int) -> tuple[tuple[int, ...], int]:
+        """Shape (ggml order) and bytes of the tensor as the member's file holds it."""
+        t = self.tensors[tensor]
+        lo, hi = self.window(tensor)
+        if (lo, hi) == (0, t.n_bytes):
+            return tuple(t.shape), t.n_bytes
+        return (*t.shape[:-1], self.last_expert - self.first_expert), hi - lo
+
+    def chunk_range(self, tensor: int) -> range:
+        """The chunks of tensor #``tensor`` that hold bytes the member keeps."""
+        lo, hi = self.window(tensor)
+        return range(lo // CHUNK, -(-hi // CHUNK))
+
     def chunk_ids(self) -> list[str]:
-        return [f"{i}:{j}" for i, t in enumerate(self.tensors) for j in range(-(-t.n_bytes // CHUNK))]
+        return [f"{i}:{j}" for i in range(len(self.tensors)) for j in self.chunk_range(i)]
 
     def to_dict(self) -> dict:
         return {"model_hash": self.model_hash, "kind": self.kind, "start": self.start, "stop": self.stop,
                 "n_kv": self.n_kv, "kv": base64.b64encode(self.kv).decode(), "alignment": self.alignment,
-                "tensors": [asdict(t) for t in self.tensors], "mirror": self.mirror}
+                "tensors": [asdict(t) for t in self.tensors], "mirror": self.mirror,
+                **({"experts": [self.first_expert, self.last_expert, self.n_expert],
+                    "other_tensors": self.other_tensors} if self.kind == "experts" else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SliceManifest":
@@ -116,8 +152,14 @@ class SliceManifest:
             if t.n_bytes < 0 or len(t.chunks) != -(-t.n_bytes // CHUNK):
                 raise ValueError(f"tensor {t.name}: {len(t.chunks)} chunk hashes for {t.n_bytes} bytes")
         kind = str(d["kind"])
-        if kind not in ("layers", "asker"):
+        if kind not in ("layers", "asker", "experts"):
             raise ValueError(f"unknown kind {kind!r}")
+        first, last, n_expert = (int(x) for x in d.get("experts", [0, 0, 0])) if kind == "experts" else (0, 0, 0)
+        if kind == "experts" and not 0 <= first < last <= n_expert:
+            raise ValueError(f"experts [{first}, {last}) of {n_expert}")
+        if kind == "experts" and any(len(t.shape) != 3 or t.n_bytes % n_expert for t in tensors):
+            raise ValueError("an expert tensor that does not hold one slab per expert")
+        other = {str(k): str(v) for k, v in d.get("other_tensors", {}).items()} if kind == "experts" else {}
         alignment = int(d["alignment"])
         if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
             raise ValueError(f"alignment {alignment}")
@@ -125,12 +167,12 @@ class SliceManifest:
         if mirror and not mirror.startswith(("http://", "https://")):
             raise ValueError(f"mirror {mirror!r} is not an HTTP(S) URL")
         return cls(str(d["model_hash"]), kind, int(d["start"]), int(d["stop"]), int(d["n_kv"]),
-                   base64.b64decode(d["kv"], validate=True), alignment, tensors, mirror)
+                   base64.b64decode(d["kv"], validate=True), alignment, tensors, mirror, first, last, n_expert, other)
 
     def chunk_sizes(self) -> dict[str, int]:
         """Every chunk's id ("tensor:index") and size, in the order the slice's file holds them."""
         return {f"{i}:{j}": min(CHUNK, t.n_bytes - j * CHUNK)
-                for i, t in enumerate(self.tensors) for j in range(-(-t.n_bytes // CHUNK))}
+                for i, t in enumerate(self.tensors) for j in self.chunk_range(i)}
 
 
 # --- the side that fetches ---
@@ -170,7 +212,8 @@ class SliceFile:
     def _create(self) -> None:
         self.final.parent.mkdir(parents=True, exist_ok=True)
         write_header(self.part, self.manifest.n_kv, self.manifest.kv,
-                     [(t.name, tuple(t.shape), t.ggml_type, t.n_bytes) for t in self.manifest.tensors],
+                     [(t.name, shape, t.ggml_type, n_bytes) for t, (shape, n_bytes) in
+                      zip(self.manifest.tensors, map(self.manifest.stored, range(len(self.manifest.tensors))))],
                      self.manifest.alignment)
         self.progress.write_text("")
 
@@ -186,9 +229,11 @@ class SliceFile:
 
     def write(self, tensor: int, offset: int, data: bytes) -> None:
         self.check(tensor, offset, data)
+        lo, hi = self.manifest.window(tensor)  # an expert node keeps only its experts' bytes of a chunk
+        a, b = max(offset, lo), min(offset + len(data), hi)
         with open(self.part, "r+b") as f:
-            f.seek(self.offsets[tensor] + offset)
-            f.write(data)
+            f.seek(self.offsets[tensor] + a - lo)
+            f.write(data[a - offset:b - offset])
         with open(self.progress, "a") as f:
             f.write(f"{tensor}:{offset // CHUNK}\n")
         self.done.add(f"{tensor}:{offset // CHUNK}")
@@ -202,9 +247,9 @@ class SliceFile:
         """Check every tensor against its hash (and, for layers, each layer against the plan's);
         only a verified file takes its final name."""
         with GGUFFile(self.part) as gguf:
-            bad = [t.name for t in self.manifest.tensors if gguf.tensor_hash(t.name) != t.hash]
-            layers = range(self.manifest.start, self.manifest.stop) if self.manifest.kind == "layers" else ()
-            bad_layers = [i for i in layers if gguf.layer_hash(i) != layer_hashes[i]]
+            bad = [t.name for i, t in enumerate(self.manifest.tensors) if not self._intact(gguf, i)]
+            layers = range(self.manifest.start, self.manifest.stop) if self.manifest.kind != "asker" else ()
+            bad_layers = [i for i in layers if self._layer_hash(gguf, i) != layer_hashes[i]]
         if bad or bad_layers:
             self.part.unlink(missing_ok=True)
             self.progress.unlink(missing_ok=True)
@@ -213,6 +258,30 @@ class SliceFile:
         os.replace(self.part, self.final)
         self.progress.unlink(missing_ok=True)
         return self.final
+
+    def _intact(self, gguf: GGUFFile, tensor: int) -> bool:
+        """The tensor's bytes on disk still hash as they should: the whole tensor, or (an expert
+        node's) each chunk wholly inside what it keeps (the chunks at its edges were checked whole
+        when they arrived; only their kept part is on disk)."""
+        entry = self.manifest.tensors[tensor]
+        lo, hi = self.manifest.window(tensor)
+        if (lo, hi) == (0, entry.n_bytes):
+            return gguf.tensor_hash(entry.name) == entry.hash
+        data = gguf.tensor_bytes(gguf.tensors[entry.name])
+        inner = range(-(-lo // CHUNK), hi // CHUNK if hi < entry.n_bytes else -(-hi // CHUNK))
+        return all(hashlib.sha256(data[j * CHUNK - lo:min((j + 1) * CHUNK, entry.n_bytes) - lo]).hexdigest()
+                   == entry.chunks[j] for j in inner)
+
+    def _layer_hash(self, gguf: GGUFFile, layer: int) -> str:
+        """A layer's hash as the file's tensors give it or, for an expert node holding only its
+        experts' slabs, as the manifest's tensor hashes give it: the host's chunk hashes check out
+        against the plan's layer hashes only if they are the model's."""
+        if self.manifest.kind != "experts":
+            return gguf.layer_hash(layer)
+        prefix = f"blk.{layer}."
+        hashes = {t.name: t.hash for t in self.manifest.tensors if t.name.startswith(prefix)}
+        return layer_hash_of({**{k: v for k, v in self.manifest.other_tensors.items() if k.startswith(prefix)},
+                              **hashes})
 
 
 # --- the side that has the model ---

@@ -79,45 +79,64 @@ class ProofError(Exception):
 
 # --- the layer check (both sides) ---
 
-def layer_size(gguf: GGUFFile, layer: int) -> int:
-    return sum(gguf.tensors[n].n_bytes for n in gguf.layer_tensor_names(layer))
+Experts = "tuple[int, int] | None"  # an expert node's [first, last): windows over those experts' bytes only
 
 
-def holds(gguf: GGUFFile, layers: Iterable[int]) -> bool:
-    return all(gguf.layer_tensor_names(layer) for layer in layers)
+def _pieces(gguf: GGUFFile, layer: int, experts: Experts = None) -> list[memoryview]:
+    """A layer's bytes as the check lays them end to end: its tensors' data or, for an expert node,
+    the slabs of its experts [first, last) of the layer's expert tensors (all it holds of the layer)."""
+    if experts is None:
+        return [gguf.tensor_bytes(gguf.tensors[n]) for n in gguf.layer_tensor_names(layer)]
+    from kernels.experts import expert_slabs
+
+    out = []
+    for _, _, info, offset, size in expert_slabs(gguf, layer, *experts):
+        start = offset - info.offset
+        out.append(gguf.tensor_bytes(info)[start:start + size])
+    return out
 
 
-def read_window(gguf: GGUFFile, layer: int, offset: int, length: int) -> bytes:
+def layer_size(gguf: GGUFFile, layer: int, experts: Experts = None) -> int:
+    return sum(len(piece) for piece in _pieces(gguf, layer, experts))
+
+
+def holds(gguf: GGUFFile, layers: Iterable[int], experts: Experts = None) -> bool:
+    try:
+        return all(layer_size(gguf, layer, experts) for layer in layers)
+    except Exception:  # noqa: BLE001 - a file without those experts holds nothing asked about
+        return False
+
+
+def read_window(gguf: GGUFFile, layer: int, offset: int, length: int, experts: Experts = None) -> bytes:
     """``length`` bytes at ``offset`` of the layer's tensor data laid end to end."""
     out = bytearray()
     skip = offset
-    for name in gguf.layer_tensor_names(layer):
-        info = gguf.tensors[name]
-        if skip >= info.n_bytes:
-            skip -= info.n_bytes
+    for piece in _pieces(gguf, layer, experts):
+        if skip >= len(piece):
+            skip -= len(piece)
             continue
-        out += gguf.tensor_bytes(info)[skip:skip + length - len(out)]
+        out += piece[skip:skip + length - len(out)]
         skip = 0
         if len(out) == length:
             return bytes(out)
     raise ProofError(f"window [{layer}, {offset}, {length}] runs past the layer's bytes")
 
 
-def window_digest(gguf: GGUFFile, nonce: bytes, windows: Sequence[Sequence[int]]) -> str:
+def window_digest(gguf: GGUFFile, nonce: bytes, windows: Sequence[Sequence[int]], experts: Experts = None) -> str:
     digest = hashlib.sha256(nonce)
     for layer, offset, length in windows:
         digest.update(_WINDOW_HEADER.pack(layer, offset, length))
-        digest.update(read_window(gguf, layer, offset, length))
+        digest.update(read_window(gguf, layer, offset, length, experts))
     return digest.hexdigest()
 
 
 def new_windows(gguf: GGUFFile, layers: Sequence[int], n: int = WINDOWS,
-                length: int = WINDOW_BYTES) -> list[list[int]]:
+                length: int = WINDOW_BYTES, experts: Experts = None) -> list[list[int]]:
     """``n`` random windows, each over a random layer of ``layers`` (the host's choice, unpredictable)."""
     windows = []
     for _ in range(n):
         layer = layers[secrets.randbelow(len(layers))]
-        size = layer_size(gguf, layer)
+        size = layer_size(gguf, layer, experts)
         span = min(length, size)
         windows.append([layer, secrets.randbelow(size - span + 1), span])
     return windows
@@ -274,16 +293,19 @@ class Prover:
         windows = check_windows(message.windows)
         probe = message.probe
         layers = {w[0] for w in windows} | ({probe.layer} if probe is not None else set())
-        self._gguf = self._open_holding(sorted(layers))
+        experts = (message.experts[0], message.experts[1]) if len(message.experts) == 2 else None
+        if experts is not None and probe is not None:
+            raise ProofError("an expert node's check has no speed probe")
+        self._gguf = self._open_holding(sorted(layers), experts)
         for layer, offset, length in windows:
-            if offset + length > layer_size(self._gguf, layer):
+            if offset + length > layer_size(self._gguf, layer, experts):
                 raise ProofError(f"window [{layer}, {offset}, {length}] runs past the layer's bytes")
-        digest = window_digest(self._gguf, nonce, windows)
+        digest = window_digest(self._gguf, nonce, windows, experts)
         if probe is not None:
             self._probe = _Probe(self._gguf, probe.layer, probe.steps, self.n_threads)
         return m.Proof(digest=digest)
 
-    def _open_holding(self, layers: list[int]) -> GGUFFile:
+    def _open_holding(self, layers: list[int], experts: Experts = None) -> GGUFFile:
         sources = [Path(p) for p in self.sources()]
         for path in [p for p in self._files if p not in sources]:
             self._files.pop(path).close()
@@ -294,7 +316,7 @@ class Prover:
                     gguf = self._files[path] = GGUFFile(path)
                 except Exception:  # noqa: BLE001 - a file that cannot be read holds nothing
                     continue
-            if holds(gguf, layers):
+            if holds(gguf, layers, experts):
                 return gguf
         raise ProofError(f"this trunk does not hold layers {layers[0]}..{layers[-1]}", missing=True)
 
@@ -341,7 +363,7 @@ class Outcome:
 
 async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer: int | None = None,
                     claimed_ms: float | None = None, timeout: float | None = None,
-                    timing_lock: asyncio.Lock | None = None) -> Outcome:
+                    timing_lock: asyncio.Lock | None = None, experts: Experts = None) -> Outcome:
     """Check that the trunk at ``conn`` holds ``layers`` and, with ``probe_layer``, time it on that
     layer. ``timing_lock`` keeps the host's probes one at a time (trunks that share a machine
     would otherwise slow each other's runs, and the host's own check of the outputs with them)."""
@@ -359,9 +381,9 @@ async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer:
             raise ProofError(str(e)[:200]) from None
 
     nonce = secrets.token_bytes(16)
-    windows = new_windows(gguf, list(layers))
+    windows = new_windows(gguf, list(layers), experts=experts)
     outcome.bytes_read = sum(w[2] for w in windows)
-    want = await asyncio.to_thread(window_digest, gguf, nonce, windows)
+    want = await asyncio.to_thread(window_digest, gguf, nonce, windows, experts)
     spec = ModelSpec.from_gguf(gguf)
     n_embd = spec.n_embd
     probe = None
@@ -370,7 +392,8 @@ async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer:
         probe = m.ProbeSpec(layer=probe_layer, steps=outcome.steps)
     try:
         t0 = time.perf_counter()
-        reply = await ask(m.Prove(nonce=nonce.hex(), windows=windows, probe=probe), m.Proof)
+        reply = await ask(m.Prove(nonce=nonce.hex(), windows=windows, probe=probe, experts=list(experts or ())),
+                          m.Proof)
         outcome.proof_ms = (time.perf_counter() - t0) * 1e3
         if reply.digest != want:
             outcome.problem = "failed the layer check: its bytes at random offsets are not the model's"

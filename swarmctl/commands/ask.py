@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from kernels.sampling import SamplingParams
-from swarmctl.commands.options import add_asker_options, positive_int
+from swarmctl.commands.options import add_asker_options, add_sampling_options, sampling_params, session_options
 from swarmctl.errors import UsageError
 
 log = logging.getLogger("swarmctl.ask")
@@ -31,12 +31,7 @@ log = logging.getLogger("swarmctl.ask")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the question (or, with --raw, the text to continue)")
     add_asker_options(parser, model_default="the bundled SmolLM2-135M-Instruct")
-    parser.add_argument("--max-tokens", type=positive_int, default=256, metavar="N", help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.2, metavar="T",
-                        help="0 = greedy (default 0.2, as the SmolLM2 model card recommends)")
-    parser.add_argument("--top-k", type=int, default=40, metavar="K", help="sample from the K likeliest (0 = all)")
-    parser.add_argument("--top-p", type=float, default=0.9, metavar="P", help="nucleus sampling mass (default 0.9)")
-    parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    add_sampling_options(parser, max_tokens=256, max_tokens_help="tokens to generate")
     parser.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     parser.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
     parser.add_argument("--uplink-noise", type=float, default=0.0, metavar="S",
@@ -50,13 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise UsageError("swarmctl ask: the prompt is empty (give the question as an argument: swarmctl ask \"...\")")
-    if not 0.0 < args.top_p <= 1.0:
-        raise UsageError("--top-p must be in (0, 1]")
-    if args.temperature < 0:
-        raise UsageError("--temperature must be 0 or more")
+    sampling = sampling_params(args)
     if not args.uplink_noise >= 0:
         raise UsageError("--uplink-noise must be 0 or more")
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.trace is not None:
         from swarmctl.asker.trace import check_trace_file
 
@@ -65,13 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _ask(args: argparse.Namespace, sampling: SamplingParams) -> int:
-    from swarmctl.asker.session import SessionOptions, open_session
+    from swarmctl.asker.session import open_session
 
-    options = SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
-                             head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
-                             verify=args.verify, device=args.device, speculate=args.speculate,
-                             draft_model=args.draft_model, draft_tokens=args.draft_tokens, trace=args.trace is not None)
-    async with open_session(options) as session:
+    async with open_session(session_options(args, trace=args.trace is not None)) as session:
         if args.uplink_noise:
             from swarmctl.audit.noise import UplinkNoise
 

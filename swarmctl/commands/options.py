@@ -69,3 +69,36 @@ def add_device_option(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"where {what} compute: auto (default: the first GPU this build of llama.cpp "
                              f"offers, else the CPU), cpu, cuda[:N], metal, vulkan[:N], rocm[:N]; "
                              f"'swarmctl devices' lists them")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int | None, max_tokens_help: str) -> None:
+    """How answers are sampled (``ask`` and ``chat``): --max-tokens, --temperature, --top-k,
+    --top-p, --seed; ``sampling_params`` checks them."""
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N", help=max_tokens_help)
+    parser.add_argument("--temperature", type=float, default=0.2, metavar="T",
+                        help="0 = greedy (default 0.2, as the SmolLM2 model card recommends)")
+    parser.add_argument("--top-k", type=int, default=40, metavar="K", help="sample from the K likeliest (0 = all)")
+    parser.add_argument("--top-p", type=float, default=0.9, metavar="P", help="nucleus sampling mass (default 0.9)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The sampling options as the asker takes them; a value out of range is a UsageError."""
+    from kernels.sampling import SamplingParams
+    from swarmctl.errors import UsageError
+
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError("--top-p must be in (0, 1]")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be 0 or more")
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def session_options(args: argparse.Namespace, *, trace: bool = False):
+    """The asker options (``add_asker_options``) as ``open_session`` takes them."""
+    from swarmctl.asker.session import SessionOptions
+
+    return SessionOptions(transport=args.transport, model=args.model, trunk_nodes=args.trunk_nodes,
+                          head_layers=args.head_layers, stages=args.stages, threads=args.threads, ctx=args.ctx,
+                          verify=args.verify, device=args.device, speculate=args.speculate,
+                          draft_model=args.draft_model, draft_tokens=args.draft_tokens, trace=trace)

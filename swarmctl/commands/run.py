@@ -58,6 +58,17 @@ def _size_text(text: str) -> str:
     return text
 
 
+def _upload_rate(text: str) -> float:
+    """argparse type for --upload-mbit: a rate of 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e6:
+        raise argparse.ArgumentTypeError(f"invalid rate {text!r}: Mbit/s, 0 or more (0 serves no layers)")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["host", "trunk"], required=True)
     parser.add_argument("--memory", metavar="SIZE", type=_size_text,
@@ -74,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", action="store_true",
                         help="trunk: also relay links that hole punching cannot open (symmetric NATs); "
                              "for a machine others can reach: it forwards their encrypted datagrams")
+    parser.add_argument("--upload-mbit", type=_upload_rate, default=10.0, metavar="MBIT",
+                        help="trunk: upload rate in Mbit/s for serving the layers it holds to members fetching them "
+                             "(default 10; 0: serve none)")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
     # host: write the address it listens on to FILE once it does (a local swarm waits for it: swarmctl/local_swarm.py)
     parser.add_argument("--ready-file", metavar="FILE", help=argparse.SUPPRESS)
@@ -106,7 +120,7 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
     ram = parse_size(args.memory) if args.memory and not device.is_cpu else 0
     options = TrunkOptions(memory=memory, n_threads=args.threads, device=device,
                            capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise,
-                           relay=args.relay, ram=ram)
+                           relay=args.relay, ram=ram, upload_mbit=args.upload_mbit)
     service = TrunkService(home, options, stop)
     log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
              f", offering {service.memory / 1e9:.1f} GB of its memory" if not device.is_cpu else "")

@@ -30,6 +30,7 @@ import time
 from typing import Awaitable, Callable, Coroutine
 
 from kernels.gguf_file import GGUFFile
+from kernels.spec import ModelSpec
 from plans.hysteresis import SPEED_FACTOR
 from net.messages import MS_PER_LAYER
 from swarmctl import layer_proof
@@ -175,9 +176,11 @@ class ClaimChecks:
             trunk.check_error = ""
             return
 
-    async def _challenge(self, trunk: TrunkInfo, layers: list[int], probe_layer: int | None) -> layer_proof.Outcome:
+    async def _challenge(self, trunk: TrunkInfo, layers: list[int], probe_layer: int | None,
+                         experts: tuple[int, int] | None = None) -> layer_proof.Outcome:
         return await layer_proof.challenge(trunk.conn, self.gguf, layers, probe_layer=probe_layer,
-                                           claimed_ms=trunk.ms_per_layer_token, timing_lock=self._timing_lock)
+                                           claimed_ms=trunk.ms_per_layer_token, timing_lock=self._timing_lock,
+                                           experts=experts)
 
     async def _check_registration(self, name: str, trunk: TrunkInfo) -> None:
         lo, hi = self.plan.trunk_range
@@ -200,9 +203,11 @@ class ClaimChecks:
         version, start, stop = key
         plan = self.planning.plan_of(version) or self.plan
         expert = plan.expert_for(name) is not None
-        layers = list(range(*plan.trunk_range)) if expert else list(range(start, stop))
+        # an expert node holds its experts of the MoE layers (maybe nothing else: a fetched file)
+        layers = [il for il in range(*plan.trunk_range) if ModelSpec.from_gguf(self.gguf).is_moe_layer(il)] if expert \
+            else list(range(start, stop))
         probe = layers[secrets.randbelow(len(layers))] if trunk.measured_ms_per_layer is None and not expert else None
-        outcome = await self._challenge(trunk, layers, probe)
+        outcome = await self._challenge(trunk, layers, probe, (start, stop) if expert else None)
         if trunk.proving == key:
             trunk.proving = None
         if not self._current(name, trunk):

@@ -37,6 +37,7 @@ from .liveness import unanswered, watch_trunks
 from .planning import PlanKeeper
 from .rendezvous import NoRoute, Rendezvous
 from .reports import AskerReports
+from .source_reports import SourceReports
 from .model_hashes import CACHE_FOLDER as HASH_CACHE_FOLDER, model_hashes
 from .status import StatusSources, swarm_status
 from .trunks import TrunkInfo, Trunks, observed, reachable_address
@@ -68,6 +69,7 @@ class HostService:
                                    stage_requests=self._stage_requests)
         self.checks = ClaimChecks(self.gguf, self.planning)
         self.reports = AskerReports()
+        self.sources = SourceReports()  # who holds which layers for fetches, and reports of wrong chunks
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
         # serve, top), so "online" means any of them is open, and revoking closes them all.
         self.connections: set[SwarmProtocol] = set()
@@ -89,6 +91,7 @@ class HostService:
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
             m.Probe: self._probe, m.Reach: self._reach, m.Unanswered: self._unanswered,
+            m.BadSource: self._bad_source,
         })
         self.joins = Dispatcher({m.Join: self._join})
         self.rendezvous: Rendezvous | None = None  # once the host listens
@@ -275,6 +278,7 @@ class HostService:
                                                         local=message.local, relay=message.relay,
                                                         datagram_us=message.datagram_us,
                                                         prompt_ms_per_layer_row=message.prompt_ms_per_layer_row,
+                                                        holds=self._layer_ranges(message.holds),
                                                         **_ram_offer(message))
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer%s", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured",
@@ -291,6 +295,7 @@ class HostService:
             if message.placement != trunk.placement and message.placement not in ("", trunk.device):
                 log.info("trunk %s computes its stage on %s", conn.peer_name, message.placement)
             trunk.placement = message.placement
+            trunk.holds = self._layer_ranges(message.holds)
             self.checks.when_ready(conn.peer_name, trunk, message.plan_version)
         self._ok(conn, stream_id)
 
@@ -420,14 +425,25 @@ class HostService:
         except ValueError as e:
             self._error(conn, stream_id, str(e))
             return
-        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(have), chunks))
+        holders = self._holders(conn.peer_name, manifest) if want == [] and manifest.kind != "asker" else []
+        asyncio.ensure_future(self._send_slice(conn, stream_id, manifest, set(have), chunks, holders))
+
+    def _holders(self, asker: str, manifest: SliceManifest) -> list[m.Holder]:
+        """The members (trunks online, not refused, not distrusted) that say they hold some of the
+        manifest's layers: the fetcher pulls from them too (source_reports.py)."""
+        holders = self.sources.holders(asker, manifest.start, manifest.stop, {
+            name: (t.listen, t.holds) for name, t in self.trunks.items() if t.holds and t.conn.is_open and not t.refused})
+        if holders:
+            log.info("members holding %s for %s: %s", manifest.describe(), asker, ", ".join(
+                f"{h.name} [{h.start}, {h.stop})" for h in holders))
+        return holders
 
     async def _send_slice(self, conn: SwarmProtocol, stream_id: int, manifest: SliceManifest, have: set[str],
-                          want: list[tuple[int, int]] | None) -> None:
+                          want: list[tuple[int, int]] | None, holders: list[m.Holder] | None = None) -> None:
         lock = self._sending_to.setdefault(conn.peer_name, asyncio.Lock())
         try:
-            if want == []:  # the manifest alone: no need to wait
-                sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
+            if want == []:  # the manifest alone (and who else holds it): no need to wait
+                sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want, holders)
             else:
                 async with lock:
                     sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
@@ -438,6 +454,17 @@ class HostService:
             trunk.served_bytes += sent
         if want is None:
             log.info("sent %.1f MB of %s to %s", sent / 1e6, manifest.describe(), conn.peer_name)
+
+    def _layer_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """What a trunk says it holds, within the model's layers (a claim: every chunk it sends is
+        checked by the fetcher against our hashes)."""
+        return [(a, min(b, self.plan.n_layer)) for a, b in ranges if a < min(b, self.plan.n_layer)]
+
+    def _bad_source(self, conn: SwarmProtocol, stream_id: int, message: m.BadSource) -> None:
+        """A fetching member got a wrong chunk from another: counted against it, bounded
+        (source_reports.py); the host evicts nobody on it."""
+        self._ok(conn, stream_id, counted=[message.member] if self.sources.report(
+            conn.peer_name, message.member, message.reason) else [])
 
     # --- anyone ---
 

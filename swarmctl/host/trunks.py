@@ -62,6 +62,7 @@ class TrunkInfo:
     ram_bytes: int = 0  # a GPU member's host RAM for routed experts, and its rate, as it measured
     ram_gb_s: float = 0.0
     prompt_ms_per_layer_row: float | None = None  # its word: only first-token times are computed with it
+    holds: list[tuple[int, int]] = field(default_factory=list)  # layer ranges it serves to fetching members
 
     @property
     def behind_nat(self) -> bool:

@@ -349,11 +349,10 @@ class Assignment:
             await loop.run_in_executor(self._executor, self.unload)
             self.stage = None
             try:
-                if not self.model_path.exists():
-                    raise EngineError("an expert node needs the model file (expert slices are not fetched yet)")
-                await loop.run_in_executor(self._executor, self._open_experts, range(start, stop),
+                model = await self._experts_file(expert, self.plan)
+                await loop.run_in_executor(self._executor, self._open_experts, model, range(start, stop),
                                            expert.start, expert.stop)
-            except EngineError as e:
+            except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
                 log.error("%s", e)
                 await self._host.tell(m.Refuse(reason=str(e)))
                 return
@@ -367,10 +366,32 @@ class Assignment:
                      start, stop, plan.version)
         self._reapply_if_moved(plan)
 
-    def _open_experts(self, layers: range, first: int, last: int) -> None:
-        """On the compute thread."""
+    async def _experts_file(self, expert: ExpertAssignment, plan: Plan) -> Path:
+        """Our model file, or a file with just our experts of the trunk's layers, fetched if need be."""
+        if self.model_path.exists():
+            return self.model_path
+        from swarmctl.expert_slices import fetch_experts
+
+        if not self._host.is_open:
+            raise EngineError("no model file and no host to fetch experts from")
+        start, stop = plan.trunk_range
+        what = f"experts [{expert.start}, {expert.stop}) of layers [{start}, {stop})"
+        path, received = await fetch_experts(
+            self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
+            model_hash=plan.model_hash, start=start, stop=stop, first=expert.start, last=expert.stop,
+            layer_hashes=plan.layer_hashes,
+            on_progress=lambda have, total: log.info("fetching %s: %.1f / %.1f MB (%.0f%%)", what, have / 1e6,
+                                                     total / 1e6, 100 * have / total))
+        self.fetched_bytes += received
+        log.info("%s ready in %s (%.1f MB received)", what, path.name, received / 1e6)
+        return path
+
+    def _open_experts(self, model: Path, layers: range, first: int, last: int) -> None:
+        """On the compute thread. The model file is checked against the plan's layer hashes here;
+        a fetched experts file was checked, chunk by chunk and against those hashes, before it took
+        its name (it holds only some of each layer's bytes, so it cannot be hashed as a layer)."""
         self.unload()
-        gguf = open_checked(self.model_path, layers, self.plan)
+        gguf = open_checked(model, layers, self.plan) if model == self.model_path else GGUFFile(model)
         try:
             self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads)
             self.gguf = gguf

@@ -35,6 +35,7 @@ class TrunkOptions:
     device: Device | None = None  # where the slices compute (None: the CPU)
     relay: bool = False  # also relay links for members that cannot punch one (net/turn.py)
     ram: int = 0  # on a GPU: host RAM offered for the routed experts the device cannot hold (--memory there)
+    upload_mbit: float = 10.0  # serving held layers to fetching members (swarmctl/trunk/layer_share.py); 0: none
 
 
 @dataclass(frozen=True)

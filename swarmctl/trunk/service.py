@@ -37,6 +37,7 @@ from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.context import TrunkContext, TrunkOptions
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
+from swarmctl.trunk.layer_share import LayerShare, PeerFetches
 from swarmctl.trunk.requests import StageRequests
 from swarmctl.trunk.results import ResultStreams
 from swarmctl.trunk.speed_report import SpeedReport
@@ -84,7 +85,7 @@ class TrunkService:
         self._capture_seq = 0
         # What a trunk answers on streams other than the host's plan stream (net/dispatch.py).
         self.answers = Dispatcher({m.Subscribe: self._subscribe, m.Probe: self._probe, m.GetStats: self._stats,
-                                   m.AllocateRelay: self._relay_wanted,
+                                   m.AllocateRelay: self._relay_wanted, m.FetchChunks: self._fetch_chunks,
                                    **{challenge: self._challenge for challenge in CHALLENGES.values()}})
         self._server = None
         self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers (once run)
@@ -94,7 +95,12 @@ class TrunkService:
         self.expert_client = ExpertClient(
             self.ctx, lambda: self.held.plan.experts,
             on_unanswered=lambda member: self._spawn(self.host.tell(m.Unanswered(member=member))))
-        self.held = Assignment(self.ctx, self, self.host, self.speed, remote_experts=self.expert_client.forward)
+        # layers from everyone who holds them: what we hold, served; members we fetch from
+        self.share = LayerShare(self.name, self.ctx.model_path, self.ctx.slices_dir, options.upload_mbit,
+                                lambda: self.held.plan.model_hash if self.held.plan else None)
+        self.peers = PeerFetches(self._connect_member, self)
+        self.held = Assignment(self.ctx, self, self.host, self.speed, remote_experts=self.expert_client.forward,
+                               share=self.share, peers=self.peers)
         self.expert_server = ExpertServer(self.ctx.executor, lambda: self.held.experts)
         self.results = ResultStreams()
         self.requests = StageRequests(self.ctx, self.held, self.results, capture=self._capture,
@@ -171,6 +177,7 @@ class TrunkService:
     async def _shutdown(self) -> None:
         await self.host.close()
         await self.requests.close()
+        self.share.close()
         if self.dialer is not None:
             self.dialer.close()  # (the server and every connection on the socket)
         if self.relay is not None:
@@ -225,7 +232,8 @@ class TrunkService:
                           ms_per_layer_token=self.speed.ms_per_layer_token,
                           device=self.device.label if self.device is not None else "cpu",
                           local="" if self.advertise else self._local_address(), relay=self.relay is not None,
-                          datagram_us=self.datagram_us, prompt_ms_per_layer_row=self.speed.prompt_figure, **self._ram_offer())
+                          datagram_us=self.datagram_us, prompt_ms_per_layer_row=self.speed.prompt_figure,
+                          holds=self.share.holds(), **self._ram_offer())
 
     def _ram_offer(self) -> dict:
         """Host RAM for routed experts, with its measured rate: offered together or not at all."""
@@ -338,7 +346,8 @@ class TrunkService:
         self.requests.stream_ended(conn, stream_id)
 
     def frame_received(self, conn: SwarmProtocol, stream_id: int, frame: Frame) -> None:
-        if self.host.take_frame(conn, stream_id, frame) or self.probes.take_data(conn, stream_id, frame):
+        if self.host.take_frame(conn, stream_id, frame) or self.probes.take_data(conn, stream_id, frame) \
+                or self.peers.take_frame(conn, stream_id, frame):
             return
         self._capture("recv", frame)
         if frame.type == FrameType.CONTROL:
@@ -379,6 +388,14 @@ class TrunkService:
 
     def _relay_wanted(self, conn: SwarmProtocol, stream_id: int, request: m.AllocateRelay) -> None:
         self._spawn(self._allocate_relay(conn, stream_id))
+
+    def _fetch_chunks(self, conn: SwarmProtocol, stream_id: int, request: m.FetchChunks) -> None:
+        """A member fetching layers we hold (swarmctl/trunk/layer_share.py): only trunks fetch layers."""
+        refusal = Dispatcher.refusal(request, conn.peer_role, conn.peer_name)
+        if refusal is not None:
+            conn.send(stream_id, m.encode(m.Error(message=refusal)), end=True)
+            return
+        self._spawn(self.share.serve(conn, stream_id, request))
 
     def _stats(self, conn: SwarmProtocol, stream_id: int, request: m.GetStats) -> None:
         conn.send(stream_id, m.encode(self.stats()), end=True)

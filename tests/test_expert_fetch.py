@@ -1,0 +1,163 @@
+"""An expert node with no model file fetches exactly its experts (swarmctl/expert_slices.py).
+
+In one process first: the host's manifest for experts [first, last) of the trunk's layers, the
+member's file written chunk by chunk from the host's bytes (each chunk checked against the host's
+hash, only the experts' slabs kept), then that file's ExpertEngine against the model file's, bit
+for bit. With the real 1 MiB chunks a tiny model's expert tensor is one chunk; with 4 KiB chunks
+(the same code, the chunk size patched) the experts' slabs start and end inside chunks, which is
+what a real model's do. Then a real swarm whose two expert nodes have no model file.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+import kernels.gguf_file
+import swarmctl.distribution as distribution
+from kernels.errors import EngineError
+from kernels.experts import EXPERT_TENSORS, ExpertEngine
+from kernels.gguf_file import GGUFFile
+from kernels.spec import ModelSpec
+from swarmctl.distribution import SliceFile, SliceManifest, WrongChunk
+from swarmctl.expert_slices import build_expert_manifest, expert_slice_path
+from tests.conftest import N_THREADS
+from harness.swarm import Swarm, swarmctl
+
+LAYERS = range(1, 3)  # the tiny models' trunk: the asker keeps layers 0 and 3
+
+
+def _fetch_in_process(gguf: GGUFFile, folder, first: int, last: int) -> tuple[SliceManifest, SliceFile]:
+    """What fetch_file does with the host's bytes, without the wire: every chunk the manifest asks
+    for, checked and written."""
+    manifest = SliceManifest.from_dict(build_expert_manifest(gguf, LAYERS.start, LAYERS.stop, first, last,
+                                                             "ab" * 32).to_dict())
+    out = SliceFile(expert_slice_path(folder, manifest.model_hash, LAYERS.start, LAYERS.stop, first, last), manifest)
+    for chunk in manifest.chunk_ids():
+        i, j = (int(x) for x in chunk.split(":"))
+        data = gguf.tensor_bytes(gguf.tensors[manifest.tensors[i].name])
+        out.write(i, j * distribution.CHUNK, bytes(data[j * distribution.CHUNK:(j + 1) * distribution.CHUNK]))
+    assert out.complete
+    return manifest, out
+
+
+def _tensor_bytes(path) -> int:
+    with GGUFFile(path) as gguf:
+        return sum(t.n_bytes for t in gguf.tensors.values())
+
+
+@pytest.fixture(params=[None, 4096], ids=["1MiB-chunks", "4KiB-chunks"])
+def chunk(request, monkeypatch):
+    if request.param:
+        monkeypatch.setattr(kernels.gguf_file, "HASH_CHUNK", request.param)
+        monkeypatch.setattr(distribution, "CHUNK", request.param)
+    return distribution.CHUNK
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-q8_0", "deepseek2-f32"])
+def test_a_fetched_expert_file_holds_just_its_experts_and_computes_the_same_bits(tiny_model, tmp_path, chunk, name):
+    with GGUFFile(tiny_model(name)) as gguf:
+        spec = ModelSpec.from_gguf(gguf)
+        layer_hashes = [gguf.layer_hash(il) for il in range(spec.n_layer)]
+        for first, last in ((0, 3), (3, spec.n_expert)):
+            manifest, out = _fetch_in_process(gguf, tmp_path, first, last)
+            expert_names = {f"blk.{il}.{s}.weight" for il in LAYERS if spec.is_moe_layer(il) for s in EXPERT_TENSORS}
+            assert {t.name for t in manifest.tensors} == expert_names  # nothing but expert tensors
+            kept = sum(gguf.tensors[n].n_bytes // spec.n_expert * (last - first) for n in expert_names)
+            # what moved: the chunks holding its slabs, at most one chunk more at each end of each tensor
+            assert kept <= manifest.n_bytes <= kept + 2 * chunk * len(expert_names)
+            path = out.finish(layer_hashes)
+            with GGUFFile(path) as fetched:
+                assert sum(t.n_bytes for t in fetched.tensors.values()) == kept  # exactly its experts
+                mine = ExpertEngine(fetched, LAYERS, first, last, n_threads=N_THREADS)
+                full = ExpertEngine(gguf, LAYERS, first, last, n_threads=N_THREADS)
+                part = ExpertEngine(fetched, LAYERS, first + 1, last, n_threads=N_THREADS)  # a sub-range too
+                try:
+                    rng = np.random.default_rng(first)
+                    x = rng.standard_normal((6, spec.n_embd)).astype(np.float32)
+                    ids = rng.integers(first + 1, last, 6)
+                    for il in mine.moe_layers:
+                        np.testing.assert_array_equal(mine.forward(il, x, ids), full.forward(il, x, ids))
+                        np.testing.assert_array_equal(part.forward(il, x, ids), full.forward(il, x, ids))
+                finally:
+                    for engine in (mine, full, part):
+                        engine.close()
+
+
+def test_wrong_chunks_and_hashes_that_are_not_the_plans_are_refused(tiny_model, tmp_path, chunk):
+    with GGUFFile(tiny_model("qwen3moe-q8_0")) as gguf:
+        layer_hashes = [gguf.layer_hash(il) for il in range(ModelSpec.from_gguf(gguf).n_layer)]
+        manifest = build_expert_manifest(gguf, LAYERS.start, LAYERS.stop, 2, 5, "cd" * 32)
+        out = SliceFile(tmp_path / "x.gguf", manifest)
+        i, j = (int(x) for x in manifest.chunk_ids()[0].split(":"))
+        data = bytearray(gguf.tensor_bytes(gguf.tensors[manifest.tensors[i].name])[j * chunk:(j + 1) * chunk])
+        data[-1] ^= 1
+        with pytest.raises(WrongChunk):
+            out.write(i, j * chunk, bytes(data))
+        assert not out.done
+
+        # a manifest whose chunk hashes are self-consistent but not the model the plan names
+        _, out = _fetch_in_process(gguf, tmp_path / "other", 2, 5)
+        name = next(iter(out.manifest.other_tensors))
+        out.manifest.other_tensors[name] = "0" * 64
+        with pytest.raises(EngineError, match="do not match the swarm's hashes"):
+            out.finish(layer_hashes)
+        assert not list((tmp_path / "other").glob("*.gguf"))
+
+
+def test_a_host_refuses_expert_ranges_outside_the_model(tiny_model):
+    with GGUFFile(tiny_model("qwen3moe-q8_0")) as gguf:
+        with pytest.raises(EngineError, match="outside the model's 8"):
+            build_expert_manifest(gguf, 1, 3, 4, 9, "ef" * 32)
+        with pytest.raises(ValueError, match="experts"):
+            SliceManifest.from_dict({**build_expert_manifest(gguf, 1, 3, 0, 4, "ef" * 32).to_dict(),
+                                     "experts": [5, 4, 8]})
+
+
+def test_expert_nodes_with_no_model_file_fetch_their_experts_and_answer_identically(tiny_model, tmp_path):
+    """Host, one stage trunk and an asker with the model; two expert nodes with none. Each expert
+    node fetches its half of the experts (the chunks holding them: one per tensor in a tiny model),
+    keeps exactly its experts' bytes, and the swarm answers as one process does."""
+    model = str(tiny_model("qwen3moe-q8_0"))
+    s = Swarm(tmp_path)
+    nodes = ("experts-a", "experts-b")
+    try:
+        s.init("--model", model, "--head-layers", "1", "--expert-nodes", "2", "--context", "512")
+        s.start_host()
+        s.wait_host()
+        for name in ("stage", "asker"):
+            s.join(name, "--model", model)
+        for name in nodes:
+            s.join(name, "--model", str(tmp_path / "no-such-model.gguf"))
+        s.start_trunk("stage", "--threads", "1", "--memory", "1G", capture=False)
+        for name in nodes:  # the planner gives experts to the members with the most memory
+            s.start_trunk(name, "--threads", "1", "--memory", "2G", capture=False)
+        status = s.wait_complete(1, expert_nodes=nodes)
+        members = {m["name"]: m for m in status["members"]}
+        assert [members[n]["experts"] for n in nodes] == [[0, 4], [4, 8]]
+
+        ask = ("ask", "--raw", "--temperature", "0", "--max-tokens", "16", "Once upon a time")
+        answer = swarmctl(s.homes["asker"], *ask, check=True).stdout
+        assert answer.strip() and answer == swarmctl(None, *ask, "--transport", "inproc", "--model", model,
+                                                     "--head-layers", "1", check=True).stdout
+        with GGUFFile(model) as gguf:
+            spec = ModelSpec.from_gguf(gguf)
+            half = sum(gguf.tensors[f"blk.{il}.{stem}.weight"].n_bytes // 2 for il in LAYERS for stem in EXPERT_TENSORS)
+            whole = sum(gguf.tensors[f"blk.{il}.{stem}.weight"].n_bytes for il in LAYERS for stem in EXPERT_TENSORS)
+        assert spec.n_expert == 8
+        for name in nodes:
+            stats = s.stats_of(name)
+            assert stats["role"] == "experts" and stats["expert_rows_served"] > 0
+            assert stats["tensor_bytes"] == half  # exactly its experts are kept and served
+            files = list((s.homes[name] / "slices").glob("*-experts-*.gguf"))
+            assert len(files) == 1 and not list((s.homes[name] / "slices").glob("*.progress"))
+            with GGUFFile(files[0]) as fetched:
+                assert sum(t.n_bytes for t in fetched.tensors.values()) == half
+            # tiny tensors: the one chunk of each holds both halves (and a trial plan before the
+            # expert nodes were placed may have had it fetch a stage's layers as well)
+            others = sum(_tensor_bytes(p) for p in (s.homes[name] / "slices").glob("*.gguf") if p not in files)
+            assert stats["fetched_bytes"] == whole + others
+            print(name, "fetched", stats["fetched_bytes"], "bytes; expert tensors", whole, "; other slices", others)
+    finally:
+        s.close()
