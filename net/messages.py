@@ -45,6 +45,8 @@ RamGbS = Annotated[float, msgspec.Meta(gt=0, le=MAX_RAM_GB_S)]
 Layer = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Version = Annotated[int, msgspec.Meta(ge=-1, le=2**62)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+# Layer ranges [start, stop) a trunk holds on disk and serves to members fetching them.
+LayerRanges = Annotated[list[tuple[Layer, Layer]], msgspec.Meta(max_length=64)]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -85,6 +87,7 @@ class Register(Message, tag="register"):
     # ms per prompt row through one layer, in a prompt's chunk (kernels/speed.py measure_prompt_rate):
     # what the plan's first-token time is computed with, never where layers go.
     prompt_ms_per_layer_row: MsPerLayer | None = None
+    holds: LayerRanges = []  # layers it serves to fetching members (its upload budget is not 0)
 
 
 class Ready(Message, tag="ready"):
@@ -93,6 +96,7 @@ class Ready(Message, tag="ready"):
     # Where its stage computes: "cpu", "vulkan:0", or under partial offload "cuda:0 for layers
     # [4, 9), cpu for [9, 15)" ("": an expert node, or a trunk too old to say).
     placement: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    holds: LayerRanges = []  # as register's, now (a slice it fetched meanwhile)
 
 
 class Refuse(Message, tag="refuse"):
@@ -148,6 +152,15 @@ class FetchAskerPart(Message, tag="fetch_asker_part"):
     head_layers: Layer
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
     want: ChunkIds | None = None  # as FetchSlice's
+
+
+class BadSource(Message, tag="bad_source"):
+    """A member that fetched a slice got a chunk from ``member`` that failed the host's hash: it
+    dropped that source for the fetch and says so (the host counts it, bounded per reporter)."""
+
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    member: Name
+    reason: Annotated[str, msgspec.Meta(max_length=300)] = ""
 
 
 class Unanswered(Message, tag="unanswered"):
@@ -363,8 +376,19 @@ class Status(Message, tag="status"):
     staged: str = ""  # a plan staged to follow this one, loading beside it: "v6: alice[4,10) loading, ..."
 
 
+class Holder(Part):
+    """A member that holds layers [start, stop) and serves them (fetch_chunks), where it is reached."""
+
+    name: Name
+    address: Text
+    start: Layer
+    stop: Layer
+
+
 class Manifest(Message, tag="manifest"):
     manifest: dict[str, Any]  # swarmctl.distribution.SliceManifest.to_dict(); from_dict checks it
+    # members to fetch chunks from besides the host (each chunk is checked against the manifest's hashes)
+    holders: Annotated[list[Holder], msgspec.Meta(max_length=16)] = []
 
 
 class Done(Message, tag="done"):
@@ -416,6 +440,16 @@ class ProbeOutputs(Message, tag="probe_outputs"):
 
 class Subscribe(Message, tag="subscribe"):
     session: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{1,64}$")]  # one per asker process
+
+
+class FetchChunks(Message, tag="fetch_chunks"):
+    """Member → trunk: chunks of layer tensors it holds (a slice it fetches from several sources,
+    swarmctl/distribution.py MemberSource). ``want`` names chunks as "k:index", k an index into
+    ``tensors``; answered with DATA frames (k:u32 offset:u64 bytes) then ``done``, or ``error``."""
+
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    tensors: Annotated[list[Annotated[str, msgspec.Meta(max_length=128)]], msgspec.Meta(min_length=1, max_length=256)]
+    want: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(min_length=1, max_length=256)]
 
 
 class Probe(Message, tag="probe"):

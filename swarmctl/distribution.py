@@ -40,7 +40,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Awaitable, Callable, Mapping
 
 from gguf import GGUFValueType
 
@@ -354,12 +354,13 @@ def parse_chunk_ids(manifest: SliceManifest, ids: list[str]) -> list[tuple[int, 
 
 
 async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manifest: SliceManifest,
-                      have: set[str], want: list[tuple[int, int]] | None = None) -> int:
+                      have: set[str], want: list[tuple[int, int]] | None = None,
+                      holders: list[m.Holder] | None = None) -> int:
     """What a fetch asked for: ``want`` None, the manifest and every chunk not in ``have`` (members
-    before batched fetching); ``want`` [], the manifest alone; else just those chunks. Then
-    ``done``. Returns the bytes sent."""
+    before batched fetching); ``want`` [], the manifest alone (with ``holders``: members to fetch
+    from too); else just those chunks. Then ``done``. Returns the bytes sent."""
     if not want:
-        conn.send(stream_id, m.encode(m.Manifest(manifest=manifest.to_dict())))
+        conn.send(stream_id, m.encode(m.Manifest(manifest=manifest.to_dict(), holders=holders or [])))
     if want is None:
         want = [(i, j) for i, entry in enumerate(manifest.tensors) for j in range(-(-entry.n_bytes // CHUNK))
                 if f"{i}:{j}" not in have]
@@ -405,6 +406,7 @@ class HostSource:
         self.close_stream = close_stream
         self.request = request  # (have, want) → the message
         self.timeout = timeout
+        self.holders: list[m.Holder] = []  # as the manifest's answer names them
 
     async def manifest(self, have: list[str]) -> SliceManifest:
         stream_id, frames = self.open_stream()
@@ -413,7 +415,9 @@ class HostSource:
             first = await asyncio.wait_for(frames.get(), self.timeout)
             if first.type != FrameType.CONTROL:
                 raise WireError("no manifest")
-            manifest = SliceManifest.from_dict(m.decode(first.body, m.Manifest, MAX_MANIFEST_BYTES).manifest)
+            reply = m.decode(first.body, m.Manifest, MAX_MANIFEST_BYTES)
+            manifest = SliceManifest.from_dict(reply.manifest)
+            self.holders = list(reply.holders)  # members holding these layers (MemberSource)
             await asyncio.wait_for(frames.get(), self.timeout)  # its "done": the stream ends on both sides
             return manifest
         finally:
@@ -423,11 +427,13 @@ class HostSource:
         """Yields (chunk id, bytes) for what the host sends of ``ids`` (all of them: a batch is
         small)."""
         stream_id, frames = self.open_stream()
+        ended = False
         try:
             self.conn.send(stream_id, m.encode(self.request([], ids)), end=True)
             while True:
                 frame = await asyncio.wait_for(frames.get(), self.timeout)
                 if frame.type == FrameType.CONTROL:
+                    ended = True
                     try:
                         m.decode(frame.body, m.Done)
                     except (m.Refused, WireError) as e:
@@ -441,6 +447,8 @@ class HostSource:
                 yield f"{tensor}:{offset // CHUNK}", frame.body[CHUNK_HEADER.size:]
         finally:
             self.close_stream(stream_id)
+            if not ended and self.conn.is_open:  # left mid-batch (the fetch ended, a wrong chunk): stop it
+                self.conn.abandon(stream_id)
 
 
 class MirrorSource:
@@ -509,19 +517,121 @@ def _content_range_matches(header: str, a: int, b: int) -> bool:
     return unit == "bytes" and span == f"{a}-{b}" and (size == "*" or size.isdigit())
 
 
+# --- members that hold the layers (the serving side: swarmctl/trunk/layer_share.py) ---
+
+MEMBER_BATCH = 16  # chunks per fetch_chunks request: 16 MiB, as the host's
+PeerLink = Callable[[], "Awaitable[tuple[SwarmProtocol, OpenStream, Callable[[int], None]]]"]
+MemberSources = Callable[[SliceManifest, "list[m.Holder]"], list]  # the manifest and its holders → sources
+
+
+class MemberSource:
+    """A member the host named as holding layers [start, stop) of the slice: one ``fetch_chunks``
+    per batch over a connection ``link`` opens on first use. It is asked only for chunks of
+    tensors in those layers; whatever it sends is checked against the host's hashes like any
+    source's, and a wrong chunk is ``report``ed (to the host) as well as dropping it."""
+
+    batch = MEMBER_BATCH
+
+    def __init__(self, holder: m.Holder, manifest: SliceManifest, link: PeerLink,
+                 report: Callable[[str, str], None] | None = None, timeout: float = 60.0) -> None:
+        self.member = holder.name
+        self.name = f"member {holder.name}"
+        self.manifest = manifest
+        self.holds = frozenset(c for c in manifest.chunk_ids()
+                               if holder.start <= _layer_or(manifest.tensors[int(c.split(":")[0])].name) < holder.stop)
+        self.link = link
+        self.reporter = report
+        self.timeout = timeout
+
+    def report(self, reason: str) -> None:
+        if self.reporter is not None:
+            self.reporter(self.member, reason)
+
+    async def fetch(self, ids: list[str], wanted: Callable[[str], bool] = lambda chunk: True):
+        """Yields (chunk id, bytes) for what the member sends of ``ids``."""
+        pairs = parse_chunk_ids(self.manifest, ids)
+        local: dict[int, int] = {}  # the manifest's tensor index → its index in this request
+        for tensor, _ in pairs:
+            local.setdefault(tensor, len(local))
+        back = {k: tensor for tensor, k in local.items()}
+        request = m.FetchChunks(tensors=[self.manifest.tensors[t].name for t in local],
+                                want=[f"{local[t]}:{j}" for t, j in pairs])
+        try:
+            conn, open_stream, close_stream = await self.link()
+        except (OSError, ValueError, WireError, asyncio.TimeoutError) as e:
+            raise ConnectionError(f"cannot reach {self.member}: {e or type(e).__name__}") from None
+        stream_id, frames = open_stream()
+        ended = False
+        try:
+            conn.send(stream_id, m.encode(request), end=True)
+            async for k, offset, data in _chunk_frames(frames, self.timeout, self.name):
+                if k not in back:
+                    raise WrongChunk(f"the {self.name} sent a chunk of a tensor it was not asked for")
+                yield f"{back[k]}:{offset // CHUNK}", data
+            ended = True
+        finally:
+            close_stream(stream_id)
+            if not ended and conn.is_open:  # left mid-batch: the member stops sending it
+                conn.abandon(stream_id)
+
+
+def _layer_or(name: str, default: int = -1) -> int:
+    layer = layer_of(name)
+    return default if layer is None else layer
+
+
+async def _chunk_frames(frames: asyncio.Queue, timeout: float, who: str):
+    """(tensor, offset, bytes) of each DATA frame on a fetch's stream until its ``done``;
+    ConnectionError for an ``error`` (a refusal), WrongChunk for a frame that is no chunk."""
+    while True:
+        frame = await asyncio.wait_for(frames.get(), timeout)
+        if frame.type == FrameType.CONTROL:
+            try:
+                m.decode(frame.body, m.Done)
+            except (m.Refused, WireError) as e:
+                raise ConnectionError(str(e)) from None
+            return
+        if frame.type != FrameType.DATA or len(frame.body) < CHUNK_HEADER.size:
+            raise WrongChunk(f"the {who} sent something that is not a data chunk")
+        tensor, offset = CHUNK_HEADER.unpack_from(frame.body)
+        if offset % CHUNK:
+            raise WrongChunk(f"the {who} sent a chunk at offset {offset}, not a chunk boundary")
+        yield tensor, offset, frame.body[CHUNK_HEADER.size:]
+
+
+async def send_chunks(conn: SwarmProtocol, stream_id: int, chunks: list[tuple[int, int, memoryview]],
+                      pace: Callable[[int], Awaitable[None]] | None = None) -> int:
+    """DATA frames (tensor:u32 offset:u64 bytes) for each (tensor, chunk index, the tensor's bytes),
+    each after ``pace`` lets its bytes go (an upload budget), then ``done``. Returns the bytes sent."""
+    sent = 0
+    for tensor, index, data in chunks:
+        piece = bytes(data[index * CHUNK:(index + 1) * CHUNK])
+        if pace is not None:
+            await pace(len(piece))
+        if not conn.is_open:
+            return sent
+        conn.send(stream_id, encode_frame(FrameType.DATA, CHUNK_HEADER.pack(tensor, index * CHUNK) + piece))
+        sent += len(piece)
+        await conn.drain(stream_id, SEND_BACKLOG)
+    if conn.is_open:
+        conn.send(stream_id, m.encode(m.Done(bytes=sent)), end=True)
+    return sent
+
+
 async def fetch_slice(conn: SwarmProtocol, open_stream: OpenStream, close_stream: Callable[[int], None],
                       folder: Path, *, model_hash: str, start: int, stop: int, layer_hashes: list[str],
                       on_progress: Callable[[int, int], None] | None = None,
-                      stop_after_bytes: int | None = None) -> tuple[Path, int]:
+                      stop_after_bytes: int | None = None, members: MemberSources | None = None) -> tuple[Path, int]:
     """Fetch layers [start, stop) from the host over ``conn`` (each request on a stream from
-    ``open_stream``, whose frames arrive on its queue) and from the manifest's mirror, if any.
+    ``open_stream``, whose frames arrive on its queue), from the manifest's mirror, if any, and
+    from the members the host names as holding them (``members`` makes their sources).
     Returns the slice file and the bytes received. ``stop_after_bytes`` simulates a crash (for
     the resume test): the process exits abruptly once that many bytes are in."""
     final = slice_path(folder, model_hash, start, stop)
     host = HostSource(conn, open_stream, close_stream,
                       lambda have, want: m.FetchSlice(start=start, stop=stop, have=have, want=want))
     return await fetch_file(host, final, f"layers [{start}, {stop})", model_hash, layer_hashes, on_progress,
-                            stop_after_bytes)
+                            stop_after_bytes, members=members)
 
 
 async def fetch_asker_part(conn: SwarmProtocol, open_stream: OpenStream, close_stream: Callable[[int], None],
@@ -536,9 +646,11 @@ async def fetch_asker_part(conn: SwarmProtocol, open_stream: OpenStream, close_s
 
 async def fetch_file(host, final: Path, what: str, model_hash: str, layer_hashes: list[str],
                      on_progress: Callable[[int, int], None] | None = None,
-                     stop_after_bytes: int | None = None, mirror_timeout: float = MIRROR_TIMEOUT) -> tuple[Path, int]:
-    """The manifest from ``host``, then the chunks not yet on disk from the host and the manifest's
-    mirror at once; the file once all are there and checked."""
+                     stop_after_bytes: int | None = None, mirror_timeout: float = MIRROR_TIMEOUT,
+                     members: MemberSources | None = None) -> tuple[Path, int]:
+    """The manifest from ``host``, then the chunks not yet on disk from the host, the manifest's
+    mirror and the members holding them (``members``, from the host's list) at once; the file
+    once all are there and checked."""
     if final.exists():
         return final, 0
     part, progress = final.with_suffix(".gguf.part"), final.with_suffix(".part.progress")
@@ -550,13 +662,15 @@ async def fetch_file(host, final: Path, what: str, model_hash: str, layer_hashes
     if manifest.model_hash != model_hash:
         raise EngineError(f"the host offered {what} of a different model")
     out = SliceFile(final, manifest)
+    # members before the host: the host's uplink is everyone's
+    swarm = [*(members(manifest, getattr(host, "holders", [])) if members is not None else []), host]
     if not manifest.mirror:
-        plan = await _pull(out, [host], what, on_progress, stop_after_bytes)
+        plan = await _pull(out, swarm, what, on_progress, stop_after_bytes)
     else:
         import aiohttp
 
         async with aiohttp.ClientSession() as session:
-            plan = await _pull(out, [MirrorSource(manifest, session, mirror_timeout), host], what, on_progress,
+            plan = await _pull(out, [MirrorSource(manifest, session, mirror_timeout), *swarm], what, on_progress,
                                stop_after_bytes)
     if not out.complete:
         reasons = "; ".join(f"{s.name}: {s.dropped}" for s in plan.sources.values() if s.dropped)
@@ -572,16 +686,19 @@ async def _pull(out: SliceFile, sources: list, what: str, on_progress: Callable[
     sizes = {c: n for c, n in out.manifest.chunk_sizes().items() if c not in out.done}
     plan = FetchPlan(sizes)
     for source in sources:
-        plan.add_source(source.name)
+        plan.add_source(source.name, getattr(source, "holds", None))
     total = out.manifest.n_bytes
     already = total - sum(sizes.values())
     changed = asyncio.Event()
+    finished = asyncio.Event()  # every chunk is in: sources still in a batch are stopped
     last_report = [0.0]
 
     def arrived(source, chunk: str, data: bytes) -> None:
         tensor, index = (int(x) for x in chunk.split(":"))
         _write(out, tensor, index * CHUNK, data, what)
         plan.delivered(source.name, chunk)
+        if plan.finished:
+            finished.set()
         have_bytes = already + sum(plan.shares().values())
         if on_progress is not None and (time.monotonic() - last_report[0] > 0.5 or have_bytes == total):
             on_progress(have_bytes, total)
@@ -610,6 +727,8 @@ async def _pull(out: SliceFile, sources: list, what: str, on_progress: Callable[
                 plan.wrong(source.name, str(e))
                 log.warning("fetching %s: the %s sent a wrong chunk (%s); not used again for this fetch",
                             what, source.name, e)
+                if hasattr(source, "report"):  # a member: the host hears of it too
+                    source.report(str(e))
             except SourceGone as e:
                 plan.drop(source.name, str(e))
                 log.warning("fetching %s: not using the %s for this fetch: %s", what, source.name, e)
@@ -621,12 +740,18 @@ async def _pull(out: SliceFile, sources: list, what: str, on_progress: Callable[
                 changed.set()
 
     tasks = [asyncio.ensure_future(pull(source)) for source in sources]
+    everything, all_in = asyncio.gather(*tasks), asyncio.ensure_future(finished.wait())
     try:
-        await asyncio.gather(*tasks)
+        await asyncio.wait([everything, all_in], return_when=asyncio.FIRST_COMPLETED)
+        if everything.done():
+            everything.result()  # (what a pull raised: a full disk)
     finally:
+        all_in.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if everything.done() and not everything.cancelled():
+            everything.exception()  # (retrieved: a cancelled pull's, or one already raised above)
     return plan
 
 

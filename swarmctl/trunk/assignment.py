@@ -32,6 +32,7 @@ from swarmctl.batching import BatchRunner
 from swarmctl.budget import Limits, MemberBudget
 from swarmctl.trunk.context import TrunkContext, TrunkEvents
 from swarmctl.trunk.host_link import HostLink
+from swarmctl.trunk.layer_share import LayerShare, PeerFetches
 from swarmctl.trunk.speed_report import SpeedReport
 
 log = logging.getLogger("swarmctl.trunk")
@@ -86,9 +87,12 @@ def open_checked(model: Path, layers: range, plan: Plan) -> GGUFFile:
 
 class Assignment:
     def __init__(self, ctx: TrunkContext, events: TrunkEvents, host: HostLink, speed: SpeedReport,
-                 remote_experts: RemoteExperts | None) -> None:
+                 remote_experts: RemoteExperts | None, share: LayerShare | None = None,
+                 peers: PeerFetches | None = None) -> None:
         """``remote_experts``: how a stage's slice calls the routed experts other nodes hold
-        (ExpertClient.forward), for plans that place experts on expert nodes."""
+        (ExpertClient.forward), for plans that place experts on expert nodes. ``share``: what
+        this trunk holds and serves (told to the host with ``ready``); ``peers``: fetching from
+        members that hold our layers too."""
         self.name = ctx.name
         self.device = ctx.device  # where stage slices compute (experts stay on the CPU)
         self.model_path = ctx.model_path
@@ -106,6 +110,8 @@ class Assignment:
         self._executor = ctx.executor
         self._host = host
         self._speed = speed
+        self._share = share
+        self._peers = peers
         self._remote_experts = remote_experts
         self._events = events
         self._spawn = ctx.spawn
@@ -176,7 +182,8 @@ class Assignment:
                      "load them beside the ones in use: loaded at the switch)",
                      *((self.stage.start, self.stage.stop) if self.stage else (0, 0)))
         await self._host.tell(m.Ready(plan_version=staged.version,
-                                      placement=self.engine.placement() if serving and self.engine else ""))
+                                      placement=self.engine.placement() if serving and self.engine else "",
+                                      holds=self._holds()))
 
     def _open_standby(self, staged: Plan, stage: StageAssignment, model: Path) -> Standby:
         """On the compute thread: the staged stage's file checked and, if this trunk's memory holds it
@@ -325,16 +332,25 @@ class Assignment:
         if not self._host.is_open:
             raise EngineError("no model file and no host to fetch layers from")
         crash_after = os.environ.get("SWARMCTL_TEST_FETCH_CRASH_AFTER")  # fault injection for the resume test
-        path, received = await fetch_slice(
-            self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
-            model_hash=plan.model_hash, start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
-            on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
-                                                     stage.start, stage.stop, have / 1e6, total / 1e6,
-                                                     100 * have / total),
-            stop_after_bytes=int(crash_after) if crash_after else None)
+        members = self._peers.sources(self._report_source) if self._peers is not None else None
+        try:
+            path, received = await fetch_slice(
+                self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
+                model_hash=plan.model_hash, start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
+                on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
+                                                         stage.start, stage.stop, have / 1e6, total / 1e6,
+                                                         100 * have / total),
+                stop_after_bytes=int(crash_after) if crash_after else None, members=members)
+        finally:
+            if self._peers is not None:
+                await self._peers.release()
         self.fetched_bytes += received
         log.info("layers [%d, %d) ready in %s (%.1f MB received)", stage.start, stage.stop, path.name, received / 1e6)
         return path
+
+    def _report_source(self, member: str, reason: str) -> None:
+        """A member sent us a chunk that failed the host's hash: the host hears of it."""
+        self._spawn(self._host.tell(m.BadSource(member=member, reason=reason[:300])))
 
     # --- an expert node ---
 
@@ -414,8 +430,11 @@ class Assignment:
             return False
         self._confirmed = confirmed
         placement = self.engine.placement() if self.engine is not None and confirmed.role == "stage" else ""
-        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement))
+        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement, holds=self._holds()))
         return True
+
+    def _holds(self) -> list[tuple[int, int]]:
+        return self._share.holds() if self._share is not None else []
 
     def close(self) -> None:
         """On the compute thread: everything this trunk holds, the standby too."""

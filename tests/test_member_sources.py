@@ -1,0 +1,114 @@
+"""Layers from everyone who holds them, with real processes on loopback: a trunk with no model
+file fetches its slice from the host and, at once, from the members the host names as holding
+those layers (fetch_chunks over member QUIC connections, swarmctl/trunk/layer_share.py).
+
+One swarm, four trunks that hold the whole model and one that holds nothing:
+
+    trunk-a     serves what it holds (the default upload budget)
+    trunk-bad   sends chunks with a flipped byte (fault injection: SWARMCTL_TEST_SERVE_WRONG_CHUNKS,
+                as a corrupt disk would): dropped for the fetch and reported to the host
+    trunk-zero  --upload-mbit 0: the host never lists it, and it refuses a direct request
+    trunk-b     no model file: fetches its layers, and the swarm answers as llama-cpp-python
+
+The model is a tiny GGUF wide enough that a two-layer slice is several batches (16 chunks of
+1 MiB each), so that every source gets a batch to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from harness.swarm import Swarm, swarmctl
+from harness.tiny_models import TinyConfig, write_tiny_model
+from net.endpoint import Address, connect_member, close
+from net import messages as m
+from net.protocol import RequestOnlyHandler
+from swarmctl.home import SwarmHome
+from tests.conftest import make_oracle
+from tests.test_mirror_swarm import shares_in
+
+PROMPT = "The capital of France is"
+ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "8")
+WIDE = TinyConfig(n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=4096, qtype="F32", seed=7)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory, bundled_model):
+    return write_tiny_model(tmp_path_factory.mktemp("wide") / "wide.gguf", WIDE, bundled_model)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, wide_model):
+    s = Swarm(tmp_path_factory.mktemp("member-sources"))
+    mp = pytest.MonkeyPatch()
+    try:
+        s.init("--model", str(wide_model), "--head-layers", "1")
+        s.start_host()
+        s.wait_host()
+        for name in ("trunk-a", "trunk-bad", "trunk-zero"):
+            s.join(name, "--model", str(wide_model))
+        s.join("trunk-b", "--model", str(s.root / "no-such-model.gguf"))
+        s.join("asker", role="asker", *("--model", str(wide_model)))
+        s.start_trunk("trunk-a", capture=False)
+        with mp.context() as env:  # (Popen copies the environment as it starts)
+            env.setenv("SWARMCTL_TEST_SERVE_WRONG_CHUNKS", "1")
+            s.start_trunk("trunk-bad", capture=False)
+        s.start_trunk("trunk-zero", "--upload-mbit", "0", capture=False)
+        s.wait_complete(3, timeout=120)
+        s.trunk_b = s.start_trunk("trunk-b", capture=False)
+        s.wait_complete(4, timeout=180)
+        yield s
+    finally:
+        s.close()
+
+
+def test_a_new_trunk_fetches_from_the_host_and_a_member_at_once_and_answers_as_the_oracle(swarm, wide_model):
+    log = swarm.trunk_b.log()
+    shares = shares_in(log, "fetched layers")
+    assert shares.get("member trunk-a", 0) > 0 and shares.get("host", 0) > 0, log
+    listed = [line for line in swarm.nodes[0].log().splitlines() if "members holding" in line]
+    assert listed and all("trunk-a" in line and "trunk-zero" not in line for line in listed)  # a budget of 0: never
+    assert "member trunk-zero" not in log
+    assert "expert call" not in log and "unexpected error" not in log  # (what a stopped batch still sent is dropped)
+    r = swarmctl(swarm.homes["asker"], *ASK, PROMPT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    llm = make_oracle(wide_model)
+    try:
+        want = llm.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    finally:
+        llm.close()
+    assert r.stdout == want + "\n"
+
+
+def test_a_member_sending_wrong_chunks_is_dropped_and_reported_and_the_fetch_completes(swarm):
+    log = swarm.trunk_b.log()
+    dropped = [line for line in log.splitlines() if "member trunk-bad sent a wrong chunk" in line]
+    assert len(dropped) == 1 and "does not match the host's hash" in dropped[0], log
+    assert "trunk-bad" not in shares_in(log, "fetched layers")
+    host_log = swarm.nodes[0].log()
+    assert "member trunk-bad sent trunk-b chunks that fail the host's hashes" in host_log, host_log
+    assert "no longer listed" not in host_log  # one report evicts nobody (nor stops listing it)
+    assert "serving layers" in log  # the fetch completed, checked, and the slice serves
+
+
+def test_a_member_with_no_upload_budget_serves_nothing(swarm):
+    """Asked directly (as a trunk: only trunks fetch layers), it refuses in one line."""
+    member = next(x for x in swarm.status()["members"] if x["name"] == "trunk-zero")
+    creds = SwarmHome(swarm.homes["trunk-b"]).credentials()
+    asker = SwarmHome(swarm.homes["asker"]).credentials()
+    request = m.FetchChunks(tensors=["blk.0.ffn_up.weight"], want=["0:0"])
+
+    async def ask(who):
+        conn = await connect_member(Address.parse(member["address"]), who, "trunk-zero", RequestOnlyHandler())
+        try:
+            reply = await conn.request(m.encode(request))
+            return m.decode(reply.body, m.Done)
+        finally:
+            await close(conn)
+
+    with pytest.raises(m.Refused, match="serves no layers"):
+        asyncio.run(ask(creds))
+    with pytest.raises(m.Refused, match="needs a trunk certificate"):
+        asyncio.run(ask(asker))
