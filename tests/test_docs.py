@@ -54,7 +54,8 @@ def _name(page: Path) -> str:
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_a_page_is_at_most_400_lines(page):
     lines = len(page.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{_name(page)} has {lines} lines; split it into pages of at most {MAX_LINES}"
+    where = " (it is generated: split or compact it in net/reference.py)" if page.name == "protocol.md" else ""
+    assert lines <= MAX_LINES, f"{_name(page)} has {lines} lines; split it into pages of at most {MAX_LINES}{where}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
