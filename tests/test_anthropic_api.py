@@ -238,3 +238,41 @@ def test_the_client_sees_anthropics_error_types(served):
     assert_anthropic_error(body, "not_found_error")
     log = served.stderr.read_text()
     assert "Traceback" not in log and "-> 500" not in log
+
+
+# --- in this process: a trunk that fails on cue (tests/test_api.py's) ---
+
+
+@pytest.fixture(scope="module")
+def inproc(bundled_model):
+    from tests.test_api import InprocServer
+
+    server = InprocServer(bundled_model)
+    yield server
+    server.close()
+
+
+def test_a_swarm_that_fails_is_an_anthropic_error_before_or_during_the_stream(inproc):
+    c = anthropic.Anthropic(base_url=inproc.base_url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": QUESTION}]
+    inproc.trunk.fail_after, inproc.trunk.calls = 0, 0
+    try:
+        with pytest.raises(anthropic.APIStatusError) as e:
+            c.messages.create(model=MODEL, max_tokens=8, messages=messages, stream=True)
+        assert e.value.status_code == 503
+        assert_anthropic_error(e.value.body, "api_error")
+        assert "lost the connection to trunk-1" in e.value.body["error"]["message"]
+
+        inproc.trunk.fail_after, inproc.trunk.calls = 4, 0  # the prefill and 3 steps, then the link drops
+        texts = []
+        with pytest.raises(anthropic.APIStatusError, match="lost the connection to trunk-1"):
+            with c.messages.stream(model=MODEL, max_tokens=20, messages=messages, extra_body=GREEDY) as stream:
+                texts += stream.text_stream
+        assert texts  # it had begun
+        inproc.trunk.calls = 0
+        events = sse_events(inproc.base_url, {"model": MODEL, "max_tokens": 20, "messages": messages, "stream": True})
+        assert events[-1][0] == "error" and "message_stop" not in [name for name, _ in events]
+        assert_anthropic_error(events[-1][1], "api_error")
+    finally:
+        inproc.trunk.fail_after = None
+    assert not inproc.asker.in_flight

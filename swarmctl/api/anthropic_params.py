@@ -42,7 +42,7 @@ def parse_messages(body: dict[str, Any], *, counting: bool = False) -> ChatReque
     max_tokens = body.get("max_tokens")
     if not counting and not (_is_int(max_tokens) and max_tokens >= 1):
         raise bad_request("max_tokens: Field required (a whole number, 1 or more)", "max_tokens")
-    stream = body.get("stream", False)
+    stream = body.get("stream") or False  # (null: not streamed)
     if not isinstance(stream, bool):
         raise bad_request("stream: must be true or false", "stream")
     tools = _tools(body.get("tools"))
@@ -197,7 +197,7 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     top_p = _number(body, "top_p", DEFAULT_SAMPLING.top_p)
     if not 0.0 < top_p <= 1.0:
         raise bad_request("top_p: must be in (0, 1]", "top_p")
-    top_k = body.get("top_k", DEFAULT_SAMPLING.top_k)
+    top_k = DEFAULT_SAMPLING.top_k if body.get("top_k") is None else body["top_k"]
     if not (_is_int(top_k) and top_k >= 0):
         raise bad_request("top_k: must be a whole number, 0 or more", "top_k")
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
