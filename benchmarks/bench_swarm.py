@@ -45,7 +45,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -317,27 +317,14 @@ async def speculative_run(model: Path, threads: int, max_tokens: int, repeats: i
     return out
 
 
-@contextmanager
-def windows_cap(cap: int):
-    """The asker's cap on windows in flight (speculate.MAX_WINDOWS) set to ``cap`` for a while: a
-    benchmark's way to compare caps in one swarm."""
-    from swarmctl.asker import speculate
-
-    saved, speculate.MAX_WINDOWS = speculate.MAX_WINDOWS, cap
-    try:
-        yield
-    finally:
-        speculate.MAX_WINDOWS = saved
-
-
 async def windows_sweep_run(model: Path, threads: int, max_tokens: int, repeats: int, delay_s: float,
                             counts: tuple[int, ...] = (1, 2, 4, 6, 8), caps: tuple[int, ...] = (4, 8)) -> dict:
     """Section k: single-stream tok/s with a fixed number of speculative windows in flight, beyond
-    the asker's cap (speculate.MAX_WINDOWS) too, over the same WAN: ngram drafts on the tasks whose
+    the asker's cap (MAX_WINDOWS, plans/whatif.py) too, over the same WAN: ngram drafts on the tasks whose
     answers repeat the prompt, and the bundled model drafting for itself (k = 4, every draft kept:
     the chain of windows never breaks, so what more windows buy is the trip they fill). Tokens
     must equal --speculate off's."""
-    from swarmctl.asker.speculate import MAX_WINDOWS, ModelDraft, speculation_for
+    from swarmctl.asker.speculate import ModelDraft, speculation_for
 
     out: dict = {"links": {**WAN, "delay_s": delay_s}, "one_way_links_per_token": 3, "threads_per_process": threads,
                  "max_tokens": max_tokens, "repeats": repeats, "tasks": {}}
@@ -350,21 +337,19 @@ async def windows_sweep_run(model: Path, threads: int, max_tokens: int, repeats:
                 await generate_all(asker, prompt, link, max_tokens=4, sampling=GREEDY)  # warm-up
                 off = await generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY)
                 row: dict = {"prompt_tokens": len(prompt), "off_tok_s": round(decode_rate(off), 3)}
-                # mode → (the asker's cap while it runs, its speculation): a fixed count of windows,
-                # or the asker's own choice under each cap
-                modes = {**{f"ngram_{n}_windows": (MAX_WINDOWS, lambda n=n: speculation_for("ngram", windows=n))
-                            for n in counts},
-                         **{f"draft_self_k4_{n}_windows": (MAX_WINDOWS, lambda n=n: speculation_for(
-                             "draft", draft, k_max=4, windows=n)) for n in counts},
-                         **{f"ngram_chosen_cap_{cap}": (cap, lambda: speculation_for("ngram")) for cap in caps},
-                         **{f"draft_self_k4_chosen_cap_{cap}": (cap, lambda: speculation_for("draft", draft, k_max=4))
-                            for cap in caps}}
-                for mode, (cap, make) in modes.items():
+                # mode → its speculation: a fixed count of windows, or the asker's own choice under each cap
+                modes = {**{f"ngram_{n}_windows": lambda n=n: speculation_for("ngram", windows=n) for n in counts},
+                         **{f"draft_self_k4_{n}_windows": lambda n=n: speculation_for(
+                             "draft", draft, k_max=4, windows=n) for n in counts},
+                         **{f"ngram_chosen_cap_{cap}": lambda cap=cap: speculation_for("ngram", max_windows=cap)
+                            for cap in caps},
+                         **{f"draft_self_k4_chosen_cap_{cap}": lambda cap=cap: speculation_for(
+                             "draft", draft, k_max=4, max_windows=cap) for cap in caps}}
+                for mode, make in modes.items():
                     gens = []
                     for _ in range(repeats):
-                        with windows_cap(cap):
-                            gens.append(await generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY,
-                                                           speculation=make()))
+                        gens.append(await generate_all(asker, prompt, link, max_tokens=max_tokens, sampling=GREEDY,
+                                                       speculation=make()))
                     row[mode] = {"tok_s": round(statistics.median(decode_rate(g) for g in gens), 3),
                                  "runs": [round(decode_rate(g), 3) for g in gens],
                                  "acceptance": round(gens[0].accepted / gens[0].drafted, 3) if gens[0].drafted else None,
@@ -385,12 +370,11 @@ async def windows_sweep_run(model: Path, threads: int, max_tokens: int, repeats:
             rates: dict[str, list[float]] = {}
             for _ in range(repeats):  # (modes alternate, so that the box's slow spells fall on all of them)
                 for cap in (None, *caps):
-                    with windows_cap(cap or MAX_WINDOWS):
-                        t0 = time.perf_counter()
-                        gens = await asyncio.gather(*[generate_all(
-                            asker, p, link, max_tokens=max_tokens, sampling=GREEDY,
-                            speculation=speculation_for("ngram") if cap else None) for p in batch])
-                        rate = sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    gens = await asyncio.gather(*[generate_all(
+                        asker, p, link, max_tokens=max_tokens, sampling=GREEDY,
+                        speculation=speculation_for("ngram", max_windows=cap) if cap else None) for p in batch])
+                    rate = sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0)
                     rates.setdefault(f"ngram_chosen_cap_{cap}" if cap else "off", []).append(round(rate, 3))
             aggregate = {mode: {"tok_s": statistics.median(r), "runs": r} for mode, r in rates.items()}
             for cap in caps:

@@ -122,7 +122,7 @@ def bottleneck_ms(proposal: Proposal, layout: ModelLayout, rows: int = 1, same_e
 @dataclass(frozen=True)
 class WindowsInFlight:
     """Speculative windows sent before the previous one's verdict, as modelled
-    here; the asker keeps up to ASKER_MAX_WINDOWS out where what it measures says they pay."""
+    here; the asker keeps up to MAX_WINDOWS out where what it measures says they pay."""
 
     routing: str
     acceptance: float
@@ -155,18 +155,18 @@ def windows_in_flight(proposal: Proposal, layout: ModelLayout, acceptance: float
                            single, tokens_per_s / single)
 
 
-ASKER_MAX_WINDOWS = 6  # windows one request keeps out at most (swarmctl/asker/speculate.py MAX_WINDOWS)
+MAX_WINDOWS = 6  # speculative windows one request keeps out at most: the asker's cap (DraftLength.max_windows)
 
 
 def best_windows(proposal: Proposal, layout: ModelLayout, acceptance: float, drafts=(1, 2, 3, 4, 6, 8),
                  same_experts: bool = False) -> WindowsInFlight:
     """The draft count that does best with windows in flight, with as many windows as fill the trip
-    (at most the asker's ASKER_MAX_WINDOWS)."""
+    (at most the asker's MAX_WINDOWS)."""
     best = None
     for k in drafts:
         trip = trip_ms(proposal, layout, k + 1, same_experts)
         slot = bottleneck_ms(proposal, layout, k + 1, same_experts)
-        windows = min(ASKER_MAX_WINDOWS, max(1, math.ceil(trip / slot)) if slot else 1)
+        windows = min(MAX_WINDOWS, max(1, math.ceil(trip / slot)) if slot else 1)
         w = windows_in_flight(proposal, layout, acceptance, k, windows, same_experts)
         if best is None or w.tokens_per_s > best.tokens_per_s:
             best = w

@@ -19,7 +19,7 @@ from plans.layout import BITS_PER_WEIGHT, ModelLayout, layout_by_name
 from plans.nodes import ASKER, Link, NodeDescriptor, load_nodes
 from plans.planner import Constraints, add_expert_calls, place_experts, plan_layers, time_breakdown
 from plans.search import Search
-from plans.whatif import ASKER_MAX_WINDOWS, best_windows, distinct_experts, latency_floor, report, tokens_per_trip, \
+from plans.whatif import MAX_WINDOWS, best_windows, distinct_experts, latency_floor, report, tokens_per_trip, \
     trip_ms, windows_in_flight
 from swarmctl.asker.speculate import MAX_WINDOWS
 
@@ -247,7 +247,7 @@ def test_windows_in_flight_reduce_to_one_window_and_pay_only_when_drafts_are_kep
     line = next(x for x in r.stdout.splitlines() if x.startswith("with speculative steps at 80% of drafts kept"))
     assert f"{best.tokens_per_s:.2f} tokens/s with up to {best.windows} windows in flight" in line
     assert "modelled: the asker sends them where the drafts it measures are kept often enough" in line
-    assert best.windows <= ASKER_MAX_WINDOWS == MAX_WINDOWS  # no more than the asker keeps out
+    assert best.windows <= MAX_WINDOWS == MAX_WINDOWS  # no more than the asker keeps out
     bad = subprocess.run([sys.executable, "-m", "swarmctl", "plan", "--layout", "kimi-k2", "--nodes", str(EXAMPLE),
                           "--acceptance", "1.5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--acceptance" in bad.stderr

@@ -46,6 +46,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.sampling import Candidates, Sampler, SamplingParams
 from kernels.slice import SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
+from plans.whatif import MAX_WINDOWS
 from swarmctl.batching import BatchRunner
 from swarmctl.models import checked_model
 
@@ -55,9 +56,10 @@ MAX_NGRAM = 4  # longest n-gram matched against the context
 LOOKBACK = 4096  # how far back the lookup searches (tokens)
 RHO_PRIOR = 0.25  # a row's cost against a one-row step, until a step has measured it
 PROMPT_ROWS = 512  # positions per step when the nextn layer catches up on a prompt (the prompt's own chunk)
-MAX_WINDOWS = 6  # speculative windows of one request out at once, at most (benchmarks/bench_swarm.py
-# section k: 6 and 8 windows were exact; 6 always out paid over 4 where the trip had room; the asker's
-# choice under a cap of 6 did as well as under 4 on one CPU-bound box, under 8 it did worse there)
+# MAX_WINDOWS (plans/whatif.py): the speculative windows of one request out at once, at most, and the
+# planner's what-if with it (benchmarks/bench_swarm.py section k: 6 and 8 windows were exact; 6 always
+# out paid over 4 where the trip had room; the asker's choice under a cap of 6 did as well as under 4 on
+# one CPU-bound box, under 8 it did worse there)
 # A further window goes out only if the chain before it stands (every window out keeps all its
 # drafts) at least this often: while the stages queue other requests' steps, a window that falls
 # takes rows from them; while they idle between this request's trips, it costs little.
@@ -386,6 +388,7 @@ class DraftLength:
     stood: float = 1.0  # decayed counts of drafting steps that kept every draft, and that did not (a prior of one each)
     fell: float = 1.0
     fixed_windows: int | None = None  # windows in flight as given (tests, benchmarks); None: from the cost model
+    max_windows: int = MAX_WINDOWS  # what the cost model may choose at most
     _plain_steps: int = field(default=0, repr=False)
 
     @property
@@ -444,7 +447,7 @@ class DraftLength:
         stands = self.stood / (self.stood + self.fell)
         worth = WINDOW_WORTH_BUSY if self.busy >= BUSY else WINDOW_WORTH_IDLE
         n = 1
-        while n < MAX_WINDOWS and n + 1 <= self.fill and stands ** n >= worth:
+        while n < self.max_windows and n + 1 <= self.fill and stands ** n >= worth:
             n += 1
         return n
 
@@ -584,15 +587,18 @@ def open_drafting(mode: str, draft_path: str | None, model_path: str | Path, *, 
 
 
 def speculation_for(mode: str, draft_model: ModelDraft | MtpDraft | None = None, k_max: int = MAX_DRAFT,
-                    windows: int | None = None) -> Speculation | None:
+                    windows: int | None = None, max_windows: int = MAX_WINDOWS) -> Speculation | None:
     """A request's drafting for ``--speculate MODE`` (None: off); ``draft`` needs ``draft_model``;
-    ``windows``: that many windows in flight, always (None: as the cost model says)."""
+    ``windows``: that many windows in flight, always (None: as the cost model says, up to
+    ``max_windows``)."""
     if mode == "off":
         return None
     if mode == "ngram":
-        return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows))
+        return Speculation(NgramDraft(), DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows,
+                                                       max_windows=max_windows))
     if mode in ("draft", "layerskip", "mtp"):
         if draft_model is None:
             raise EngineError("--speculate draft needs --draft-model PATH (a small GGUF with the same vocabulary)")
-        return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows))
+        return Speculation(draft_model, DraftLength(k=min(4, k_max), k_max=k_max, fixed_windows=windows,
+                                                    max_windows=max_windows))
     raise EngineError(f"--speculate {mode!r}: expected one of {', '.join(MODES)}")
