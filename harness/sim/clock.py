@@ -1,0 +1,112 @@
+"""An asyncio event loop on a virtual clock: ``loop.time()`` is simulated time, and when nothing
+is ready to run, the loop jumps to its next timer instead of sleeping (an hour of idle swarm costs
+no wall time). Product code that reads the clock through its loop (aioquic's timers do, and every
+``asyncio.sleep``/``wait_for``) runs unchanged.
+
+Work handed to threads (``run_in_executor``: the engine's compute thread, ``asyncio.to_thread``)
+freezes the clock until it comes back: a thread's wall time never leaks into virtual time, so a
+run's ordering does not depend on how fast this machine computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import weakref
+
+from harness.sim.network import CURRENT_NODE, SimNetwork
+
+# Virtual time starts here (not 0: product code treats 0.0 as "never", e.g. a step's sent_at).
+EPOCH = 1000.0
+# A loop with nothing scheduled, no thread at work and no I/O would wait forever: it waits this
+# long in real time for I/O it cannot see (a real socket a node opened), then reports being stuck.
+STUCK_POLL_S = 0.05
+
+
+class VirtualSelector(selectors.BaseSelector):
+    """The loop's real selector (its self-pipe wakes it when a thread finishes), with ``select``
+    advancing the virtual clock instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.real = selectors.DefaultSelector()
+        self.loop: VirtualClockLoop | None = None
+
+    def register(self, fileobj, events, data=None):
+        return self.real.register(fileobj, events, data)
+
+    def unregister(self, fileobj):
+        return self.real.unregister(fileobj)
+
+    def modify(self, fileobj, events, data=None):
+        return self.real.modify(fileobj, events, data)
+
+    def get_map(self):
+        return self.real.get_map()
+
+    def close(self) -> None:
+        self.real.close()
+
+    def select(self, timeout: float | None = None):
+        loop = self.loop
+        if timeout == 0:
+            return self.real.select(0)
+        if loop is not None and loop.threads_busy:
+            return self.real.select(None)  # the clock stands still until the thread is back
+        events = self.real.select(0)
+        if events or loop is None:
+            return events
+        if timeout is None:  # nothing scheduled at all: only real I/O could wake us
+            loop.stuck_polls += 1
+            return self.real.select(STUCK_POLL_S)
+        loop.advance(timeout)
+        return []
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    def __init__(self, start: float = EPOCH) -> None:
+        selector = VirtualSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self._now = start
+        self.threads_busy = 0  # executor calls not yet back on the loop
+        self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
+        self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
+        self.node_tasks: dict[str, weakref.WeakSet[asyncio.Task]] = {}  # node → the tasks it started
+        self.set_task_factory(self._new_task)
+
+    def _new_task(self, loop, coro, **kwargs) -> asyncio.Task:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        node = kwargs["context"].get(CURRENT_NODE, "") if kwargs.get("context") else CURRENT_NODE.get()
+        self.node_tasks.setdefault(node, weakref.WeakSet()).add(task)
+        return task
+
+    async def create_datagram_endpoint(self, protocol_factory, local_addr=None, remote_addr=None, *, sock=None,
+                                       **kwargs):
+        """Bound on the simulated network: the node's real socket only reserves its port."""
+        if self.network is None:
+            return await super().create_datagram_endpoint(protocol_factory, local_addr, remote_addr, sock=sock,
+                                                          **kwargs)
+        protocol = protocol_factory()
+        transport = self.network.bind(protocol, sock, local_addr)
+        protocol.connection_made(transport)
+        return transport, protocol
+
+    def time(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        if seconds > 0:
+            self._now += seconds
+
+    def run_in_executor(self, executor, func, *args):
+        future = super().run_in_executor(executor, func, *args)
+        self.threads_busy += 1
+        future.add_done_callback(self._thread_back)
+        return future
+
+    def _thread_back(self, _future) -> None:
+        self.threads_busy -= 1
+
+
+def new_loop(start: float = EPOCH) -> VirtualClockLoop:
+    return VirtualClockLoop(start)

@@ -1,0 +1,57 @@
+"""What must hold after every simulated run, whatever its faults:
+
+- every ask returns exactly the fault-free tokens, or ends with a clear error (the product's own
+  EngineError kinds, one line) within its deadline; with no faults at all (only the network's
+  delay, loss, duplication and reordering), every ask returns its tokens;
+- an ask of a revoked member ends with the revocation, at once (within REVOKE_BOUND_S of it);
+  the other members' asks are not affected by it;
+- once every ask is over and the faults have stopped, no live stage holds a request, a route, a
+  request lock, KV or budget for any of them;
+- no task died with an unhandled exception, and nothing logged a traceback.
+"""
+
+from __future__ import annotations
+
+from harness.sim.run import ASK_TIMEOUT_S, RunResult
+from harness.sim.schedule import REVOKED_ASKER
+from harness.sim.world import WorldSpec
+
+REVOKE_BOUND_S = 5.0  # a revoked member's running asks end within this of the revocation
+DEADLINE_SLACK_S = 5.0  # an ask's error may come this long after its deadline (the last step's wait)
+CLEAR_ERRORS = {"SwarmError", "BusyError", "EngineError", "ContextOverflowError"}
+
+
+def check(result: RunResult, spec: WorldSpec) -> list[str]:
+    failures: list[str] = []
+    faulty = bool(result.schedule.faults)
+    revoked_at = result.revoked_at
+    for r in result.asks:
+        who = f"ask of {r.ask.asker} at {r.started:.2f} ({list(r.ask.prompt)}, {r.ask.max_tokens} tokens)"
+        if r.ended is None:
+            failures.append(f"{who} never ended")
+            continue
+        took = r.ended - r.started
+        revoked = revoked_at is not None and r.ask.asker == REVOKED_ASKER and r.ended > revoked_at
+        if r.tokens is not None:
+            want = result.reference[(r.ask.prompt, r.ask.max_tokens)]
+            if r.tokens != want:
+                failures.append(f"{who} returned tokens {r.tokens}, not the fault-free {want}")
+            continue
+        if r.error_type not in CLEAR_ERRORS:
+            failures.append(f"{who} ended with {r.error_type}: {r.error}")
+        elif "\n" in r.error or not r.error:
+            failures.append(f"{who} ended with an error that is not one clear line: {r.error!r}")
+        if took > ASK_TIMEOUT_S + DEADLINE_SLACK_S:
+            failures.append(f"{who} ended {took:.1f} s after it began, past its {ASK_TIMEOUT_S:.0f} s deadline")
+        if revoked:
+            if "membership revoked" not in r.error:
+                failures.append(f"{who}: revoked at {revoked_at:.2f}, it ended with {r.error!r}")
+            elif r.ended - max(revoked_at, r.started) > REVOKE_BOUND_S:
+                failures.append(f"{who}: revoked at {revoked_at:.2f}, it ended only at {r.ended:.2f}")
+        elif not faulty:
+            failures.append(f"{who} failed with no fault in the run: {r.error}")
+    for name, held in result.leftovers.items():
+        if any(held.values()):
+            failures.append(f"{name} still holds {held} after every ask ended")
+    failures += [f"unhandled: {crash}" for crash in result.crashes]
+    return failures

@@ -1,0 +1,302 @@
+"""One simulated run: a fresh swarm (host, trunks, askers) on a virtual-clock loop and the
+simulated network, the schedule's asks and faults played at their virtual times, then the
+invariants checked (harness/sim/invariants.py). Everything a run does is in its event log, with
+the virtual time and the node it happened on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from harness.sim.clock import VirtualClockLoop
+from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
+from harness.sim.schedule import Ask, Fault, Schedule
+from harness.sim.world import TRUNK_MEMORY, Template, WorldSpec, kill_node, run_as
+from kernels.errors import EngineError
+from kernels.sampling import SamplingParams
+from net import messages as m
+from net.endpoint import close
+from net.protocol import RequestOnlyHandler
+from swarmctl.home import SwarmHome
+
+ASK_TIMEOUT_S = 120.0  # each ask's whole deadline (the link's per-step deadline is the same)
+READY_BOUND_S = 300.0  # how long the swarm may take to serve at first
+SETTLE_S = 75.0  # after the last ask and the last fault: for the stages to free what they held
+IDLE_TIMEOUT_S = 60.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class AskResult:
+    ask: Ask
+    tokens: list[int] | None = None
+    error: str = ""
+    error_type: str = ""
+    started: float = 0.0  # virtual seconds since the swarm first served
+    ended: float | None = None
+
+
+@dataclass
+class RunResult:
+    schedule: Schedule
+    asks: list[AskResult]
+    reference: dict[tuple, list[int]]
+    failures: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    virtual_s: float = 0.0
+    wall_s: float = 0.0
+    net: NetStats | None = None
+    revoked_at: float | None = None
+    leftovers: dict[str, dict] = field(default_factory=dict)  # live trunk → what it still holds
+    crashes: list[str] = field(default_factory=list)  # unhandled exceptions and logged tracebacks
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class _RunLog(logging.Handler):
+    """The product's log records, stamped with virtual time and node, into the run's event log."""
+
+    def __init__(self, run: "SimRun", level: int) -> None:
+        super().__init__(level)
+        self.run = run
+
+    def emit(self, record: logging.LogRecord) -> None:
+        node = CURRENT_NODE.get() or "-"
+        self.run.event(f"{node:>8} {record.levelname.lower():7} {record.name}: {record.getMessage()}")
+        if record.exc_info and record.levelno >= logging.ERROR:
+            self.run.result.crashes.append(f"{node}: {record.getMessage()}: {record.exc_info[1]!r}")
+
+
+class SimRun:
+    def __init__(self, schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False) -> None:
+        self.schedule, self.spec, self.verbose = schedule, spec, verbose
+        self.template = Template.of(spec)
+        self.result = RunResult(schedule, [AskResult(a) for a in schedule.asks], {})
+        self.loop = VirtualClockLoop()
+        self.network = SimNetwork(self.loop, random.Random(schedule.seed), schedule.conditions)
+        self.loop.network = self.network
+        self.t0 = 0.0  # virtual time the swarm first served
+        self.trunks: dict = {}  # name → its running TrunkService
+        self.stops: dict[str, asyncio.Event] = {}
+        self.links: dict = {}
+        self.asker = None
+
+    def event(self, text: str) -> None:
+        self.result.log.append(f"{self.loop.time() - self.t0:9.3f} {text}")
+
+    # --- running it ---
+
+    def play(self) -> RunResult:
+        wall = time.perf_counter()
+        root = self.template.copy_homes()
+        self.homes = {p.name: SwarmHome(p) for p in (root / "homes").iterdir()}
+        handler = _RunLog(self, logging.INFO if self.verbose else logging.WARNING)
+        logging.getLogger().addHandler(handler)
+        levels = {name: logging.getLogger(name).level for name in ("", "quic")}
+        logging.getLogger().setLevel(logging.INFO if self.verbose else logging.WARNING)
+        logging.getLogger("quic").setLevel(logging.WARNING)
+        self.loop.set_exception_handler(self._unhandled)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            self._teardown()
+            logging.getLogger().removeHandler(handler)
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+            shutil.rmtree(root, ignore_errors=True)
+        self.result.virtual_s = self.loop.time() - self.t0
+        self.result.wall_s = time.perf_counter() - wall
+        self.result.net = self.network.stats
+        from harness.sim.invariants import check
+        self.result.failures = check(self.result, self.spec)
+        return self.result
+
+    def _unhandled(self, loop, context: dict) -> None:
+        exception = context.get("exception")
+        if isinstance(exception, (asyncio.CancelledError, KeyboardInterrupt)):
+            return
+        where = CURRENT_NODE.get() or "-"
+        self.result.crashes.append(f"{where}: {context.get('message')}: {exception!r}")
+        self.event(f"{where:>8} UNHANDLED {context.get('message')}: {exception!r}")
+
+    async def _main(self) -> None:
+        from swarmctl.asker.head_tail import Asker
+
+        self.asker = Asker(self.template.model, self.spec.head_layers, n_threads=1)
+        self.result.reference = await self._reference()
+        self._start_host()
+        for name in self.spec.trunk_names:
+            self._start_trunk(name)
+        await self._open_links()
+        self.t0 = self.loop.time()
+        self.event("the swarm serves: " + ", ".join(f"{s.member}[{s.start},{s.stop})"
+                                                     for s in next(iter(self.links.values())).plan.stages))
+        faults = [asyncio.ensure_future(self._fault(f)) for f in self.schedule.faults]
+        asks = [run_as(r.ask.asker, self._ask(r)) for r in self.result.asks]
+        await asyncio.gather(*asks, *faults)
+        self.network.heal()
+        self.network.down.clear()
+        self.network.slow.clear()
+        self.event(f"all asks over; waiting {SETTLE_S:.0f} s for the stages to free what they hold")
+        await asyncio.sleep(SETTLE_S)
+        self.result.leftovers = {name: self._held(service) for name, service in self.trunks.items()
+                                 if name not in self.network.down and not service.fatal}
+
+    async def _reference(self) -> dict[tuple, list[int]]:
+        """Each prompt's tokens from the same engine with the trunk's layers in this process."""
+        from kernels.gguf_file import GGUFFile
+        from swarmctl.asker.head_tail import InprocTrunk, u_split
+
+        wanted = {(a.prompt, a.max_tokens) for a in self.schedule.asks}
+        cached = _REFERENCE.setdefault(self.spec, {})
+        missing = [w for w in sorted(wanted) if w not in cached]
+        if missing:
+            gguf = GGUFFile(self.template.model)
+            trunk = InprocTrunk(gguf, u_split(self.spec.n_layer, self.spec.head_layers, 1).trunk, n_threads=1,
+                                max_context=self.asker.max_context)
+            try:
+                for prompt, max_tokens in missing:
+                    cached[(prompt, max_tokens)] = [t async for t in self.asker.generate(
+                        list(prompt), trunk, max_tokens=max_tokens, sampling=GREEDY, ignore_eos=True)]
+            finally:
+                trunk.close()
+                gguf.close()
+        return {w: cached[w] for w in wanted}
+
+    # --- nodes ---
+
+    def _start_host(self) -> None:
+        from swarmctl.host import run_host
+
+        self.network.down.discard("host")
+        self.stops["host"] = asyncio.Event()
+        run_as("host", run_host(self.homes["host"], self.stops["host"]))
+
+    def _start_trunk(self, name: str) -> None:
+        from swarmctl.trunk import TrunkService
+        from swarmctl.trunk.context import TrunkOptions
+
+        async def serve() -> None:
+            service = TrunkService(self.homes[name], TrunkOptions(memory=TRUNK_MEMORY, n_threads=1,
+                                                                   idle_timeout=IDLE_TIMEOUT_S), stop)
+            self.trunks[name] = service
+            await service.run()
+            if service.fatal:
+                self.event(f"{name:>8} stopped: {service.fatal}")
+
+        self.network.down.discard(name)
+        stop = self.stops[name] = asyncio.Event()
+        run_as(name, serve())
+
+    async def _open_links(self) -> None:
+        from swarmctl.asker.link import SwarmLink
+
+        async def open_link(name: str):
+            return await SwarmLink.open(self.homes[name], ready_timeout=READY_BOUND_S, min_stages=self.spec.trunks,
+                                        request_timeout=ASK_TIMEOUT_S)
+
+        for name in self.spec.askers:
+            self.links[name] = await run_as(name, open_link(name))
+
+    def _kill(self, node: str) -> None:
+        kill_node(self.loop, self.network, node)
+        self.network.down.add(node)
+        self.trunks.pop(node, None)
+
+    @staticmethod
+    def _held(service) -> dict:
+        stats = service.stats()
+        return {"requests": stats.requests, "routes": stats.routes, "kv_bytes": stats.kv_bytes,
+                "request_locks": stats.request_locks, "budget_requests": service.held.budget.n_requests,
+                "budget_kv_bytes": service.held.budget.total_kv_bytes}
+
+    # --- asks and faults ---
+
+    async def _ask(self, result: AskResult) -> None:
+        await asyncio.sleep(result.ask.at)
+        result.started = self.loop.time() - self.t0
+        self.event(f"{result.ask.asker:>8} ask {result.started:.2f}: {result.ask.describe()}")
+        try:
+            result.tokens = [t async for t in self.asker.generate(
+                list(result.ask.prompt), self.links[result.ask.asker], max_tokens=result.ask.max_tokens,
+                sampling=GREEDY, timeout=ASK_TIMEOUT_S, ignore_eos=True)]
+        except EngineError as e:
+            result.error, result.error_type = str(e), type(e).__name__
+        except Exception as e:  # noqa: BLE001 - any other is what the invariants report
+            result.error, result.error_type = str(e) or repr(e), type(e).__name__
+        result.ended = self.loop.time() - self.t0
+        outcome = f"{len(result.tokens)} tokens" if result.tokens is not None else \
+            f"error ({result.error_type}): {result.error}"
+        self.event(f"{result.ask.asker:>8} ask from {result.started:.2f} ended: {outcome}")
+
+    async def _fault(self, fault: Fault) -> None:
+        await asyncio.sleep(fault.at)
+        self.event(f"   fault {fault.describe()}")
+        net = self.network
+        if fault.kind in ("kill", "restart", "host_restart"):
+            self._kill(fault.node)
+            if fault.kind == "kill":
+                return
+            await asyncio.sleep(fault.lasts)
+            self.event(f"   fault over: {fault.node} starts again from its home")
+            self._start_host() if fault.node == "host" else self._start_trunk(fault.node)
+        elif fault.kind == "revoke":
+            self.result.revoked_at = self.loop.time() - self.t0
+            await run_as("host-cli", self._revoke(fault.node))
+        elif fault.kind in ("freeze", "slow", "partition"):
+            if fault.kind == "freeze":
+                net.down.add(fault.node)
+            elif fault.kind == "slow":
+                net.slow[fault.node] = fault.extra_delay
+            else:
+                net.partition(fault.node, fault.other)
+            await asyncio.sleep(fault.lasts)
+            self.event(f"   fault over: {fault.describe()}")
+            if fault.kind == "freeze":
+                net.down.discard(fault.node)
+            elif fault.kind == "slow":
+                net.slow.pop(fault.node, None)
+            else:
+                net.heal(fault.node, fault.other)
+
+    async def _revoke(self, name: str) -> None:
+        """What 'swarmctl revoke NAME' does on the host's machine: the record, then the running host."""
+        from swarmctl.host_addresses import connect_host
+        from swarmctl.membership import revoke
+
+        home = self.homes["host"]
+        revoke(home, name)
+        try:
+            conn = await connect_host(home.load_config(), home.credentials(), RequestOnlyHandler())
+        except ConnectionError as e:
+            self.event(f"host-cli revoke: the host did not answer ({e})")
+            return
+        try:
+            await conn.request(m.encode(m.Revoked()), timeout=5)
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            self.event(f"host-cli revoke: {e}")
+        finally:
+            await close(conn)
+
+    def _teardown(self) -> None:
+        for node in list(self.loop.node_tasks):
+            kill_node(self.loop, self.network, node)
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.loop.run_until_complete(asyncio.sleep(1.0))
+        if self.asker is not None:
+            self.asker.close()
+        self.loop.close()
+
+
+_REFERENCE: dict[WorldSpec, dict[tuple, list[int]]] = {}  # fault-free tokens, per process
+
+
+def play(schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False) -> RunResult:
+    return SimRun(schedule, spec, verbose=verbose).play()

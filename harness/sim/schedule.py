@@ -1,0 +1,101 @@
+"""A run's schedule, drawn from its seed: the network's conditions, the asks (who, when, what),
+and the faults (what happens to which node, when). A schedule is plain data: it prints as the
+event list a failure is replayed from, and shrinking removes events from it."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from harness.sim.network import Conditions
+from harness.sim.world import WorldSpec
+
+# Faults: (kind, what it does)
+FAULTS = {
+    "kill": "kill -9 of a trunk: it never comes back",
+    "restart": "kill -9 of a trunk, started again from its home after a pause",
+    "freeze": "a node's datagrams stop both ways for a while, then flow again (its own timers still run)",
+    "host_restart": "kill -9 of the host, started again from its home after a pause",
+    "revoke": "the host revokes an asker while its asks may be running ('swarmctl revoke')",
+    "slow": "a node's datagrams take longer for a while (a slow member)",
+    "partition": "two nodes cannot reach each other for a while",
+}
+REVOKED_ASKER = "mallory"  # the asker a 'revoke' fault revokes (the other askers must be unaffected)
+
+
+@dataclass(frozen=True)
+class Ask:
+    at: float  # virtual seconds after the swarm first served
+    asker: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+    def describe(self) -> str:
+        return f"{self.asker} asks {list(self.prompt)} for {self.max_tokens} tokens"
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float
+    kind: str
+    node: str
+    other: str = ""  # the second node of a partition
+    lasts: float = 0.0  # how long until it is undone (restart, freeze, slow, partition)
+    extra_delay: float = 0.0  # for 'slow': added to each of its datagrams
+
+    def describe(self) -> str:
+        what = {"partition": f"{self.node} <-/-> {self.other}",
+                "slow": f"{self.node} +{self.extra_delay * 1e3:.0f} ms per datagram"}.get(self.kind, self.node)
+        return f"{self.kind} {what}" + (f" for {self.lasts:.1f} s" if self.lasts else "")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    conditions: Conditions
+    asks: tuple[Ask, ...]
+    faults: tuple[Fault, ...] = field(default=())
+
+    def events(self) -> list[tuple[float, str]]:
+        out = [(a.at, a.describe()) for a in self.asks] + [(f.at, f.describe()) for f in self.faults]
+        return sorted(out)
+
+    def without(self, asks: tuple[Ask, ...], faults: tuple[Fault, ...]) -> "Schedule":
+        return replace(self, asks=asks, faults=faults)
+
+    def describe(self) -> str:
+        lines = [f"seed {self.seed}: {self.conditions.describe()}"]
+        lines += [f"  t={at:7.2f}  {text}" for at, text in self.events()]
+        return "\n".join(lines)
+
+
+def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s: float = 60.0) -> Schedule:
+    """The schedule of ``seed``: ``asks`` asks and up to ``faults`` faults within ``window_s``."""
+    rng = random.Random(seed)
+    conditions = Conditions(delay_s=rng.choice([0.0005, 0.002, 0.02]), jitter_s=rng.choice([0.0, 0.001, 0.01]),
+                            loss=rng.choice([0.0, 0.0, 0.01, 0.05]), duplicate=rng.choice([0.0, 0.01]),
+                            reorder=rng.choice([0.0, 0.01, 0.05]))
+    drawn_asks = tuple(sorted((Ask(round(rng.uniform(0, window_s / 2), 2), rng.choice(spec.askers),
+                                   tuple(rng.randrange(1, 1000) for _ in range(rng.randint(1, 12))),
+                                   rng.randint(4, 32)) for _ in range(asks)), key=lambda a: a.at))
+    drawn_faults = []
+    for _ in range(rng.randint(0, faults)):
+        kind = rng.choice(sorted(FAULTS))
+        trunk = rng.choice(spec.trunk_names)
+        at = round(rng.uniform(0, window_s / 2), 2)
+        lasts = round(rng.uniform(1, 20), 1)
+        if kind == "kill":
+            drawn_faults.append(Fault(at, kind, trunk))
+        elif kind in ("restart", "freeze"):
+            drawn_faults.append(Fault(at, kind, rng.choice([trunk, "host"]) if kind == "freeze" else trunk,
+                                      lasts=lasts))
+        elif kind == "host_restart":
+            drawn_faults.append(Fault(at, kind, "host", lasts=lasts))
+        elif kind == "revoke":
+            drawn_faults.append(Fault(at, kind, REVOKED_ASKER))
+        elif kind == "slow":
+            drawn_faults.append(Fault(at, kind, trunk, lasts=lasts, extra_delay=rng.choice([0.05, 0.5, 2.0])))
+        else:
+            others = [n for n in [*spec.trunk_names, "host", *spec.askers] if n != trunk]
+            drawn_faults.append(Fault(at, kind, trunk, other=rng.choice(others), lasts=lasts))
+    return Schedule(seed, conditions, drawn_asks, tuple(sorted(drawn_faults, key=lambda f: f.at)))

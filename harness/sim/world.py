@@ -1,0 +1,94 @@
+"""The swarm the simulator runs: one host, trunks and askers, each the project's own service
+class (``run_host``, ``TrunkService``, ``SwarmLink`` + ``Asker``) started as a task in a context
+that names its node, on one virtual-clock loop, over the simulated network.
+
+Homes come from a template made once per process (a tiny model, the CA, every member's key and
+certificate) and are copied per run, so a run starts from the same files every time and what it
+changes (a revocation, the host's plan counter) is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.sim.clock import VirtualClockLoop
+from harness.sim.network import CURRENT_NODE, SimNetwork
+from harness.tiny_models import TinyConfig, write_tiny_model
+from plans.options import PlannerSettings
+from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.local_swarm import free_udp_port
+from swarmctl.membership import create_swarm, issue_direct
+from swarmctl.models import default_model_path
+
+TRUNK_MEMORY = 2 * 1024 ** 3  # what each trunk offers (fixed: a run must not depend on this machine's free memory)
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    trunks: int = 3
+    askers: tuple[str, ...] = ("alice", "mallory")
+    n_layer: int = 8
+    head_layers: int = 1
+    n_embd: int = 64
+
+    @property
+    def trunk_names(self) -> list[str]:
+        return [f"trunk-{i + 1}" for i in range(self.trunks)]
+
+
+class Template:
+    """Model file and homes for a spec, made once per process."""
+
+    _made: dict[WorldSpec, "Template"] = {}
+
+    def __init__(self, spec: WorldSpec) -> None:
+        self.spec = spec
+        self.root = Path(tempfile.mkdtemp(prefix="swarmctl-sim-"))
+        self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd),
+                                      default_model_path())
+        host_address = f"127.0.0.2:{free_udp_port()}"
+        host = SwarmHome(self.root / "homes" / "host")
+        create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
+                     model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers))
+        config = host.load_config()
+        for i, name in enumerate([*spec.trunk_names, *spec.askers]):
+            role = "trunk" if name.startswith("trunk-") else "asker"
+            key, cert, ca_cert = issue_direct(host, name, role=role)
+            home = SwarmHome(self.root / "homes" / name)
+            home.path.mkdir(mode=0o700)
+            home.save_identity(key, cert, ca_cert)
+            home.save_config(NodeConfig(name=name, role="member", swarm_name=config.swarm_name,
+                                        ca_fingerprint=config.ca_fingerprint, host_name=config.host_name,
+                                        host_addresses=config.host_addresses, listen=f"127.0.0.{3 + i}:0",
+                                        model=str(self.model)))
+
+    @classmethod
+    def of(cls, spec: WorldSpec) -> "Template":
+        if spec not in cls._made:
+            cls._made[spec] = cls(spec)
+        return cls._made[spec]
+
+    def copy_homes(self) -> Path:
+        dest = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
+        shutil.copytree(self.root / "homes", dest / "homes")
+        return dest
+
+
+def run_as(node: str, coro) -> asyncio.Task:
+    """Start ``coro`` as node ``node``: its tasks, sockets and timers are that node's."""
+    context = contextvars.copy_context()
+    context.run(CURRENT_NODE.set, node)
+    return asyncio.get_running_loop().create_task(coro, context=context)
+
+
+def kill_node(loop: VirtualClockLoop, network: SimNetwork, node: str) -> None:
+    """kill -9: its sockets vanish without a word, and none of its code runs again."""
+    for transport in network.endpoints_of(node):
+        transport.kill()
+    for task in list(loop.node_tasks.get(node, ())):
+        task.cancel()
