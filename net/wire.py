@@ -109,6 +109,11 @@ class DType(enum.IntEnum):
         return self.name.lower()
 
     @property
+    def bytes_per_value(self) -> float:
+        """What one activation costs on the wire (q8_0: an f16 scale per block of 32 int8)."""
+        return {DType.F32: 4.0, DType.F16: 2.0, DType.Q8_0: (2 + Q8_0_BLOCK) / Q8_0_BLOCK}[self]
+
+    @property
     def numpy(self) -> np.dtype:
         """The element type of an f32 or f16 payload (q8_0 travels in blocks, not elements)."""
         if self is DType.Q8_0:

@@ -9,13 +9,15 @@ import bisect
 import heapq
 import math
 
+from net.wire import DType
+
 from . import units
 from .layout import ModelLayout
 from .links import MEASURED, SITE, LinkModel
 from .nodes import ASKER, DEFAULT_DATAGRAM_US, NodeDescriptor, hop_datagrams
 from .plan import PlanError
 from .proposal import Constraints, StagePlan
-from .wire import Q8_0_BLOCK, SITE_RTT_MS, hop_bytes, hop_dtype
+from .wire import AUTO, Q8_0_BLOCK, SITE_RTT_MS, hop_bytes, hop_dtype
 
 
 class CostModel:
@@ -200,17 +202,17 @@ class CostModel:
             ms = self._hops[a, b] = self.links.link(a, b).link.cost_ms(self.hop_bytes(a, b)) + self.packet_ms(a, b)
         return ms
 
-    def hop_dtype(self, a: str, b: str) -> str:
+    def hop_dtype(self, a: str, b: str) -> DType:
         """What the hop carries under the swarm's --wire-dtype (plans/wire.py); q8_0 needs rows of
         whole 32-value blocks, and a model whose width is not takes f16 instead."""
-        if self.c.wire_dtype == "q8_0" and self.layout.n_embd % Q8_0_BLOCK:
-            return "f16"
-        if self.c.wire_dtype != "auto":
-            return self.c.wire_dtype
+        if self.c.wire_dtype == DType.Q8_0.label and self.layout.n_embd % Q8_0_BLOCK:
+            return DType.F16
+        if self.c.wire_dtype != AUTO:
+            return DType.named(self.c.wire_dtype)
         estimate = self.links.link(a, b)
         within = estimate.basis == SITE or (a in self.site and self.site.get(b) == self.site[a]) or \
             (estimate.basis == MEASURED and estimate.link.rtt_ms <= SITE_RTT_MS)
-        return hop_dtype("auto", within)
+        return hop_dtype(AUTO, within)
 
     def hop_bytes(self, a: str, b: str) -> float:
         return hop_bytes(self.act, self.hop_dtype(a, b))

@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from .proposal import HEAD_LAYERS, Constraints
+from .wire import SETTINGS as WIRE_DTYPES
 
 OBJECTIVES = ("latency", "throughput", "even")
-WIRE_DTYPES = ("f32", "f16", "q8_0", "auto")  # auto: f32 within a site, f16 between sites (plans/wire.py)
 
 
 @dataclass(frozen=True)

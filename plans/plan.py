@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from kernels.errors import EngineError
+from net.wire import DType
 
 
 @dataclass
@@ -18,7 +19,7 @@ class StageAssignment:
     compute_ms: float = 0.0  # expected per token
     memory_used: int = 0  # bytes: weights + KV for the planned context × concurrency
     memory_free: int = 0
-    send_dtype: str = "f32"  # how its output travels on (to the next stage; the last's, to the asker): plans/wire.py
+    send_dtype: DType = DType.F32  # how its output travels on (to the next stage; the last's, to the asker): plans/wire.py
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Plan:
     # Members charged to another's budget at the stages: the names of one invite spend the budget
     # of the first that joined with it (swarmctl/membership.py accounts()).
     accounts: dict[str, str] = field(default_factory=dict)
-    entry_dtype: str = "f32"  # how the asker's activations travel to the first stage (plans/wire.py)
+    entry_dtype: DType = DType.F32  # how the asker's activations travel to the first stage (plans/wire.py)
     # Make-before-break (swarmctl/host/planning.py): a plan the host sent its trunks to load beside
     # the one in use, not yet published to askers. A trunk keeps serving the plan in use meanwhile.
     staged: bool = False
@@ -135,8 +136,8 @@ class Plan:
             kept = old.get((p.member, p.start, p.stop))
             stages.append(StageAssignment(p.member, addresses[p.member], p.start, p.stop,
                                           kept.ready if kept else False, p.compute_ms, p.memory_used,
-                                          p.memory_free, sends.get(p.member, "f32")))
-        entry = proposal.hops[0].dtype if proposal.hops else "f32"
+                                          p.memory_free, sends.get(p.member, DType.F32)))
+        entry = proposal.hops[0].dtype if proposal.hops else DType.F32
         changed = [(s.member, s.start, s.stop, s.send_dtype) for s in stages] != \
             [(s.member, s.start, s.stop, s.send_dtype) for s in self.stages] or entry != self.entry_dtype
         self.entry_dtype = entry
@@ -158,13 +159,21 @@ class Plan:
                 tuple((e.member, e.start, e.stop) for e in self.experts))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)  # (dtypes travel by name: net/wire.py's DType labels)
+        d["entry_dtype"] = self.entry_dtype.label
+        for stage, s in zip(d["stages"], self.stages):
+            stage["send_dtype"] = s.send_dtype.label
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        stages = [StageAssignment(**s) for s in d.get("stages", [])]
+        """The plan as JSON carries it; each dtype parsed here, once (a name this version does not
+        know, a newer host's, is taken as f32)."""
+        stages = [StageAssignment(**{**s, "send_dtype": DType.in_plan(s.get("send_dtype", "f32"))})
+                  for s in d.get("stages", [])]
         experts = [ExpertAssignment(**e) for e in d.get("experts", [])]
-        return cls(**{**d, "stages": stages, "experts": experts})
+        return cls(**{**d, "stages": stages, "experts": experts,
+                      "entry_dtype": DType.in_plan(d.get("entry_dtype", "f32"))})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from net.wire import DType
+
 from .nodes import ASKER, NodeDescriptor
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ class Hop:
     through: tuple[str, ...] = ()  # the relay, or the machines whose links bound it
     ms: float = 0.0  # what one token's activations cost on it, one way: half the round trip, the bytes, the packets
     packet_ms: float = 0.0  # of which the CPU both ends spend on its datagrams (plans/cost.py packet_ms)
-    dtype: str = "f32"  # what it carries (plans/wire.py)
+    dtype: DType = DType.F32  # what it carries (plans/wire.py)
 
 
 @dataclass

@@ -15,18 +15,22 @@ entry_dtype``); the planner charges each hop the bytes and datagrams of its dtyp
 
 from __future__ import annotations
 
+from net.wire import Q8_0_BLOCK, DType  # the one vocabulary: q8_0 carries rows of whole blocks
+
+__all__ = ["AUTO", "Q8_0_BLOCK", "SETTINGS", "SITE_RTT_MS", "hop_bytes", "hop_dtype"]
+
 SITE_RTT_MS = 2.0
-Q8_0_BLOCK = 32  # q8_0 carries rows of whole blocks (net/wire.py): a model of another width gets f16
-BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+AUTO = "auto"  # a setting, not a dtype: each hop's is chosen by where its ends are
+SETTINGS = (*(d.label for d in DType), AUTO)  # what --wire-dtype takes
 
 
-def hop_dtype(setting: str, within_site: bool) -> str:
+def hop_dtype(setting: str, within_site: bool) -> DType:
     """The dtype one hop travels in under the swarm's setting."""
-    if setting == "auto":
-        return "f32" if within_site else "f16"
-    return setting
+    if setting == AUTO:
+        return DType.F32 if within_site else DType.F16
+    return DType.named(setting)
 
 
-def hop_bytes(f32_bytes: float, dtype: str) -> float:
+def hop_bytes(f32_bytes: float, dtype: DType) -> float:
     """A row's bytes in ``dtype``, from its size in f32."""
-    return f32_bytes * BYTES_PER_VALUE[dtype] / 4.0
+    return f32_bytes * dtype.bytes_per_value / 4.0

@@ -97,7 +97,7 @@ def test_each_hop_gets_its_dtype_and_is_charged_its_bytes(setting, lan, wan):
     c = Constraints(head_layers=2, context_tokens=16, wire_dtype=setting)
     p = plan_layers(WIDE, _nodes(40.0), c)
     assert sorted(s.member for s in p.stages) == ["a", "b"]  # (it needs both: 16 GB of layers)
-    assert [h.dtype for h in p.hops] == [lan, wan, lan]
+    assert [h.dtype.label for h in p.hops] == [lan, wan, lan]
     between = p.hops[1]
     bytes_ = {"f32": 7168 * 4, "f16": 7168 * 2, "q8_0": 7168 // 32 * 34}[wan]
     assert between.ms - between.packet_ms == pytest.approx(20.0 + bytes_ / (2.5 * 1e3))
@@ -108,4 +108,4 @@ def test_each_hop_gets_its_dtype_and_is_charged_its_bytes(setting, lan, wan):
 def test_q8_0_on_a_model_whose_width_is_not_whole_blocks_travels_in_f16():
     odd = ModelLayout("odd", 12, 7000, (2_000_000_000,) * 12, (1,) * 12, 1024, 0, 0)
     p = plan_layers(odd, _nodes(40.0), Constraints(head_layers=2, context_tokens=16, wire_dtype="q8_0"))
-    assert {h.dtype for h in p.hops} == {"f16"}
+    assert {h.dtype.label for h in p.hops} == {"f16"}

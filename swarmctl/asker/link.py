@@ -180,7 +180,7 @@ class SwarmLink:
     def dtype(self) -> DType:
         if self._dtype is not None:
             return self._dtype
-        return DType.in_plan(self.plan.entry_dtype) if self.plan is not None else DType.F32
+        return self.plan.entry_dtype if self.plan is not None else DType.F32
 
     @property
     def head_layers(self) -> int:

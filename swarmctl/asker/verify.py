@@ -312,8 +312,8 @@ class VerifyingTrunk:
     def _sent_on(self, stage: int, x: np.ndarray) -> np.ndarray:
         """Stage ``stage``'s output rows as the next hop delivers them (in the plan's dtype for it)."""
         stages = getattr(self.link.plan, "stages", [])
-        name = stages[stage].send_dtype if 0 <= stage < len(stages) else "f32"
-        return DType.in_plan(name).as_received(x)
+        dtype = stages[stage].send_dtype if 0 <= stage < len(stages) else DType.F32
+        return dtype.as_received(x)
 
     def _accuse(self, members: list[str], verdict: Verdict, attributed: bool = False) -> None:
         self.stats.mismatches += 1

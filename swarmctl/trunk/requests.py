@@ -254,7 +254,7 @@ class StageRequests:
         is_last = stage.stop == plan.trunk_range[1]
         # The plan says how this stage's output travels on (plans/wire.py); a re-check goes back
         # the way it came.
-        dtype = packet.dtype if packet.one_stage else DType.in_plan(stage.send_dtype)
+        dtype = packet.dtype if packet.one_stage else stage.send_dtype
         onward = ActivationPacket(PacketKind.RESULT if is_last or packet.one_stage else packet.kind, rid,
                                   plan.version, stage.stop, packet.start_pos, out, dtype, route.reply_to,
                                   hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify,
