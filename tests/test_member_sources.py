@@ -5,13 +5,16 @@ those layers (fetch_chunks over member QUIC connections, swarmctl/trunk/layer_sh
 One swarm, four trunks that hold the whole model and one that holds nothing:
 
     trunk-a     serves what it holds (the default upload budget)
-    trunk-bad   sends chunks with a flipped byte (fault injection: SWARMCTL_TEST_SERVE_WRONG_CHUNKS,
+    bad-trunk   sends chunks with a flipped byte (fault injection: SWARMCTL_TEST_SERVE_WRONG_CHUNKS,
                 as a corrupt disk would): dropped for the fetch and reported to the host
     trunk-zero  --upload-mbit 0: the host never lists it, and it refuses a direct request
     trunk-b     no model file: fetches its layers, and the swarm answers as llama-cpp-python
 
-The model is a tiny GGUF wide enough that a two-layer slice is several batches (16 chunks of
-1 MiB each), so that every source gets a batch to send.
+The model is a tiny GGUF wide enough that each trunk's two layers (8 trunk layers, "even") are
+about 108 chunks of 1 MiB, several batches of 16: every source gets a batch before the end game.
+The host lists holders by how much of the slice they hold, then by name, and the fetcher asks
+them in that order before the host: bad-trunk first, so its first batch is out before anyone
+could take its chunks from it.
 """
 
 from __future__ import annotations
@@ -27,11 +30,17 @@ from net import messages as m
 from net.protocol import RequestOnlyHandler
 from swarmctl.home import SwarmHome
 from tests.conftest import make_oracle
-from tests.test_mirror_swarm import shares_in
 
 PROMPT = "The capital of France is"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "8")
-WIDE = TinyConfig(n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=4096, qtype="F32", seed=7)
+WIDE = TinyConfig(n_layer=10, n_embd=256, n_head=4, n_head_kv=2, n_ff=16384, qtype="F32", seed=7)  # 54 chunks a layer
+
+
+def shares_in(log: str) -> dict[str, int]:
+    """Each source's share of the bytes, from the fetch's line that gives them."""
+    line = next(ln for ln in log.splitlines() if "fetched layers" in ln and "% from the" in ln)
+    return {part.split(" from the ")[1].strip(): int(part.split("%")[0].strip())
+            for part in line.split("MB): ", 1)[1].split("; ")}
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +56,14 @@ def swarm(tmp_path_factory, wide_model):
         s.init("--model", str(wide_model), "--head-layers", "1")
         s.start_host()
         s.wait_host()
-        for name in ("trunk-a", "trunk-bad", "trunk-zero"):
+        for name in ("trunk-a", "bad-trunk", "trunk-zero"):
             s.join(name, "--model", str(wide_model))
         s.join("trunk-b", "--model", str(s.root / "no-such-model.gguf"))
         s.join("asker", role="asker", *("--model", str(wide_model)))
         s.start_trunk("trunk-a", capture=False)
         with mp.context() as env:  # (Popen copies the environment as it starts)
             env.setenv("SWARMCTL_TEST_SERVE_WRONG_CHUNKS", "1")
-            s.start_trunk("trunk-bad", capture=False)
+            s.start_trunk("bad-trunk", capture=False)
         s.start_trunk("trunk-zero", "--upload-mbit", "0", capture=False)
         s.wait_complete(3, timeout=120)
         s.trunk_b = s.start_trunk("trunk-b", capture=False)
@@ -66,7 +75,7 @@ def swarm(tmp_path_factory, wide_model):
 
 def test_a_new_trunk_fetches_from_the_host_and_a_member_at_once_and_answers_as_the_oracle(swarm, wide_model):
     log = swarm.trunk_b.log()
-    shares = shares_in(log, "fetched layers")
+    shares = shares_in(log)
     assert shares.get("member trunk-a", 0) > 0 and shares.get("host", 0) > 0, log
     listed = [line for line in swarm.nodes[0].log().splitlines() if "members holding" in line]
     assert listed and all("trunk-a" in line and "trunk-zero" not in line for line in listed)  # a budget of 0: never
@@ -84,11 +93,11 @@ def test_a_new_trunk_fetches_from_the_host_and_a_member_at_once_and_answers_as_t
 
 def test_a_member_sending_wrong_chunks_is_dropped_and_reported_and_the_fetch_completes(swarm):
     log = swarm.trunk_b.log()
-    dropped = [line for line in log.splitlines() if "member trunk-bad sent a wrong chunk" in line]
+    dropped = [line for line in log.splitlines() if "member bad-trunk sent a wrong chunk" in line]
     assert len(dropped) == 1 and "does not match the host's hash" in dropped[0], log
-    assert "trunk-bad" not in shares_in(log, "fetched layers")
+    assert "bad-trunk" not in shares_in(log)
     host_log = swarm.nodes[0].log()
-    assert "member trunk-bad sent trunk-b chunks that fail the host's hashes" in host_log, host_log
+    assert "member bad-trunk sent trunk-b chunks that fail the host's hashes" in host_log, host_log
     assert "no longer listed" not in host_log  # one report evicts nobody (nor stops listing it)
     assert "serving layers" in log  # the fetch completed, checked, and the slice serves
 
