@@ -285,6 +285,27 @@ class SliceEngine:
             request.kv.close()
         return True
 
+    def move(self, from_id: bytes | str, to_id: bytes | str, n_positions: int) -> bool:
+        """Give request ``from_id``'s cache to ``to_id``, keeping only positions [0, n_positions):
+        how a request's cells are kept past its end as a prefix, and how a later request takes
+        them up (the cells stay where they are; nothing is copied). False, and nothing changed,
+        when ``from_id`` is unknown, holds fewer positions, or ``to_id`` is in use."""
+        src = from_id.encode() if isinstance(from_id, str) else bytes(from_id)
+        dst = to_id.encode() if isinstance(to_id, str) else bytes(to_id)
+        request = self._requests.get(src)
+        if request is None or dst in self._requests or not 0 <= n_positions <= request.n_filled:
+            return False
+        del self._requests[src]
+        # Graphs built for the old id read its cells by that id's slot; the new id builds its own.
+        self._graphs.drop_where(lambda shape: src in shape.request_ids)
+        self._segments.drop_where(lambda seg: src in seg[0].request_ids)
+        # Later cells stay allocated but masked: the next step at n_positions overwrites them.
+        request.n_filled = n_positions
+        if request.kv is not None:
+            request.kv.n_filled = n_positions
+        self._requests[dst] = request
+        return True
+
     def position_of(self, request_id: bytes | str) -> int:
         """Positions a request has filled (0 for an unknown one)."""
         key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)

@@ -11,13 +11,15 @@ bytes into a ``FrameDecoder`` and writes what ``encode_*`` returns.
       version:u8  kind:u8  dtype:u8  flags:u8  request_id:16s     (flags: bit 0 on ERROR: RETRY;
                                                                  bit 1 REWIND, bit 2 VERIFY, bit 4
                                                                  ONE_STAGE on steps and results;
-                                                                 bit 3 TRACE on any kind)
+                                                                 bit 3 TRACE on any kind; bit 5
+                                                                 PREFIX on END and PREFILL)
       plan_version:u32  layer_index:u32  start_pos:u32  n_tokens:u32  n_embd:u32
       reply_to_len:u8  reply_to:utf-8[reply_to_len]
       n_hops:u8  n_hops × (name_len:u8 name:utf-8 queued_us:u32 compute_us:u32 batch:u16)
       with TRACE only, for each hop in order:
         n_calls:u16  n_calls × (node_len:u8 node:utf-8 layer:u32 offset_us:u32 duration_us:u32
                                 rows:u32 bytes:u32)
+      with PREFIX only: prefix:16s
       data: n_tokens * n_embd little-endian IEEE 754 values (f32 or f16); for ERROR, UTF-8 text
 
 Each stage a packet passes appends one hop record (how long the packet queued there, the compute
@@ -29,6 +31,12 @@ TRACE (``swarmctl ask --trace``) asks the stages for more: each hop also lists t
 batch's compute on the stage's own clock, so no clocks need to agree. A packet without TRACE is
 byte for byte what it was before the flag existed; the extra section costs bytes on every hop,
 which is why only a traced request carries it.
+
+PREFIX names a kept prefix, an id the asker chose (it says nothing of the tokens): on END, each
+stage keeps the request's cells [0, start_pos) under that id, on its account, instead of freeing
+them; on a request's first PREFILL at start_pos > 0, each stage takes up those cells, cut to
+start_pos, as the request's cache, or refuses with RETRY when it holds none (the asker then
+replays from position 0).
 
 All integers in packets are little-endian; the frame length is big-endian (network order).
 """
@@ -53,6 +61,8 @@ FLAG_REWIND = 2  # the step starts before the request's filled length: drop the 
 FLAG_VERIFY = 4  # a speculative check: every row attends on its own, as a one-token step (kernels/slice.Step)
 FLAG_TRACE = 8  # the hop records carry their expert calls (see the module docstring)
 FLAG_ONE_STAGE = 16  # a step that enters a stage and comes back from it on the same stream (a re-check)
+FLAG_PREFIX = 32  # END: keep the cells as this prefix; PREFILL: start from it (see the module docstring)
+PREFIX_ID_BYTES = 16
 MAX_HOPS = 64
 MAX_HOP_CALLS = 4096  # expert calls one hop may list (a 64-layer MoE step over 64 expert nodes)
 _HOP_CALL = struct.Struct("<IIIII")
@@ -206,6 +216,7 @@ class ActivationPacket:
     verify: bool = False  # steps: FLAG_VERIFY
     trace: bool = False  # FLAG_TRACE: stages list their expert calls in their hop records
     one_stage: bool = False  # steps: FLAG_ONE_STAGE, the RESULT comes back from the stage it entered
+    prefix: bytes = b""  # FLAG_PREFIX on END and PREFILL: a kept prefix's id (16 bytes), or none
 
     @property
     def n_tokens(self) -> int:
@@ -284,6 +295,10 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
         flags |= FLAG_TRACE
     elif any(hop.calls for hop in p.hops):
         raise WireError("expert-call records ride only on traced packets")
+    if p.prefix:
+        if p.kind not in (PacketKind.END, PacketKind.PREFILL) or len(p.prefix) != PREFIX_ID_BYTES:
+            raise WireError(f"a prefix id is {PREFIX_ID_BYTES} bytes, on END and PREFILL packets only")
+        flags |= FLAG_PREFIX
     header = _PACKET_FIXED.pack(PACKET_VERSION, p.kind, p.dtype, flags, p.request_id, p.plan_version, p.layer_index,
                                 p.start_pos, n_tokens, n_embd, len(reply))
     hops = [bytes([len(p.hops)])]
@@ -293,6 +308,8 @@ def encode_packet(p: ActivationPacket, max_frame: int = DEFAULT_MAX_FRAME) -> by
                                                       min(hop.batch, 2**16 - 1))]
     if p.trace:
         hops += [_encode_calls(hop.calls) for hop in p.hops]
+    if p.prefix:
+        hops.append(p.prefix)
     return encode_frame(FrameType.ACTIVATION, header + reply + b"".join(hops) + payload, max_frame)
 
 
@@ -325,6 +342,11 @@ def decode_packet(body: bytes) -> ActivationPacket:
     trace = bool(flags & FLAG_TRACE)
     if trace:
         hops, offset = _decode_calls(body, offset, hops)
+    prefix = b""
+    if flags & FLAG_PREFIX:
+        if kind not in (PacketKind.END, PacketKind.PREFILL) or len(body) < offset + PREFIX_ID_BYTES:
+            raise WireError("a prefix id rides only on END and PREFILL packets, whole")
+        prefix, offset = body[offset:offset + PREFIX_ID_BYTES], offset + PREFIX_ID_BYTES
     payload = body[offset:]
     if kind == PacketKind.ERROR:
         return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, np.empty((0, 0), np.float32),
@@ -341,7 +363,7 @@ def decode_packet(body: bytes) -> ActivationPacket:
     data = dtype.decode(payload, n_tokens, n_embd)
     return ActivationPacket(kind, request_id, plan_version, layer_index, start_pos, data, dtype, reply_to, "", hops,
                             rewind=bool(flags & FLAG_REWIND), verify=bool(flags & FLAG_VERIFY), trace=trace,
-                            one_stage=bool(flags & FLAG_ONE_STAGE))
+                            one_stage=bool(flags & FLAG_ONE_STAGE), prefix=prefix)
 
 
 def _decode_hops(body: bytes, offset: int) -> tuple[tuple[Hop, ...], int]:

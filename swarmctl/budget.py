@@ -8,12 +8,17 @@ will hold after the step; a step that would take the member over its limits (or 
 what it can hold at all) is refused with a reason, and nothing changes. Charges follow the
 engine's real figures after each step and go when the request is released.
 
+Kept prefixes (a request's cells kept past its end for the same account's next request) are
+charged to that account too, in its KV bytes but not its requests, and go first, least recently
+used first, whenever the account needs room: one account's prefixes never push out another's.
+
 Pure bookkeeping, no I/O, one thread (the event loop's): the trunk decides what to charge and
 when to release; this class only keeps the sums and answers admit or refuse.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from net.tls import MAX_STREAMS
@@ -61,10 +66,24 @@ class Limits:
                    f"the plan reserves KV for {concurrent} × {context_tokens} tokens here")
 
 
+# Kept prefixes per account at a stage, whatever their size (each costs a cache's bookkeeping).
+MAX_KEPT_PER_MEMBER = 32
+
+
 @dataclass
 class Usage:
     requests: int = 0
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # requests' and kept prefixes' together
+    kept: int = 0  # kept prefixes, their bytes and positions
+    kept_bytes: int = 0
+    kept_positions: int = 0
+
+
+@dataclass(frozen=True)
+class Kept:
+    member: str
+    kv_bytes: int
+    positions: int
 
 
 def _mb(n: int) -> str:
@@ -76,6 +95,8 @@ class MemberBudget:
         self.limits = limits
         self._charges: dict[bytes, tuple[str, int]] = {}  # request id → (member, KV bytes charged)
         self._members: dict[str, Usage] = {}
+        # prefix key → what it holds, per member, least recently used first
+        self._kept: dict[str, OrderedDict[bytes, Kept]] = {}
         self.total_kv_bytes = 0
         self.refusals = 0
 
@@ -88,7 +109,60 @@ class MemberBudget:
 
     def usage(self, member: str) -> Usage:
         usage = self._members.get(member)
-        return Usage(usage.requests, usage.kv_bytes) if usage else Usage()
+        return Usage(usage.requests, usage.kv_bytes, usage.kept, usage.kept_bytes, usage.kept_positions) \
+            if usage else Usage()
+
+    def member_over(self, member: str, kv_bytes: int, rid: bytes = b"") -> bool:
+        """Whether ``member`` holding ``kv_bytes`` more (for ``rid``, less what it is charged now)
+        passes its own or the stage's KV limit."""
+        extra = kv_bytes - (self.charged(rid) if rid else 0)
+        return (self.usage(member).kv_bytes + extra > self.limits.member_kv_bytes
+                or self.total_kv_bytes + extra > self.limits.total_kv_bytes)
+
+    # --- kept prefixes ---
+
+    def keep(self, key: bytes, member: str, kv_bytes: int, positions: int) -> None:
+        """Charge a kept prefix to ``member`` (the trunk made room first: ``oldest_kept``)."""
+        self.drop_kept(key)
+        self._kept.setdefault(member, OrderedDict())[key] = Kept(member, kv_bytes, positions)
+        usage = self._members.setdefault(member, Usage())
+        usage.kept += 1
+        usage.kept_bytes += kv_bytes
+        usage.kept_positions += positions
+        usage.kv_bytes += kv_bytes
+        self.total_kv_bytes += kv_bytes
+
+    def kept(self, key: bytes, member: str) -> Kept | None:
+        """The member's kept prefix ``key``, marked as just used; None if it has none by that key."""
+        entries = self._kept.get(member)
+        if entries is None or key not in entries:
+            return None
+        entries.move_to_end(key)
+        return entries[key]
+
+    def oldest_kept(self, member: str) -> bytes | None:
+        """The member's least recently used kept prefix: the first to go when it needs room."""
+        entries = self._kept.get(member)
+        return next(iter(entries)) if entries else None
+
+    def kept_count(self, member: str) -> int:
+        return len(self._kept.get(member, ()))
+
+    def drop_kept(self, key: bytes) -> None:
+        for member, entries in self._kept.items():
+            entry = entries.pop(key, None)
+            if entry is None:
+                continue
+            if not entries:
+                del self._kept[member]
+            usage = self._members[member]
+            usage.kept -= 1
+            usage.kept_bytes -= entry.kv_bytes
+            usage.kept_positions -= entry.positions
+            usage.kv_bytes -= entry.kv_bytes
+            self.total_kv_bytes -= entry.kv_bytes
+            self._forget_if_idle(member)
+            return
 
     def admit(self, rid: bytes, member: str, kv_bytes: int) -> str:
         """Charge request ``rid`` of ``member`` with ``kv_bytes`` (what its cache will hold after
@@ -135,7 +209,11 @@ class MemberBudget:
         usage.requests -= 1
         usage.kv_bytes -= kv_bytes
         self.total_kv_bytes -= kv_bytes
-        if usage.requests == 0:
+        self._forget_if_idle(member)
+
+    def _forget_if_idle(self, member: str) -> None:
+        usage = self._members[member]
+        if usage.requests == 0 and usage.kept == 0:
             del self._members[member]
 
     def _set(self, rid: bytes, member: str, kv_bytes: int) -> None:
@@ -149,7 +227,10 @@ class MemberBudget:
     def stats(self) -> dict:
         limits = self.limits
         return {
-            "members": {m: {"requests": u.requests, "kv_bytes": u.kv_bytes} for m, u in sorted(self._members.items())},
+            "members": {m: {"requests": u.requests, "kv_bytes": u.kv_bytes, "kept_prefixes": u.kept,
+                            "cached_tokens": u.kept_positions, "cached_kv_bytes": u.kept_bytes}
+                        for m, u in sorted(self._members.items())},
+            "cached_tokens": sum(u.kept_positions for u in self._members.values()),
             "limits": {"member_requests": limits.member_requests, "member_kv_bytes": limits.member_kv_bytes,
                        "total_kv_bytes": limits.total_kv_bytes, "basis": limits.basis},
             "charged_kv_bytes": self.total_kv_bytes, "refusals": self.refusals,

@@ -53,9 +53,12 @@ def packets(draw) -> ActivationPacket:
     if kind == PacketKind.ERROR:
         return ActivationPacket(data=np.empty((0, 0), np.float32), message=draw(st.text(max_size=ERROR_TEXT_CHARS)),
                                 retry=draw(st.booleans()), **common)
+    # a kept prefix's id rides on END (keep) and PREFILL (resume) only
+    prefix = draw(st.binary(min_size=16, max_size=16) | st.just(b"")) \
+        if kind in (PacketKind.END, PacketKind.PREFILL) else b""
     if kind == PacketKind.END:
-        return ActivationPacket(data=np.empty((0, 0), dtype.numpy), **common)
-    return ActivationPacket(data=draw(activations(dtype)), **common)
+        return ActivationPacket(data=np.empty((0, 0), dtype.numpy), prefix=prefix, **common)
+    return ActivationPacket(data=draw(activations(dtype)), prefix=prefix, **common)
 
 
 @st.composite
@@ -117,7 +120,7 @@ def test_an_untraced_packet_is_the_encoding_from_before_the_trace_flag(packet):
     """TRACE adds only its flag bit and, after the hop records, one u16 count of expert calls per
     hop: with the flag off the bytes are exactly the format from before it existed (which stages
     of an older version read), and with it on but no calls listed, only those bits differ."""
-    plain = dict(packet.__dict__, trace=False, hops=tuple(replace(h, calls=()) for h in packet.hops))
+    plain = dict(packet.__dict__, trace=False, hops=tuple(replace(h, calls=()) for h in packet.hops), prefix=b"")
     untraced = one_frame_body(encode_packet(ActivationPacket(**plain)))[1]
     traced = one_frame_body(encode_packet(ActivationPacket(**{**plain, "trace": True})))[1]
     hops_end = len(untraced) - len(_payload_of(packet))

@@ -12,6 +12,7 @@ from swarmctl.api.shapes import FINISH_REASONS, Usage
 from swarmctl.api.stops import StopScanner
 from swarmctl.asker.head_tail import Asker, Generation, Trunk
 from swarmctl.asker.logprobs import TokenLogprob
+from swarmctl.asker.prefixes import PrefixCache
 from swarmctl.asker.speculate import Speculation
 
 
@@ -29,13 +30,14 @@ class TextRequest:
 
 class TextGeneration:
     def __init__(self, asker: Asker, trunk: Trunk | None, request: TextRequest, *, timeout: float | None,
-                 speculation: Speculation | None = None) -> None:
+                 speculation: Speculation | None = None, prefixes: PrefixCache | None = None) -> None:
+        """``prefixes``: start from the longest kept prefix of an earlier prompt, and keep this one's."""
         self.generation = Generation(secrets.token_bytes(16), len(request.prompt))
         self.speculates = speculation is not None
         self.finish_reason: str | None = None  # OpenAI's: "stop" or "length", once the text has ended
         self._tokens = asker.generate(request.prompt, trunk, max_tokens=request.max_tokens, sampling=request.sampling,
                                       timeout=timeout, generation=self.generation, speculation=speculation,
-                                      logprobs=request.logprobs, grammar=request.grammar)
+                                      logprobs=request.logprobs, grammar=request.grammar, prefixes=prefixes)
         self._grammar = request.grammar
         self.wants_logprobs = request.logprobs is not None
         self._pushed = 0  # tokens turned into text so far (their log-probabilities go out with it)
@@ -83,7 +85,8 @@ class TextGeneration:
     @property
     def usage(self) -> Usage:
         g = self.generation
-        return Usage(g.prompt_tokens, len(g.tokens), g.drafted if self.speculates else None, g.accepted)
+        return Usage(g.prompt_tokens, len(g.tokens), g.drafted if self.speculates else None, g.accepted,
+                     g.cached_tokens)
 
     async def aclose(self) -> None:
         """Stop generating (a stop string, an error, a client gone): the asker frees the request."""

@@ -38,6 +38,7 @@ class GenerationParams:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage counts
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
     json_schema: dict | None = None  # response_format: {} for any JSON object, else the schema to follow
+    cache_prompt: bool = True  # llama.cpp's name: start from a kept prefix of an earlier prompt (the same bits)
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,15 @@ def _generation(body: dict[str, Any], max_tokens: int | None, max_tokens_param: 
     return GenerationParams(model=model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
                             sampling=_sampling(body), stop=_stops(body),
                             stream=bool(stream), include_usage=bool(options.get("include_usage")),
-                            json_schema=_response_format(body))
+                            json_schema=_response_format(body), cache_prompt=_cache_prompt(body))
+
+
+def _cache_prompt(body: dict[str, Any]) -> bool:
+    """``cache_prompt`` (llama.cpp server's field, default true): false computes the whole prompt."""
+    value = body.get("cache_prompt", True)
+    if not isinstance(value, bool):
+        raise bad_request("'cache_prompt' must be true or false", "cache_prompt")
+    return value
 
 
 def _response_format(body: dict[str, Any]) -> dict | None:

@@ -34,6 +34,7 @@ from swarmctl.api.shapes import Envelope, chat_logprobs, completion_logprobs, mo
 from swarmctl.api.prompting import render_chat
 from swarmctl.api.tools import Tool, parse_call
 from swarmctl.asker.head_tail import Asker, Trunk
+from swarmctl.asker.prefixes import PrefixCache
 from swarmctl.asker.speculate import Drafting
 from swarmctl.asker.trace import TraceError, TraceFolder
 
@@ -67,6 +68,10 @@ class ApiServer:
         self.trunk = trunk
         self.model_id = model_id
         self.api_key = settings.api_key or None
+        # Conversations resend their history: each request starts from the longest kept prefix
+        # of an earlier one (swarmctl/asker/prefixes.py). One cache: every client of this serve
+        # holds its one key (and reaches the swarm as its one member).
+        self.prefixes = PrefixCache()
         self.created = settings.created
         self.request_timeout = settings.request_timeout
         self.settings = settings
@@ -221,7 +226,8 @@ class ApiServer:
         request = TextRequest(prompt, max_tokens=params.max_tokens or context, sampling=params.sampling,
                               stops=params.stop, logprobs=params.logprobs, grammar=grammar)
         generation = TextGeneration(self.asker, self.trunk, request, timeout=self.request_timeout,
-                                    speculation=self.drafting.for_request())
+                                    speculation=self.drafting.for_request(),
+                                    prefixes=self.prefixes if params.cache_prompt else None)
         try:
             await generation.start()
             yield generation

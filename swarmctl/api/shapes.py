@@ -20,10 +20,12 @@ class Usage:
     completion_tokens: int
     drafted: int | None = None  # with speculative steps (serve --speculate): tokens drafted, and kept
     accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from a kept prefix of an earlier request
 
     def as_dict(self) -> dict:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if self.drafted is not None:  # OpenAI's names for predicted tokens kept and thrown away
             usage["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted,
                                                   "rejected_prediction_tokens": self.drafted - self.accepted}

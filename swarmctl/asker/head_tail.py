@@ -33,6 +33,7 @@ from swarmctl.batching import BatchRunner, StepTiming
 from swarmctl.asker.logprobs import TokenLogprob, token_logprob
 from kernels.grammar import Grammar, GrammarError
 from swarmctl.asker.speculate import Draft, Speculation, accept
+from swarmctl.asker.prefixes import PrefixCache, PrefixEntry, Steps, chunk_bounds
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
 DEFAULT_MAX_IN_FLIGHT = 16
@@ -144,6 +145,32 @@ class InprocTrunk:
         for runner in self.runners:
             await runner.call(runner.engine.release, request_id)
 
+    # --- kept prefixes (swarmctl/asker/prefixes.py): the stages' caches move, nothing to replay ---
+
+    async def keep(self, request_id: bytes, prefix: bytes, positions: int) -> list | None:
+        """End the request, keeping its cells [0, positions) as ``prefix`` at every stage."""
+        moved = [await runner.call(runner.engine.move, request_id, b"trunk-prefix/" + prefix, positions)
+                 for runner in self.runners]
+        if not all(moved):
+            await self.forget(prefix)
+            await self.release(request_id)
+            return None
+        return []
+
+    async def resume(self, request_id: bytes, prefix: bytes, positions: int, record: list | None) -> bool:
+        """Request ``request_id`` starts from ``prefix``'s cells cut to ``positions`` (False: it cannot)."""
+        key = b"trunk-prefix/" + prefix
+        if record is None or not all(r.engine.position_of(key) >= positions and r.engine.has_request(key)
+                                     for r in self.runners):
+            return False
+        for runner in self.runners:
+            await runner.call(runner.engine.move, key, request_id, positions)
+        return True
+
+    async def forget(self, prefix: bytes) -> None:
+        for runner in self.runners:
+            await runner.call(runner.engine.release, b"trunk-prefix/" + prefix)
+
     def close(self) -> None:
         for runner in getattr(self, "runners", []):
             runner.close()
@@ -216,6 +243,8 @@ class Generation:
     started: float = field(default_factory=time.perf_counter)
     fill_timings: list[TokenTiming] = field(default_factory=list)  # prompt chunks before the last (over 512 tokens)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in ``tokens``, when asked for
+    cached_tokens: int = 0  # prompt positions taken from a kept prefix, not computed (swarmctl/asker/prefixes.py)
+    prompt_done: bool = False  # every prompt position is in the caches (its last row's logits came back)
 
 
 class GrammarRows:
@@ -307,14 +336,16 @@ class Asker:
                        sampling: SamplingParams, timeout: float | None = None,
                        generation: Generation | None = None, ignore_eos: bool = False,
                        speculation: Speculation | None = None, logprobs: int | None = None,
-                       grammar: Grammar | None = None) -> AsyncIterator[int]:
+                       grammar: Grammar | None = None, prefixes: PrefixCache | None = None) -> AsyncIterator[int]:
         """Yield generated token ids. ``timeout`` bounds the whole request, the wait for admission
         included; ``generation`` (optional) is filled in as it goes; ``ignore_eos`` keeps going
         past end-of-generation tokens (for benchmarks, like llama.cpp's --ignore-eos);
         ``speculation`` drafts tokens to check several per step (swarmctl/asker/speculate.py), and
         counts what it drafted and kept; ``logprobs``: record each token's log-probability and that
         many alternatives in ``generation.logprobs`` (None: none); ``grammar``: only tokens it
-        allows are chosen, drafts included (kernels/grammar.py: structured output)."""
+        allows are chosen, drafts included (kernels/grammar.py: structured output); ``prefixes``:
+        start from the longest kept prefix the prompt begins with, and keep this prompt's cells
+        there at the end (swarmctl/asker/prefixes.py; the answer is the same bits)."""
         if max_tokens <= 0:
             raise EngineError("--max-tokens must be a positive number")
         if not prompt:
@@ -333,10 +364,17 @@ class Asker:
         gen = generation or Generation(secrets.token_bytes(16), len(prompt))
         gen.request_id = gen.request_id or secrets.token_bytes(16)
         self.in_flight[gen.request_id] = gen
+        if prefixes is not None and (speculation is not None and speculation.wants_hidden
+                                     or trunk is not None and getattr(trunk, "keep", None) is None):
+            prefixes = None  # (a draft that reads every row's hidden state, or a trunk that cannot keep cells)
+        filled = Steps()  # the prompt's steps of several rows: what a kept prefix may hold
+        steps = None
         try:
+            if prefixes is not None:
+                gen.cached_tokens, filled = await self._resume(gen.request_id, prompt, trunk, prefixes)
             sampler = Sampler(sampling)
             steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation, logprobs,
-                                grammar)
+                                grammar, gen.cached_tokens)
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -349,25 +387,33 @@ class Asker:
                     raise BusyError(f"the request ran past its {timeout:.0f}s deadline") from None
                 yield token
         finally:
-            await steps.aclose()
+            if steps is not None:
+                await steps.aclose()
             if speculation is not None:
                 await speculation.release(gen.request_id)
             del self.in_flight[gen.request_id]
             self._admission.release()
-            await self._release(gen.request_id, trunk)
+            if prefixes is not None and gen.prompt_done:
+                for start, rows in chunk_bounds(gen.cached_tokens, len(prompt), PREFILL_CHUNK):
+                    filled = filled.then(start, rows)
+                await self._keep(gen.request_id, prompt, filled.exact(), trunk, prefixes)
+            else:
+                await self._release(gen.request_id, trunk)
 
     async def _steps(self, prompt: list[int], trunk: Trunk | None, max_tokens: int, sample: Sampler,
                      gen: Generation, ignore_eos: bool, speculation: Speculation | None = None,
-                     logprobs: int | None = None, grammar: Grammar | None = None):
+                     logprobs: int | None = None, grammar: Grammar | None = None, start: int = 0):
+        """``start``: the first prompt position to compute (those before it came from a kept prefix)."""
         rid = gen.request_id
-        start = 0
         # A draft from the final hidden states (--speculate mtp) is shown those of every kept row.
         hidden_rows = speculation is not None and speculation.wants_hidden
-        chunks = [prompt[i:i + PREFILL_CHUNK] for i in range(0, len(prompt), PREFILL_CHUNK)]
+        # The chunks a plain run from 0 cuts: the same bits (swarmctl/asker/prefixes.py)
+        bounds = chunk_bounds(start, len(prompt), PREFILL_CHUNK)
+        chunks = [prompt[a:a + n] for a, n in bounds]
         prompt_result = None  # the last chunk's logits and timing, when the chunks streamed through together
         if len(chunks) > 1 and trunk is not None and trunk.steps_in_flight > 1:
-            *fills, prompt_result = await self._stream_prompt(rid, chunks, trunk, hidden_rows)
-            for (out, timing), chunk_start in zip(fills, range(0, len(prompt), PREFILL_CHUNK)):
+            *fills, prompt_result = await self._stream_prompt(rid, chunks, trunk, hidden_rows, start)
+            for (out, timing), (chunk_start, _) in zip(fills, bounds):
                 gen.fill_timings.append(timing)
                 if hidden_rows:
                     speculation.saw(rid, chunk_start, split_hidden(out)[1])
@@ -407,6 +453,7 @@ class Asker:
                 filled = max(filled, windows[-1].end)
                 window = windows.pop(0)
                 out, timing = await window.task
+                gen.prompt_done = True
                 logits, hidden = split_hidden(out)
                 gen.timings.append(timing)
                 # Its drafts, and the first token of the window after it (the guess of what follows
@@ -517,7 +564,8 @@ class Asker:
         return logits, TokenTiming(head_timing, trunk_result, tail_timing, t_tail - t0, started=t0,
                                    trunk_returned=t_trunk, tail_returned=t_tail, rows=rows, start_pos=start)
 
-    async def _stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk, hidden_rows: bool = False):
+    async def _stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk, hidden_rows: bool = False,
+                             first: int = 0):
         """A long prompt's chunks through head, trunk and tail, streamed: each chunk goes to the
         trunk as soon as the head has it (up to ``trunk.steps_in_flight`` out at once), so the
         second stage works on chunk 1 while the first works on chunk 2, and an uplink carries one
@@ -529,7 +577,7 @@ class Asker:
         handed: asyncio.Queue = asyncio.Queue()  # (the trunk's step, t0, head timing, start, rows), or an error
 
         async def head_side() -> None:
-            start = 0
+            start = first
             try:
                 for chunk in chunks:
                     await window.acquire()
@@ -564,6 +612,55 @@ class Asker:
                 item = handed.get_nowait()
                 if not isinstance(item, Exception):
                     item[0].cancel()
+
+    async def _resume(self, rid: bytes, prompt: Sequence[int], trunk: Trunk | None,
+                      prefixes: PrefixCache) -> tuple[int, Steps]:
+        """Start request ``rid`` from the kept prefix ``prompt`` shares the most with: its cells
+        move into the request's caches here and at every stage. Returns the first position to
+        compute and the steps that computed those before it ((0, none) without one)."""
+        found = prefixes.take(prompt, PREFILL_CHUNK)
+        if found is None:
+            return 0, Steps()
+        entry, start = found.entry, found.start
+        here = all(e.position_of(entry.key) >= start and e.has_request(entry.key) for e in (self.head, self.tail))
+        if not here or (trunk is not None and not await trunk.resume(rid, entry.prefix, start, entry.trunk_record)):
+            await self._forget(entry, trunk)
+            return 0, Steps()
+        await self.head_runner.call(self.head.move, entry.key, rid, start)
+        await self.tail_runner.call(self.tail.move, entry.key, rid, start)
+        return start, entry.steps.cut(start)
+
+    async def _keep(self, rid: bytes, prompt: Sequence[int], filled: Steps, trunk: Trunk | None,
+                    prefixes: PrefixCache) -> None:
+        """End request ``rid``, keeping the cells of its prompt's positions [0, filled.end) as a
+        prefix here and at every stage (freed instead where that cannot be done)."""
+        entry = PrefixEntry(tuple(prompt[:filled.end]), filled)
+        if self.head is None or self.tail is None or filled.end < 2:
+            return await self._release(rid, trunk)
+        if not (await self.head_runner.call(self.head.move, rid, entry.key, filled.end)
+                and await self.tail_runner.call(self.tail.move, rid, entry.key, filled.end)):
+            await self._forget(entry, None)
+            return await self._release(rid, trunk)
+        if trunk is not None:
+            try:
+                entry.trunk_record = await trunk.keep(rid, entry.prefix, filled.end)
+            except (EngineError, ConnectionError):
+                entry.trunk_record = None
+            if entry.trunk_record is None:
+                return await self._forget(entry, None)
+        else:
+            entry.trunk_record = []
+        for old in prefixes.put(entry):
+            await self._forget(old, trunk)
+
+    async def _forget(self, entry: PrefixEntry, trunk: Trunk | None) -> None:
+        """Free a kept prefix's cells here (and, for an in-process trunk, its stages')."""
+        if self.head is None or self.tail is None:
+            return
+        await self.head_runner.call(self.head.release, entry.key)
+        await self.tail_runner.call(self.tail.release, entry.key)
+        if trunk is not None and getattr(trunk, "forget", None) is not None:
+            await trunk.forget(entry.prefix)
 
     async def _release(self, rid: bytes, trunk: Trunk | None) -> None:
         if self.head is None or self.tail is None:

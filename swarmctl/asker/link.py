@@ -38,7 +38,7 @@ from plans.plan import Plan
 from swarmctl.asker.head_tail import TrunkResult
 from swarmctl.home import NodeConfig, SwarmHome
 from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
-from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep
+from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep, cut_steps
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, cannot_serve
 from swarmctl.reach import Dialer, ask_route
 
@@ -60,6 +60,11 @@ STALL_FACTOR = 20.0
 
 class _RouteFailed(Exception):
     """The route broke, not the request: reroute and replay."""
+
+
+class _PrefixLost(_RouteFailed):
+    """A stage of a resumed request's first route does not hold its kept prefix (evicted,
+    restarted, replanned): the same route replays the steps from position 0, at once."""
 
 
 @dataclass
@@ -244,10 +249,15 @@ class SwarmLink:
                     if time.monotonic() > deadline:
                         raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s (the route "
                                          f"kept failing, last: {unreachable or e})") from None
-                    log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
+                    if isinstance(e, _PrefixLost):
+                        log.info("request %s: %s; replaying it from position 0", rid.hex()[:8], e)
+                    else:
+                        log.warning("request %s: route failed (%s); rerouting", rid.hex()[:8], e)
                     if waiting.route is not None:  # (its other steps on that route go again with it)
-                        self._fail_waiting(str(e), [rid], on=waiting.route)
+                        self._fail_waiting(str(e), [rid], on=waiting.route, failure=type(e))
                         self._carry_out(self.table.failed(rid, on=waiting.route))
+                    if isinstance(e, _PrefixLost):
+                        continue  # (the route is fine: the replay from position 0 goes on it now)
                     try:
                         await self._await_reroute(deadline, failed_at=time.monotonic())
                     except _RouteFailed as again:  # the new route's stages did not answer: go round again
@@ -257,10 +267,37 @@ class SwarmLink:
             if self._waiting.get(rid, {}).get(start_pos) is waiting:
                 del self._waiting[rid][start_pos]
 
-    async def release(self, rid: bytes) -> None:
+    async def release(self, rid: bytes, keep: tuple[bytes, int] | None = None) -> None:
+        """The request is over; ``keep`` (prefix id, positions): every stage keeps its cells
+        [0, positions) as that prefix of this member's account (swarmctl/trunk/prefixes.py)."""
         self._waiting.pop(rid, None)
         self._sending.pop(rid, None)
-        self._carry_out(self.table.release(rid, self.plan.version), rid)
+        self._carry_out(self.table.release(rid, self.plan.version, keep), rid)
+
+    # --- kept prefixes (swarmctl/asker/prefixes.py) ---
+
+    async def keep(self, rid: bytes, prefix: bytes, positions: int) -> list[SentStep] | None:
+        """End the request, asking the route's stages to keep its cells [0, positions) as
+        ``prefix``; returns the steps that rebuild them on another route (None: this link did
+        not send them all, and the prefix cannot be resumed here)."""
+        history = cut_steps(self.table.history(rid), positions)
+        covered = sum(s.hidden.shape[0] for s in history)
+        whole = covered == positions and all(s.start_pos == sum(h.hidden.shape[0] for h in history[:i])
+                                             for i, s in enumerate(history))
+        await self.release(rid, keep=(prefix, positions) if whole else None)
+        return history if whole else None
+
+    async def resume(self, rid: bytes, prefix: bytes, positions: int, record: list[SentStep] | None) -> bool:
+        """Before request ``rid``'s first step: its route's stages may hold ``record``'s cells cut to
+        ``positions`` as ``prefix``; if any does not, the link replays them from position 0.
+        False (nothing changed) without a record to replay."""
+        if record is None:
+            return False
+        self.table.resume(rid, prefix, cut_steps(record, positions))
+        return True
+
+    async def forget(self, prefix: bytes) -> None:
+        """(The stages drop a prefix nobody resumes on their own: their budget and idle limits.)"""
 
     def _carry_out(self, actions: list[Action], rid: bytes = b"") -> None:
         for action in actions:
@@ -269,8 +306,10 @@ class SwarmLink:
             if isinstance(action, Free):
                 action.conn.finish(action.stream_id)  # abandoned: let QUIC forget it
                 continue
-            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers, 0,
-                                   np.empty((0, 0), np.float32))
+            keep = getattr(action, "keep", None)
+            end = ActivationPacket(PacketKind.END, rid, self.plan.version, self.plan.head_layers,
+                                   keep[1] if keep else 0, np.empty((0, 0), np.float32),
+                                   prefix=keep[0] if keep else b"")
             try:
                 action.conn.send(action.stream_id, encode_packet(end), end=True)
             except ConnectionError:
@@ -368,13 +407,14 @@ class SwarmLink:
         return result
 
     def _send(self, rid: bytes, route: OpenRoute, hidden: np.ndarray, start_pos: int, rewind: bool = False,
-              verify: bool = False, layer: int | None = None) -> int:
+              verify: bool = False, layer: int | None = None, prefix: bytes = b"") -> int:
         """Send one step (activations at ``layer``: the head's output unless said, and then the
-        step comes back from that stage alone); returns the frame's size in bytes."""
-        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 else PacketKind.DECODE
+        step comes back from that stage alone; ``prefix``: the stages start from that kept
+        prefix); returns the frame's size in bytes."""
+        kind = PacketKind.PREFILL if hidden.shape[0] > 1 or start_pos == 0 or prefix else PacketKind.DECODE
         packet = ActivationPacket(kind, rid, route.version, self.plan.head_layers if layer is None else layer,
                                   start_pos, hidden, self.dtype, self.session, rewind=rewind, verify=verify,
-                                  trace=self.trace, one_stage=layer is not None)
+                                  trace=self.trace, one_stage=layer is not None, prefix=prefix)
         if not route.conn.is_open:
             raise _RouteFailed("the connection to the first stage is closed")
         frame = encode_packet(packet)
@@ -410,13 +450,15 @@ class SwarmLink:
         stream_id = conn.open_stream()
         route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
-        answered = len(self.table.history(rid))
+        prefix = self.table.resuming(rid)  # the stages may hold the history: its first step out names it
+        answered = 0 if prefix else len(self.table.history(rid))
         steps = self.table.opened(rid, conn, stream_id, self.plan.version)
         for waiting in self._waiting.get(rid, {}).values():
             waiting.route = route  # (every step out goes on it now)
         rows = 0
         for i, sent in enumerate(steps):
-            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify)
+            size = self._send(rid, route, sent.hidden, sent.start_pos, verify=sent.verify,
+                              prefix=prefix if i == 0 else b"")
             rows += sent.hidden.shape[0]
             if i < answered:
                 replayed += sent.hidden.nbytes
@@ -510,7 +552,8 @@ class SwarmLink:
             # the route the waiting steps travel is gone: reroute them now, not at a timeout
             self._fail_waiting(f"the plan changed to v{plan.version}", self.table.plan_changed(plan.version))
 
-    def _fail_waiting(self, reason: str, rids: list[bytes] | None = None, on: OpenRoute | None = None) -> None:
+    def _fail_waiting(self, reason: str, rids: list[bytes] | None = None, on: OpenRoute | None = None,
+                      failure: type[_RouteFailed] = _RouteFailed) -> None:
         """Fail over the steps out of ``rids`` (default: every request waiting on a route); ``on``:
         only those sent on that route (another of the request's steps may be on a new one already)."""
         loop = asyncio.get_running_loop()
@@ -520,7 +563,7 @@ class SwarmLink:
                     continue
                 if not waiting.result.done():
                     waiting.failures += 1
-                    waiting.result.set_exception(_RouteFailed(reason))
+                    waiting.result.set_exception(failure(reason))
                     waiting.result.exception()  # (seen: its coroutine may be rerouting already, not awaiting it)
                     waiting.result = loop.create_future()
 
@@ -605,7 +648,8 @@ class SwarmLink:
         if not self.table.is_answer(rid, conn, stream_id, packet.start_pos, error):
             return  # results of replayed steps, and errors of an abandoned route, are not what it waits for
         if error and packet.retry:
-            self._fail_waiting(packet.message, [rid])
+            # (on a resumed request's first route, a retry is its kept prefix missing somewhere)
+            self._fail_waiting(packet.message, [rid], failure=_PrefixLost if self.table.resuming(rid) else _RouteFailed)
             return
         for pos, waiting in self._waiting.get(rid, {}).items():
             if (error or pos == packet.start_pos) and not waiting.result.done():

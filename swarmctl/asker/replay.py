@@ -19,6 +19,8 @@ The link (``swarmctl/asker/link.py``) does the I/O and feeds this table the even
     a failure               ``failed(rid)``            returns the stream to free (finish)
     a new plan              ``plan_changed(version)``  the requests whose steps out must move now
     the end of a request    ``release(rid, version)``  End (say END on the stream) or Free (finish it)
+    a kept prefix           ``resume(rid, prefix, history)``  before its first step: the stages may
+                            hold the history's cells under ``prefix`` (swarmctl/asker/prefixes.py)
 
 and carries out what comes back, like the trunk's route table (``swarmctl/trunk/routes.py``).
 Connections are only stored and compared here, never used.
@@ -60,6 +62,9 @@ class _Record:
     # results still come, in order, ahead of any later step's, and a later step may start at the
     # same position (the window after the one whose guess failed), so each is told apart by order.
     doomed: list[int] = field(default_factory=list)
+    # A kept prefix the route's stages may hold the history under: the first route sends only the
+    # steps out, the first naming it; any failure forgets it (the history is replayed from 0 then).
+    resume: bytes = b""
 
     def cut(self, start_pos: int) -> None:
         """Forget the positions from ``start_pos`` on (the stages drop them too)."""
@@ -71,6 +76,11 @@ class _Record:
 
 def _cut(steps: list[SentStep], start_pos: int) -> list[SentStep]:
     return [SentStep(s.start_pos, s.hidden[:start_pos - s.start_pos], s.verify) for s in steps if s.start_pos < start_pos]
+
+
+def cut_steps(steps: list[SentStep], start_pos: int) -> list[SentStep]:
+    """The steps that filled positions [0, start_pos), the last one cut there."""
+    return _cut(steps, start_pos)
 
 
 # --- what the table asks the link to do ---
@@ -86,10 +96,12 @@ class Free:
 
 @dataclass(frozen=True)
 class End:
-    """Send END on the request's live stream: every stage frees its cells."""
+    """Send END on the request's live stream: every stage frees its cells (or, with ``keep``,
+    keeps [0, positions) as that prefix)."""
 
     conn: Conn
     stream_id: int
+    keep: tuple[bytes, int] | None = None  # (prefix id, positions)
 
 
 Action = Union[Free, End]
@@ -114,6 +126,15 @@ class ReplayTable:
         record.cut(step.start_pos)
         record.out.append(SentStep(step.start_pos, np.array(step.hidden, dtype=np.float32, copy=True), step.verify))
 
+    def resume(self, rid: bytes, prefix: bytes, history: list[SentStep]) -> None:
+        """Before a request's first step: the stages may hold ``history``'s cells as ``prefix``."""
+        self._records[rid] = _Record(history=list(history), resume=prefix)
+
+    def resuming(self, rid: bytes) -> bytes:
+        """The prefix the next route's first step names ("" when it replays the history instead)."""
+        record = self._records.get(rid)
+        return record.resume if record is not None else b""
+
     def route(self, rid: bytes, version: int) -> OpenRoute | None:
         """The stream to send on under plan ``version``; None when a new one must be opened (none
         yet, or one of an older plan: its stages may no longer hold the request)."""
@@ -129,7 +150,7 @@ class ReplayTable:
         record.route = OpenRoute(conn, stream_id, version)
         record.sent = {s.start_pos for s in record.out}
         record.doomed = []
-        return record.history + record.out
+        return list(record.out) if record.resume else record.history + record.out
 
     def to_send(self, rid: bytes, start_pos: int) -> bool:
         """Whether the step out at ``start_pos`` still has to go on the current route (a replay
@@ -181,6 +202,7 @@ class ReplayTable:
         route, record.route = record.route, None
         record.sent = set()
         record.doomed = []
+        record.resume = b""
         return [Free(route.conn, route.stream_id)]
 
     def plan_changed(self, version: int) -> list[bytes]:
@@ -197,16 +219,17 @@ class ReplayTable:
 
     # --- the end ---
 
-    def release(self, rid: bytes, version: int) -> list[Action]:
-        """The request is done: END on a live stream of the current plan frees it at every stage;
-        a stream of an older plan is only finished (its stages dropped it with the plan)."""
+    def release(self, rid: bytes, version: int, keep: tuple[bytes, int] | None = None) -> list[Action]:
+        """The request is done: END on a live stream of the current plan frees it at every stage
+        (``keep``: keeps [0, positions) as that prefix); a stream of an older plan is only finished
+        (its stages dropped it with the plan)."""
         record = self._records.pop(rid, None)
         if record is None or record.route is None:
             return []
         route = record.route
         if route.version != version:
             return [Free(route.conn, route.stream_id)]
-        return [End(route.conn, route.stream_id)]
+        return [End(route.conn, route.stream_id, keep)]
 
     def history(self, rid: bytes) -> list[SentStep]:
         record = self._records.get(rid)

@@ -30,9 +30,10 @@ from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.context import TrunkContext
 from swarmctl.trunk.experts import RemoteExpertError
 from swarmctl.trunk.one_stage import OneStageLedger
+from swarmctl.trunk.prefixes import StagePrefixes
 from swarmctl.trunk.results import ResultStreams, results_key
-from swarmctl.trunk.routes import (Action, EndOnward, FinishStream, FreeRequest, PassBack, Release, Route,
-                                   RouteTable, SendError)
+from swarmctl.trunk.routes import (Action, EndOnward, FinishStream, FreeRequest, Keep, KeepRequest, PassBack,
+                                   Release, Route, RouteTable, SendError)
 
 log = logging.getLogger("swarmctl.trunk")
 
@@ -65,6 +66,7 @@ class StageRequests:
         self.handler = ctx.handler  # for the connection we open to the next stage
         self.connect = ctx.connect  # how we open it (the trunk's dialer)
         self.held = assignment  # the plan, the stage, its engine, runner and budget
+        self.prefixes = StagePrefixes(ctx.name, assignment)  # requests' cells kept for their account's next
         self.routes = RouteTable()
         self.results = results
         self.next_conn: SwarmProtocol | None = None
@@ -112,6 +114,7 @@ class StageRequests:
         while True:
             await asyncio.sleep(min(10.0, idle_timeout))
             actions = self.routes.reap_idle(idle_timeout)
+            await self.prefixes.reap()
             for action in actions:
                 if isinstance(action, Release):
                     log.info("request %s idle for over %.0fs: freeing its cache", action.request_id.hex()[:8],
@@ -141,7 +144,8 @@ class StageRequests:
             if self.routes.has_failed(conn, stream_id, rid):
                 return  # the sender is already rerouting: later packets on this stream answer nothing
             if packet.kind == PacketKind.END:
-                await self._carry_out(self.routes.end(rid, conn, stream_id))
+                keep = Keep(packet.prefix, packet.start_pos) if packet.prefix else None
+                await self._carry_out(self.routes.end(rid, conn, stream_id, keep))
                 return
             if packet.kind not in (PacketKind.PREFILL, PacketKind.DECODE):
                 self._refuse(conn, stream_id, rid, f"a trunk does not accept {packet.kind.name} packets")
@@ -167,8 +171,17 @@ class StageRequests:
                 self._refuse(conn, stream_id, rid, problem, retry=True)
                 return
             self._do(actions)
-            problem = self._admit(rid, route, packet)
+            if packet.prefix and packet.kind == PacketKind.PREFILL and packet.start_pos > 0 \
+                    and not held.engine.has_request(rid):
+                # A request that starts from its account's kept prefix (swarmctl/trunk/prefixes.py).
+                problem = await self.prefixes.resume(rid, account_of(route, plan), packet.prefix, packet.start_pos)
+                if problem:
+                    self._refuse(conn, stream_id, rid, problem, retry=True)
+                    return
+            problem = await self._admit(rid, route, packet)
             if problem:  # (not worth a retry: the same request would be over the same budget elsewhere)
+                if held.engine.has_request(rid) and rid not in self.routes:
+                    await self._carry_out([FreeRequest(rid)])  # (a resumed prefix it would have continued)
                 self._refuse(conn, stream_id, rid, problem)
                 return
             submitted = time.perf_counter()
@@ -218,13 +231,14 @@ class StageRequests:
     def _previous_member(self) -> str | None:
         return next((s.member for s in self.held.plan.stages if s.stop == self.held.stage.start), None)
 
-    def _admit(self, rid: bytes, route: Route, packet: ActivationPacket) -> str:
+    async def _admit(self, rid: bytes, route: Route, packet: ActivationPacket) -> str:
         """Charge the KV this step leaves the request holding to the account of the member who
         asked (account_of), before it runs; over that budget, why not: a member is bounded at every
-        stage, not only the first, and all names of one invite together."""
+        stage, not only the first, and all names of one invite together. The account's own kept
+        prefixes make room first, least recently used first."""
         member = account_of(route, self.held.plan)
         needed = self.held.engine.kv_bytes_after(rid, packet.start_pos + int(packet.data.shape[0]))
-        problem = self.held.budget.admit(rid, member, needed)
+        problem = await self.prefixes.admit(rid, member, needed)
         return f"over budget at {self.name}: {problem}" if problem else ""
 
     def _check_packet(self, packet: ActivationPacket) -> tuple[str, bool]:
@@ -258,7 +272,8 @@ class StageRequests:
         onward = ActivationPacket(PacketKind.RESULT if is_last or packet.one_stage else packet.kind, rid,
                                   plan.version, stage.stop, packet.start_pos, out, dtype, route.reply_to,
                                   hops=(*packet.hops, hop), rewind=packet.rewind, verify=packet.verify,
-                                  trace=packet.trace, one_stage=packet.one_stage)
+                                  trace=packet.trace, one_stage=packet.one_stage,
+                                  prefix=packet.prefix if not (is_last or packet.one_stage) else b"")
         if packet.one_stage:  # a re-check of this stage alone (swarmctl/asker/verify.py): back to its sender
             await self._send_and_drain(route.in_conn, route.in_stream, onward)
             return
@@ -313,6 +328,12 @@ class StageRequests:
             if isinstance(action, Release):
                 async with self.routes.locks.hold(action.request_id):
                     await self._carry_out(self.routes.take(action.request_id, action.route))
+            elif isinstance(action, KeepRequest):
+                plan = self.held.plan
+                account = plan.account(action.reply_to.partition("/")[0]) if plan is not None else ""
+                if not (plan is not None and await self.prefixes.keep(action.request_id, account, action.keep.prefix,
+                                                                        action.keep.positions)):
+                    await self._carry_out([FreeRequest(action.request_id)])
             elif isinstance(action, FreeRequest):
                 held = self.held
                 if held.runner is not None:
@@ -327,16 +348,17 @@ class StageRequests:
         elif isinstance(action, PassBack):
             self._send(action.conn, action.stream_id, action.packet)
         elif isinstance(action, EndOnward):
-            self._end_onward(action.conn, action.stream_id, action.request_id)
+            self._end_onward(action.conn, action.stream_id, action.request_id, action.keep)
         elif isinstance(action, FinishStream):
             action.conn.finish(action.stream_id)
 
-    def _end_onward(self, conn: SwarmProtocol, stream_id: int, rid: bytes) -> None:
+    def _end_onward(self, conn: SwarmProtocol, stream_id: int, rid: bytes, keep: Keep | None = None) -> None:
         if not conn.is_open:
             return
         plan, stage = self.held.plan, self.held.stage
-        end = ActivationPacket(PacketKind.END, rid, plan.version if plan else 0, stage.stop if stage else 0, 0,
-                               np.empty((0, 0), np.float32))
+        end = ActivationPacket(PacketKind.END, rid, plan.version if plan else 0, stage.stop if stage else 0,
+                               keep.positions if keep else 0, np.empty((0, 0), np.float32),
+                               prefix=keep.prefix if keep else b"")
         try:
             conn.send(stream_id, encode_packet(end), end=True)
         except StreamClosedError:

@@ -87,6 +87,14 @@ class PassBack:
     packet: Any  # net.wire.ActivationPacket
 
 
+@dataclass(frozen=True)
+class Keep:
+    """An END that asks to keep the request's cells [0, positions) as the prefix ``prefix``."""
+
+    prefix: bytes
+    positions: int
+
+
 @dataclass(frozen=True, eq=False)
 class EndOnward:
     """Tell the next stage the request is over (an END packet), and end our side of the stream."""
@@ -94,6 +102,7 @@ class EndOnward:
     conn: Conn
     stream_id: int
     request_id: bytes
+    keep: Keep | None = None  # ... and to keep its cells as a prefix, as this stage does
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +121,16 @@ class FreeRequest:
 
 
 @dataclass(frozen=True, eq=False)
+class KeepRequest:
+    """Keep the request's cells as a prefix of its account instead of freeing them (the caller
+    holds its lock); freed like ``FreeRequest`` where that cannot be done."""
+
+    request_id: bytes
+    keep: Keep
+    reply_to: str  # whose account (the route's "member/session")
+
+
+@dataclass(frozen=True, eq=False)
 class Release:
     """Take the request's lock, then free it if ``route`` is still its route (``RouteTable.take``):
     it may have started over on another stream since, and then it lives on."""
@@ -120,7 +139,7 @@ class Release:
     route: Route
 
 
-Action = Union[SendError, PassBack, EndOnward, FinishStream, FreeRequest, Release]
+Action = Union[SendError, PassBack, EndOnward, FinishStream, FreeRequest, KeepRequest, Release]
 
 
 class RouteTable:
@@ -187,24 +206,30 @@ class RouteTable:
         route.out_conn, route.out_stream = conn, stream_id
         return actions
 
-    def end(self, rid: bytes, conn: Conn, stream_id: int) -> list[Action]:
+    def end(self, rid: bytes, conn: Conn, stream_id: int, keep: Keep | None = None) -> list[Action]:
         """An END packet (the caller holds the request's lock): the request is over if it came on
         the request's own stream (an END on an abandoned stream ends nothing), and the stream
-        ends on our side too, since the sender ended it."""
+        ends on our side too, since the sender ended it. ``keep``: its cells are kept as a
+        prefix here and at every stage after."""
         route = self._routes.get(rid)
-        actions = self.take(rid, forward=True) if route is not None and route.arrives_on(conn, stream_id) else []
+        actions = self.take(rid, forward=True, keep=keep) \
+            if route is not None and route.arrives_on(conn, stream_id) else []
         return [*actions, FinishStream(conn, stream_id)]
 
-    def take(self, rid: bytes, route: Route | None = None, forward: bool = False) -> list[Action]:
+    def take(self, rid: bytes, route: Route | None = None, forward: bool = False,
+             keep: Keep | None = None) -> list[Action]:
         """Free a request (the caller holds its lock), and end its stream onward: with an END when
         ``forward`` (the request is over), else just finished (the next stage frees what that
-        stream held). With ``route``, only if that is still the request's route."""
+        stream held). With ``route``, only if that is still the request's route. ``keep`` (with
+        ``forward``): keep its cells as that prefix instead, and say so onward."""
         if route is not None and self._routes.get(rid) is not route:
             return []
         route = self._routes.pop(rid, None)
-        actions: list[Action] = [FreeRequest(rid)]
+        if route is None or not forward:
+            keep = None
+        actions: list[Action] = [FreeRequest(rid) if keep is None else KeepRequest(rid, keep, route.reply_to)]
         if route is not None:
-            actions += self._close_out(rid, route, end_request=forward)
+            actions += self._close_out(rid, route, end_request=forward, keep=keep)
         return actions
 
     # --- events that end streams ---
@@ -272,9 +297,9 @@ class RouteTable:
         return actions
 
     @staticmethod
-    def _close_out(rid: bytes, route: Route, end_request: bool = False) -> list[Action]:
+    def _close_out(rid: bytes, route: Route, end_request: bool = False, keep: Keep | None = None) -> list[Action]:
         conn, stream_id = route.out_conn, route.out_stream
         route.out_stream = None
         if conn is None or stream_id is None:
             return []
-        return [EndOnward(conn, stream_id, rid) if end_request else FinishStream(conn, stream_id)]
+        return [EndOnward(conn, stream_id, rid, keep) if end_request else FinishStream(conn, stream_id)]

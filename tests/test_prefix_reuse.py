@@ -1,0 +1,250 @@
+"""Prefix reuse across requests: a conversation's cache stays at the asker and at every stage.
+
+The oracle rule holds with it: every answer is the tokens a run without reuse gives (and
+llama-cpp-python's), for a conversation that grows past a prefill chunk and for a client that
+edits an earlier turn. A stage keeps prefixes per account, evicts only the asking account's, and
+a stage that lost one costs a replay from position 0, not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness.oracle import judge, oracle_greedy
+from kernels.gguf_file import GGUFFile
+from kernels.sampling import SamplingParams
+from kernels.slice import SliceEngine, Step
+from kernels.spec import SliceSpec
+from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, u_split
+from swarmctl.asker.link import SwarmLink
+from swarmctl.asker.prefixes import PrefixCache, Steps, chunk_bounds, resume_point
+from swarmctl.batching import BatchRunner
+from swarmctl.budget import Limits, MemberBudget
+from swarmctl.local_swarm import LocalSwarm
+from swarmctl.trunk.prefixes import StagePrefixes
+from tests.conftest import N_THREADS, run_split
+
+GREEDY = SamplingParams(temperature=0)
+CHUNK = 512
+
+
+# --- which cells may be reused: never a one-row step where a plain run has several ---
+
+def test_new_positions_go_in_the_chunks_a_plain_run_uses():
+    assert chunk_bounds(0, 1100, CHUNK) == [(0, 512), (512, 512), (1024, 76)]
+    assert chunk_bounds(300, 1100, CHUNK) == [(300, 212), (512, 512), (1024, 76)]
+
+
+def test_a_resume_point_leaves_no_one_row_step():
+    kept = Steps(((0, 512), (512, 300)))
+    assert resume_point(kept, 812, 900, CHUNK) == 812
+    assert resume_point(kept, 2000, 812, CHUNK) == 811 - 0 - 1  # the last token runs: its cut would leave a row
+    assert resume_point(kept, 513, 900, CHUNK) == 512  # a kept step cut to one row (its replay would decode)
+    assert resume_point(kept, 511, 900, CHUNK) == 510  # a first new step [511, 512) of one row
+    assert resume_point(kept, 512, 513, CHUNK) == 512  # ... unless a plain run has that one-row step too
+    assert resume_point(kept, 1, 900, CHUNK) == 0
+    assert resume_point(Steps(), 400, 900, CHUNK) == 0
+    assert Steps(((0, 512), (512, 1))).exact() == Steps(((0, 512),))  # a one-row step's cell is not kept
+
+
+def test_a_moved_cache_answers_as_one_computed_there(bundled_model):
+    """The engine hands a request's cells to another id, cut to a position, without copying; a
+    step from there gives the bits a fresh prefill gives."""
+    tokens = [int(t) for t in np.random.default_rng(3).integers(100, 40000, 300)]
+    with SliceEngine.open(bundled_model, SliceSpec(0, 30, has_embedding=True, has_lm_head=True),
+                          n_threads=N_THREADS, max_context=512) as engine:
+        fresh = engine.forward(b"fresh", start_pos=0, tokens=tokens, outputs="all")
+        engine.forward(b"first", start_pos=0, tokens=tokens[:250], outputs="all")
+        engine.forward(b"first", start_pos=250, tokens=tokens[250:251])  # a decode step: cut off below
+        assert engine.move(b"first", b"kept", 250) and not engine.has_request(b"first")
+        assert not engine.move(b"kept", b"next", 251)  # more positions than it holds
+        assert engine.move(b"kept", b"next", 200)
+        again = engine.forward(b"next", start_pos=200, tokens=tokens[200:], outputs="all")
+        assert np.array_equal(again, fresh[200:])
+
+
+# --- a conversation in one process: the same answers as without reuse, and as the oracle ---
+
+async def _turns(model, prompts: list[list[int]], max_tokens: int, context: int) -> list[tuple[list[int], int, list[int]]]:
+    """Each prompt with reuse, then without: (tokens with reuse, cached tokens, tokens without)."""
+    asker = Asker(model, 4, n_threads=N_THREADS, max_context=context)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
+                        max_context=context)
+    cache = PrefixCache()
+    out = []
+    try:
+        for prompt in prompts:
+            runs = []
+            for prefixes in (cache, None):
+                gen = Generation(secrets.token_bytes(16), len(prompt))
+                async for _ in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=GREEDY, generation=gen,
+                                              prefixes=prefixes):
+                    pass
+                runs.append(gen)
+            out.append((runs[0].tokens, runs[0].cached_tokens, runs[1].tokens))
+        # Every request ended: what is left is the kept prefixes, one per conversation state.
+        assert all(e.n_requests == len(cache) for e in (asker.head, asker.tail, *trunk.engines))
+    finally:
+        trunk.close()
+        asker.close()
+    return out
+
+
+def _chat(tokenizer, turns: list[str], answers: list[str]) -> list[int]:
+    text = "".join(f"<|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+                   for u, a in zip(turns, answers))
+    text += f"<|im_start|>user\n{turns[len(answers)]}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode_prompt(text)
+
+
+def test_a_conversation_answers_as_without_reuse_and_as_the_oracle(bundled_model, oracle):
+    from kernels.tokenizer import Tokenizer
+
+    tok = Tokenizer(bundled_model)
+    turns = ["What colour is the sky?", "And the sea?", "Name one fish."]
+    answers: list[str] = []
+    prompts = []
+    for i in range(len(turns)):
+        prompts.append(_chat(tok, turns, answers))
+        answers.append(["It is blue.", "Blue or green.", ""][i])
+    # a client that edits an earlier turn: the common prefix (up to the edit) is reused
+    prompts.append(_chat(tok, ["What colour is grass?", *turns[1:]], answers[:2]))
+    results = asyncio.run(_turns(bundled_model, prompts, 12, 512))
+    for (reused, cached, plain), prompt in zip(results, prompts):
+        assert reused == plain, (cached, len(prompt))
+    cached = [c for _, c, _ in results]
+    assert cached[0] == 0 and 0 < cached[1] < len(prompts[1]) and cached[2] >= len(prompts[1]) - 1
+    edit_at = next(i for i, (a, b) in enumerate(zip(prompts[3], prompts[2])) if a != b)
+    assert 0 < cached[3] <= edit_at
+
+    with GGUFFile(bundled_model) as gguf:
+        engines = [SliceEngine(gguf, s, n_threads=N_THREADS, max_context=512)
+                   for s in (SliceSpec(0, 15, has_embedding=True), SliceSpec(15, 30, has_lm_head=True))]
+        try:
+            for (reused, _, _), prompt in zip(results, prompts):
+                verdict = judge(prompt, reused, oracle_greedy(oracle, prompt, 12),
+                                lambda t: run_split(engines, t), oracle)
+                assert verdict.passes, verdict.explain()
+        finally:
+            for e in engines:
+                e.close()
+
+
+def test_a_conversation_past_a_prefill_chunk_answers_as_without_reuse(bundled_model):
+    rng = np.random.default_rng(11)
+    history = [int(t) for t in rng.integers(100, 40000, 300)]
+    prompts = []
+    for n in (300, 420, 200, 1):  # 300, 720 (past a chunk), 920, and one new token
+        history = history[:len(history)] + [int(t) for t in rng.integers(100, 40000, n)] if prompts else history
+        prompts.append(list(history))
+    results = asyncio.run(_turns(bundled_model, prompts, 6, 1024))
+    for reused, cached, plain in results:
+        assert reused == plain
+    assert [c for _, c, _ in results][1:] == [len(p) for p in prompts[:-1]][:2] + [len(prompts[3]) - 2]
+
+
+# --- at a stage: prefixes are per account, and evicted within it ---
+
+@pytest.fixture(scope="module")
+def stage(bundled_model):
+    engine = SliceEngine.open(bundled_model, SliceSpec(4, 8), n_threads=N_THREADS, max_context=512)
+    runner = BatchRunner(engine)
+    per_position = engine.kv_bytes_per_position
+    # room for 3 caches of 256 cells per member: a flood must evict
+    limits = Limits(64, 3 * 256 * per_position, 6 * 256 * per_position)
+    held = SimpleNamespace(runner=runner, engine=engine, budget=MemberBudget(limits))
+    yield held
+    runner.close()
+    engine.close()
+
+
+def test_an_account_reaches_only_its_own_prefixes_and_evicts_only_them(stage):
+    prefixes = StagePrefixes("stage-1", stage)
+    hidden = np.random.default_rng(5).standard_normal((200, stage.engine.spec.n_embd)).astype(np.float32)
+
+    async def prefill(rid: bytes, account: str) -> None:
+        assert await prefixes.admit(rid, account, stage.engine.kv_bytes_after(rid, 200)) == ""
+        await stage.runner.run(Step(rid, 0, hidden=hidden))
+
+    async def run() -> None:
+        mine, theirs = secrets.token_bytes(16), secrets.token_bytes(16)
+        await prefill(b"a" * 16, "alice")
+        assert await prefixes.keep(b"a" * 16, "alice", mine, 200)
+        await prefill(b"b" * 16, "bob")
+        assert await prefixes.keep(b"b" * 16, "bob", theirs, 200)
+        # bob naming alice's id finds nothing (his own account's prefixes only), nor the reverse
+        assert "no kept prefix" in await prefixes.resume(b"c" * 16, "bob", mine, 100)
+        assert "no kept prefix" in await prefixes.resume(b"c" * 16, "alice", theirs, 100)
+        assert stage.budget.usage("bob").kept_positions == 200
+        # a flood of distinct prefixes from alice: only hers go, oldest first
+        flood = [secrets.token_bytes(16) for _ in range(5)]
+        for i, prefix in enumerate(flood):
+            await prefill(bytes([i]) * 16, "alice")
+            assert await prefixes.keep(bytes([i]) * 16, "alice", prefix, 200)
+        assert stage.budget.usage("alice").kv_bytes <= stage.budget.limits.member_kv_bytes
+        assert "no kept prefix" in await prefixes.resume(b"c" * 16, "alice", mine, 100)  # her oldest went
+        assert await prefixes.resume(b"d" * 16, "alice", flood[-1], 150) == ""  # her newest is there
+        assert stage.engine.position_of(b"d" * 16) == 150
+        assert await prefixes.resume(b"e" * 16, "bob", theirs, 200) == ""  # bob's kept his
+        for rid in (b"d" * 16, b"e" * 16):
+            await stage.runner.call(stage.engine.release, rid)
+            stage.budget.release(rid)
+
+    asyncio.run(run())
+    stats = stage.budget.stats()
+    assert stats["members"]["alice"]["cached_tokens"] == 200 * (stage.budget.usage("alice").kept)
+
+
+# --- through a swarm: stages keep the prefix; one that lost it costs a replay ---
+
+@pytest.fixture(scope="module")
+def local_swarm(bundled_model):
+    with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4) as swarm:
+        yield swarm
+
+
+def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bundled_model):
+    from tests.test_pipelining import trunk_stats
+
+    async def run():
+        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, max_context=1024)
+        cache = PrefixCache()
+        rng = np.random.default_rng(2)
+        history = [int(t) for t in rng.integers(100, 40000, 40)]
+        got = []
+        try:
+            for turn in range(4):
+                if turn:
+                    history += [int(t) for t in rng.integers(100, 40000, 600 if turn == 1 else 30)]
+                if turn == 3:  # the stages never kept this id: as after an eviction or a restart
+                    for entry in cache._entries.values():
+                        entry.prefix = secrets.token_bytes(16)
+                runs = []
+                for prefixes in (cache, None):
+                    gen = Generation(secrets.token_bytes(16), len(history))
+                    async for _ in asker.generate(history, link, max_tokens=8, sampling=GREEDY, generation=gen,
+                                                  prefixes=prefixes):
+                        pass
+                    runs.append(gen)
+                got.append((runs[0].tokens, runs[0].cached_tokens, runs[1].tokens, len(history)))
+            await asyncio.sleep(0.5)  # (the last END travels stage to stage unanswered)
+            return got, await trunk_stats(local_swarm, link), link.stats.recoveries
+        finally:
+            await link.close()
+            asker.close()
+
+    got, stats, recoveries = asyncio.run(run())
+    for reused, cached, plain, n in got:
+        assert reused == plain, (cached, n)
+    assert [g[1] for g in got] == [0, 40, 640, 670]
+    assert recoveries == 1  # the lost prefix: replayed from position 0
+    for s in stats:  # each stage shows what it keeps for the member (the orphaned one, and the last turn's)
+        member = s["budget"]["members"]["asker"]
+        assert member["cached_tokens"] >= 670 and member["requests"] == 0
+        assert s["budget"]["cached_tokens"] == member["cached_tokens"]
