@@ -188,9 +188,12 @@ class LocalSwarm:
 
     def _spawn(self, home: SwarmHome, args: list[str]) -> None:
         env = {**os.environ, "SWARMCTL_HOME": str(home.path)}
+        # Its own process group: a Ctrl-C typed at the terminal reaches the asker alone, which decides
+        # (`chat` stops one answer and needs its swarm after; `ask` closes the swarm as it exits).
         with open(home.path / "node.log", "wb") as out:
             self.processes.append(subprocess.Popen(self.command(args), env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+                                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                                   process_group=0))
 
     @staticmethod
     def command(args: list[str]) -> list[str]:

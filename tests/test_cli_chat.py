@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 MAX_TOKENS = 24
+PROMPT = b">>> "
 CHAT = ("chat", "--transport", "inproc", "--temperature", "0", "--threads", "2")
 
 
@@ -86,6 +87,68 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tmp_path, oracle, bundled_
     tokenizer = Tokenizer(bundled_model)
     assert 0 < len(tokenizer.encode_prompt(stopped)) < 2000  # stopped part-way (the rest was never generated)
     assert messages[3]["content"] == greedy_answer(oracle, tokenizer, messages[:3], 2000)
+
+
+class Terminal:
+    """`swarmctl chat` on a pseudo-terminal of its own: a Ctrl-C typed there is the terminal's
+    SIGINT to the chat's whole process group, its local swarm's nodes included unless they are
+    in a group of their own (as a user at a terminal sends it)."""
+
+    def __init__(self, *args: str) -> None:
+        self.pid, self.fd = os.forkpty()
+        if self.pid == 0:  # the child: the chat, its stdin and stdout the terminal
+            os.execv(sys.executable, [sys.executable, "-m", "swarmctl", "chat", *args])
+        self.screen = b""
+
+    def read_until(self, done, bound_s: float = 300) -> bytes:
+        """What the terminal shows once ``done(screen)``; the bound only keeps a hang from lasting."""
+        import select
+        import time
+
+        deadline = time.monotonic() + bound_s
+        while not done(self.screen):
+            assert time.monotonic() < deadline, self.screen.decode(errors="replace")[-2000:]
+            if select.select([self.fd], [], [], 1)[0]:
+                try:
+                    self.screen += os.read(self.fd, 65536)
+                except OSError:  # the chat has ended and the terminal closed
+                    break
+        return self.screen
+
+    def type(self, text: bytes) -> None:
+        os.write(self.fd, text)
+
+    def close(self) -> int:
+        self.read_until(lambda screen: False if self._alive() else True, 60)
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+    def _alive(self) -> bool:
+        return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+
+
+def test_ctrl_c_at_a_terminal_stops_the_answer_and_the_local_swarm_serves_the_next(tmp_path):
+    """The default transport: a local swarm (host and trunk processes) behind the chat. Ctrl-C
+    typed at the terminal once stopped the answer and the swarm with it, so the next turn waited
+    on routes that were gone."""
+    terminal = Terminal("--temperature", "0", "--max-tokens", "300")
+    try:
+        terminal.read_until(lambda screen: screen.count(PROMPT) == 1)
+        terminal.type(b"Count from 1 to 1000, one number per line.\r")
+        terminal.read_until(lambda screen: screen.split(PROMPT)[-1].count(b"\n") >= 3)  # the answer has begun
+        terminal.type(b"\x03")
+        terminal.read_until(lambda screen: screen.count(PROMPT) == 2)
+        terminal.type(b"Say hello.\r")
+        screen = terminal.read_until(lambda screen: screen.count(PROMPT) == 3 or b"route failed" in screen)
+        terminal.type(b"/exit\r")
+    finally:
+        status = terminal.close()
+    assert status == 0
+    text = screen.decode(errors="replace")
+    assert "(answer stopped)" in text and "route failed" not in text and "Traceback" not in text
+    hello = text.split(">>> ")[2].split("\n", 1)[1]  # after the echoed question
+    assert hello.strip(), text
 
 
 def test_bad_input_is_one_line_and_the_chat_goes_on(tmp_path):
