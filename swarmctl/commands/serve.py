@@ -170,8 +170,8 @@ async def _serve(args: argparse.Namespace, listener: socket.socket, api_key: str
                                               traces=traces, nodes=session.describe_nodes, hosts=hosts,
                                               ui=is_loopback(args.host) if args.ui is None else args.ui,
                                               wire_dtype=wire.label if wire is not None else "in process")))
-            print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Ctrl-C to stop)",
-                  flush=True)
+            print(f"serving {model_id} at {scheme}://{url_host}:{port}/v1 (OpenAI-compatible; Anthropic clients: "
+                  f"the same address without /v1; Ctrl-C to stop)", flush=True)
             try:
                 await stop.wait()
             finally:
