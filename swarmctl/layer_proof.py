@@ -285,7 +285,10 @@ class Prover:
         raise ProofError(f"unknown challenge {type(message).__name__}")
 
     def _prove(self, message: m.Prove) -> m.Proof:
-        self.close()
+        if message.probe is not None:
+            self.close()
+        # (else a probe under way stays: the host may check a trunk's experts, which has no probe,
+        # while it times the same trunk on its trial layers; dropping the probe failed the trial)
         try:
             nonce = bytes.fromhex(message.nonce)
         except ValueError:

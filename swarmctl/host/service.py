@@ -12,6 +12,7 @@ from typing import Callable
 
 from cryptography import x509
 
+from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
@@ -28,6 +29,7 @@ from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
 from swarmctl.distribution import SliceManifest, build_asker_manifest, build_manifest, parse_chunk_ids, serve_slice
+from swarmctl.expert_slices import build_expert_manifest
 from swarmctl.home import SwarmHome
 from swarmctl.membership import JoinRefused, accounts, admit
 from swarmctl.models import resolve_model
@@ -390,10 +392,23 @@ class HostService:
         if not lo <= start < stop <= hi:
             self._error(conn, stream_id, f"layers [{start}, {stop}) are not trunk layers [{lo}, {hi})")
             return
-        manifest = self._manifest(("layers", start, stop), lambda: build_manifest(
-            self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks, self.config.model_url))
+        if message.experts:  # an expert node: its experts of the layers' expert tensors
+            first, last = (message.experts + [0])[:2]
+            if not 0 <= first < last <= self.plan.n_expert:
+                self._error(conn, stream_id, f"experts [{first}, {last}) are not among the plan's {self.plan.n_expert}")
+                return
+            try:
+                manifest = self._manifest(("experts", start, stop, first, last), lambda: build_expert_manifest(
+                    self.gguf, start, stop, first, last, self.plan.model_hash, self.hashes.chunks,
+                    self.config.model_url))
+            except EngineError as e:  # layers with no experts
+                self._error(conn, stream_id, str(e))
+                return
+        else:
+            manifest = self._manifest(("layers", start, stop), lambda: build_manifest(
+                self.gguf, start, stop, self.plan.model_hash, self.hashes.chunks, self.config.model_url))
         if message.want is None or message.want == []:
-            log.info("sending layers [%d, %d) to %s (%d chunks already there)", start, stop, conn.peer_name,
+            log.info("sending %s to %s (%d chunks already there)", manifest.describe(), conn.peer_name,
                      len(message.have))
         self._start_sending(conn, stream_id, manifest, message.have, message.want)
 
@@ -412,7 +427,7 @@ class HostService:
                      conn.peer_name, len(message.have))
         self._start_sending(conn, stream_id, manifest, message.have, message.want)
 
-    def _manifest(self, key: tuple[str, int, int], build: Callable[[], SliceManifest]) -> SliceManifest:
+    def _manifest(self, key: tuple, build: Callable[[], SliceManifest]) -> SliceManifest:
         """A slice's manifest, built once (each batch of a fetch names its chunks by it)."""
         if key not in self._manifests:
             self._manifests[key] = build()
