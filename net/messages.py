@@ -130,6 +130,23 @@ class Speed(Message, tag="speed"):
     prompt_ms_per_layer_row: MsPerLayer | None = None  # measured afresh with it (None: no news)
 
 
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**52)]
+ByteRate = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # bytes per second
+
+
+class Fetching(Message, tag="fetching"):
+    """A trunk fetching its layers or experts says how it goes, every few seconds and once at the
+    end (swarmctl/fetch_progress.py): status and top show it, and the planner prices a layer move
+    to this member at its rate."""
+
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    what: Annotated[str, msgspec.Meta(max_length=200)]
+    done: ByteCount
+    total: ByteCount
+    bytes_per_s: ByteRate | None = None  # this fetch's rate so far (None: too early to say)
+    finished: bool = False
+
+
 # chunk ids ("tensor:index") a fetch asks for in one batch (swarmctl/distribution.py)
 ChunkIds = Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=4096)]
 
@@ -314,6 +331,18 @@ class Nodes(Message, tag="nodes"):
     nodes: list[NodeInfo]
 
 
+class FetchStatus(Part, kw_only=True):
+    """A member's latest fetch of layers or experts, as it reported it (``fetching``)."""
+
+    what: str
+    done: int
+    total: int
+    bytes_per_s: float | None = None
+    eta_s: float | None = None  # at the rate so far (None: not known yet)
+    finished: bool = False
+    age_s: float = 0.0  # since it reported it
+
+
 class MemberStatus(Part, kw_only=True):
     name: str
     role: str  # host, trunk or member (what it is doing now)
@@ -334,6 +363,7 @@ class MemberStatus(Part, kw_only=True):
     bad_results: int = 0  # spot checks that caught it (swarmctl/asker/verify.py)
     bad_result_reporters: int = 0
     last_seen_s: float | None = None  # seconds since its last connection to the host closed (None: connected, or not seen)
+    fetch: FetchStatus | None = None  # its latest fetch of layers or experts (None: none since it registered)
 
 
 class LinkStatus(Part, kw_only=True):

@@ -116,7 +116,7 @@ def test_a_host_refuses_expert_ranges_outside_the_model(tiny_model):
 
 
 def test_expert_nodes_with_no_model_file_fetch_their_experts_and_answer_identically(tiny_model, tmp_path):
-    """Host, one stage trunk and an asker with the model; two expert nodes with none. Each expert
+    """Host, two stage trunks and an asker with the model; two expert nodes with none. Each expert
     node fetches its half of the experts (the chunks holding them: one per tensor in a tiny model),
     keeps exactly its experts' bytes, and the swarm answers as one process does."""
     model = str(tiny_model("qwen3moe-q8_0"))
@@ -126,14 +126,15 @@ def test_expert_nodes_with_no_model_file_fetch_their_experts_and_answer_identica
         s.init("--model", model, "--head-layers", "1", "--expert-nodes", "2", "--context", "512")
         s.start_host()
         s.wait_host()
-        for name in ("stage", "asker"):
+        for name in ("stage-a", "stage-b", "asker"):
             s.join(name, "--model", model)
         for name in nodes:
             s.join(name, "--model", str(tmp_path / "no-such-model.gguf"))
-        s.start_trunk("stage", "--threads", "1", "--memory", "1G", capture=False)
+        for name in ("stage-a", "stage-b"):  # (as test_moe's swarm: with one stage, a re-plan may make
+            s.start_trunk(name, "--threads", "1", "--memory", "1G", capture=False)  # an expert node a stage)
         for name in nodes:  # the planner gives experts to the members with the most memory
             s.start_trunk(name, "--threads", "1", "--memory", "2G", capture=False)
-        status = s.wait_complete(1, expert_nodes=nodes)
+        status = s.wait_complete(2, expert_nodes=nodes)
         members = {m["name"]: m for m in status["members"]}
         assert [members[n]["experts"] for n in nodes] == [[0, 4], [4, 8]]
 
@@ -159,5 +160,12 @@ def test_expert_nodes_with_no_model_file_fetch_their_experts_and_answer_identica
             others = sum(_tensor_bytes(p) for p in (s.homes[name] / "slices").glob("*.gguf") if p not in files)
             assert stats["fetched_bytes"] == whole + others
             print(name, "fetched", stats["fetched_bytes"], "bytes; expert tensors", whole, "; other slices", others)
+            # its fetch as `run` logged it and the host heard it (swarmctl/fetch_progress.py)
+            log = (tmp_path / f"{name}-trunk.log").read_text()
+            assert "fetched experts [%d, %d) of layers [1, 3): 0.4 MB in" % tuple(members[name]["experts"]) in log
+            fetch = next(m for m in s.status()["members"] if m["name"] == name)["fetch"]
+            assert fetch["finished"] and fetch["done"] == fetch["total"] == whole and fetch["bytes_per_s"] > 0
+            # (its latest fetch: a re-plan may since have moved the boundary between the two nodes)
+            assert fetch["what"].startswith("experts [") and fetch["what"].endswith(") of layers [1, 3)")
     finally:
         s.close()

@@ -17,6 +17,7 @@ from net.protocol import RequestOnlyHandler
 from net import messages as m
 from net.wire import WireError
 from plans import units
+from swarmctl.fetch_progress import fetching
 from swarmctl.home import SwarmHome
 from swarmctl.host_addresses import connect_host
 
@@ -77,7 +78,8 @@ def member_health(member: m.MemberStatus) -> str:
         return f"asker, seen {ago(seen)}" if seen is not None else "asker, not seen since the host started"
     if member.health == "down" and seen is not None:
         return f"down, seen {ago(seen)}"
-    return member.health
+    fetch = fetching(member)
+    return f"{member.health}: {fetch}" if fetch else member.health
 
 
 def ago(seconds: float) -> str:

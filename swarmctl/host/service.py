@@ -42,7 +42,7 @@ from .reports import AskerReports
 from .source_reports import SourceReports
 from .model_hashes import CACHE_FOLDER as HASH_CACHE_FOLDER, model_hashes
 from .status import StatusSources, swarm_status
-from .trunks import TrunkInfo, Trunks, observed, reachable_address
+from .trunks import FetchReport, TrunkInfo, Trunks, observed, reachable_address
 
 log = logging.getLogger("swarmctl.host")
 
@@ -93,7 +93,7 @@ class HostService:
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
             m.Probe: self._probe, m.Reach: self._reach, m.Unanswered: self._unanswered,
-            m.BadSource: self._bad_source,
+            m.BadSource: self._bad_source, m.Fetching: self._fetching,
         })
         self.joins = Dispatcher({m.Join: self._join})
         self.rendezvous: Rendezvous | None = None  # once the host listens
@@ -372,6 +372,14 @@ class HostService:
                                              factor=factor)
             if planned is not None and claim * factor <= planned:  # it says it got faster: look
                 self.checks.reprobe(conn.peer_name, trunk)
+        self._ok(conn, stream_id)
+
+    def _fetching(self, conn: SwarmProtocol, stream_id: int, message: m.Fetching) -> None:
+        """A trunk's fetch, as it goes: for status and top, and its rate for pricing moves to it."""
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.took_fetch_report(FetchReport(message.what, message.done, message.total, message.bytes_per_s,
+                                                message.finished))
         self._ok(conn, stream_id)
 
     async def _stage_requests(self) -> int:

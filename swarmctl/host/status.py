@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from net.messages import LinkStatus, MemberStatus, RecoveryStatus, Status
+from net.messages import FetchStatus, LinkStatus, MemberStatus, RecoveryStatus, Status
 from plans.links import RELAYED, LinkModel
 from plans.nodes import ASKER, NodeDescriptor
 from plans.plan import Plan
@@ -76,7 +76,14 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         slice_bytes_sent=trunk.served_bytes if trunk else 0,
         bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name),
         last_seen_s=(round(time.monotonic() - src.last_seen[name], 1)
-                     if name in src.last_seen and name not in src.online else None))
+                     if name in src.last_seen and name not in src.online else None),
+        fetch=_fetch(trunk.fetch) if trunk is not None and trunk.fetch is not None else None)
+
+
+def _fetch(report) -> FetchStatus:
+    return FetchStatus(what=report.what, done=report.done, total=report.total, bytes_per_s=report.bytes_per_s,
+                       eta_s=report.eta_s, finished=report.finished,
+                       age_s=round(time.monotonic() - report.at, 1))
 
 
 def _address(src: StatusSources, name: str) -> str:

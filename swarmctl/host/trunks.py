@@ -31,6 +31,24 @@ def reachable_address(stated: Address, conn: SwarmProtocol) -> Address:
     return Address(seen[0], stated.port)
 
 
+@dataclass(frozen=True)
+class FetchReport:
+    """A trunk's latest word on a fetch of layers or experts (``fetching``), and when it came."""
+
+    what: str
+    done: int
+    total: int
+    bytes_per_s: float | None
+    finished: bool
+    at: float = field(default_factory=time.monotonic)
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.finished:
+            return 0.0
+        return (self.total - self.done) / self.bytes_per_s if self.bytes_per_s else None
+
+
 def lan_address(text: str) -> str:
     """A trunk's own view of its socket (``register.local``) if it is an address on a local network
     (private, loopback, link-local, carrier-grade NAT): the address members behind the same
@@ -63,6 +81,15 @@ class TrunkInfo:
     ram_gb_s: float = 0.0
     prompt_ms_per_layer_row: float | None = None  # its word: only first-token times are computed with it
     holds: list[tuple[int, int]] = field(default_factory=list)  # layer ranges it serves to fetching members
+    fetch: FetchReport | None = None  # its latest fetch, as it reported it (status, top)
+    # the rate it fetched at, as it last reported it: what the planner prices moving layers to it at
+    # (a member without the model file fetches what it is given; plans/hysteresis.py)
+    fetch_bytes_per_s: float | None = None
+
+    def took_fetch_report(self, report: FetchReport) -> None:
+        self.fetch = report
+        if report.bytes_per_s is not None and report.bytes_per_s > 0:
+            self.fetch_bytes_per_s = report.bytes_per_s
 
     @property
     def behind_nat(self) -> bool:

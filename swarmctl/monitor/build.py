@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from net.messages import MemberStatus, NodeInfo, Stats, Status
+from swarmctl.fetch_progress import fetching
 from swarmctl.monitor.snapshot import Batch, Lane, NodeView, PlanView, RequestView, SwarmSnapshot, waiting_snapshot
 
 LETTERS = string.ascii_lowercase + string.ascii_uppercase
@@ -168,7 +169,8 @@ class SnapshotBuilder:
                 tok_s=work.steps_per_s(self.window_s) if work else None,
                 next_hop=hop, next_hop_ms=link.rtt_ms if link is not None else None,
                 ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, ""),
-                next_hop_path=row.path if row is not None else "", path=poll.paths.get(name, "")))
+                next_hop_path=row.path if row is not None else "", path=poll.paths.get(name, ""),
+                fetch=fetching(m)))
         return tuple(views)
 
     def _lane(self, member: MemberStatus, work: _StageBatches | None) -> Lane:

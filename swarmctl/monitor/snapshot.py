@@ -50,6 +50,7 @@ class NodeView:
     stats_error: str  # why this poll has no stats from it ("" when it has)
     next_hop_path: str = ""  # how that link goes: "direct", "relayed via X" ("": the host did not say)
     path: str = ""  # how this monitor reaches the node: "direct", "punched", "relayed via X" ("": not connected)
+    fetch: str = ""  # a fetch of layers or experts under way, as the host last heard of it ("": none)
 
 
 @dataclass(frozen=True, eq=False)

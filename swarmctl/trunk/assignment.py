@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
@@ -30,6 +31,7 @@ from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
 from plans.planner import Constraints
 from swarmctl.batching import BatchRunner
 from swarmctl.budget import Limits, MemberBudget
+from swarmctl.fetch_progress import FetchProgress
 from swarmctl.trunk.context import TrunkContext, TrunkEvents
 from swarmctl.trunk.host_link import HostLink
 from swarmctl.trunk.layer_share import LayerShare, PeerFetches
@@ -337,9 +339,7 @@ class Assignment:
             path, received = await fetch_slice(
                 self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
                 model_hash=plan.model_hash, start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
-                on_progress=lambda have, total: log.info("fetching layers [%d, %d): %.1f / %.1f MB (%.0f%%)",
-                                                         stage.start, stage.stop, have / 1e6, total / 1e6,
-                                                         100 * have / total),
+                on_progress=self._progress(f"layers [{stage.start}, {stage.stop})"),
                 stop_after_bytes=int(crash_after) if crash_after else None, members=members)
         finally:
             if self._peers is not None:
@@ -351,6 +351,20 @@ class Assignment:
     def _report_source(self, member: str, reason: str) -> None:
         """A member sent us a chunk that failed the host's hash: the host hears of it."""
         self._spawn(self._host.tell(m.BadSource(member=member, reason=reason[:300])))
+
+    def _progress(self, what: str) -> Callable[[int, int], None]:
+        """A fetch's ``on_progress``: a line in the log every so often with the rate and the time
+        left, and the host told (status and top show it; the planner prices moves at the rate)."""
+        progress = FetchProgress(what)
+
+        def update(done: int, total: int) -> None:
+            progress.update(done, total)
+            if progress.log_due():
+                log.info("%s", progress.line())
+            if progress.report_due():
+                self._spawn(self._host.tell(m.Fetching(what=what[:200], done=done, total=total,
+                                                       bytes_per_s=progress.bytes_per_s, finished=progress.finished)))
+        return update
 
     # --- an expert node ---
 
@@ -396,8 +410,7 @@ class Assignment:
             self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
             model_hash=plan.model_hash, start=start, stop=stop, first=expert.start, last=expert.stop,
             layer_hashes=plan.layer_hashes,
-            on_progress=lambda have, total: log.info("fetching %s: %.1f / %.1f MB (%.0f%%)", what, have / 1e6,
-                                                     total / 1e6, 100 * have / total))
+            on_progress=self._progress(what))
         self.fetched_bytes += received
         log.info("%s ready in %s (%.1f MB received)", what, path.name, received / 1e6)
         return path
