@@ -993,3 +993,37 @@ def test_a_template_that_knows_tools_renders_them_and_its_calls_parse(tmp_path, 
         assert after.choices[0].finish_reason in ("length", "stop")
     finally:
         server.close()
+
+
+def test_a_conversation_reuses_its_prefix_and_answers_as_without(served):
+    """serve keeps each prompt's cells at the asker and every stage (swarmctl/asker/prefixes.py):
+    a conversation's next turn reports the reused prompt tokens as OpenAI does
+    (usage.prompt_tokens_details.cached_tokens) and answers as a request without reuse
+    (llama.cpp's cache_prompt false); a client that edits an earlier turn reuses up to the edit."""
+    client = served.client()
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
+                {"role": "user", "content": "Name a colour."}]
+    cached = []
+    for turn in ("Name another one.", "And a third?"):
+        plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"cache_prompt": False})
+        reused = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        assert reused.choices[0].message.content == plain.choices[0].message.content
+        assert plain.usage.prompt_tokens_details.cached_tokens == 0
+        cached.append(reused.usage.prompt_tokens_details.cached_tokens)
+        assert cached[-1] < reused.usage.prompt_tokens
+        messages += [{"role": "assistant", "content": reused.choices[0].message.content},
+                     {"role": "user", "content": turn}]
+    edited = [messages[0], {"role": "user", "content": "Name a fruit."}, *messages[2:]]
+    plain = client.chat.completions.create(model=MODEL, messages=edited, max_tokens=8, temperature=0,
+                                           extra_body={"cache_prompt": False})
+    reused = client.chat.completions.create(model=MODEL, messages=edited, max_tokens=8, temperature=0)
+    assert reused.choices[0].message.content == plain.choices[0].message.content
+    # the first turn shares at most the chat template's opening with earlier requests; the second
+    # reuses the whole first prompt; the edit keeps only what comes before the edited turn
+    assert cached[0] < 10 and cached[1] > 100
+    assert 100 < reused.usage.prompt_tokens_details.cached_tokens < cached[1]
+    status, body = raw_request(served.base_url, "/chat/completions",
+                               json.dumps({"model": MODEL, "messages": messages, "cache_prompt": "yes"}).encode(),
+                               {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 400 and body["error"]["param"] == "cache_prompt"

@@ -22,7 +22,7 @@ from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, u_split
 from swarmctl.asker.link import SwarmLink
-from swarmctl.asker.prefixes import PrefixCache, Steps, chunk_bounds, resume_point
+from swarmctl.asker.prefixes import PrefixCache, PrefixEntry, Steps, chunk_bounds, resume_point
 from swarmctl.batching import BatchRunner
 from swarmctl.budget import Limits, MemberBudget
 from swarmctl.local_swarm import LocalSwarm
@@ -50,6 +50,23 @@ def test_a_resume_point_leaves_no_one_row_step():
     assert resume_point(kept, 1, 900, CHUNK) == 0
     assert resume_point(Steps(), 400, 900, CHUNK) == 0
     assert Steps(((0, 512), (512, 1))).exact() == Steps(((0, 512),))  # a one-row step's cell is not kept
+
+
+def test_the_cache_hands_out_the_longest_prefix_once_and_drops_what_a_newer_one_holds():
+    cache = PrefixCache(max_entries=2)
+    short = PrefixEntry((1, 2, 3, 4), Steps(((0, 4),)))
+    longer = PrefixEntry((1, 2, 3, 4, 5, 6), Steps(((0, 4), (4, 2))))
+    edited = PrefixEntry((1, 2, 9, 9), Steps(((0, 4),)))
+    assert cache.put(short) == [] and cache.put(longer) == [short]  # every prompt short serves, longer does
+    assert cache.put(edited) == []
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = cache.take(prompt, CHUNK)
+    assert (first.entry, first.start) == (longer, 6)
+    second = cache.take(prompt, CHUNK)  # longer is in use now: the next best
+    assert (second.entry, second.start) == (edited, 2)
+    assert cache.take(prompt, CHUNK) is None and len(cache) == 0
+    entries = [PrefixEntry((k, 1, 2), Steps(((0, 3),))) for k in range(3)]
+    assert cache.put(entries[0]) == [] and cache.put(entries[1]) == [] and cache.put(entries[2]) == [entries[0]]
 
 
 def test_a_moved_cache_answers_as_one_computed_there(bundled_model):

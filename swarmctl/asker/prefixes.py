@@ -142,9 +142,12 @@ class PrefixCache:
         return Resume(best, best_start)
 
     def put(self, entry: PrefixEntry) -> list[PrefixEntry]:
-        """Keep ``entry``; returns the entries that make room for it (the caller frees their cells)."""
+        """Keep ``entry``; returns the entries that make room for it, and those it holds all of
+        (every prompt they serve it serves as well), for the caller to free."""
+        evicted = [e for e in self._entries.values() if entry.tokens[:len(e.tokens)] == e.tokens]
+        for e in evicted:
+            del self._entries[e.key]
         self._entries[entry.key] = entry
-        evicted = []
         while len(self._entries) > self.max_entries or (self.positions > self.max_positions and len(self._entries) > 1):
             evicted.append(self._entries.popitem(last=False)[1])
         return evicted
