@@ -1,7 +1,8 @@
 """`swarmctl chat`'s loop: read a line, answer it streamed through the asker, keep the turns.
 
-One asker session serves the whole chat, so every turn goes to the same asker and swarm link
-(where a conversation's kept prefix can be found again). Each turn renders the whole
+One asker session serves the whole chat, with one cache of kept prefixes: each turn starts where
+the previous turn's prompt ended, at this asker and at every stage, instead of prefilling the
+whole history again (swarmctl/asker/prefixes.py). Each turn renders the whole
 conversation with the model's chat template. Ctrl-C cancels the answer in progress (the asker
 frees its request) and the chat goes on; the part already shown stays in the conversation, as
 the user saw it. Answers go to stdout, one line break after each; everything else to stderr.
@@ -10,6 +11,7 @@ the user saw it. Answers go to stdout, one line break after each; everything els
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import signal
 import sys
@@ -21,7 +23,10 @@ from typing import TextIO
 
 from kernels.errors import EngineError, ModelFileError
 from kernels.sampling import SamplingParams
+from swarmctl.asker.prefixes import PrefixCache
 from swarmctl.conversation import HELP, CommandError, Conversation, Turn, parse_line
+
+log = logging.getLogger("swarmctl.chat")
 
 PROMPT = ">>> "
 
@@ -81,6 +86,9 @@ class TerminalChat:
         self.conversation = conversation
         self.out, self.err = out, err
         self.answering: asyncio.Task | None = None
+        # The conversation's kept prefix: each turn starts where the last turn's prompt ended, at
+        # this asker and every stage (swarmctl/asker/prefixes.py; the answer is the same bits).
+        self.prefixes = PrefixCache()
 
     async def run(self, reader: LineReader) -> int:
         tokenizer = self.session.asker.tokenizer
@@ -164,7 +172,7 @@ class TerminalChat:
         generation = Generation(secrets.token_bytes(16), len(prompt))
         tokens = asker.generate(prompt, session.trunk, max_tokens=self.settings.max_tokens or asker.max_context,
                                 sampling=self.settings.sampling, generation=generation,
-                                speculation=session.drafting.for_request())
+                                speculation=session.drafting.for_request(), prefixes=self.prefixes)
         try:
             async with aclosing(tokens):  # on Ctrl-C too: the asker frees the request
                 async for token in tokens:
@@ -173,6 +181,8 @@ class TerminalChat:
             self._show(decoder.flush(), shown)
             self.out.write("\n")  # (not part of the answer)
             self.out.flush()
+            log.info("%d prompt tokens (%d from the kept prefix), %d generated, finish: %s", len(prompt),
+                     generation.cached_tokens, len(generation.tokens), generation.finish_reason)
         return generation.finish_reason
 
     def _show(self, text: str, shown: list[str]) -> None:

@@ -62,7 +62,9 @@ def test_plain_greedy_answer_equals_the_openai_endpoints(served):
     assert got.type == "message" and got.role == "assistant" and got.id.startswith("msg_") and got.model == MODEL
     assert [b.type for b in got.content] == ["text"]
     assert got.content[0].text == want.choices[0].message.content
-    assert got.usage.input_tokens == want.usage.prompt_tokens
+    # The OpenAI request kept this prompt's cells: computed and taken from the kept prefix add up to it.
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert got.usage.cache_read_input_tokens > 0
     assert got.usage.output_tokens == want.usage.completion_tokens
     finish = want.choices[0].finish_reason
     assert got.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[finish] and got.stop_sequence is None
@@ -99,7 +101,9 @@ def test_streamed_events_carry_the_same_answer(served):
         final = stream.get_final_message()
     assert text == want.content[0].text == final.content[0].text
     assert final.stop_reason == want.stop_reason
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (want.usage.input_tokens, want.usage.output_tokens)
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        want.usage.input_tokens + want.usage.cache_read_input_tokens
+    assert final.usage.output_tokens == want.usage.output_tokens
 
     events = sse_events(served.base_url, {"model": MODEL, "max_tokens": MAX_TOKENS, "messages": messages,
                                           "temperature": 0, "stream": True})
@@ -110,7 +114,8 @@ def test_streamed_events_carry_the_same_answer(served):
     assert all(data["type"] == name for name, data in events)
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
-    assert start["usage"]["input_tokens"] == want.usage.input_tokens
+    assert start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"] == \
+        want.usage.input_tokens + want.usage.cache_read_input_tokens
     assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == want.content[0].text
     assert events[-2][1]["delta"]["stop_reason"] == want.stop_reason
 
@@ -167,7 +172,7 @@ def test_count_tokens_is_what_the_message_is_charged(served):
     messages = [{"role": "user", "content": QUESTION}]
     counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
     charged = c.messages.create(model=MODEL, max_tokens=2, system=SYSTEM, messages=messages, extra_body=GREEDY)
-    assert counted.input_tokens == charged.usage.input_tokens > 0
+    assert counted.input_tokens == charged.usage.input_tokens + charged.usage.cache_read_input_tokens > 0
     with_tools = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages, tools=[WEATHER])
     assert with_tools.input_tokens > counted.input_tokens  # the tools are told to the model
 

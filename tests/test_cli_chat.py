@@ -1,11 +1,13 @@
 """`swarmctl chat --transport inproc`, a real process driven through its stdin: each answer is
 llama-cpp-python's greedy continuation of the whole conversation so far (so a later turn is
-answered with the earlier ones in its prompt), /system, /save's file, /clear, Ctrl-C, bad input."""
+answered with the earlier ones in its prompt, from the kept prefix of the turn before), /system,
+/save's file, /clear, Ctrl-C, bad input."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +47,7 @@ def test_turns_see_the_conversation_and_system_save_clear_work(tmp_path, oracle,
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     r = chat(["/system You are a terse assistant.", "My favourite colour is green.", "What is my favourite colour?",
               f"/save {first}", "/clear", "What is my favourite colour?", f"/save {second}", "/exit",
-              "never read: the chat has ended"])
+              "never read: the chat has ended"], "-v")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     before, after = saved(first), saved(second)
@@ -62,6 +64,9 @@ def test_turns_see_the_conversation_and_system_save_clear_work(tmp_path, oracle,
     answers = [m["content"] for m in before[2::2] + after[2:]]
     assert r.stdout == "".join(a + "\n" for a in answers)  # answers alone on stdout; notes on stderr
     assert f"conversation saved to {first}" in r.stderr and "conversation cleared" in r.stderr
+    # Each turn started from the previous turn's kept prompt (the answers above are still the oracle's).
+    reused = [int(n) for n in re.findall(r"\((\d+) from the kept prefix\)", r.stderr)]
+    assert len(reused) == 3 and reused[0] == 0 and reused[1] > 0, r.stderr
 
 
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tmp_path, oracle, bundled_model):

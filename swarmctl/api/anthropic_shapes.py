@@ -44,8 +44,12 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None, called: bo
 
 
 def usage(counts: Usage, *, output: bool = True) -> dict:
-    """``output`` False: as message_start reports it, before any answer."""
-    return {"input_tokens": counts.prompt_tokens, "output_tokens": counts.completion_tokens if output else 0}
+    """As Anthropic counts: ``input_tokens`` are those computed, the ones taken from a kept prefix
+    of an earlier request are ``cache_read_input_tokens`` (the prompt is their sum). ``output``
+    False: as message_start reports it, before any answer."""
+    return {"input_tokens": counts.prompt_tokens - counts.cached_tokens,
+            "cache_read_input_tokens": counts.cached_tokens,
+            "output_tokens": counts.completion_tokens if output else 0}
 
 
 def text_block(text: str) -> dict:
