@@ -165,6 +165,11 @@ def test_bad_input_is_one_line_and_the_chat_goes_on(tmp_path):
     assert lines[2] == "swarmctl chat: /save needs a file name: /save FILE"
     assert saved(tmp_path / "ok.json") == []
 
+    r = chat(["word " * 80, f"/save {tmp_path / 'long.json'}"], "--ctx", "48")
+    assert r.returncode == 0 and r.stdout == ""
+    assert "more than the context length (48): /clear to start over" in r.stderr and "Traceback" not in r.stderr
+    assert saved(tmp_path / "long.json") == []  # the turn that did not fit is not kept
+
     r = subprocess.run([sys.executable, "-m", "swarmctl", *CHAT, "--top-p", "2"], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, timeout=60)
     assert (r.returncode, r.stderr) == (2, "--top-p must be in (0, 1]\n")
