@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from jinja2 import TemplateError
+
 from kernels.errors import EngineError, ModelFileError
 from kernels.sampling import SamplingParams
 from swarmctl.asker.prefixes import PrefixCache
@@ -139,7 +141,11 @@ class TerminalChat:
     async def _turn(self, text: str) -> None:
         asker = self.session.asker
         self.conversation.turns.append(Turn("user", text))
-        prompt = asker.tokenizer.encode_chat(self.conversation.messages())
+        try:
+            prompt = asker.tokenizer.encode_chat(self.conversation.messages())
+        except TemplateError as e:  # a template that insists on an order of roles, say
+            self.conversation.turns.pop()
+            raise CommandError(f"the model's chat template refused the conversation: {e}") from None
         if len(prompt) >= asker.max_context:
             self.conversation.turns.pop()
             raise CommandError(f"the conversation has {len(prompt)} tokens, more than the context length "
