@@ -10,6 +10,7 @@ the API still takes them.)
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 
 import anthropic
@@ -241,6 +242,15 @@ def test_the_client_sees_anthropics_error_types(served):
     status, body = raw_request(served.base_url, "/messages/batches", b"{}", {"x-api-key": API_KEY})
     assert status == 404
     assert_anthropic_error(body, "not_found_error")
+    # Refused below the routes, its body never read: still Anthropic's shape on Anthropic's route.
+    from tests.test_api import port_of, read_response
+
+    with socket.create_connection(("127.0.0.1", port_of(served.base_url)), timeout=20) as sock:
+        sock.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: {API_KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {64 * 1024 * 1024}\r\n\r\n".encode())
+        status, _, body = read_response(sock)
+    assert status == 413
+    assert_anthropic_error(json.loads(body), "request_too_large")
     log = served.stderr.read_text()
     assert "Traceback" not in log and "-> 500" not in log
 

@@ -39,10 +39,13 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="swarm_unavailable")
 
 
-def http_error_body(status: int, message: str, code: str | None = None) -> bytes:
-    """For failures below the API (a request the HTTP layer cannot read, too many connections)."""
+def http_error_body(status: int, message: str, code: str | None = None, path: str = "") -> bytes:
+    """For failures below the API (a request the HTTP layer cannot read, too many connections):
+    in Anthropic's shape on its routes (``path``), else OpenAI's."""
+    from swarmctl.api.anthropic_shapes import encode_error
+
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return ApiError(status, message, type=kind, code=code).encode()
+    return encode_error(path, ApiError(status, message, type=kind, code=code))
 
 
 def from_exception(error: BaseException) -> ApiError:

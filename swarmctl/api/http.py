@@ -146,8 +146,9 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 # A request's head (its body still unread, b"") → None to read the body and handle it (and trust
 # its connection from then on: see _Slots), or a Refusal.
 Gate = Callable[[Request], "Refusal | None"]
-# (status, message, code) → the application's error body (JSON)
-ErrorBody = Callable[[int, str, "str | None"], bytes]
+# (status, message, code, path) → the application's error body (JSON) for a request to that path
+# ("" when no path could be read)
+ErrorBody = Callable[[int, str, "str | None", str], bytes]
 
 
 @dataclass
@@ -417,15 +418,16 @@ class _Exchange:
             log.error("%s %s: internal error: %s: %s", request.method, request.path, type(error).__name__, error)
             if not responder.started:
                 responder.keep_alive = False
-                await responder.send(500, self.error_body(500, "internal server error", None))
+                await responder.send(500, self.error_body(500, "internal server error", None, request.path))
             elif responder.response is not None:
                 responder.response.force_close()
 
     def _error(self, raw: web.BaseRequest, status: int, message: str, code: str | None = None,
                headers: dict[str, str] | None = None) -> web.StreamResponse:
         """A refusal below the routes: the connection closes after it (a body not read is dropped)."""
-        log.warning("%s %s -> %d %s", raw.method, raw.raw_path.partition("?")[0][:200], status, message)
-        return json_response(status, self.error_body(status, message, code), headers or {}, keep_alive=False)
+        path = raw.raw_path.partition("?")[0]
+        log.warning("%s %s -> %d %s", raw.method, path[:200], status, message)
+        return json_response(status, self.error_body(status, message, code, path), headers or {}, keep_alive=False)
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str], keep_alive: bool) -> web.Response:
@@ -565,7 +567,7 @@ class _Connection(web.RequestHandler):
         that gave up while the server started, say) is no fault: nothing is logged above debug."""
         if isinstance(exc, ConnectionError):
             log.debug("%s %s: the client went away before its answer", request.method, request.path[:200])
-            return json_response(499, self.exchange.error_body(499, "client closed request", None), {},
+            return json_response(499, self.exchange.error_body(499, "client closed request", None, ""), {},
                                  keep_alive=False)
         if isinstance(exc, LineTooLong):
             status, text = 431, f"a request header line is longer than {self.exchange.limits.max_head_bytes} bytes"
@@ -574,7 +576,7 @@ class _Connection(web.RequestHandler):
         else:
             text = "internal server error"
         log.warning("unreadable request -> %d %s", status, text)
-        return json_response(status, self.exchange.error_body(status, text, None), {}, keep_alive=False)
+        return json_response(status, self.exchange.error_body(status, text, None, ""), {}, keep_alive=False)
 
 
 class _Server(web.Server):
