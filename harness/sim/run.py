@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from harness.sim.clock import VirtualClockLoop
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
 from harness.sim.schedule import Ask, Fault, Schedule
-from harness.sim.world import TRUNK_MEMORY, Template, WorldSpec, kill_node, run_as
+from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, kill_node, run_as
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -25,8 +25,8 @@ from swarmctl.home import SwarmHome
 
 ASK_TIMEOUT_S = 120.0  # each ask's whole deadline (the link's per-step deadline is the same)
 READY_BOUND_S = 300.0  # how long the swarm may take to serve at first
-SETTLE_S = 75.0  # after the last ask and the last fault: for the stages to free what they held
-IDLE_TIMEOUT_S = 60.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
+SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free what they held
+IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -103,7 +103,8 @@ class SimRun:
         logging.getLogger("quic").setLevel(logging.WARNING)
         self.loop.set_exception_handler(self._unhandled)
         try:
-            self.loop.run_until_complete(self._main())
+            with MEASURED:
+                self.loop.run_until_complete(self._main())
         finally:
             self._teardown()
             logging.getLogger().removeHandler(handler)

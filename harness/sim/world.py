@@ -35,6 +35,7 @@ class WorldSpec:
     n_layer: int = 8
     head_layers: int = 1
     n_embd: int = 64
+    vocab: int = 2048  # the tokenizer's first tokens only: every node parses the file's vocabulary
 
     @property
     def trunk_names(self) -> list[str]:
@@ -49,7 +50,8 @@ class Template:
     def __init__(self, spec: WorldSpec) -> None:
         self.spec = spec
         self.root = Path(tempfile.mkdtemp(prefix="swarmctl-sim-"))
-        self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd),
+        self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd,
+                                                                                   vocab_limit=spec.vocab),
                                       default_model_path())
         host_address = f"127.0.0.2:{free_udp_port()}"
         host = SwarmHome(self.root / "homes" / "host")
@@ -77,6 +79,49 @@ class Template:
         dest = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
         shutil.copytree(self.root / "homes", dest / "homes")
         return dest
+
+
+class MeasuredOnce:
+    """A trunk measures this machine as it starts: its speed on the model (a third of a second of
+    compute per trunk) and what a datagram costs it (hundreds of datagrams): figures that vary
+    from run to run, and the plan follows them. In the simulator every trunk of every run reports
+    the figures measured the first time: runs are cheaper, and a run's plan does not depend on how
+    busy this machine was."""
+
+    def __init__(self) -> None:
+        import swarmctl.trunk.service as trunk_service
+        import swarmctl.trunk.speed_report as speed_report
+
+        self.module, self.service = speed_report, trunk_service
+        self.real = (speed_report.measure_speed, speed_report.measure_prompt_rate)
+        self.real_cost = trunk_service.measure_datagram_cost
+        self.figures: dict[tuple, object] = {}
+
+    async def _datagram_cost(self, *args, **kwargs):
+        if "datagram" not in self.figures:
+            self.figures["datagram"] = await self.real_cost(*args, **kwargs)
+        return self.figures["datagram"]
+
+    def _once(self, measure, kind: str):
+        def measured(gguf, **kwargs):
+            key = (kind, str(gguf.path) if hasattr(gguf, "path") else id(gguf), kwargs.get("layer"))
+            if key not in self.figures:
+                self.figures[key] = measure(gguf, **kwargs)
+            return self.figures[key]
+        return measured
+
+    def __enter__(self) -> "MeasuredOnce":
+        self.module.measure_speed = self._once(self.real[0], "speed")
+        self.module.measure_prompt_rate = self._once(self.real[1], "prompt")
+        self.service.measure_datagram_cost = self._datagram_cost
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.measure_speed, self.module.measure_prompt_rate = self.real
+        self.service.measure_datagram_cost = self.real_cost
+
+
+MEASURED = MeasuredOnce()
 
 
 def run_as(node: str, coro) -> asyncio.Task:
