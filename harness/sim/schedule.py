@@ -91,8 +91,10 @@ def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s
                                       lasts=lasts))
         elif kind == "host_restart":
             drawn_faults.append(Fault(at, kind, "host", lasts=lasts))
-        elif kind == "revoke":
-            drawn_faults.append(Fault(at, kind, REVOKED_ASKER))
+        elif kind == "revoke":  # while a long ask of its runs
+            long_ask = Ask(at, REVOKED_ASKER, tuple(rng.randrange(1, 1000) for _ in range(rng.randint(1, 12))), 150)
+            drawn_asks = tuple(sorted((*drawn_asks, long_ask), key=lambda a: a.at))
+            drawn_faults.append(Fault(round(at + rng.uniform(0.05, 1.0), 2), kind, REVOKED_ASKER))
         elif kind == "slow":
             drawn_faults.append(Fault(at, kind, trunk, lasts=lasts, extra_delay=rng.choice([0.05, 0.5, 2.0])))
         else:

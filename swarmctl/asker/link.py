@@ -596,12 +596,13 @@ class SwarmLink:
                 self._fail_waiting(f"stage {silent[0].peer_name} went silent")
             elif waiting:
                 self._fail_stalled()
-            if not self.host.is_open:
+            if not self.host.is_open and not self.refused:  # (a revoked member knocks no more)
                 try:
                     self._plan_arrived(await self.host.connect())
                     log.info("reconnected to the host")
-                except (SwarmError, ConnectionError, OSError, asyncio.TimeoutError):
-                    pass
+                except (SwarmError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+                    if is_revocation(str(e)):
+                        self._refused_for_good(str(e))
 
     def _recovered(self, seconds: float, replayed: int) -> None:
         self.stats.recoveries += 1

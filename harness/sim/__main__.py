@@ -1,0 +1,67 @@
+"""python -m harness.sim --seed N: one simulated run of the whole swarm, replayed from its seed,
+with its schedule, its event log (virtual seconds, node, what happened) and what failed.
+
+    python -m harness.sim --seed 42                 replay seed 42 (warnings and the sim's own events)
+    python -m harness.sim --seed 42 --verbose       every node's info log too
+    python -m harness.sim --seed 42 --shrink        a failing run: the fewest events that still fail
+    python -m harness.sim --seeds 0:200             many runs; one line each, the failing seeds at the end
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from harness.sim.run import play
+from harness.sim.schedule import draw
+from harness.sim.shrink import shrink
+from harness.sim.world import WorldSpec
+
+
+def _seeds(text: str) -> range:
+    first, _, last = text.partition(":")
+    try:
+        return range(int(first), int(last)) if last else range(int(first), int(first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed range (FIRST:LAST, e.g. 0:100)") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.sim", description=__doc__.splitlines()[0])
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seed", type=int, help="replay this seed, with its event log")
+    which.add_argument("--seeds", type=_seeds, help="run FIRST:LAST (one line per seed)")
+    parser.add_argument("--asks", type=int, default=8, help="asks per run (default 8)")
+    parser.add_argument("--faults", type=int, default=3, help="faults per run, at most (default 3)")
+    parser.add_argument("--verbose", action="store_true", help="every node's info log in the event log")
+    parser.add_argument("--shrink", action="store_true", help="shrink a failing schedule")
+    args = parser.parse_args(argv)
+    spec = WorldSpec()
+    if args.seeds is not None:
+        failed = []
+        for seed in args.seeds:
+            result = play(draw(seed, spec, asks=args.asks, faults=args.faults), spec)
+            print(f"seed {seed}: {'ok' if result.ok else 'FAILED'} ({result.wall_s:.2f} s)"
+                  + "".join(f"\n    {f}" for f in result.failures), flush=True)
+            if not result.ok:
+                failed.append(seed)
+        print(f"{len(args.seeds) - len(failed)} of {len(args.seeds)} runs passed; failed: {failed or 'none'}")
+        return 1 if failed else 0
+    schedule = draw(args.seed, spec, asks=args.asks, faults=args.faults)
+    print(schedule.describe())
+    result = play(schedule, spec, verbose=args.verbose)
+    print("\n".join(result.log))
+    print(f"virtual {result.virtual_s:.1f} s in {result.wall_s:.2f} s; network: {result.net}")
+    if result.ok:
+        print("all invariants held")
+        return 0
+    print("FAILED:\n" + "\n".join(f"  {f}" for f in result.failures))
+    if args.shrink:
+        smallest = shrink(schedule, lambda s: not play(s, spec).ok, report=lambda line: print(f"shrink: {line}"))
+        print("shrunk to:\n" + smallest.describe())
+        print("FAILED:\n" + "\n".join(f"  {f}" for f in play(smallest, spec).failures))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
