@@ -247,6 +247,12 @@ class SimRun:
             await asyncio.sleep(fault.lasts)
             self.event(f"   fault over: {fault.node} starts again from its home")
             self._start_host() if fault.node == "host" else self._start_trunk(fault.node)
+        elif fault.kind == "lie":  # (the stage's test hook: noise on every result it passes on)
+            service = self.trunks.get(fault.node)
+            if service is not None:
+                service.requests._test_corrupt = 1.0
+                await asyncio.sleep(fault.lasts)
+                service.requests._test_corrupt = 0.0
         elif fault.kind == "revoke":
             self.result.revoked_at = self.loop.time() - self.t0
             await run_as("host-cli", self._revoke(fault.node))

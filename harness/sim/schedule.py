@@ -20,6 +20,8 @@ FAULTS = {
     "slow": "a node's datagrams take longer for a while (a slow member)",
     "partition": "two nodes cannot reach each other for a while",
 }
+# Not drawn (every ask it touches must fail): for showing that the invariants catch wrong tokens.
+LIE = "lie"  # a trunk adds noise to every result it passes on, for a while
 REVOKED_ASKER = "mallory"  # the asker a 'revoke' fault revokes (the other askers must be unaffected)
 
 
