@@ -175,6 +175,17 @@ class SwarmProtocol(QuicConnectionProtocol):
         self.transmit()
         self._wake_senders()  # acknowledgements may have freed send buffer space
 
+    async def wait_connected(self) -> None:
+        """aioquic's, except that a handshake whose wait was given up (a connect that timed out or
+        was cancelled) does not log "Future exception was never retrieved" when the connection
+        ends later: aioquic shields its waiter and fails it then (found by harness/sim, seed 28)."""
+        if self._connected_waiter is not None:
+            raise RuntimeError("Already awaiting connected")
+        if not self._connected:
+            waiter = self._connected_waiter = self._loop.create_future()
+            waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await asyncio.shield(waiter)
+
     # --- sending ---
 
     async def ping(self) -> None:

@@ -86,6 +86,7 @@ class SimRun:
         self.stops: dict[str, asyncio.Event] = {}
         self.links: dict = {}
         self.asker = None
+        self.revoke_pending = False  # revoked while the host was down: in force once it starts again
 
     def event(self, text: str) -> None:
         self.result.log.append(f"{self.loop.time() - self.t0:9.3f} {text}")
@@ -176,6 +177,8 @@ class SimRun:
         from swarmctl.host import run_host
 
         self.network.down.discard("host")
+        if self.revoke_pending:
+            self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
         self.stops["host"] = asyncio.Event()
         run_as("host", run_host(self.homes["host"], self.stops["host"]))
 
@@ -254,7 +257,6 @@ class SimRun:
                 await asyncio.sleep(fault.lasts)
                 service.requests._test_corrupt = 0.0
         elif fault.kind == "revoke":
-            self.result.revoked_at = self.loop.time() - self.t0
             await run_as("host-cli", self._revoke(fault.node))
         elif fault.kind in ("freeze", "slow", "partition"):
             if fault.kind == "freeze":
@@ -279,11 +281,14 @@ class SimRun:
 
         home = self.homes["host"]
         revoke(home, name)
+        revoked_at = self.loop.time() - self.t0
         try:
             conn = await connect_host(home.load_config(), home.credentials(), RequestOnlyHandler())
-        except ConnectionError as e:
+        except ConnectionError as e:  # (it refuses the member as it starts again: counted from then)
             self.event(f"host-cli revoke: the host did not answer ({e})")
+            self.revoke_pending = True
             return
+        self.result.revoked_at = revoked_at
         try:
             await conn.request(m.encode(m.Revoked()), timeout=5)
         except (ConnectionError, asyncio.TimeoutError) as e:
