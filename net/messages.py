@@ -134,6 +134,16 @@ ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**52)]
 ByteRate = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # bytes per second
 
 
+class Cached(Message, tag="cached"):
+    """A trunk's kept prefixes (swarmctl/trunk/prefixes.py), all accounts together, when they
+    change: the prompt positions its stage keeps for askers' next requests, and their KV bytes
+    (status and top show them)."""
+
+    senders: ClassVar[tuple[str, ...]] = ("trunk",)
+    tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+    kv_bytes: ByteCount
+
+
 class Fetching(Message, tag="fetching"):
     """A trunk fetching its layers or experts says how it goes, every few seconds and once at the
     end (swarmctl/fetch_progress.py): status and top show it, and the planner prices a layer move
@@ -364,6 +374,8 @@ class MemberStatus(Part, kw_only=True):
     bad_result_reporters: int = 0
     last_seen_s: float | None = None  # seconds since its last connection to the host closed (None: connected, or not seen)
     fetch: FetchStatus | None = None  # its latest fetch of layers or experts (None: none since it registered)
+    cached_tokens: int = 0  # prompt positions its stage keeps for askers' next requests (``cached``)
+    cached_kv_bytes: int = 0
 
 
 class LinkStatus(Part, kw_only=True):

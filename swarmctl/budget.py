@@ -145,6 +145,11 @@ class MemberBudget:
         entries = self._kept.get(member)
         return next(iter(entries)) if entries else None
 
+    def kept_totals(self) -> tuple[int, int]:
+        """Positions and KV bytes of every member's kept prefixes together."""
+        return (sum(u.kept_positions for u in self._members.values()),
+                sum(u.kept_bytes for u in self._members.values()))
+
     def kept_count(self, member: str) -> int:
         return len(self._kept.get(member, ()))
 

@@ -22,9 +22,13 @@ from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
 from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, u_split
 from swarmctl.asker.link import SwarmLink
+from swarmctl.asker.speculate import speculation_for
 from swarmctl.asker.prefixes import PrefixCache, PrefixEntry, Steps, chunk_bounds, resume_point
 from swarmctl.batching import BatchRunner
 from swarmctl.budget import Limits, MemberBudget
+from net import messages as m
+from net.wire import FRAME_HEADER
+from swarmctl.commands.status import fetch_status, format_table
 from swarmctl.local_swarm import LocalSwarm
 from swarmctl.trunk.prefixes import StagePrefixes
 from tests.conftest import N_THREADS, run_split
@@ -87,8 +91,10 @@ def test_a_moved_cache_answers_as_one_computed_there(bundled_model):
 
 # --- a conversation in one process: the same answers as without reuse, and as the oracle ---
 
-async def _turns(model, prompts: list[list[int]], max_tokens: int, context: int) -> list[tuple[list[int], int, list[int]]]:
-    """Each prompt with reuse, then without: (tokens with reuse, cached tokens, tokens without)."""
+async def _turns(model, prompts: list[list[int]], max_tokens: int, context: int,
+                 speculate: bool = False) -> list[tuple[list[int], int, list[int]]]:
+    """Each prompt with reuse, then without: (tokens with reuse, cached tokens, tokens without).
+    ``speculate``: ngram drafts with three windows always in flight."""
     asker = Asker(model, 4, n_threads=N_THREADS, max_context=context)
     trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
                         max_context=context)
@@ -99,8 +105,9 @@ async def _turns(model, prompts: list[list[int]], max_tokens: int, context: int)
             runs = []
             for prefixes in (cache, None):
                 gen = Generation(secrets.token_bytes(16), len(prompt))
+                speculation = speculation_for("ngram", windows=3) if speculate else None
                 async for _ in asker.generate(prompt, trunk, max_tokens=max_tokens, sampling=GREEDY, generation=gen,
-                                              prefixes=prefixes):
+                                              prefixes=prefixes, speculation=speculation):
                     pass
                 runs.append(gen)
             out.append((runs[0].tokens, runs[0].cached_tokens, runs[1].tokens))
@@ -163,6 +170,20 @@ def test_a_conversation_past_a_prefill_chunk_answers_as_without_reuse(bundled_mo
     for reused, cached, plain in results:
         assert reused == plain
     assert [c for _, c, _ in results][1:] == [len(p) for p in prompts[:-1]][:2] + [len(prompts[3]) - 2]
+
+
+def test_speculation_with_windows_in_flight_answers_as_without_reuse(bundled_model):
+    """Drafted steps (one-row kernels per row) and rewinds come after the prompt: the kept cells
+    are the prompt's only, and the answers stay those of a run without reuse."""
+    text = "Copy this list: apples, pears, plums, apples, pears, plums, apples, pears, plums."
+    from kernels.tokenizer import Tokenizer
+
+    first = Tokenizer(bundled_model).encode_prompt(text)
+    prompts = [first, first + first[1:], first + first[1:] + first[1:]]
+    results = asyncio.run(_turns(bundled_model, prompts, 16, 512, speculate=True))
+    for reused, cached, plain in results:
+        assert reused == plain
+    assert [c for _, c, _ in results] == [0, len(prompts[0]), len(prompts[1])]
 
 
 # --- at a stage: prefixes are per account, and evicted within it ---
@@ -251,12 +272,13 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
                     runs.append(gen)
                 got.append((runs[0].tokens, runs[0].cached_tokens, runs[1].tokens, len(history)))
             await asyncio.sleep(0.5)  # (the last END travels stage to stage unanswered)
-            return got, await trunk_stats(local_swarm, link), link.stats.recoveries
+            return got, await trunk_stats(local_swarm, link), link.stats.recoveries, await _status_once_cached(
+                local_swarm, [s.member for s in link.plan.stages])
         finally:
             await link.close()
             asker.close()
 
-    got, stats, recoveries = asyncio.run(run())
+    got, stats, recoveries, status = asyncio.run(run())
     for reused, cached, plain, n in got:
         assert reused == plain, (cached, n)
     assert [g[1] for g in got] == [0, 40, 640, 670]
@@ -265,3 +287,44 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
         member = s["budget"]["members"]["asker"]
         assert member["cached_tokens"] >= 670 and member["requests"] == 0
         assert s["budget"]["cached_tokens"] == member["cached_tokens"]
+    # `status` (the host, told by each trunk) shows what each stage keeps
+    table = format_table(status)
+    for s in stats:
+        row = next(r for r in status.members if r.name == s["name"])
+        assert row.cached_tokens == s["budget"]["cached_tokens"] and row.cached_kv_bytes > 0
+        assert f"{s['name']}: keeps {row.cached_tokens} prompt tokens for askers' next requests" in table, table
+
+
+async def _status_once_cached(swarm: LocalSwarm, stages: list[str], within_s: float = 15.0) -> m.Status:
+    """The host's status once every stage has told it of its kept prefixes (a trunk tells it
+    at its next tick, once a second)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        status = await fetch_status(swarm.asker_home)
+        if all(r.cached_tokens for r in status.members if r.name in stages) \
+                or asyncio.get_running_loop().time() > deadline:
+            return status
+        await asyncio.sleep(0.5)
+
+
+def test_status_and_top_show_what_a_stage_keeps():
+    from rich.console import Console
+
+    from swarmctl.host.status import member_row  # noqa: F401 (the host's row: tested through the swarm above)
+    from swarmctl.monitor.build import RawPoll, SnapshotBuilder
+    from swarmctl.tui.widgets import NodeTable
+
+    sent = m.decode(m.encode(m.Cached(tokens=3912, kv_bytes=42_000_000))[FRAME_HEADER.size:], m.Cached)
+    row = m.MemberStatus(name="amy", role="trunk", may="trunk", address="127.0.0.1:7471", health="ready",
+                         layers=[4, 10], memory=4_000_000_000, cached_tokens=sent.tokens, cached_kv_bytes=sent.kv_bytes)
+    host = m.MemberStatus(name="host", role="host", may="host", address="127.0.0.1:7470", health="up (host)")
+    status = m.Status(swarm="s", model="m.gguf", n_layer=26, head_layers=4, plan_version=3, complete=True,
+                      missing_layers=[], members=[host, row], objective="", expected_ms_per_token=0.0,
+                      expected_tokens_per_s=0.0, bottleneck="", warnings=[], recovery=m.RecoveryStatus())
+    status = m.decode(m.encode(status)[FRAME_HEADER.size:], m.Status)
+    assert "amy: keeps 3912 prompt tokens for askers' next requests (42.0 MB of KV cache)" in format_table(status)
+    table = NodeTable()
+    table.snapshot = SnapshotBuilder().add(RawPoll(0.0, 0.01, status, stats={}, pings_ms={}))
+    console = Console(width=220, record=True)
+    console.print(table.render())
+    assert "3912 tok cached" in console.export_text()

@@ -64,6 +64,9 @@ def format_table(status: m.Status) -> str:
     # Under the table, after a blank line: stages split between a GPU and the CPU (partial offload)
     # say which layers are where, then the plan's links.
     extras = [f"{member.name}: {member.placement}" for member in status.members if member.placement]
+    extras += [f"{member.name}: keeps {member.cached_tokens} prompt tokens for askers' next requests "
+               f"({units.size(member.cached_kv_bytes)} of KV cache)"
+               for member in status.members if getattr(member, "cached_tokens", 0)]
     extras += format_links(status.links)
     return "\n".join(lines + ([""] + extras if extras else []))
 

@@ -93,7 +93,7 @@ class HostService:
             m.Recovered: self._recovered, m.BadResult: self._bad_result,
             m.Revoked: self._revoked, m.Reconfigure: self._reconfigure,
             m.Probe: self._probe, m.Reach: self._reach, m.Unanswered: self._unanswered,
-            m.BadSource: self._bad_source, m.Fetching: self._fetching,
+            m.BadSource: self._bad_source, m.Fetching: self._fetching, m.Cached: self._cached,
         })
         self.joins = Dispatcher({m.Join: self._join})
         self.rendezvous: Rendezvous | None = None  # once the host listens
@@ -380,6 +380,13 @@ class HostService:
         if trunk is not None:
             trunk.took_fetch_report(FetchReport(message.what, message.done, message.total, message.bytes_per_s,
                                                 message.finished))
+        self._ok(conn, stream_id)
+
+    def _cached(self, conn: SwarmProtocol, stream_id: int, message: m.Cached) -> None:
+        """What a trunk's stage keeps as prefixes for askers' next requests: for status and top."""
+        trunk = self.trunks.get(conn.peer_name)
+        if trunk is not None:
+            trunk.cached = (message.tokens, message.kv_bytes)
         self._ok(conn, stream_id)
 
     async def _stage_requests(self) -> int:

@@ -77,7 +77,8 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name),
         last_seen_s=(round(time.monotonic() - src.last_seen[name], 1)
                      if name in src.last_seen and name not in src.online else None),
-        fetch=_fetch(trunk.fetch) if trunk is not None and trunk.fetch is not None else None)
+        fetch=_fetch(trunk.fetch) if trunk is not None and trunk.fetch is not None else None,
+        cached_tokens=trunk.cached[0] if trunk else 0, cached_kv_bytes=trunk.cached[1] if trunk else 0)
 
 
 def _fetch(report) -> FetchStatus:

@@ -170,7 +170,7 @@ class SnapshotBuilder:
                 next_hop=hop, next_hop_ms=link.rtt_ms if link is not None else None,
                 ping_ms=poll.pings_ms.get(name), stats_error=poll.stats_errors.get(name, ""),
                 next_hop_path=row.path if row is not None else "", path=poll.paths.get(name, ""),
-                fetch=fetching(m)))
+                fetch=fetching(m), cached_tokens=getattr(m, "cached_tokens", 0)))
         return tuple(views)
 
     def _lane(self, member: MemberStatus, work: _StageBatches | None) -> Lane:

@@ -51,6 +51,7 @@ class NodeView:
     next_hop_path: str = ""  # how that link goes: "direct", "relayed via X" ("": the host did not say)
     path: str = ""  # how this monitor reaches the node: "direct", "punched", "relayed via X" ("": not connected)
     fetch: str = ""  # a fetch of layers or experts under way, as the host last heard of it ("": none)
+    cached_tokens: int = 0  # prompt positions its stage keeps as prefixes for askers' next requests
 
 
 @dataclass(frozen=True, eq=False)

@@ -49,6 +49,7 @@ class StagePrefixes:
         # Keeps under way per account: the END of one turn and the first step of the next come on
         # different streams, and the step may overtake the keep; it waits for it to finish.
         self._keeping: dict[str, list[asyncio.Future]] = {}
+        self._told = (0, 0)  # the totals the host last heard (``news``)
 
     async def keep(self, rid: bytes, account: str, prefix: bytes, positions: int) -> bool:
         """Keep request ``rid``'s cells [0, positions) as ``prefix`` of ``account``; False when it
@@ -114,6 +115,15 @@ class StagePrefixes:
         if held.runner is not None and held.engine is not None and held.engine.has_request(key):
             await held.runner.call(held.engine.release, key)
         held.budget.drop_kept(key)
+
+    def news(self) -> tuple[int, int] | None:
+        """The positions and KV bytes kept now, all accounts together, if not what was last
+        returned (the host is told: status and top show them)."""
+        totals = self.held.budget.kept_totals() if self.held.engine is not None else (0, 0)
+        if totals == self._told:
+            return None
+        self._told = totals
+        return totals
 
     async def reap(self, idle_s: float = KEPT_IDLE_S) -> None:
         """Prefixes nobody used for ``idle_s`` go (and bookkeeping of ones an engine swap took)."""

@@ -279,6 +279,9 @@ class TrunkService:
         serving = held.runner is not None and held.stage is not None and not (held.plan and held.plan.experts)
         self.speed.refresh((held.runner, held.stage.stop - held.stage.start) if serving else None,
                            idle=held.stage is None and held.experts is None)
+        kept = self.requests.prefixes.news()
+        if kept is not None:  # (what status and top show: the host hears of it when it changes)
+            self._spawn(self.host.tell(m.Cached(tokens=kept[0], kv_bytes=kept[1])))
 
     async def _measure_peers(self, plan: Plan) -> None:
         """Round trip and throughput to the plan's other stages and to the host (which stands in

@@ -28,8 +28,10 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def memory(used: int | None, budget: int | None) -> str:
-    return "-" if used is None and budget is None else f"{size(used)}/{size(budget)}"
+def memory(used: int | None, budget: int | None, cached_tokens: int = 0) -> str:
+    """Used/offered, and the prompt tokens kept for askers' next requests, if any."""
+    text = "-" if used is None and budget is None else f"{size(used)}/{size(budget)}"
+    return text + (f", {cached_tokens} tok cached" if cached_tokens else "")
 
 
 def busy_bar(fraction: float | None) -> Text:

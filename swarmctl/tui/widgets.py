@@ -98,7 +98,8 @@ class NodeTable(Static):
     def render(self) -> Text:
         return fmt.text_table(self.COLUMNS, [
             (Text(n.name, style="bold"), n.address or "-", fmt.layers(n.layers), n.device or "-",
-             fmt.memory(n.memory_used, n.memory_budget), "-" if n.queue_depth is None else str(n.queue_depth),
+             fmt.memory(n.memory_used, n.memory_budget, n.cached_tokens),
+             "-" if n.queue_depth is None else str(n.queue_depth),
              fmt.busy_bar(n.occupancy), fmt.rate(n.tok_s), fmt.next_hop(n.next_hop, n.next_hop_ms, n.next_hop_path),
              fmt.ping(n.ping_ms, n.path),
              Text(n.fetch, style="yellow") if n.fetch else fmt.health(n.health, n.stats_error, n.ping_ms))
