@@ -664,6 +664,9 @@ async def fetch_file(host, final: Path, what: str, model_hash: str, layer_hashes
     out = SliceFile(final, manifest)
     # members before the host: the host's uplink is everyone's
     swarm = [*(members(manifest, getattr(host, "holders", [])) if members is not None else []), host]
+    log.info("fetching %s (%.1f MB not on disk yet) from %s", what, sum(
+        n for c, n in manifest.chunk_sizes().items() if c not in out.done) / 1e6, ", ".join(
+        ["the mirror"] * bool(manifest.mirror) + [f"the {s.name}" for s in swarm]))
     if not manifest.mirror:
         plan = await _pull(out, swarm, what, on_progress, stop_after_bytes)
     else:
