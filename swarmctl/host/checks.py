@@ -32,6 +32,7 @@ from typing import Awaitable, Callable, Coroutine
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from plans.hysteresis import SPEED_FACTOR
+from net import messages as m
 from net.messages import MS_PER_LAYER
 from swarmctl import layer_proof
 
@@ -48,6 +49,13 @@ WRONG_RESULT_HOLD_MAX_S = 3600.0  # twice as long at each further strike, up to 
 STRIKES_FORGOTTEN_S = 3600.0  # strikes this long after the latest are forgotten
 REPROBES = 3  # a claim faster than the host measured is timed again this often, after 10, 20, 40 s
 REPROBE_AFTER_S = 10.0
+# A timing run takes the member's compute thread for a few 32-step runs: a member that serves is
+# timed only once its stage has run no batch for PROBE_IDLE_S, looked at every PROBE_WAIT_S, for at
+# most PROBE_WAIT_MAX_S; one that serves all the while is not timed again (its served figures,
+# from the batches it runs, are what it claims, and it is planned never faster than the host timed it)
+PROBE_IDLE_S = 5.0
+PROBE_WAIT_S = 10.0
+PROBE_WAIT_MAX_S = 600.0
 RETRY_FIRST_S = 5.0  # a check that raised on the host's side is tried again after 5, 10, 20 ... s
 RETRY_MAX_S = 300.0
 
@@ -56,7 +64,9 @@ class ClaimChecks:
     def __init__(self, gguf: GGUFFile, planning: PlanKeeper, *, retry_first_s: float = RETRY_FIRST_S,
                  retry_max_s: float = RETRY_MAX_S, failed_hold_s: float = FAILED_CHECK_HOLD_S,
                  wrong_hold_s: float = WRONG_RESULT_HOLD_S,
-                 stage_check: Callable[[str, TrunkInfo, object], Awaitable[StageCheck]] | None = None) -> None:
+                 stage_check: Callable[[str, TrunkInfo, object], Awaitable[StageCheck]] | None = None,
+                 serving: Callable[[TrunkInfo], Awaitable[bool]] | None = None,
+                 probe_wait_s: float = PROBE_WAIT_S, probe_wait_max_s: float = PROBE_WAIT_MAX_S) -> None:
         self.gguf = gguf  # the host's own copy of the layers: the answers are checked against it
         self.planning = planning
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
@@ -66,9 +76,15 @@ class ClaimChecks:
         self.strikes: dict[str, tuple[int, float]] = {}  # member → (wrong-result strikes, time.monotonic() of the latest)
         self.answers = StageAnswers()  # the stages' answers to the host's own steps (recheck.py)
         self.stage_check = stage_check or self._check_stage  # (tests pass a fake: no sockets, no kernels)
+        self.serving = serving or self._serving  # whether a member's stage ran batches lately (tests pass a fake)
+        self.probe_wait_s, self.probe_wait_max_s = probe_wait_s, probe_wait_max_s
         self._check_lock = asyncio.Lock()  # one re-check of a stage's results at a time
         self.measured_speeds: dict[str, float] = {}  # member → the fastest the host timed it (kept across rejoins)
         self._timing_lock = asyncio.Lock()  # one speed probe at a time
+        # one challenge per trunk at a time: a trunk keeps one probe, and a second check's probe
+        # replaced the first's mid-run ("no such probe run": a model-less trunk is checked on its
+        # trial layers and, as an expert node, on its experts at once)
+        self._challenging: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._rechecked: dict[str, float] = {}  # member → when an askers' report last made us check it
 
@@ -178,9 +194,10 @@ class ClaimChecks:
 
     async def _challenge(self, trunk: TrunkInfo, layers: list[int], probe_layer: int | None,
                          experts: tuple[int, int] | None = None) -> layer_proof.Outcome:
-        return await layer_proof.challenge(trunk.conn, self.gguf, layers, probe_layer=probe_layer,
-                                           claimed_ms=trunk.ms_per_layer_token, timing_lock=self._timing_lock,
-                                           experts=experts)
+        async with self._challenging.setdefault(id(trunk), asyncio.Lock()):
+            return await layer_proof.challenge(trunk.conn, self.gguf, layers, probe_layer=probe_layer,
+                                               claimed_ms=trunk.ms_per_layer_token, timing_lock=self._timing_lock,
+                                               experts=experts)
 
     async def _check_registration(self, name: str, trunk: TrunkInfo) -> None:
         lo, hi = self.plan.trunk_range
@@ -282,6 +299,14 @@ class ClaimChecks:
 
     async def _probe_again(self, name: str, trunk: TrunkInfo, delay: float) -> None:
         await asyncio.sleep(delay)
+        waited = 0.0
+        while self._current(name, trunk) and not trunk.refused and await self.serving(trunk):
+            if waited >= self.probe_wait_max_s:
+                log.info("trunk %s served throughout the last %.0f s: not timed again (it is planned from what "
+                         "it serves, never faster than the host timed it)", name, waited)
+                return
+            await asyncio.sleep(self.probe_wait_s)
+            waited += self.probe_wait_s
         if not self._current(name, trunk) or trunk.refused:
             return
         stage = self.plan.stage_for(name)
@@ -296,6 +321,16 @@ class ClaimChecks:
         elif outcome.ms_per_layer is not None:
             self._took_measurement(name, trunk, outcome)
             self._plan_speed(name, trunk)
+
+    async def _serving(self, trunk: TrunkInfo) -> bool:
+        """Whether the member's stage is serving: it ran a batch in the last PROBE_IDLE_S, or steps
+        wait there (its own stats). One that cannot say counts as idle: the timing run finds out."""
+        try:
+            reply = await trunk.conn.request(m.encode(m.GetStats()), timeout=5.0)
+            return stage_serving(m.decode(reply.body, m.Stats))
+        except Exception as e:  # noqa: BLE001 - any failure to answer: the challenge itself will tell
+            log.debug("asking a trunk whether it serves failed: %r", e)
+            return False
 
     # --- what the checks found ---
 
@@ -361,3 +396,8 @@ class ClaimChecks:
             self.at_registration(name, trunk)
         self.planning.rebase(name)
         self.planning.replan(also_send_to=name)
+
+
+def stage_serving(stats: m.Stats, idle_s: float = PROBE_IDLE_S) -> bool:
+    """A stage serves while steps wait at it or it began a batch within ``idle_s`` of its snapshot."""
+    return stats.queue_depth > 0 or any(stats.time - batch[0] < idle_s for batch in stats.recent_batches)
