@@ -101,6 +101,10 @@ def layer_size(gguf: GGUFFile, layer: int, experts: Experts = None) -> int:
 
 
 def holds(gguf: GGUFFile, layers: Iterable[int], experts: Experts = None) -> bool:
+    from kernels.experts import FIRST_KEY
+
+    if experts is None and gguf.get(FIRST_KEY) is not None:
+        return False  # an expert node's fetched file: some experts of each layer, no whole layer
     try:
         return all(layer_size(gguf, layer, experts) for layer in layers)
     except Exception:  # noqa: BLE001 - a file without those experts holds nothing asked about
