@@ -88,6 +88,7 @@ class Register(Message, tag="register"):
     # what the plan's first-token time is computed with, never where layers go.
     prompt_ms_per_layer_row: MsPerLayer | None = None
     holds: LayerRanges = []  # layers it serves to fetching members (its upload budget is not 0)
+    fetches: bool = False  # it has no model file: layers it is given are fetched (moves priced at its rate)
 
 
 class Ready(Message, tag="ready"):

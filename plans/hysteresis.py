@@ -23,7 +23,8 @@ all of these hold:
    same new figure: its objective (one stream's time per token for "latency", the slowest stage
    for "throughput") lower by ``required_gain``: at least ``MIN_GAIN`` (10%), and more where moving
    costs more than the gain repays within ``PAYBACK_S`` (``move_cost_s``: the moved layers' bytes
-   loaded again, and the requests of the stages that change replayed). A node that got slower but
+   loaded again, at the rate the member fetches them where it has no model file, and the requests
+   of the stages that change replayed). A node that got slower but
    would keep its layers anyway (it is alone, or still the best place for them) re-plans nothing.
 3. The gain is sustained (``ReplanGate``, applied by the host): it held at every look for
    ``SUSTAIN_S``, and the plan in use has stood for ``SETTLE_S`` (a stage that just moved serves
@@ -80,6 +81,9 @@ SERVED_REPORTS = 3  # a member's served figure: the best of its last three serve
 MIN_GAIN = 0.10
 PAYBACK_S = 120.0  # a move has to repay what it costs within two minutes of serving
 RELOAD_MB_S = 200.0  # a stage loading layers it did not hold (read, checked against the hashes, built)
+# A member without the model file fetches the layers it is moved to: at the rate it last fetched
+# at, and until it fetched anything at a home uplink's 20 Mbit/s (the host's, or a member's).
+DEFAULT_FETCH_MB_S = 2.5
 REPLAY_S = 5.0  # the requests of a stage that changes are replayed elsewhere (5-8 s under load)
 SUSTAIN_S = 90.0  # a re-plan on speed: the gain held at every look for this long (3 served reports)
 SETTLE_S = 60.0  # and the plan in use has stood this long
@@ -104,15 +108,27 @@ def served_figure(reports: Sequence[float], keep: int = SERVED_REPORTS) -> float
 
 
 def move_cost_s(layout: ModelLayout, current: Sequence[tuple[str, int, int]],
-                proposed: Sequence[tuple[str, int, int]]) -> float:
+                proposed: Sequence[tuple[str, int, int]], nodes: Sequence[NodeDescriptor] = ()) -> float:
     """Seconds of serving a move from ``current`` to ``proposed`` (member, start, stop) stages
-    costs: the layers that change member are loaded again (``RELOAD_MB_S``), and the requests
+    costs: the layers that change member are loaded again, each at its new member's rate
+    (``load_mb_s``: a reload from its own file, or a fetch where it has none), and the requests
     held by the stages that change are replayed (``REPLAY_S``). 0 when nothing moves."""
     holder = {layer: member for member, a, b in current for layer in range(a, b)}
-    moved = [layer for member, a, b in proposed for layer in range(a, b) if holder.get(layer) != member]
+    by_name = {n.name: n for n in nodes}
+    moved = [(member, layer) for member, a, b in proposed for layer in range(a, b) if holder.get(layer) != member]
     if not moved:
         return 0.0
-    return sum(layout.layer_bytes[layer] for layer in moved) / (RELOAD_MB_S * 1e6) + REPLAY_S
+    return sum(layout.layer_bytes[layer] / (load_mb_s(by_name.get(member)) * 1e6) for member, layer in moved) \
+        + REPLAY_S
+
+
+def load_mb_s(node: NodeDescriptor | None) -> float:
+    """How fast ``node`` gets layers it did not hold: from its own model file at ``RELOAD_MB_S``;
+    without one, fetched at the rate it last fetched at (never faster than a reload, which it
+    does too), or ``DEFAULT_FETCH_MB_S`` until it fetched anything."""
+    if node is None or not node.fetches:
+        return RELOAD_MB_S
+    return min(RELOAD_MB_S, node.fetch_mb_s or DEFAULT_FETCH_MB_S)
 
 
 def required_gain(cost_s: float, min_gain: float = MIN_GAIN, payback_s: float = PAYBACK_S) -> float:
@@ -276,7 +292,7 @@ def replan_gain(layout: ModelLayout, nodes: Sequence[NodeDescriptor], constraint
     """What a fresh plan on ``nodes``' figures would gain over ``current``, and whether that pays
     for the move. Raises PlanError where no plan fits."""
     now, new, unit, proposed = _replanning(layout, nodes, constraints, current)
-    cost = move_cost_s(layout, current, proposed)
+    cost = move_cost_s(layout, current, proposed, nodes)
     return Gain(now, new, unit, cost, required_gain(cost, min_gain))
 
 

@@ -58,6 +58,10 @@ class NodeDescriptor:
     # One prompt row through one layer, in a prompt's chunk (kernels/speed.py measure_prompt_rate):
     # for the first-token time (plans/prefill.py) only; None: not measured
     prompt_ms_per_layer_row: float | None = None
+    # It has no model file: layers moved to it are fetched (plans/hysteresis.py move_cost_s prices
+    # them at ``fetch_mb_s``, the rate it last fetched at; None: not measured yet, a default).
+    fetches: bool = False
+    fetch_mb_s: float | None = None
 
     @property
     def packet_us(self) -> float:

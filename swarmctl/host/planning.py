@@ -139,7 +139,9 @@ class PlanKeeper:
             speed = self.speed_basis[name] if t.planning_speed else fallback
             nodes.append(NodeDescriptor(name, t.memory, speed, t.device, t.listen, links, datagram_us=t.datagram_us,
                                         ram_bytes=t.ram_bytes, ram_gb_s=t.ram_gb_s,
-                                        prompt_ms_per_layer_row=t.prompt_ms_per_layer_row))
+                                        prompt_ms_per_layer_row=t.prompt_ms_per_layer_row,
+                                        fetches=t.fetches or t.fetch is not None,  # (a trunk too old to say)
+                                        fetch_mb_s=t.fetch_bytes_per_s / 1e6 if t.fetch_bytes_per_s else None))
         return nodes
 
     def describe_nodes(self) -> list[m.NodeInfo]:

@@ -281,7 +281,7 @@ class HostService:
                                                         datagram_us=message.datagram_us,
                                                         prompt_ms_per_layer_row=message.prompt_ms_per_layer_row,
                                                         holds=self._layer_ranges(message.holds),
-                                                        **_ram_offer(message))
+                                                        fetches=message.fetches, **_ram_offer(message))
         log.info("trunk %s registered at %s with %.1f GB, %s ms per layer%s", conn.peer_name, listen,
                  message.memory / 1e9, f"{speed:.2f}" if speed is not None else "unmeasured",
                  f", and {trunk.ram_bytes / 1e9:.1f} GB of host RAM for routed experts at {trunk.ram_gb_s:.1f} GB/s"

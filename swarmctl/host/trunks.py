@@ -81,6 +81,7 @@ class TrunkInfo:
     ram_gb_s: float = 0.0
     prompt_ms_per_layer_row: float | None = None  # its word: only first-token times are computed with it
     holds: list[tuple[int, int]] = field(default_factory=list)  # layer ranges it serves to fetching members
+    fetches: bool = False  # it has no model file: the layers it is given are fetched
     fetch: FetchReport | None = None  # its latest fetch, as it reported it (status, top)
     # the rate it fetched at, as it last reported it: what the planner prices moving layers to it at
     # (a member without the model file fetches what it is given; plans/hysteresis.py)

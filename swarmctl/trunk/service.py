@@ -233,7 +233,7 @@ class TrunkService:
                           device=self.device.label if self.device is not None else "cpu",
                           local="" if self.advertise else self._local_address(), relay=self.relay is not None,
                           datagram_us=self.datagram_us, prompt_ms_per_layer_row=self.speed.prompt_figure,
-                          holds=self.share.holds(), **self._ram_offer())
+                          holds=self.share.holds(), fetches=not self.model_path.exists(), **self._ram_offer())
 
     def _ram_offer(self) -> dict:
         """Host RAM for routed experts, with its measured rate: offered together or not at all."""
