@@ -65,6 +65,8 @@ PROMPT_ROWS = 512  # positions per step when the nextn layer catches up on a pro
 # takes rows from them; while they idle between this request's trips, it costs little.
 WINDOW_WORTH_BUSY = 0.5
 WINDOW_WORTH_IDLE = 0.2
+RETRY_MAX = 64  # plain steps between retries of a single draft at most, after failed retries
+PLAIN_EVERY = 16  # while drafts often fail, one plain step in this many drafting steps is timed
 BUSY = 0.1  # the stages count as busy when steps queue there for this share of a trip or more
 
 
@@ -373,11 +375,20 @@ class DraftLength:
     WAN a row is cheap against the round trip and drafts pay even when half fail; on one machine
     a row costs about a step and only well-kept drafts pay. At 0 (plain steps), one draft is tried
     again after ``retry_after`` plain steps, so a request that turns repetitive later gets its
-    speed back."""
+    speed back; each retry that fails doubles that wait (up to ``retry_max``), one that keeps its
+    draft halves it (down to ``retry_after``).
+
+    The model is checked against what drafting steps really gave: each one's tokens against its
+    time, over a plain step's time (``gain``, both as this request measured them: queueing behind
+    other requests' steps, a machine busy with other work and the check's own overheads
+    included). Drafting stops while that measured gain is below 1, whatever the model says. While
+    drafts are often rejected, a plain step is taken now and then (``PLAIN_EVERY``) to keep the
+    plain step's time current: it costs nothing against not speculating."""
 
     k: int = 4
     k_max: int = MAX_DRAFT
     retry_after: int = 8
+    retry_max: int = RETRY_MAX
     decay: float = 0.8  # weight of the previous estimates at each step
     kept: float = 1.0  # decayed counts behind ``a`` (a prior of one each)
     failed: float = 1.0
@@ -389,18 +400,35 @@ class DraftLength:
     fell: float = 1.0
     fixed_windows: int | None = None  # windows in flight as given (tests, benchmarks); None: from the cost model
     max_windows: int = MAX_WINDOWS  # what the cost model may choose at most
+    plain_s: float | None = None  # a plain (one-row) decode step's time, start to logits, as measured
+    gain: float | None = None  # drafting steps' tokens per second over plain steps', as measured
     _plain_steps: int = field(default=0, repr=False)
+    _retry_every: int | None = field(default=None, repr=False)  # plain steps before a retry now (backs off)
+    _retrying: bool = field(default=False, repr=False)  # the step out is a retry's single draft
+    _since_plain: int = field(default=0, repr=False)  # drafting steps since a plain step was timed
 
     @property
     def a(self) -> float:
         return self.kept / (self.kept + self.failed)
 
+    @property
+    def retry_every(self) -> int:
+        """Plain steps before the next retry of a single draft (doubled by each failed retry)."""
+        return self.retry_after if self._retry_every is None else self._retry_every
+
     def next(self) -> int:
+        self._retrying = False
         if self.k == 0:
             self._plain_steps += 1
-            if self._plain_steps >= self.retry_after:
+            if self._plain_steps >= self.retry_every:
                 self._plain_steps = 0
+                self._retrying = True
                 return 1
+            return 0
+        if self.a < 0.5 and (self.plain_s is None or self._since_plain >= PLAIN_EVERY):
+            self._since_plain = 0
+            return 0  # drafts often fail: time a plain step, what drafting is measured against
+        self._since_plain += 1
         return self.k
 
     def observe(self, rows: int, compute_s: float, total_s: float, queued_s: float = 0.0) -> None:
@@ -415,6 +443,8 @@ class DraftLength:
             self.busy = ewma(self.busy, queued_s / total_s)
         if rows == 1:
             self.one_row_compute_s = ewma(self.one_row_compute_s, compute_s)
+            if total_s > 0:
+                self.plain_s = ewma(self.plain_s, total_s)
             return
         if self.one_row_compute_s is None:
             return  # no plain step seen yet: nothing to tell the extra rows' share by
@@ -422,6 +452,21 @@ class DraftLength:
         one_row = total_s - (rows - 1) * per_row
         if one_row > 0:
             self.rho = ewma(self.rho, per_row / one_row)
+
+    def yielded(self, tokens: int, total_s: float) -> None:
+        """A drafting step's outcome: ``tokens`` chosen (drafts kept and the one the target chose)
+        in ``total_s`` from its start to its logits. Against a plain step's time, what drafting
+        really gave. A retry that kept its draft starts the figure over from even (the text may
+        have turned repetitive): the next drafting steps then say at once which way it goes."""
+        if self.plain_s is None or total_s <= 0:
+            return
+        sample = tokens * self.plain_s / total_s
+        if self.gain is None:
+            self.gain = sample
+            return
+        if self._retrying and tokens > 1:
+            self.gain = max(self.gain, 1.0)
+        self.gain = self.decay * self.gain + (1 - self.decay) * sample
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a step: ``drafted`` tokens, ``accepted`` of them kept."""
@@ -432,6 +477,11 @@ class DraftLength:
         self.stood = self.decay * self.stood + (accepted == drafted)
         self.fell = self.decay * self.fell + (accepted < drafted)
         self.k = self.best_k()
+        if self._retrying:  # a failed retry waits twice as long for the next; a kept one (luck, on text
+            # that does not repeat, one time in a few) half as long
+            self._retry_every = min(self.retry_max, 2 * self.retry_every) if self.k == 0 else \
+                max(self.retry_after, self.retry_every // 2)
+            self._retrying = False
 
     def windows(self) -> int:
         """How many windows to keep in flight: window n + 1 stands only if window n keeps
@@ -452,6 +502,8 @@ class DraftLength:
         return n
 
     def best_k(self) -> int:
+        if self.gain is not None and self.gain < 1.0:
+            return 0  # measured: drafting steps gave fewer tokens per second than plain ones
         a, rho = min(self.a, 0.999), RHO_PRIOR if self.rho is None else self.rho
         gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + rho * k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=lambda k: (gain[k] > gain[0] * 1.02 or k == 0) and gain[k])
@@ -491,6 +543,8 @@ class Speculation:
         decode step (one token and its drafts, not a prompt chunk) feeds the cost model."""
         if timing is not None:
             self.length.observe(rows, timing.compute_s, timing.total_s, timing.trunk_queued_s)
+            if drafted and rows > 1:
+                self.length.yielded(accepted + 1, timing.total_s)
         self.length.update(drafted, accepted)
         if drafted:
             self.drafted += drafted

@@ -1,0 +1,107 @@
+"""Drafts that never cost (swarmctl/asker/speculate.py, DraftLength): the drafting policy fed
+sequences of kept and rejected drafts and step times, no I/O. A step's time here is what the asker
+measures from a step's start to its logits: a plain step's, and a drafting step's with its extra
+rows, whose real cost (queueing behind other work on a busy machine) the compute-only cost model
+does not see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from swarmctl.asker.speculate import PLAIN_EVERY, RETRY_MAX, DraftLength
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    seconds: float = 0.0
+    drafting_steps: int = 0
+    plain_steps: int = 0
+    retries_at: list[int] | None = None
+
+    def rate_over_plain(self, plain_s: float) -> float:
+        """Tokens per second over what plain steps alone would give."""
+        return self.tokens / self.seconds * plain_s
+
+
+def run(length: DraftLength, steps: int, kept: Callable[[int, int], int], *, plain_s: float = 0.060,
+        compute_s: float = 0.010, row_compute_s: float = 0.001, row_real_s: float = 0.001,
+        start: int = 0) -> Run:
+    """``steps`` steps of one request: ``kept(i, k)`` drafts kept of the k drafted at step i; a
+    drafting step takes ``row_real_s`` more per extra row than a plain one, while its compute
+    (what the cost model reads) grows by ``row_compute_s`` a row."""
+    out = Run(retries_at=[])
+    for i in range(start, start + steps):
+        was_plain = length.k == 0
+        k = length.next()
+        if k == 0:
+            length.observe(1, compute_s, plain_s)
+            length.update(0, 0)
+            out.tokens, out.seconds, out.plain_steps = out.tokens + 1, out.seconds + plain_s, out.plain_steps + 1
+            continue
+        if was_plain:
+            out.retries_at.append(i)
+        accepted = kept(i, k)
+        total = plain_s + k * row_real_s
+        length.observe(1 + k, compute_s + k * row_compute_s, total)
+        length.yielded(accepted + 1, total)
+        length.update(k, accepted)
+        out.tokens, out.seconds = out.tokens + accepted + 1, out.seconds + total
+        out.drafting_steps += 1
+    return out
+
+
+def story(i: int, k: int) -> int:
+    """Prompt lookup on text that does not repeat: one drafted token in five kept, by chance."""
+    return 1 if i % 5 == 0 else 0
+
+
+def copy(i: int, k: int) -> int:
+    return k
+
+
+def test_a_story_on_a_busy_machine_costs_nothing():
+    """One draft in five kept looks worth drafting to the model over a WAN (a row's compute is 2 %
+    of a step), but on a busy machine each extra row really costs 20 % of a step: drafting must
+    stop, and its retries must not cost more than a few percent."""
+    length = DraftLength(k=4, k_max=8)
+    result = run(length, 600, story, row_real_s=0.012)
+    assert result.rate_over_plain(0.060) >= 0.97, result
+    assert result.drafting_steps < 0.06 * 600, result
+
+
+def test_copyable_text_keeps_its_gain():
+    length = DraftLength(k=4, k_max=8)
+    result = run(length, 100, copy, row_real_s=0.003)
+    assert result.rate_over_plain(0.060) >= 4.0, result
+    assert result.plain_steps == 0 and length.k == 8  # no plain step timed while drafts are kept
+
+
+def test_failed_retries_back_off_exponentially_and_a_kept_one_brings_drafting_back():
+    length = DraftLength(k=4, k_max=8, retry_after=8)
+    result = run(length, 600, lambda i, k: 0, row_real_s=0.012)
+    gaps = [b - a for a, b in zip(result.retries_at, result.retries_at[1:])]
+    assert gaps[:4] == [16, 32, 64, RETRY_MAX], gaps  # steps from one retry to the next
+    assert result.rate_over_plain(0.060) >= 0.97
+    # the text turns repetitive: the next retry keeps its draft and drafting comes back in full
+    later = run(length, 2 * RETRY_MAX + 40, copy, row_real_s=0.003, start=600)
+    assert length.k == 8 and length.retry_every == RETRY_MAX // 2
+    assert later.drafting_steps >= 30
+
+
+def test_drafts_that_pay_on_a_quiet_wan_go_on():
+    """Half the drafts kept and rows that cost what the model thinks: drafting stays, and pays."""
+    length = DraftLength(k=4, k_max=8)
+    result = run(length, 300, lambda i, k: k // 2 if i % 2 else k, row_real_s=0.001)
+    assert result.rate_over_plain(0.060) > 1.5, result
+    # drafts are often rejected, so a plain step is timed now and then: few, and never more
+    assert result.plain_steps <= 300 // PLAIN_EVERY + 1
+
+
+def test_without_timings_the_model_alone_decides():
+    """A step fed no timings (tests, or a source timed elsewhere) leaves the measured gain unknown."""
+    length = DraftLength(k=4, k_max=8)
+    for _ in range(4):
+        length.update(4, 3)
+    assert length.gain is None and length.k > 0
