@@ -558,7 +558,8 @@ class MemberSource:
                                 want=[f"{local[t]}:{j}" for t, j in pairs])
         try:
             conn, open_stream, close_stream = await self.link()
-        except (OSError, ValueError, WireError, asyncio.TimeoutError) as e:
+        except Exception as e:  # noqa: BLE001 - any way of not reaching it (a refused route, a punch that
+            # failed, a timeout) is a failed batch of this source, never the end of the fetch
             raise ConnectionError(f"cannot reach {self.member}: {e or type(e).__name__}") from None
         stream_id, frames = open_stream()
         ended = False

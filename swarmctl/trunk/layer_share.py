@@ -101,8 +101,8 @@ class LayerShare:
             self._files[path] = GGUFFile(path)
         return self._files[path]
 
-    def _file_for(self, layer: int) -> GGUFFile | None:
-        for start, stop, path in self._files_held():
+    def _file_for(self, layer: int, held: list[tuple[int, int, Path]]) -> GGUFFile | None:
+        for start, stop, path in held:
             if start <= layer < stop:
                 return self._open(path)
         return None
@@ -111,9 +111,10 @@ class LayerShare:
         """What the request names, from the files that hold it; ValueError (one line) for anything
         this trunk does not hold."""
         tensors = []
+        held = self._files_held()
         for name in request.tensors:
             layer = layer_of(name)
-            gguf = self._file_for(layer) if layer is not None else None
+            gguf = self._file_for(layer, held) if layer is not None else None
             if gguf is None or name not in gguf.tensors:
                 held = ", ".join(f"[{a}, {b})" for a, b in self.holds()) or "none"
                 raise ValueError(f"{self.name} does not hold {name[:80]} (layers it holds: {held})")
