@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import time
 import weakref
 
 from harness.sim.network import CURRENT_NODE, SimNetwork
@@ -21,6 +22,22 @@ EPOCH = 1000.0
 # A loop with nothing scheduled, no thread at work and no I/O would wait forever: it waits this
 # long in real time for I/O it cannot see (a real socket a node opened), then reports being stuck.
 STUCK_POLL_S = 0.05
+
+
+def _threads() -> str:
+    """Where every other thread is (for a run that hung on one)."""
+    import sys
+    import threading
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "; ".join(f"{names.get(ident, ident)} at " + " < ".join(
+        f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(traceback.extract_stack(frame)[-4:]))
+        for ident, frame in sys._current_frames().items() if ident != threading.get_ident())
+
+
+class WallLimit(RuntimeError):
+    """A run took longer in real time than it may (``VirtualClockLoop.limit_wall``)."""
 
 
 class VirtualSelector(selectors.BaseSelector):
@@ -48,6 +65,10 @@ class VirtualSelector(selectors.BaseSelector):
 
     def select(self, timeout: float | None = None):
         loop = self.loop
+        if loop is not None and loop.wall_deadline and time.perf_counter() > loop.wall_deadline:
+            raise WallLimit(f"still running after {loop.wall_limit:g} s of wall time, at virtual "
+                            f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
+                            f"{loop.threads_busy} out; {_threads()})")
         if timeout == 0:
             return self.real.select(0)
         if loop is not None and loop.threads_busy:
@@ -67,7 +88,9 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         selector = VirtualSelector()
         super().__init__(selector)
         selector.loop = self
-        self._now = start
+        self._now = self.start = start
+        self.wall_limit = 0.0
+        self.wall_deadline = 0.0  # time.perf_counter() past which the loop raises WallLimit (0: never)
         self.threads_busy = 0  # executor calls not yet back on the loop
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
@@ -90,6 +113,9 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         transport = self.network.bind(protocol, sock, local_addr)
         protocol.connection_made(transport)
         return transport, protocol
+
+    def limit_wall(self, seconds: float) -> None:
+        self.wall_limit, self.wall_deadline = seconds, time.perf_counter() + seconds
 
     def time(self) -> float:
         return self._now

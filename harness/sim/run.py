@@ -12,10 +12,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from harness.sim.clock import VirtualClockLoop
+from harness.sim.clock import VirtualClockLoop, WallLimit
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
 from harness.sim.schedule import Ask, Fault, Schedule
-from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, kill_node, run_as
+from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -27,6 +27,7 @@ ASK_TIMEOUT_S = 120.0  # each ask's whole deadline (the link's per-step deadline
 READY_BOUND_S = 300.0  # how long the swarm may take to serve at first
 SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free what they held
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
+WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -86,6 +87,7 @@ class SimRun:
         self.stops: dict[str, asyncio.Event] = {}
         self.links: dict = {}
         self.asker = None
+        self.killed: set[str] = set()  # nodes killed at some point of the run
         self.revoke_pending = False  # revoked while the host was down: in force once it starts again
 
     def event(self, text: str) -> None:
@@ -97,16 +99,23 @@ class SimRun:
         wall = time.perf_counter()
         root = self.template.copy_homes()
         self.homes = {p.name: SwarmHome(p) for p in (root / "homes").iterdir()}
+        move_host(self.homes, f"127.0.0.2:{free_udp_port('127.0.0.2')}")  # (free now: others may have taken the template's)
         handler = _RunLog(self, logging.INFO if self.verbose else logging.WARNING)
         logging.getLogger().addHandler(handler)
         levels = {name: logging.getLogger(name).level for name in ("", "quic")}
         logging.getLogger().setLevel(logging.INFO if self.verbose else logging.WARNING)
         logging.getLogger("quic").setLevel(logging.WARNING)
         self.loop.set_exception_handler(self._unhandled)
+        self.loop.limit_wall(WALL_LIMIT_S)
         try:
             with MEASURED:
                 self.loop.run_until_complete(self._main())
+        except WallLimit as e:
+            busy = sorted({repr(h)[:160] for h in list(self.loop._ready)[:20]})  # what kept it busy
+            self.result.crashes.append(f"the run did not finish: {e}; running: {busy}")
+            self.event(f"ABORTED: {e}")
         finally:
+            self.loop.wall_deadline = 0.0
             self._teardown()
             logging.getLogger().removeHandler(handler)
             for name, level in levels.items():
@@ -124,6 +133,8 @@ class SimRun:
         if isinstance(exception, (asyncio.CancelledError, KeyboardInterrupt)):
             return
         where = CURRENT_NODE.get() or "-"
+        if context.get("message", "").startswith("Task was destroyed") and where in self.killed:
+            return  # (its clean-up after the kill, collected with the loop: nothing the product left behind)
         self.result.crashes.append(f"{where}: {context.get('message')}: {exception!r}")
         self.event(f"{where:>8} UNHANDLED {context.get('message')}: {exception!r}")
 
@@ -209,6 +220,7 @@ class SimRun:
             self.links[name] = await run_as(name, open_link(name))
 
     def _kill(self, node: str) -> None:
+        self.killed.add(node)
         kill_node(self.loop, self.network, node)
         self.network.down.add(node)
         self.trunks.pop(node, None)
@@ -301,7 +313,11 @@ class SimRun:
             kill_node(self.loop, self.network, node)
         for task in asyncio.all_tasks(self.loop):
             task.cancel()
-        self.loop.run_until_complete(asyncio.sleep(1.0))
+        self.loop.limit_wall(10.0)
+        try:
+            self.loop.run_until_complete(asyncio.sleep(1.0))
+        except WallLimit:
+            pass  # (reported already: the run itself did not finish)
         if self.asker is not None:
             self.asker.close()
         self.loop.close()

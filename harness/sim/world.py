@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,6 @@ from harness.sim.network import CURRENT_NODE, SimNetwork
 from harness.tiny_models import TinyConfig, write_tiny_model
 from plans.options import PlannerSettings
 from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.local_swarm import free_udp_port
 from swarmctl.membership import create_swarm, issue_direct
 from swarmctl.models import default_model_path
 
@@ -53,7 +54,7 @@ class Template:
         self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd,
                                                                                    vocab_limit=spec.vocab),
                                       default_model_path())
-        host_address = f"127.0.0.2:{free_udp_port()}"
+        host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
         host = SwarmHome(self.root / "homes" / "host")
         create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
                      model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers))
@@ -122,6 +123,21 @@ class MeasuredOnce:
 
 
 MEASURED = MeasuredOnce()
+
+
+def free_udp_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def move_host(homes: dict[str, SwarmHome], address: str) -> None:
+    """Every home's idea of where the host listens, changed to ``address`` (a run's copy)."""
+    for name, home in homes.items():
+        config = home.load_config()
+        if name == config.host_name:
+            config = dataclasses.replace(config, listen=address)
+        home.save_config(dataclasses.replace(config, host_addresses=[address]))
 
 
 def run_as(node: str, coro) -> asyncio.Task:

@@ -28,6 +28,7 @@ from kernels.sampling import Candidates, Sampler, SamplingParams
 from kernels.slice import Outputs, Placement, SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
+from net import clock
 from net.wire import DType, Hop
 from swarmctl.batching import BatchRunner, StepTiming
 from swarmctl.asker.logprobs import TokenLogprob, token_logprob
@@ -353,7 +354,7 @@ class Asker:
         if len(prompt) >= self.max_context:
             raise ContextOverflowError(f"the prompt has {len(prompt)} tokens but the context length is "
                                        f"{self.max_context}")
-        deadline = time.monotonic() + timeout if timeout else None
+        deadline = clock.now() + timeout if timeout else None
         if self._admission is None:
             self._admission = asyncio.Semaphore(self.max_in_flight)
         try:
@@ -376,7 +377,7 @@ class Asker:
             steps = self._steps(list(prompt), trunk, max_tokens, sampler, gen, ignore_eos, speculation, logprobs,
                                 grammar, gen.cached_tokens)
             while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
+                remaining = None if deadline is None else deadline - clock.now()
                 if remaining is not None and remaining <= 0:
                     raise BusyError(f"the request ran past its {timeout:.0f}s deadline")
                 try:

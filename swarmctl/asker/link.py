@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from net import clock
 from net.endpoint import close
 from net.identity import REVOKED_REASON, Credentials, is_revocation
 from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
@@ -79,12 +80,12 @@ class _Waiting:
     sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
     received_bytes: int = 0
     received_at: float = 0.0  # time.perf_counter() as the result's frame arrived
-    sent_at: float = 0.0  # time.monotonic() as it was last sent on a route
+    sent_at: float = 0.0  # clock.now() as it was last sent on a route
     rows: int = 0  # rows the route runs before this step's answer (its own, and its request's ahead of it)
     patience: float = 1.0  # doubled at each stall (a stage that is only slow is not asked again and again)
 
     def sent(self, route: OpenRoute, rows: int) -> None:
-        self.route, self.sent_at, self.rows = route, time.monotonic(), rows
+        self.route, self.sent_at, self.rows = route, clock.now(), rows
 
     def overdue(self, per_row_s: float, min_s: float) -> float | None:
         """Its stall limit (min_s, or STALL_FACTOR times ``per_row_s`` for its rows, times its
@@ -93,7 +94,7 @@ class _Waiting:
         if self.route is None or not self.sent_at or self.result.done():
             return None
         limit = max(min_s, STALL_FACTOR * per_row_s * self.rows) * self.patience
-        if time.monotonic() - self.sent_at <= limit:
+        if clock.now() - self.sent_at <= limit:
             return None
         self.patience *= 2
         return limit
@@ -149,7 +150,7 @@ class SwarmLink:
             link.dialer = await Dialer.open(link.creds, memo=PathMemoFile(home.file(PATH_MEMO_FILE)), asking=True,
                                             ask_host=lambda message: ask_route(link.host.conn, message))
             await link.host.connect()
-            await link._reach_stages(time.monotonic() + ready_timeout, alive_check, min_stages)
+            await link._reach_stages(clock.now() + ready_timeout, alive_check, min_stages)
             link._tasks = [asyncio.ensure_future(link._keep_alive())]
         except BaseException:
             await link.close()
@@ -162,7 +163,7 @@ class SwarmLink:
         a handshake in time) is tried again, on the next plan if one comes, until the deadline;
         the last failure is raised then."""
         while True:
-            self.plan = await self.host.complete(max(1.0, deadline - time.monotonic()), alive_check, min_stages)
+            self.plan = await self.host.complete(max(1.0, deadline - clock.now()), alive_check, min_stages)
             try:
                 await self._connect_stages()
                 return
@@ -170,7 +171,7 @@ class SwarmLink:
                 for conn in {self.first_conn, self.last_conn} - {None}:
                     await close(conn)
                 self.first_conn = self.last_conn = None
-                if time.monotonic() + STAGE_RETRY_S > deadline:
+                if clock.now() + STAGE_RETRY_S > deadline:
                     raise
                 log.warning("cannot reach plan v%d's stages (%s); trying again", self.plan.version, e)
                 await self.host.changed(STAGE_RETRY_S)  # a new plan, or a pause before the same again
@@ -216,7 +217,7 @@ class SwarmLink:
         out = self._waiting.setdefault(rid, {})
         waiting = out[start_pos] = _Waiting(asyncio.get_running_loop().create_future())
         self.stats.most_steps_out = max(self.stats.most_steps_out, len(out))
-        deadline = time.monotonic() + self.request_timeout
+        deadline = clock.now() + self.request_timeout
         failed_at: float | None = None
         replayed = 0
         unreachable = ""  # why the last move to a new route failed, if one did
@@ -235,7 +236,7 @@ class SwarmLink:
                     result = await self._answer(waiting, deadline)
                     self.table.answered(rid, start_pos)
                     if failed_at is not None:
-                        self._recovered(time.monotonic() - failed_at, replayed)
+                        self._recovered(clock.now() - failed_at, replayed)
                     # The round trip ends as the result's frame arrived, before this coroutine woke up.
                     received_at = waiting.received_at or time.perf_counter()
                     return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
@@ -245,8 +246,8 @@ class SwarmLink:
                 except _RouteFailed as e:
                     if self.refused:  # (a reroute would meet the same refusal at every stage, until the deadline)
                         raise SwarmError(self.refused) from None
-                    failed_at = failed_at or time.monotonic()
-                    if time.monotonic() > deadline:
+                    failed_at = failed_at or clock.now()
+                    if clock.now() > deadline:
                         raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s (the route "
                                          f"kept failing, last: {unreachable or e})") from None
                     if isinstance(e, _PrefixLost):
@@ -259,7 +260,7 @@ class SwarmLink:
                     if isinstance(e, _PrefixLost):
                         continue  # (the route is fine: the replay from position 0 goes on it now)
                     try:
-                        await self._await_reroute(deadline, failed_at=time.monotonic())
+                        await self._await_reroute(deadline, failed_at=clock.now())
                     except _RouteFailed as again:  # the new route's stages did not answer: go round again
                         unreachable = str(again)
                         log.warning("request %s: %s", rid.hex()[:8], again)
@@ -331,7 +332,7 @@ class SwarmLink:
         rid = secrets.token_bytes(16)
         conn = self.first_conn if stage == 0 else self.last_conn if stage == len(self.plan.stages) - 1 else \
             await self.dialer.connect(target.member, target.address, self)
-        deadline = time.monotonic() + self.request_timeout
+        deadline = clock.now() + self.request_timeout
         try:
             stream_id = conn.open_stream()
             self.table.opened(rid, conn, stream_id, self.plan.version)
@@ -399,7 +400,7 @@ class SwarmLink:
     async def _answer(self, waiting: _Waiting, deadline: float) -> ActivationPacket:
         """The step's result, as it arrives (a route failure raises _RouteFailed)."""
         try:
-            result = await asyncio.wait_for(asyncio.shield(waiting.result), max(0.1, deadline - time.monotonic()))
+            result = await asyncio.wait_for(asyncio.shield(waiting.result), max(0.1, deadline - clock.now()))
         except asyncio.TimeoutError:
             raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s") from None
         if result.kind == PacketKind.ERROR:
@@ -476,13 +477,13 @@ class SwarmLink:
         if self._moved_at > failed_at:
             return
         failed_version = self.plan.version
-        retry_same_at = time.monotonic() + SAME_ROUTE_RETRY_S
-        give_up = min(deadline, time.monotonic() + NO_PLAN_GRACE)
+        retry_same_at = clock.now() + SAME_ROUTE_RETRY_S
+        give_up = min(deadline, clock.now() + NO_PLAN_GRACE)
         while True:
             if self.refused:
                 raise SwarmError(self.refused)
             plan = self.host.latest
-            now = time.monotonic()
+            now = clock.now()
             if plan is not None and plan.complete and (plan.version != failed_version or now > retry_same_at):
                 await self._follow_plan(force=plan.version == failed_version, since=failed_at)
                 return
@@ -545,7 +546,7 @@ class SwarmLink:
                     await asyncio.sleep(0.5)
             for conn in old - {self.first_conn, self.last_conn}:
                 asyncio.ensure_future(close(conn))
-            self._moved_at = time.monotonic()
+            self._moved_at = clock.now()
 
     def _plan_arrived(self, plan: Plan | None) -> None:
         if plan is not None and self.plan is not None and plan.version != self.plan.version:

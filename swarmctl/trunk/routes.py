@@ -14,11 +14,11 @@ The connection objects are only compared and stored here (``is``, ``peer_name``)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from net import clock
 from swarmctl.request_locks import RequestLocks
 
 Conn = Any  # a net.protocol.SwarmProtocol; only identity and peer_name are read here
@@ -53,7 +53,7 @@ class Route:
     reply_to: str  # "member/session": the results stream at the last stage
     out_conn: Conn | None = None  # the next stage's connection when out_stream was opened
     out_stream: int | None = None
-    last_active: float = field(default_factory=time.monotonic)
+    last_active: float = field(default_factory=clock.now)
     checks: DraftChecks = field(default_factory=DraftChecks)
 
     def arrives_on(self, conn: Conn, stream_id: int) -> bool:
@@ -194,7 +194,7 @@ class RouteTable:
             route = None
         if route is None:
             route = Route(conn, stream_id, reply_to)
-        route.last_active = time.monotonic()
+        route.last_active = clock.now()
         return route, actions, ""
 
     def commit(self, rid: bytes, route: Route) -> None:
@@ -277,7 +277,7 @@ class RouteTable:
     def reap_idle(self, idle_timeout: float, now: float | None = None) -> list[Action]:
         """Requests silent for longer than ``idle_timeout`` are freed, and their senders told: should
         one ever come back, it starts over."""
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         actions: list[Action] = []
         for rid, route in self._routes.items():
             if now - route.last_active > idle_timeout:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 from kernels.devices import device_budget
+from net import clock
 from net.endpoint import Address, close
 from net.punch import serve_on
 from net.turn import NatRelay, RelayFull
@@ -327,7 +328,7 @@ class TrunkService:
 
     def _idle(self) -> bool:
         """No request passed through this stage lately, and nothing waits for the compute thread."""
-        now = time.monotonic()
+        now = clock.now()
         runner = self.held.runner
         return (runner is None or runner.queue_depth == 0) and all(
             now - route.last_active > IDLE_BEFORE_PROBE_S for _, route in self.requests.routes.items())
@@ -453,7 +454,7 @@ class TrunkService:
         """``recent_batches`` over the last ``window_s`` seconds; ``requests_detail``: what this stage holds now."""
         held, requests = self.held, self.requests
         runner, engine, experts = held.runner, held.engine, held.experts
-        now = time.monotonic()
+        now = clock.now()
         return m.Stats(
             name=self.name, role="experts" if experts else ("stage" if held.stage else "idle"),
             layers=[held.stage.start, held.stage.stop] if held.stage else None,
