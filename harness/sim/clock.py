@@ -19,6 +19,10 @@ from harness.sim.network import CURRENT_NODE, SimNetwork
 
 # Virtual time starts here (not 0: product code treats 0.0 as "never", e.g. a step's sent_at).
 EPOCH = 1000.0
+# Each turn of the loop takes this much virtual time, as a real loop's turns take real time: code
+# that re-arms a timer for "now" (a pacer with nothing left to wait for) moves on instead of
+# spinning at one instant forever (seed 202 did, at 0.647 s).
+ITERATION_S = 1e-6
 # A loop with nothing scheduled, no thread at work and no I/O would wait forever: it waits this
 # long in real time for I/O it cannot see (a real socket a node opened), then reports being stuck.
 STUCK_POLL_S = 0.05
@@ -69,6 +73,8 @@ class VirtualSelector(selectors.BaseSelector):
             raise WallLimit(f"still running after {loop.wall_limit:g} s of wall time, at virtual "
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
+        if loop is not None:
+            loop.advance(ITERATION_S)
         if timeout == 0:
             return self.real.select(0)
         if loop is not None and loop.threads_busy:

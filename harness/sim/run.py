@@ -111,7 +111,7 @@ class SimRun:
             with MEASURED:
                 self.loop.run_until_complete(self._main())
         except WallLimit as e:
-            busy = sorted({repr(h)[:160] for h in list(self.loop._ready)[:20]})  # what kept it busy
+            busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
             self.result.crashes.append(f"the run did not finish: {e}; running: {busy}")
             self.event(f"ABORTED: {e}")
         finally:
