@@ -158,7 +158,7 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
 
 @asynccontextmanager
 async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4, wire_dtype: str = "f32",
-                    delay_s: float = WAN["delay_s"]):
+                    delay_s: float = WAN["delay_s"], jitter_s: float = WAN["jitter_s"], loss: float = WAN["loss"]):
     """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
     link to it. Relays run in a process of their own: in the asker's process their per-datagram
     work would share its interpreter and cores and inflate its compute (measured: head + tail
@@ -169,8 +169,8 @@ async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_laye
     relay_ports = [free_udp_port() for _ in range(3)]
     links = [f"{t}:{r}" for t, r in zip([host_port, *trunk_ports], relay_ports)]
     relays = subprocess.Popen([sys.executable, "-m", "net.relay", *sum((["--link", x] for x in links), []),
-                               "--delay", str(delay_s), "--jitter", str(WAN["jitter_s"]),
-                               "--loss", str(WAN["loss"]), "--rate-mbit", str(rate_mbit)], stdout=subprocess.PIPE,
+                               "--delay", str(delay_s), "--jitter", str(jitter_s),
+                               "--loss", str(loss), "--rate-mbit", str(rate_mbit)], stdout=subprocess.PIPE,
                               text=True,
                               cwd=Path(__file__).resolve().parents[1])
     try:

@@ -73,6 +73,37 @@ def test_the_cache_hands_out_the_longest_prefix_once_and_drops_what_a_newer_one_
     assert cache.put(entries[0]) == [] and cache.put(entries[1]) == [] and cache.put(entries[2]) == [entries[0]]
 
 
+def test_a_resumed_request_names_its_prefix_once_and_replays_from_zero_after_a_failure():
+    """The link's record (swarmctl/asker/replay.py): a resumed request's first route gets only the
+    steps out, the first naming the prefix; any failure makes the next route replay everything."""
+    from swarmctl.asker.replay import ReplayTable, SentStep
+
+    rows = lambda start, n: SentStep(start, np.zeros((n, 4), np.float32), False)  # noqa: E731
+    table = ReplayTable()
+    table.resume(b"r", b"p" * 16, [rows(0, 512), rows(512, 88)])
+    table.begin(b"r", rows(600, 40))
+    assert table.resuming(b"r") == b"p" * 16
+    first = table.opened(b"r", "conn", 4, 1)
+    assert [(s.start_pos, len(s.hidden)) for s in first] == [(600, 40)]
+    table.failed(b"r")
+    assert table.resuming(b"r") == b""
+    again = table.opened(b"r", "conn", 8, 1)
+    assert [(s.start_pos, len(s.hidden)) for s in again] == [(0, 512), (512, 88), (600, 40)]
+    table.answered(b"r", 600)
+    (end,) = table.release(b"r", 1, keep=(b"q" * 16, 600))
+    assert end.keep == (b"q" * 16, 600)
+
+    # kept under another plan: the link replays at once rather than ask stages that may differ
+    from swarmctl.asker.link import KeptSteps
+
+    link = SimpleNamespace(plan=SimpleNamespace(version=2), table=ReplayTable())
+    kept = KeptSteps([rows(0, 512), rows(512, 88)], plan_version=1)
+    assert asyncio.run(SwarmLink.resume(link, b"s", b"p" * 16, 550, kept))
+    assert link.table.resuming(b"s") == b"" and [len(h.hidden) for h in link.table.history(b"s")] == [512, 38]
+    link.plan.version = 1
+    assert asyncio.run(SwarmLink.resume(link, b"t", b"p" * 16, 550, kept)) and link.table.resuming(b"t") == b"p" * 16
+
+
 def test_a_moved_cache_answers_as_one_computed_there(bundled_model):
     """The engine hands a request's cells to another id, cut to a position, without copying; a
     step from there gives the bits a fresh prefill gives."""

@@ -59,6 +59,14 @@ STALL_MIN_S = 30.0
 STALL_FACTOR = 20.0
 
 
+@dataclass(frozen=True)
+class KeptSteps:
+    """What rebuilds a kept prefix's cells on a route: the steps as sent, and the plan they ran under."""
+
+    steps: list[SentStep]
+    plan_version: int
+
+
 class _RouteFailed(Exception):
     """The route broke, not the request: reroute and replay."""
 
@@ -277,7 +285,7 @@ class SwarmLink:
 
     # --- kept prefixes (swarmctl/asker/prefixes.py) ---
 
-    async def keep(self, rid: bytes, prefix: bytes, positions: int) -> list[SentStep] | None:
+    async def keep(self, rid: bytes, prefix: bytes, positions: int) -> KeptSteps | None:
         """End the request, asking the route's stages to keep its cells [0, positions) as
         ``prefix``; returns the steps that rebuild them on another route (None: this link did
         not send them all, and the prefix cannot be resumed here)."""
@@ -285,16 +293,20 @@ class SwarmLink:
         covered = sum(s.hidden.shape[0] for s in history)
         whole = covered == positions and all(s.start_pos == sum(h.hidden.shape[0] for h in history[:i])
                                              for i, s in enumerate(history))
+        version = self.plan.version
         await self.release(rid, keep=(prefix, positions) if whole else None)
-        return history if whole else None
+        return KeptSteps(history, version) if whole else None
 
-    async def resume(self, rid: bytes, prefix: bytes, positions: int, record: list[SentStep] | None) -> bool:
+    async def resume(self, rid: bytes, prefix: bytes, positions: int, record: KeptSteps | None) -> bool:
         """Before request ``rid``'s first step: its route's stages may hold ``record``'s cells cut to
-        ``positions`` as ``prefix``; if any does not, the link replays them from position 0.
+        ``positions`` as ``prefix``; if any does not, the link replays them from position 0. Under
+        another plan than the one they ran under it replays them at once (its stages, or how
+        activations travel between them, may differ: the cells a plain run makes there may too).
         False (nothing changed) without a record to replay."""
         if record is None:
             return False
-        self.table.resume(rid, prefix, cut_steps(record, positions))
+        same_plan = record.plan_version == self.plan.version
+        self.table.resume(rid, prefix if same_plan else b"", cut_steps(record.steps, positions))
         return True
 
     async def forget(self, prefix: bytes) -> None:
