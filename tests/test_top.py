@@ -135,7 +135,9 @@ def test_recording_round_trip(tmp_path):
     again = read_recording(path)
     assert len(again) == len(polls) > 10
     assert again[-1].stats == polls[-1].stats and again[-1].status == polls[-1].status
-    assert path.stat().st_size <= FEED.stat().st_size * 1.05  # only new batches (the same again would double it)
+    # only new batches (the same again would double it); the recorder spells out every field, and
+    # members gained some since the feed was recorded (their fetch, their kept prefixes): 5.5% more
+    assert path.stat().st_size <= FEED.stat().st_size * 1.10
 
 
 def test_a_recording_from_before_may_and_budget_replays(tmp_path):
