@@ -44,7 +44,6 @@ import math
 import os
 import secrets
 import struct
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
@@ -53,6 +52,7 @@ import numpy as np
 
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
+from net import clock
 from net import messages as m
 
 WINDOWS = 16
@@ -398,10 +398,10 @@ async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer:
         outcome.steps = min(steps_for(claimed_ms, n_embd), spec.n_ctx_train)
         probe = m.ProbeSpec(layer=probe_layer, steps=outcome.steps)
     try:
-        t0 = time.perf_counter()
+        t0 = clock.now()
         reply = await ask(m.Prove(nonce=nonce.hex(), windows=windows, probe=probe, experts=list(experts or ())),
                           m.Proof)
-        outcome.proof_ms = (time.perf_counter() - t0) * 1e3
+        outcome.proof_ms = (clock.now() - t0) * 1e3
         if reply.digest != want:
             outcome.problem = "failed the layer check: its bytes at random offsets are not the model's"
             return outcome
@@ -410,17 +410,17 @@ async def challenge(conn, gguf: GGUFFile, layers: Sequence[int], *, probe_layer:
         async with timing_lock or asyncio.Lock():
             pings = []
             for _ in range(3):
-                t0 = time.perf_counter()
+                t0 = clock.now()
                 await asyncio.wait_for(conn.ping(), timeout)
-                pings.append((time.perf_counter() - t0) * 1e3)
+                pings.append((clock.now() - t0) * 1e3)
             outcome.rtt_ms = min(pings)
             rng = np.random.default_rng()
             firsts, digests = [], []
             for run in range(PROBE_RUNS):
                 first = rng.standard_normal((1, n_embd), dtype=np.float32)
-                t0 = time.perf_counter()
+                t0 = clock.now()
                 done = await ask(m.ProbeRun(run=run, hidden=encode_array(first)), m.ProbeDone)
-                outcome.runs_ms.append((time.perf_counter() - t0) * 1e3)
+                outcome.runs_ms.append((clock.now() - t0) * 1e3)
                 firsts.append(first)
                 digests.append(done.digest)
             best = int(np.argmin(outcome.runs_ms))

@@ -51,7 +51,7 @@ def test_idle_time_is_virtual_and_threads_stop_the_clock():
 
     after_sleep, after_thread = _run(loop, scenario())
     assert after_sleep - start == pytest.approx(3600, abs=0.01)
-    assert after_thread == after_sleep
+    assert after_thread - after_sleep < 0.001  # (a few turns of the loop, 1 us each; the thread took 50 ms)
 
 
 class _Echo(RequestOnlyHandler):

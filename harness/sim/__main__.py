@@ -10,6 +10,7 @@ with its schedule, its event log (virtual seconds, node, what happened) and what
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from harness.sim.run import play
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="every node's info log in the event log")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing schedule")
     args = parser.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":  # (sets of strings iterate in one order every time)
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "harness.sim", *(sys.argv[1:] if argv is None else argv)])
     spec = WorldSpec()
     if args.seeds is not None:
         failed = []

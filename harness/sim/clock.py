@@ -4,8 +4,9 @@ no wall time). Product code that reads the clock through its loop (aioquic's tim
 ``asyncio.sleep``/``wait_for``) runs unchanged.
 
 Work handed to threads (``run_in_executor``: the engine's compute thread, ``asyncio.to_thread``)
-freezes the clock until it comes back: a thread's wall time never leaks into virtual time, so a
-run's ordering does not depend on how fast this machine computes.
+runs inline by default, taking no virtual time; with ``inline_threads = False`` it runs on its
+thread and freezes the clock until it comes back. Either way a thread's wall time never leaks
+into virtual time.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self._now = self.start = start
         self.wall_limit = 0.0
         self.wall_deadline = 0.0  # time.perf_counter() past which the loop raises WallLimit (0: never)
+        # Executor calls run inline, on the loop's own thread, by default: a thread's work then ends
+        # at the same point of the run on every replay (with real threads, how many turns of the
+        # loop ran meanwhile depended on this machine's speed). A compute thread that waits on
+        # the loop (a mixture-of-experts stage calling remote experts) needs real threads (False).
+        self.inline_threads = True
         self.threads_busy = 0  # executor calls not yet back on the loop
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
@@ -131,6 +137,13 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
             self._now += seconds
 
     def run_in_executor(self, executor, func, *args):
+        if self.inline_threads:  # run now, on the loop's thread: when it returns cannot depend on this machine
+            future = self.create_future()
+            try:
+                future.set_result(func(*args))
+            except Exception as e:  # noqa: BLE001 - the caller's to handle, as from a thread
+                future.set_exception(e)
+            return future
         future = super().run_in_executor(executor, func, *args)
         self.threads_busy += 1
         future.add_done_callback(self._thread_back)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from harness.sim.clock import VirtualClockLoop, WallLimit
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
 from harness.sim.schedule import Ask, Fault, Schedule
-from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as
+from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -108,7 +108,7 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            with MEASURED:
+            with MEASURED, seeded_randomness(self.schedule.seed):
                 self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})

@@ -10,8 +10,11 @@ changes (a revocation, the host's plan counter) is its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
+import os
+import random
 import shutil
 import socket
 import tempfile
@@ -123,6 +126,22 @@ class MeasuredOnce:
 
 
 MEASURED = MeasuredOnce()
+
+
+@contextlib.contextmanager
+def seeded_randomness(seed: int):
+    """The random bytes a run draws (request ids, QUIC connection IDs, TLS randoms: os.urandom and
+    the secrets module on top of it) and the random module's draws (jitter), from the run's seed:
+    a replay draws the same ones. Restored after the run."""
+    rng = random.Random(f"urandom-{seed}")
+    real, real_system, state = os.urandom, random._urandom, random.getstate()
+    os.urandom = random._urandom = rng.randbytes  # (random's SystemRandom, under secrets, reads its own copy)
+    random.seed(f"random-{seed}")
+    try:
+        yield
+    finally:
+        os.urandom, random._urandom = real, real_system
+        random.setstate(state)
 
 
 def free_udp_port(ip: str) -> int:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from typing import Awaitable, Callable, Coroutine
 
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
+from net import clock
 from plans.hysteresis import SPEED_FACTOR
 from net import messages as m
 from net.messages import MS_PER_LAYER
@@ -71,9 +71,9 @@ class ClaimChecks:
         self.planning = planning
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
         self.failed_hold_s, self.wrong_hold_s = failed_hold_s, wrong_hold_s
-        # member → (time.monotonic() it may be planned again, what it failed): re-registering does not shorten it
+        # member → (clock.now() it may be planned again, what it failed): re-registering does not shorten it
         self.held_out: dict[str, tuple[float, str]] = {}
-        self.strikes: dict[str, tuple[int, float]] = {}  # member → (wrong-result strikes, time.monotonic() of the latest)
+        self.strikes: dict[str, tuple[int, float]] = {}  # member → (wrong-result strikes, clock.now() of the latest)
         self.answers = StageAnswers()  # the stages' answers to the host's own steps (recheck.py)
         self.stage_check = stage_check or self._check_stage  # (tests pass a fake: no sockets, no kernels)
         self.serving = serving or self._serving  # whether a member's stage ran batches lately (tests pass a fake)
@@ -106,7 +106,7 @@ class ClaimChecks:
         as here); one the host timed before keeps that figure; a claimed speed is timed before the
         trunk is planned at all."""
         until, what = self.held_out.get(name, (0.0, ""))
-        left = until - time.monotonic()
+        left = until - clock.now()
         if left > 0:
             trunk.refused = f"{what}: left out for {left:.0f} s more"
             log.warning("trunk %s %s", name, trunk.refused)
@@ -150,7 +150,7 @@ class ClaimChecks:
         """An asker found ``name`` wrong stage by stage (with evidence: reports.py): the host checks
         its stage's results itself (recheck.py), at most once per RECHECK_EVERY_S and one member at
         a time; only rows that come back wrong take it out. Whether a check was started."""
-        now = time.monotonic()
+        now = clock.now()
         if now - self._rechecked.get(name, -RECHECK_EVERY_S) < RECHECK_EVERY_S:
             return False
         self._rechecked[name] = now
@@ -181,7 +181,7 @@ class ClaimChecks:
             except Exception as e:  # noqa: BLE001 - any failure of the host's own side is retried
                 failures += 1
                 delay = min(self.retry_max_s, self.retry_first_s * 2 ** (failures - 1))
-                trunk.check_failed(f"{type(e).__name__}: {e}", failures, time.monotonic() + delay)
+                trunk.check_failed(f"{type(e).__name__}: {e}", failures, clock.now() + delay)
                 log.warning("checking trunk %s's claims failed (%s, %d time%s): trying again in %.0f s", name,
                             trunk.check_error, failures, "" if failures == 1 else "s", delay)
                 await asyncio.sleep(delay)
@@ -356,7 +356,7 @@ class ClaimChecks:
         self.planning.consider_speed(name, figure, " as timed")
 
     def _wrong_results(self, name: str, trunk: TrunkInfo, why: str) -> None:
-        now = time.monotonic()
+        now = clock.now()
         strikes, latest = self.strikes.get(name, (0, now))
         strikes = 1 if now - latest > STRIKES_FORGOTTEN_S else strikes + 1
         self.strikes[name] = (strikes, now)
@@ -370,7 +370,7 @@ class ClaimChecks:
         """Leave ``name`` out of the plan for ``hold_s`` (FAILED_CHECK_HOLD_S unless said)."""
         hold_s = self.failed_hold_s if hold_s is None else hold_s
         trunk.refused = problem[:300]
-        self.held_out[name] = (time.monotonic() + hold_s, what)
+        self.held_out[name] = (clock.now() + hold_s, what)
         log.warning("trunk %s %s: left out of the plan for %.0f s", name, trunk.refused, hold_s)
         self._spawn(self._hold_ends(name, trunk, trunk.refused, hold_s))
 
@@ -386,7 +386,7 @@ class ClaimChecks:
         if not self._current(name, trunk) or trunk.refused != refusal:
             return
         until, _ = self.held_out.get(name, (0.0, ""))
-        if until > time.monotonic():  # (refused again meanwhile: that hold's own task readmits it)
+        if until > clock.now():  # (refused again meanwhile: that hold's own task readmits it)
             return
         self.held_out.pop(name, None)
         trunk.refused = ""

@@ -7,9 +7,9 @@ import asyncio
 import logging
 import os
 import statistics
-import time
 from typing import Awaitable, Callable, NamedTuple
 
+from net import clock
 from net import messages as m
 from net.protocol import SwarmProtocol
 from plans.hysteresis import (MAX_DEFER_S, MISSED_HOLD_S, READY_BASE_S, REJOIN_HOLD_S, SPEED_FACTOR, Backoff,
@@ -68,7 +68,7 @@ class PlanKeeper:
         self.speed_basis: dict[str, float] = {}
         # A re-plan on speed waits until its gain was sustained and the plan in use has settled.
         self.gate = ReplanGate()
-        self.clock: Callable[[], float] = time.monotonic
+        self.clock: Callable[[], float] = clock.now
         self._look_again: asyncio.TimerHandle | None = None
         # A re-plan on speed waits while the stages hold requests: moving would replay every one of them.
         self.stage_requests = stage_requests

@@ -7,6 +7,7 @@ import ipaddress
 import time
 from dataclasses import dataclass, field
 
+from net import clock
 from net.endpoint import Address
 from net.protocol import SwarmProtocol
 from plans.nodes import ASKER, Link
@@ -124,7 +125,7 @@ class TrunkInfo:
     reprobes: int = 0
     served: list[float] = field(default_factory=list)  # its last served reports ([]: its claim is a fresh measurement)
     # A check of its claims that the host could not make (it raised on the host's side): why, how
-    # many times in a row, and when it is tried again (time.monotonic()); "" once a check ran.
+    # many times in a row, and when it is tried again (clock.now()); "" once a check ran.
     check_error: str = ""
     check_failures: int = 0
     check_retry_at: float = 0.0
@@ -136,7 +137,7 @@ class TrunkInfo:
         """Why its claims are not checked yet, for status ("" when nothing failed)."""
         if not self.check_error:
             return ""
-        wait = max(0.0, self.check_retry_at - (time.monotonic() if now is None else now))
+        wait = max(0.0, self.check_retry_at - (clock.now() if now is None else now))
         return (f"the check failed {self.check_failures}× ({self.check_error}); "
                 f"trying again in {wait:.0f} s")
     excused: bool = False  # a late answer to a layer check was excused (the plan had moved meanwhile)
