@@ -154,3 +154,47 @@ def test_the_invariants_catch_a_trunk_that_lies():
     schedule = Schedule(0, Conditions(), asks, (Fault(0.5, LIE, "trunk-2", lasts=30.0),))
     result = play(schedule, SPEC)
     assert any("not the fault-free" in f for f in result.failures), result.failures
+
+
+class _HostThatLeaves(RequestOnlyHandler):
+    """Answers the plan watch with no plan yet, and a plan fetch by closing the connection."""
+
+    def frame_received(self, conn, stream_id, frame) -> None:
+        if decode_control(frame.body)["type"] == "watch_plan":
+            conn.send(stream_id, encode_control({"type": "error", "message": "no plan yet"}))
+        else:
+            conn.close_with("host shutting down")
+
+
+def test_a_host_gone_during_a_plan_fetch_is_waited_out_not_raised():
+    """Found by the simulator (seed 326 of a sweep, a host restarted while an ask rerouted): the
+    link's wait for a complete plan fetched it from a host whose connection then closed, and the
+    ConnectionError ended the ask (not a SwarmError: no clear message). The wait goes on to its
+    deadline and ends with why the swarm cannot serve."""
+    from types import SimpleNamespace
+
+    from swarmctl.asker.plan_watch import PlanWatch, SwarmError
+
+    ca = make_ca("sim")
+    host, asker = _member("host", ca), _member("asker", ca)
+    loop = VirtualClockLoop()
+    loop.network = SimNetwork(loop, random.Random(1), Conditions())
+
+    async def scenario() -> str:
+        CURRENT_NODE.set("host")
+        server = await serve_member(Address("127.0.0.2", 0), host, _HostThatLeaves(), client_check=lambda cert: None)
+        port = server._transport.get_extra_info("sockname")[1]
+        CURRENT_NODE.set("asker")
+        watch = PlanWatch(SimpleNamespace(host_addresses=[f"127.0.0.2:{port}"]), asker, RequestOnlyHandler(),
+                          lambda addresses: connect_member(Address.parse(addresses[0]), asker, "host",
+                                                           RequestOnlyHandler()))
+        await watch.connect()
+        try:
+            await watch.complete(5.0)
+            return "complete"
+        except SwarmError as e:
+            return str(e)
+        finally:
+            server.close()
+
+    assert "cannot serve the model" in _run(loop, scenario())

@@ -103,7 +103,10 @@ class PlanWatch:
             if asyncio.get_running_loop().time() > deadline:
                 raise SwarmError(cannot_serve(plan))
             if not await self.changed() and self.is_open:
-                self.latest = await self.fetch()  # in case a push was missed
+                try:
+                    self.latest = await self.fetch()  # in case a push was missed
+                except (ConnectionError, asyncio.TimeoutError):
+                    pass  # the host went away meanwhile (the link reconnects): wait on, to the deadline
 
     async def fetch(self) -> Plan:
         try:
