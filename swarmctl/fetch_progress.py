@@ -66,7 +66,8 @@ class FetchProgress:
         head = f"fetching {self.what}: {self.done / 1e6:.1f} / {self.total / 1e6:.1f} MB ({pct:.0f}%)"
         rate = self.bytes_per_s
         if self.finished:
-            return f"fetched {self.what}: {self.total / 1e6:.1f} MB in {format_duration(self.elapsed_s)}" + \
+            # (not "fetched <what>": distribution's line giving each source's share starts so)
+            return f"{self.what}: all {self.total / 1e6:.1f} MB fetched in {format_duration(self.elapsed_s)}" + \
                 (f" ({rate / 1e6:.2f} MB/s)" if rate is not None else "")
         if rate is None:
             return head

@@ -166,7 +166,7 @@ def test_expert_nodes_with_no_model_file_fetch_their_experts_and_answer_identica
                   "; other slices", others)
             # its fetch as `run` logged it and the host heard it (swarmctl/fetch_progress.py)
             what = f"experts [{first}, {last}) of layers [1, 3)"
-            assert f"fetched {what}: {whole / 1e6:.1f} MB in" in (tmp_path / f"{name}-trunk.log").read_text()
+            assert f"{what}: all {whole / 1e6:.1f} MB fetched in" in (tmp_path / f"{name}-trunk.log").read_text()
             fetch = members[name]["fetch"]
             assert fetch["what"] == what and fetch["finished"] and fetch["done"] == fetch["total"] == whole
             assert fetch["bytes_per_s"] > 0

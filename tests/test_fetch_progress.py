@@ -50,7 +50,7 @@ def test_a_line_every_so_often_with_the_rate_and_the_time_left():
     assert len(logged) == 25 and len(reported) == 50  # every 10 s and 5 s, and the end; not one per chunk
     assert logged[0] == "fetching layers [4, 10): 42.0 / 1000.0 MB (4%), 4.00 MB/s, about 4 min 0 s left"
     assert logged[-2].startswith("fetching layers [4, 10): 962.0 / 1000.0 MB (96%), 4.00 MB/s, about 10 s left")
-    assert logged[-1] == "fetched layers [4, 10): 1000.0 MB in 4 min 10 s (4.00 MB/s)"
+    assert logged[-1] == "layers [4, 10): all 1000.0 MB fetched in 4 min 10 s (4.00 MB/s)"
     assert reported[-1] == (total, 4_000_000.0)
 
 
@@ -62,7 +62,7 @@ def test_the_end_is_said_once_and_a_resumed_fetch_is_timed_on_what_it_moved():
     p.update(1_000_000_000, 1_000_000_000)
     assert p.log_due() and not p.log_due() and p.report_due() and not p.report_due()
     assert p.bytes_per_s == 5_000_000  # 100 MB in 20 s, not 1 GB
-    assert p.line() == "fetched experts [0, 4) of layers [1, 3): 1000.0 MB in 20 s (5.00 MB/s)"
+    assert p.line() == "experts [0, 4) of layers [1, 3): all 1000.0 MB fetched in 20 s (5.00 MB/s)"
     assert p.eta_s == 0.0
     assert [format_duration(s) for s in (4.4, 297, 11_520)] == ["4 s", "4 min 57 s", "3 h 12 min"]
 
