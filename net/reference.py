@@ -94,7 +94,7 @@ def render() -> str:
     for entry in entries():
         if entry.section != section:
             section = entry.section
-            out += [f"### {section}", ""]
+            out += ["", f"### {section}", ""] if out[-1] else [f"### {section}", ""]
         title = f"`{entry.tag}` ({entry.cls.__name__})" if entry.tag else f"{entry.cls.__name__} (a part of a message)"
         out.append(f"#### {title}")
         doc = entry.cls.__doc__
@@ -105,7 +105,8 @@ def render() -> str:
             out.append(f"Only from a member whose certificate's role is {', '.join(senders)}.")
         out += [f"- `{f.name}: {f.type}" + (f" = {f.default}`" if f.default else "`")
                 + (f" — {f.comment}" if f.comment else "") for f in entry.fields] or ["- no fields"]
-        out.append("")
+        # (no blank line before the next heading: a heading ends the list anyway, and the page
+        # stays under docs' 400 lines)
     return "\n".join(out).rstrip("\n") + "\n"
 
 
