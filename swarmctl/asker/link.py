@@ -147,6 +147,7 @@ class SwarmLink:
         self._tasks: list[asyncio.Task] = []
         self.dialer: Dialer | None = None  # our swarm socket, and the path to each stage (swarmctl/reach.py)
         self.refused = ""  # why no route can serve this member any more (its revocation), once a node said so
+        self._refusal = asyncio.Event()  # set with it
 
     @classmethod
     async def open(cls, home: SwarmHome, *, ready_timeout: float = 60.0,
@@ -238,7 +239,7 @@ class SwarmLink:
                     # flight that fell): a replay cut short would leave the stages a gap.
                     hand_over = asyncio.ensure_future(self._hand_over(rid, start_pos, hidden, rewind, verify, waiting))
                     hand_over.add_done_callback(lambda task: task.cancelled() or task.exception())
-                    replayed += await asyncio.shield(hand_over)
+                    replayed += await self._unless_refused(hand_over)
                     if waiting.failures != attempt:  # its route failed while it was being handed over
                         raise _RouteFailed("the route failed as the step went out")
                     result = await self._answer(waiting, deadline)
@@ -543,7 +544,7 @@ class SwarmLink:
             if not force and self.host.latest is not None and self.host.latest.version == self.plan.version \
                     and self._stages_alive():
                 return
-            self.plan = await self.host.complete(self.request_timeout)
+            self.plan = await self.host.complete(self.request_timeout, self._still_served)
             old = {c for c in (self.first_conn, self.last_conn) if c is not None}
             for attempt in range(3):
                 try:
@@ -580,11 +581,29 @@ class SwarmLink:
                     waiting.result.exception()  # (seen: its coroutine may be rerouting already, not awaiting it)
                     waiting.result = loop.create_future()
 
+    async def _unless_refused(self, work: asyncio.Future):
+        """``work``'s result, or SwarmError as soon as a refusal for good arrives (a step being
+        handed over may be waiting minutes to reach a route's stages; ``work`` goes on)."""
+        refused = asyncio.ensure_future(self._refusal.wait())
+        try:
+            done, _ = await asyncio.wait({work, refused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+        if work in done:
+            return work.result()
+        raise SwarmError(self.refused)
+
+    def _still_served(self) -> None:
+        """While waiting for a complete plan: a refusal for good ends the wait (it said why)."""
+        if self.refused:
+            raise SwarmError(self.refused)
+
     def _refused_for_good(self, reason: str) -> None:
         """Every step out ends with ``reason`` now, and every step after it too: a refusal that
         holds at every node (a revocation) is the request's answer, not a route to replace."""
         if not self.refused:  # (said from the refusal on: "cannot connect to ADDRESS: " is no news)
             self.refused = f"the swarm refused the request: {reason[reason.index(REVOKED_REASON):]}"
+        self._refusal.set()
         for steps in self._waiting.values():
             for waiting in steps.values():
                 if not waiting.result.done():
