@@ -88,6 +88,7 @@ class SimRun:
         self.links: dict = {}
         self.asker = None
         self.killed: set[str] = set()  # nodes killed at some point of the run
+        self.running: set[str] = set()  # host and trunks started and not killed since
         self.revoke_pending = False  # revoked while the host was down: in force once it starts again
 
     def event(self, text: str) -> None:
@@ -187,6 +188,9 @@ class SimRun:
     def _start_host(self) -> None:
         from swarmctl.host import run_host
 
+        if "host" in self.running:  # (two restarts overlapped: this one restarts the other's)
+            self._kill("host")
+        self.running.add("host")
         self.network.down.discard("host")
         if self.revoke_pending:
             self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
@@ -205,6 +209,9 @@ class SimRun:
             if service.fatal:
                 self.event(f"{name:>8} stopped: {service.fatal}")
 
+        if name in self.running:
+            self._kill(name)
+        self.running.add(name)
         self.network.down.discard(name)
         stop = self.stops[name] = asyncio.Event()
         run_as(name, serve())
@@ -221,6 +228,7 @@ class SimRun:
 
     def _kill(self, node: str) -> None:
         self.killed.add(node)
+        self.running.discard(node)
         kill_node(self.loop, self.network, node)
         self.network.down.add(node)
         self.trunks.pop(node, None)
