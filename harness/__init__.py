@@ -7,4 +7,6 @@
     nat_lab.py      members behind home routers (NAT kinds, iptables) on that network
     wan_delay.py    a userspace hub that delays every crossing of the public network
     soak/           a long run under load and faults (benchmarks/soak.py; tests/test_soak.py runs a short one)
+    sim/            the whole swarm in one process on a simulated network and clock, faults from a seed
+                    (python -m harness.sim --seed N; tests/test_sim.py; benchmarks/bench_sim.py)
 """
