@@ -35,6 +35,8 @@ are not the same draws as a plain run with that seed.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -66,6 +68,8 @@ PROMPT_ROWS = 512  # positions per step when the nextn layer catches up on a pro
 WINDOW_WORTH_BUSY = 0.5
 WINDOW_WORTH_IDLE = 0.2
 RETRY_MAX = 64  # plain steps between retries of a single draft at most, after failed retries
+GAIN_SAMPLES = 3  # drafting steps timed before their measured gain may stop drafting (one failed step alone says little)
+GAIN_WINDOW = 5  # ... and the latest drafting steps it is the median of
 PLAIN_EVERY = 16  # while drafts often fail, one plain step in this many drafting steps is timed
 BUSY = 0.1  # the stages count as busy when steps queue there for this share of a trip or more
 
@@ -401,7 +405,7 @@ class DraftLength:
     fixed_windows: int | None = None  # windows in flight as given (tests, benchmarks); None: from the cost model
     max_windows: int = MAX_WINDOWS  # what the cost model may choose at most
     plain_s: float | None = None  # a plain (one-row) decode step's time, start to logits, as measured
-    gain: float | None = None  # drafting steps' tokens per second over plain steps', as measured
+    gains: deque = field(default_factory=lambda: deque(maxlen=GAIN_WINDOW))  # the latest drafting steps' gains
     _plain_steps: int = field(default=0, repr=False)
     _retry_every: int | None = field(default=None, repr=False)  # plain steps before a retry now (backs off)
     _retrying: bool = field(default=False, repr=False)  # the step out is a retry's single draft
@@ -456,17 +460,20 @@ class DraftLength:
     def yielded(self, tokens: int, total_s: float) -> None:
         """A drafting step's outcome: ``tokens`` chosen (drafts kept and the one the target chose)
         in ``total_s`` from its start to its logits. Against a plain step's time, what drafting
-        really gave. A retry that kept its draft starts the figure over from even (the text may
-        have turned repetitive): the next drafting steps then say at once which way it goes."""
+        really gave. A retry that kept its draft starts the figure over (the text may have turned
+        repetitive): the next drafting steps then say which way it goes."""
         if self.plain_s is None or total_s <= 0:
             return
-        sample = tokens * self.plain_s / total_s
-        if self.gain is None:
-            self.gain = sample
-            return
         if self._retrying and tokens > 1:
-            self.gain = max(self.gain, 1.0)
-        self.gain = self.decay * self.gain + (1 - self.decay) * sample
+            self.gains.clear()
+        self.gains.append(tokens * self.plain_s / total_s)
+
+    @property
+    def gain(self) -> float | None:
+        """Drafting steps' tokens per second over plain steps', as measured: the median of the latest
+        GAIN_WINDOW (a step slowed by other work on the machine, or one lucky draft, moves it
+        little); None before GAIN_SAMPLES of them."""
+        return statistics.median(self.gains) if len(self.gains) >= GAIN_SAMPLES else None
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a step: ``drafted`` tokens, ``accepted`` of them kept."""

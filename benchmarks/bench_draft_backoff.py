@@ -1,0 +1,128 @@
+"""Drafts that never cost, measured: --speculate ngram against off over 20 ms links, side by side in
+one run, on a story (drafts rarely kept) and on text the answer copies; prints JSON.
+
+    python benchmarks/bench_draft_backoff.py [--max-tokens 96] [--repeats 3] [--busy N] [--out FILE]
+
+The swarm of benchmarks/bench_swarm.py's section g (host + 2 trunks, every link through an
+impairing relay: 20 ms ± 5 ms one way, 0.5 % loss), greedy answers. Modes, in turn within each
+round: ``off``; ``ngram`` (swarmctl/asker/speculate.py's DraftLength as it is); and
+``ngram_model_only``: the policy before drafts were checked against what they gave (the cost
+model alone, retries every 8 plain steps, no back-off), for comparison in the same run. Decode
+tok/s after the first token, medians over ``--repeats``. ``--busy N`` runs N processes that spin
+on the CPU beside it (the machine busy with other work); this machine is shared and noisy anyway,
+and its load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_swarm import GREEDY, SPECULATIVE_TASKS, WAN, decode_rate, wan_swarm  # noqa: E402
+from benchmarks.common import emit_json  # noqa: E402
+from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
+from swarmctl.asker.speculate import DraftLength, NgramDraft, Speculation  # noqa: E402
+from swarmctl.models import default_model_path  # noqa: E402
+
+TASKS = ("story", "copy_paragraph", "code_rename")
+
+
+class ModelOnly(DraftLength):
+    """The drafting policy before: the cost model alone decides, a single draft every retry_after
+    plain steps, never backing off, never checked against what drafting steps gave."""
+
+    def next(self) -> int:
+        if self.k == 0:
+            self._plain_steps += 1
+            if self._plain_steps >= self.retry_after:
+                self._plain_steps = 0
+                return 1
+        return self.k
+
+    def yielded(self, tokens: int, total_s: float) -> None:
+        pass
+
+
+MODES = {
+    "off": lambda: None,
+    "ngram": lambda: Speculation(NgramDraft(), DraftLength(k=4)),
+    "ngram_model_only": lambda: Speculation(NgramDraft(), ModelOnly(k=4)),
+}
+
+
+def spin(stop_at: float) -> None:
+    while time.time() < stop_at:
+        pass
+
+
+async def measure(max_tokens: int, repeats: int) -> dict:
+    model = default_model_path()
+    out: dict = {}
+    async with wan_swarm(model, 1) as link:
+        asker = Asker(model, link.head_layers, n_threads=1)
+        try:
+            prompts = {t: asker.tokenizer.encode_chat([{"role": "user", "content": SPECULATIVE_TASKS[t]}])
+                       for t in TASKS}
+            for prompt in prompts.values():
+                await generate_all(asker, prompt, link, max_tokens=4, sampling=GREEDY)  # warm-up
+            runs: dict = {t: {m: [] for m in MODES} for t in TASKS}
+            for _ in range(repeats):
+                for task, prompt in prompts.items():
+                    for mode, make in MODES.items():
+                        runs[task][mode].append(await generate_all(asker, prompt, link, max_tokens=max_tokens,
+                                                                   sampling=GREEDY, speculation=make()))
+            for task in TASKS:
+                row = {}
+                for mode in MODES:
+                    gens = runs[task][mode]
+                    rates = [decode_rate(g) for g in gens]
+                    row[mode] = {"tok_s_median": round(statistics.median(rates), 2),
+                                 "tok_s_rounds": [round(r, 2) for r in rates],
+                                 "drafted": gens[0].drafted, "accepted": gens[0].accepted,
+                                 "steps": len(gens[0].timings), "tokens": len(gens[0].tokens),
+                                 "same_tokens_as_off": gens[0].tokens == runs[task]["off"][0].tokens}
+                for mode in MODES:
+                    if mode != "off":
+                        row[mode]["over_off"] = round(row[mode]["tok_s_median"] / row["off"]["tok_s_median"], 3)
+                        row[mode]["over_off_per_round"] = [
+                            round(decode_rate(g) / decode_rate(o), 3)
+                            for g, o in zip(runs[task][mode], runs[task]["off"])]
+                out[task] = row
+        finally:
+            asker.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU beside the run")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    spinners = [multiprocessing.Process(target=spin, args=(time.time() + 3600,), daemon=True)
+                for _ in range(args.busy)]
+    for s in spinners:
+        s.start()
+    load_before = os.getloadavg()
+    try:
+        tasks = asyncio.run(measure(args.max_tokens, args.repeats))
+    finally:
+        for s in spinners:
+            s.terminate()
+    emit_json({"links": WAN, "cpus": os.cpu_count(), "busy_spinners": args.busy,
+               "load_average_before": load_before, "load_average_after": os.getloadavg(),
+               "max_tokens": args.max_tokens, "repeats": args.repeats, "tasks": tasks,
+               "targets": {"story_ngram_over_off": 0.97, "copy_ngram_over_off": 4.0}}, args.out)
+
+
+if __name__ == "__main__":
+    main()
