@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -164,6 +165,47 @@ def test_eight_concurrent_requests_survive_a_kill(swarm):
     got, _, recoveries = generate_through(swarm, prompts, 24, kill)
     assert got == want
     assert recoveries >= 1
+    restart(swarm, victim)
+    swarm.wait_complete(2)
+
+
+def test_a_kept_prefix_on_a_killed_stage_costs_a_recompute_not_an_error(swarm):
+    """A conversation's prefix kept at the stages (swarmctl/asker/prefixes.py); a stage is killed
+    and its standby takes its layers: the next turn computes the prefix again there and answers
+    as a request without reuse; the turn after reuses the prefix on the new route."""
+    from swarmctl.asker.head_tail import Generation
+    from swarmctl.asker.prefixes import PrefixCache
+    from swarmctl.models import default_model_path
+
+    async def run():
+        link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
+        asker = Asker(default_model_path(), 4, n_threads=N_THREADS)
+        cache, rng, history, out = PrefixCache(), np.random.default_rng(8), [], []
+        victim = ""
+        try:
+            for turn in range(3):
+                history += [int(t) for t in rng.integers(100, 40000, 60)]
+                if turn == 1:
+                    victim = (await asyncio.to_thread(active_stages, swarm))[0]
+                    kill_9(swarm, victim)
+                    await asyncio.to_thread(swarm.wait_complete, 2)
+                runs = []
+                for prefixes in (cache, None):
+                    gen = Generation(secrets.token_bytes(16), len(history))
+                    async for _ in asker.generate(history, link, max_tokens=8, sampling=GREEDY, generation=gen,
+                                                  ignore_eos=True, prefixes=prefixes, timeout=120):
+                        pass
+                    runs.append(gen)
+                out.append((runs[0].tokens, runs[1].tokens, runs[0].cached_tokens, runs[0].prefix_recomputed))
+                history += runs[0].tokens
+            return out, victim
+        finally:
+            await link.close()
+            asker.close()
+
+    out, victim = asyncio.run(run())
+    assert all(reused == plain for reused, plain, _, _ in out)
+    assert [(cached, recomputed) for _, _, cached, recomputed in out] == [(0, False), (60, True), (128, False)]
     restart(swarm, victim)
     swarm.wait_complete(2)
 

@@ -96,12 +96,14 @@ def test_a_resumed_request_names_its_prefix_once_and_replays_from_zero_after_a_f
     # kept under another plan: the link replays at once rather than ask stages that may differ
     from swarmctl.asker.link import KeptSteps
 
-    link = SimpleNamespace(plan=SimpleNamespace(version=2), table=ReplayTable())
+    link = SimpleNamespace(plan=SimpleNamespace(version=2), table=ReplayTable(), recomputed=set(), _resumed_under={})
     kept = KeptSteps([rows(0, 512), rows(512, 88)], plan_version=1)
     assert asyncio.run(SwarmLink.resume(link, b"s", b"p" * 16, 550, kept))
     assert link.table.resuming(b"s") == b"" and [len(h.hidden) for h in link.table.history(b"s")] == [512, 38]
+    assert link.recomputed == {b"s"}  # (its usage reports none cached)
     link.plan.version = 1
     assert asyncio.run(SwarmLink.resume(link, b"t", b"p" * 16, 550, kept)) and link.table.resuming(b"t") == b"p" * 16
+    assert link._resumed_under == {b"t": 1}  # (a route opened under a later plan replays instead)
 
 
 def test_a_moved_cache_answers_as_one_computed_there(bundled_model):
@@ -301,7 +303,8 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
                                                   prefixes=prefixes):
                         pass
                     runs.append(gen)
-                got.append((runs[0].tokens, runs[0].cached_tokens, runs[1].tokens, len(history)))
+                got.append((runs[0].tokens, runs[0].cached_tokens, runs[1].tokens, len(history),
+                            runs[0].prefix_recomputed))
             await asyncio.sleep(0.5)  # (the last END travels stage to stage unanswered)
             return got, await trunk_stats(local_swarm, link), link.stats.recoveries, await _status_once_cached(
                 local_swarm, [s.member for s in link.plan.stages])
@@ -310,9 +313,10 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
             asker.close()
 
     got, stats, recoveries, status = asyncio.run(run())
-    for reused, cached, plain, n in got:
+    for reused, cached, plain, n, _ in got:
         assert reused == plain, (cached, n)
     assert [g[1] for g in got] == [0, 40, 640, 670]
+    assert [g[4] for g in got] == [False, False, False, True]  # (usage then reports none cached)
     assert recoveries == 1  # the lost prefix: replayed from position 0
     for s in stats:  # each stage shows what it keeps for the member (the orphaned one, and the last turn's)
         member = s["budget"]["members"]["asker"]

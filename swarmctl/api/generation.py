@@ -86,7 +86,7 @@ class TextGeneration:
     def usage(self) -> Usage:
         g = self.generation
         return Usage(g.prompt_tokens, len(g.tokens), g.drafted if self.speculates else None, g.accepted,
-                     g.cached_tokens)
+                     0 if g.prefix_recomputed else g.cached_tokens)
 
     async def aclose(self) -> None:
         """Stop generating (a stop string, an error, a client gone): the asker frees the request."""

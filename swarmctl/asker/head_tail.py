@@ -246,6 +246,9 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in ``tokens``, when asked for
     cached_tokens: int = 0  # prompt positions taken from a kept prefix, not computed (swarmctl/asker/prefixes.py)
     prompt_done: bool = False  # every prompt position is in the caches (its last row's logits came back)
+    # A stage lacked the kept prefix and the trunk computed it again (``cached_tokens`` were then
+    # saved at the asker's head and tail only): usage reports none cached.
+    prefix_recomputed: bool = False
 
 
 class GrammarRows:
@@ -454,6 +457,8 @@ class Asker:
                 filled = max(filled, windows[-1].end)
                 window = windows.pop(0)
                 out, timing = await window.task
+                if not gen.prompt_done and gen.cached_tokens:
+                    gen.prefix_recomputed = rid in getattr(trunk, "recomputed", ())
                 gen.prompt_done = True
                 logits, hidden = split_hidden(out)
                 gen.timings.append(timing)

@@ -146,6 +146,8 @@ class SwarmLink:
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
         self.dialer: Dialer | None = None  # our swarm socket, and the path to each stage (swarmctl/reach.py)
+        self.recomputed: set[bytes] = set()  # resumed requests whose kept prefix a stage lacked (replayed)
+        self._resumed_under: dict[bytes, int] = {}  # resumed request → the plan its prefix was kept under
         self.refused = ""  # why no route can serve this member any more (its revocation), once a node said so
         self._refusal = asyncio.Event()  # set with it
 
@@ -259,6 +261,8 @@ class SwarmLink:
                     if clock.now() > deadline:
                         raise SwarmError(f"the swarm did not answer within {self.request_timeout:.0f}s (the route "
                                          f"kept failing, last: {unreachable or e})") from None
+                    if self.table.resuming(rid):  # (the replay from 0 computes the kept prefix again)
+                        self.recomputed.add(rid)
                     if isinstance(e, _PrefixLost):
                         log.info("request %s: %s; replaying it from position 0", rid.hex()[:8], e)
                     else:
@@ -282,6 +286,8 @@ class SwarmLink:
         [0, positions) as that prefix of this member's account (swarmctl/trunk/prefixes.py)."""
         self._waiting.pop(rid, None)
         self._sending.pop(rid, None)
+        self.recomputed.discard(rid)
+        self._resumed_under.pop(rid, None)
         self._carry_out(self.table.release(rid, self.plan.version, keep), rid)
 
     # --- kept prefixes (swarmctl/asker/prefixes.py) ---
@@ -307,6 +313,10 @@ class SwarmLink:
         if record is None:
             return False
         same_plan = record.plan_version == self.plan.version
+        if same_plan:
+            self._resumed_under[rid] = record.plan_version
+        else:
+            self.recomputed.add(rid)
         self.table.resume(rid, prefix if same_plan else b"", cut_steps(record.steps, positions))
         return True
 
@@ -464,6 +474,9 @@ class SwarmLink:
         stream_id = conn.open_stream()
         route = OpenRoute(conn, stream_id, self.plan.version)
         replayed = 0
+        if self.table.resuming(rid) and self._resumed_under.get(rid) != self.plan.version:
+            self.table.give_up_resume(rid)  # (a plan moved on since the prefix was kept: replay it)
+            self.recomputed.add(rid)
         prefix = self.table.resuming(rid)  # the stages may hold the history: its first step out names it
         answered = 0 if prefix else len(self.table.history(rid))
         steps = self.table.opened(rid, conn, stream_id, self.plan.version)

@@ -130,6 +130,12 @@ class ReplayTable:
         """Before a request's first step: the stages may hold ``history``'s cells as ``prefix``."""
         self._records[rid] = _Record(history=list(history), resume=prefix)
 
+    def give_up_resume(self, rid: bytes) -> None:
+        """The next route replays the history from 0 instead of naming the prefix."""
+        record = self._records.get(rid)
+        if record is not None:
+            record.resume = b""
+
     def resuming(self, rid: bytes) -> bytes:
         """The prefix the next route's first step names ("" when it replays the history instead)."""
         record = self._records.get(rid)
