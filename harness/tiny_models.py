@@ -73,7 +73,11 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, limit: int = 0, chat_
         writer.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
         writer.add_token_list(tokens)
         writer.add_token_types([int(t) for t in src.get("tokenizer.ggml.token_type")][:len(tokens)])
-        writer.add_token_merges(src.get("tokenizer.ggml.merges"))
+        merges = list(src.get("tokenizer.ggml.merges"))
+        if limit:  # only merges of the tokens kept (every node of a simulated swarm parses them all)
+            known = set(tokens)
+            merges = [m for m in merges if all(part in known for part in (*m.split(" ", 1), m.replace(" ", "")))]
+        writer.add_token_merges(merges)
         writer.add_bos_token_id(int(src.get("tokenizer.ggml.bos_token_id")))
         writer.add_eos_token_id(int(src.get("tokenizer.ggml.eos_token_id")))
         writer.add_add_bos_token(bool(src.get("tokenizer.ggml.add_bos_token", False)))
