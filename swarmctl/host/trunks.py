@@ -87,8 +87,8 @@ class TrunkInfo:
     # the rate it fetched at, as it last reported it: what the planner prices moving layers to it at
     # (a member without the model file fetches what it is given; plans/hysteresis.py)
     fetch_bytes_per_s: float | None = None
-
     cached: tuple[int, int] = (0, 0)  # prompt positions and KV bytes its stage keeps as prefixes (``cached``)
+
     def took_fetch_report(self, report: FetchReport) -> None:
         self.fetch = report
         if report.bytes_per_s is not None and report.bytes_per_s > 0:
