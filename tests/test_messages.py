@@ -108,6 +108,8 @@ def _strategy(t: mi.Type) -> st.SearchStrategy:
         return st.text(min_size=t.min_length or 0, max_size=min(t.max_length or 40, 40))
     if isinstance(t, mi.ListType):
         return st.lists(_strategy(t.item_type), min_size=t.min_length or 0, max_size=min(t.max_length or 4, 4))
+    if isinstance(t, mi.TupleType):
+        return st.tuples(*(_strategy(u) for u in t.item_types))
     if isinstance(t, mi.DictType):
         return st.dictionaries(_strategy(t.key_type), _strategy(t.value_type), max_size=4)
     if isinstance(t, mi.AnyType):
