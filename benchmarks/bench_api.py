@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import process_cpu_s  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"

@@ -30,7 +30,7 @@ from benchmarks.bench_swarm import GREEDY, SPECULATIVE_TASKS, WAN, decode_rate, 
 from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.asker.speculate import DraftLength, NgramDraft, Speculation  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 TASKS = ("story", "copy_paragraph", "code_rename")
 

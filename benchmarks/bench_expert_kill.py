@@ -43,7 +43,7 @@ NATS = {name: "cone" for name in (*STAGES, *EXPERT_NODES, ASKER)}
 
 
 def tiny_model(name: str, directory: Path) -> Path:
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
     from harness.tiny_models import TINY_CONFIGS
     from harness.tiny_models import write_tiny_model
 

@@ -60,7 +60,7 @@ NAMES = ("alice", "bob", "newbie")
 
 def write_model(path: Path, layers_per_trunk: int) -> Path:
     from harness.tiny_models import TinyConfig, write_tiny_model
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     path.parent.mkdir(parents=True, exist_ok=True)
     cfg = TinyConfig(n_layer=2 + 3 * layers_per_trunk, n_embd=2048, n_head=16, n_head_kv=4, n_ff=8192,
@@ -71,7 +71,7 @@ def write_model(path: Path, layers_per_trunk: int) -> Path:
 class Timeline:
     """When newbie's log first shows each marker, in seconds since its process started."""
 
-    # (the shares line marks every chunk in: swarmctl/distribution.py logs it before the final check)
+    # (the shares line marks every chunk in: swarmctl/model_files/distribution.py logs it before the final check)
     MARKS = {"pull_start": ("fetching layers [", "not on disk yet) from"), "all_in": ("fetched layers [", "% from the"),
              "serving": ("serving layers [",)}
 

@@ -8,7 +8,7 @@ model (or --model) through a local swarm laid out
 
 - before: what `ask` started before the fix: host + 2 trunk processes, every process
   ``cpus // 3`` threads (at least 1), planned "even";
-- split: ``size_local_swarm``'s trunks (swarmctl/local_swarm.py), the cores split between the
+- split: ``size_local_swarm``'s trunks (swarmctl/node/local_swarm.py), the cores split between the
   processes (what `serve` starts now, and `ask` for a narrow model);
 - all_cores: the same trunks, every process taking every core (what `ask` starts for a wide model);
 
@@ -36,8 +36,8 @@ from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
-from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 
 def layouts(cpus: int, width: int) -> tuple[dict[str, LocalLayout], dict[str, str]]:

@@ -27,7 +27,7 @@ from benchmarks.common import emit_json
 from net.endpoint import Address, ask_member, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from harness.swarm import Swarm
 
 CONNECTIONS = 4  # (QUIC grants 128 streams per connection at a time)

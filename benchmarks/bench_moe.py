@@ -45,8 +45,8 @@ from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
 from plans.layout import ModelLayout  # noqa: E402
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 from harness.tiny_models import TinyConfig, write_tiny_model  # noqa: E402  (the GGUF writer the tests use)
 

@@ -45,8 +45,8 @@ from benchmarks.common import emit_json  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "Explain in two sentences why the sky is blue."
@@ -111,7 +111,7 @@ async def members_of(swarm: LocalSwarm) -> dict:
     """The figures the host plans with, per member: a decode token's and a prompt row's per layer."""
     from net import messages as m
     from swarmctl.commands.status import ask_host
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
 
     nodes = (await ask_host(SwarmHome(swarm.host_home.path), m.GetNodes(), m.Nodes)).nodes
     return {n.name: {"ms_per_layer_token": round(n.ms_per_layer_token, 3),

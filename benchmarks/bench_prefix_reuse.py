@@ -40,7 +40,7 @@ from benchmarks.bench_swarm import wan_swarm  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation  # noqa: E402
 from swarmctl.asker.prefixes import PrefixCache  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -202,7 +202,7 @@ def main() -> None:
 
     from kernels.backend import cpu_extra_buffer_types
     from kernels.tokenizer import Tokenizer
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     t_start = time.perf_counter()
     source = resolve_model(args.model)

@@ -306,7 +306,7 @@ def device_child(args: argparse.Namespace, device: Device) -> None:
 
 def prompt_tokens(args: argparse.Namespace) -> tuple[Path, list[int]]:
     from kernels.tokenizer import Tokenizer
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     model = resolve_model(args.model)
     tokens = Tokenizer(model).encode_prompt(PROMPT)

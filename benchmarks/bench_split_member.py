@@ -158,7 +158,7 @@ def main() -> None:
         emit_json(measure(args, Path(args.model)), args.out)
         return
     from harness.tiny_models import TINY_CONFIGS, write_tiny_model
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "deepseek2-q8_0.gguf", TINY_CONFIGS["deepseek2-q8_0"], default_model_path())

@@ -43,8 +43,8 @@ from kernels.sampling import SamplingParams  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, generate_all  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.9)  # serve's defaults for top-k and top-p

@@ -24,7 +24,7 @@ from benchmarks.common import emit_json  # noqa: E402
 from kernels.grammar import Grammar  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 PROMPT = "Describe the city of Paris as a JSON object with its name, country and population."
 

@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.sampling import SamplingParams  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, generate_all, u_split  # noqa: E402
-from swarmctl.local_swarm import Fronts, LocalSwarm, free_udp_port  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import Fronts, LocalSwarm, free_udp_port  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)

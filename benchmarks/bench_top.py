@@ -40,8 +40,8 @@ from benchmarks.common import process_cpu_s  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.commands.top import DEFAULT_NICE  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
@@ -114,7 +114,7 @@ def attached_top(home: Path, nice: int) -> None:
     """The app as `swarmctl top` runs it (at its default lower priority), minus the terminal;
     polls until SIGTERM."""
     from swarmctl.commands.top import lower_priority
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
     from swarmctl.monitor.poller import Monitor
     from swarmctl.tui.app import TopApp
 
@@ -126,7 +126,7 @@ def attached_top(home: Path, nice: int) -> None:
 
 def attached_collector(home: Path) -> None:
     """Only the monitor: polls as `swarmctl top` does, draws nothing."""
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
     from swarmctl.monitor.poller import Monitor
 
     async def poll() -> None:

@@ -147,7 +147,7 @@ def main() -> None:
         asyncio.run(coro)
         return
 
-    from swarmctl.local_swarm import free_udp_port
+    from swarmctl.node.local_swarm import free_udp_port
 
     folder = Path(tempfile.mkdtemp(prefix="bench-transport-"))
     make_credentials(folder)

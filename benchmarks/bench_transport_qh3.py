@@ -146,7 +146,7 @@ def main() -> None:
         asyncio.run(serve_forever(Path(args.serve[0]), int(args.serve[1]), int(args.serve[2])))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from swarmctl.local_swarm import free_udp_port
+    from swarmctl.node.local_swarm import free_udp_port
 
     folder = Path(tempfile.mkdtemp(prefix="bench-qh3-"))
     make_credentials(folder)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 from swarmctl.asker.verify import MIN_COSINE, REL_TOLERANCE, VerifyingTrunk, VerifyStats  # noqa: E402
 

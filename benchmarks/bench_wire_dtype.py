@@ -28,7 +28,7 @@ from kernels.slice import SliceEngine  # noqa: E402
 from kernels.spec import ModelSpec, SliceSpec  # noqa: E402
 from kernels.tokenizer import Tokenizer  # noqa: E402
 from net.wire import DType  # noqa: E402
-from swarmctl.models import resolve_model  # noqa: E402
+from swarmctl.model_files.models import resolve_model  # noqa: E402
 
 HELD_PROMPTS = [  # not tuned on: four kinds of text
     "Explain how a refrigerator keeps food cold, step by step.",

@@ -59,7 +59,7 @@ def oracle_child(args: argparse.Namespace, device: Device, out: Path) -> None:
     everything: a row computed in a batch and the same row computed alone differ by more than
     the rule's cosine allows (0.99928 seen, on the CPU as on lavapipe), in either runtime."""
     from kernels.oracle_llama import last_logits, load_llama
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
     from harness.oracle import oracle_greedy
 
     llm = load_llama(resolve_model(args.model), n_ctx=512, n_batch=512, n_threads=args.threads,
@@ -82,7 +82,7 @@ def engine_child(args: argparse.Namespace, device: Device, oracle: Path, out: Pa
     """Our engine on the device, as the slices ``--cuts`` makes: teacher-forced logits along the
     oracle's tokens, and our own greedy tokens."""
     from kernels.tokenizer import Tokenizer
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     model = resolve_model(args.model)
     data = np.load(oracle)
@@ -286,7 +286,7 @@ def main() -> None:
         engine_child(args, device, *args.engine_child)
         return
 
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     with GGUFFile(resolve_model(args.model)) as gguf:
         n_layer = ModelSpec.from_gguf(gguf).n_layer

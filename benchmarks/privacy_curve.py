@@ -35,8 +35,8 @@ from swarmctl.audit.meter import AuditSettings, attack_and_score, capture_traffi
 from swarmctl.audit.noise import UplinkNoise, calibrate  # noqa: E402
 from swarmctl.audit.quality import greedy_agreement, perplexity  # noqa: E402
 from swarmctl.audit.tables import default_cache_dir  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 HELD_OUT = (
     "Every spring the river floods the low meadows, and the farmers move their sheep to the hills. The "

@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_top import keep_busy  # noqa: E402
 from swarmctl.asker.head_tail import Asker  # noqa: E402
-from swarmctl.local_swarm import LocalSwarm  # noqa: E402
-from swarmctl.models import default_model_path  # noqa: E402
+from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
 SESSION = "swarmctl-top-screenshot"

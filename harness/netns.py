@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from swarmctl.local_swarm import _die_with_parent
+from swarmctl.node.local_swarm import _die_with_parent
 
 
 class LabUnavailable(RuntimeError):

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from net.endpoint import Address, ask_member
-from swarmctl.home import SwarmHome
-from swarmctl.local_swarm import _die_with_parent, free_udp_port
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.local_swarm import _die_with_parent, free_udp_port
 
 
 def die_with_this_process():

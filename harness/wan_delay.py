@@ -149,7 +149,7 @@ class WanDelay:
 
     def __init__(self, netns: str, ports: list[str], delay_ms: float, log_path: Path,
                  queue_limit: int = 4096, uplink_mbit: float = 0.0) -> None:
-        from swarmctl.local_swarm import _die_with_parent
+        from swarmctl.node.local_swarm import _die_with_parent
 
         argv = ["ip", "netns", "exec", netns, sys.executable, str(Path(__file__).resolve()),
                 "--delay-ms", str(delay_ms), "--queue", str(queue_limit), "--uplink-mbit", str(uplink_mbit), *ports]

@@ -21,7 +21,7 @@ from .gguf_file import GGUFFile
 from .spec import ModelSpec
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-# An expert node's fetched file (swarmctl/expert_slices.py) holds only experts [first, last) of
+# An expert node's fetched file (swarmctl/model_files/expert_slices.py) holds only experts [first, last) of
 # each expert tensor, and says which in these keys.
 FIRST_KEY, LAST_KEY = "swarmctl.experts.first", "swarmctl.experts.last"
 

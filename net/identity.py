@@ -152,7 +152,7 @@ def member_role(cert: x509.Certificate) -> str:
 
 def member_account(cert: x509.Certificate) -> str:
     """Whose budgets the holder of a certificate spends on a node (what it may make the node
-    buffer): every name joined with one invite is one person (swarmctl/membership.py accounts()),
+    buffer): every name joined with one invite is one person (swarmctl/node/membership.py accounts()),
     so a certificate that names its invite spends the invite's ("invite:<token id>"; no member
     name has a colon), and one that names none (the host's, a local swarm's, one issued before
     certificates named their invite) its own name's."""

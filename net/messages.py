@@ -23,7 +23,7 @@ import msgspec
 from .wire import MAX_CONTROL_BYTES as _MAX_CONTROL_BYTES, WireError, decode_control, encode_frame, FrameType
 
 # What a member may claim about itself. Sanity bounds only: a fast liar is caught by the host's
-# own timing (swarmctl/layer_proof.py), not here.
+# own timing (swarmctl/node/layer_proof.py), not here.
 MAX_MEMORY = 2**50  # 1 PiB: more than any machine offers
 MS_PER_LAYER = (0.001, 60_000.0)  # per token
 MAX_RTT_MS = 60_000.0
@@ -147,7 +147,7 @@ class Cached(Message, tag="cached"):
 
 class Fetching(Message, tag="fetching"):
     """A trunk fetching its layers or experts says how it goes, every few seconds and once at the
-    end (swarmctl/fetch_progress.py): status and top show it, and the planner prices a layer move
+    end (swarmctl/model_files/fetch_progress.py): status and top show it, and the planner prices a layer move
     to this member at its rate."""
 
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
@@ -158,7 +158,7 @@ class Fetching(Message, tag="fetching"):
     finished: bool = False
 
 
-# chunk ids ("tensor:index") a fetch asks for in one batch (swarmctl/distribution.py)
+# chunk ids ("tensor:index") a fetch asks for in one batch (swarmctl/model_files/distribution.py)
 ChunkIds = Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=4096)]
 
 
@@ -169,13 +169,13 @@ class FetchSlice(Message, tag="fetch_slice"):
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
     want: ChunkIds | None = None  # None: manifest and all chunks not in have; []: manifest alone; else those
     # [first, last): an expert node asks for just those experts of the layers' expert tensors
-    # (swarmctl/expert_slices.py); []: the layers whole
+    # (swarmctl/model_files/expert_slices.py); []: the layers whole
     experts: Annotated[list[Layer], msgspec.Meta(max_length=2)] = []
 
 
 class FetchAskerPart(Message, tag="fetch_asker_part"):
     """An asker with no model file asks for what it runs: the embedding, its head and tail layers,
-    the output norm and LM head, the metadata (swarmctl/distribution.py)."""
+    the output norm and LM head, the metadata (swarmctl/model_files/distribution.py)."""
     senders: ClassVar[tuple[str, ...]] = ("asker", "trunk", "host")
     head_layers: Layer
     have: Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=1 << 20)] = []
@@ -429,7 +429,7 @@ class Holder(Part):
 
 
 class Manifest(Message, tag="manifest"):
-    manifest: dict[str, Any]  # swarmctl.distribution.SliceManifest.to_dict(); from_dict checks it
+    manifest: dict[str, Any]  # swarmctl.model_files.distribution.SliceManifest.to_dict(); from_dict checks it
     # members to fetch chunks from besides the host (each chunk is checked against the manifest's hashes)
     holders: Annotated[list[Holder], msgspec.Meta(max_length=16)] = []
 
@@ -438,7 +438,7 @@ class Done(Message, tag="done"):
     bytes: int
 
 
-# --- host → trunk: the layer check and speed probe (swarmctl/layer_proof.py) ---
+# --- host → trunk: the layer check and speed probe (swarmctl/node/layer_proof.py) ---
 
 class ProbeSpec(Part):
     layer: Layer
@@ -487,7 +487,7 @@ class Subscribe(Message, tag="subscribe"):
 
 class FetchChunks(Message, tag="fetch_chunks"):
     """Member → trunk: chunks of layer tensors it holds (a slice it fetches from several sources,
-    swarmctl/distribution.py MemberSource). ``want`` names chunks as "k:index", k an index into
+    swarmctl/model_files/distribution.py MemberSource). ``want`` names chunks as "k:index", k an index into
     ``tensors``; answered with DATA frames (k:u32 offset:u64 bytes) then ``done``, or ``error``."""
 
     senders: ClassVar[tuple[str, ...]] = ("trunk",)
@@ -530,7 +530,7 @@ class Stats(Message, tag="stats", kw_only=True):
     largest_batch: int
     tensor_bytes: int
     # (defaults: a trunk of an older version does not send these)
-    budget: dict[str, Any] = {}  # requests and KV held per member, the limits, refusals (swarmctl/budget.py)
+    budget: dict[str, Any] = {}  # requests and KV held per member, the limits, refusals (swarmctl/trunk/budget.py)
     open_streams: int = 0
     request_locks: int = 0
     rss: int

@@ -18,7 +18,7 @@ probes of both ends die on the way, each end's own mapping is open before the ot
 arrive. An end sends full probes once it has heard the peer (its mapping is open) or the opening
 time is over. (A peer whose ticket came later than ours by more than that can still hit the
 problem: the link is relayed, and the dialer punches again in the background next time, when the
-router's entry has expired; swarmctl/path_memo.py.)
+router's entry has expired; swarmctl/reaching/path_memo.py.)
 
 Control datagrams start with a zero byte. Every QUIC packet has its top bit (long header) or its
 "fixed bit" 0x40 (short header) set, so no QUIC packet starts with 0x00 and the two never mix.

@@ -92,7 +92,7 @@ def raise_stream_limits(connection: QuicConnection) -> None:
     pinned aioquic, set before the handshake sends the transport parameters). Between two stages
     every member's requests ride one connection, a stream per request, so 128 let one asker's
     held requests take the whole path; each member's share at a stage is bounded
-    far below this (swarmctl/budget.py)."""
+    far below this (swarmctl/trunk/budget.py)."""
     for limit in (connection._local_max_streams_bidi, connection._local_max_streams_uni):
         limit.value = limit.sent = MAX_STREAMS
 

@@ -417,7 +417,7 @@ def encode_control(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) 
 
 
 MAX_CONTROL_BYTES = 4 * 1024 * 1024  # what any member may send us in one control message
-# A fetch's manifest (swarmctl/distribution.py), read only from the host: a model's metadata with its
+# A fetch's manifest (swarmctl/model_files/distribution.py), read only from the host: a model's metadata with its
 # tokenizer (Kimi K2's: several MB) and a hash per MiB of the tensors fetched.
 MAX_MANIFEST_BYTES = 48 * 1024 * 1024
 

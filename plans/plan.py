@@ -55,11 +55,11 @@ class Plan:
     experts: list[ExpertAssignment] = field(default_factory=list)  # empty: stages run their own experts
     n_expert: int = 0
     # What the planner reserved KV for at each stage: requests × tokens. Stages bound what one
-    # member may hold by it (swarmctl/budget.py).
+    # member may hold by it (swarmctl/trunk/budget.py).
     context_tokens: int = 4096
     max_concurrent: int = 4
     # Members charged to another's budget at the stages: the names of one invite spend the budget
-    # of the first that joined with it (swarmctl/membership.py accounts()).
+    # of the first that joined with it (swarmctl/node/membership.py accounts()).
     accounts: dict[str, str] = field(default_factory=dict)
     entry_dtype: DType = DType.F32  # how the asker's activations travel to the first stage (plans/wire.py)
     # Make-before-break (swarmctl/host/planning.py): a plan the host sent its trunks to load beside

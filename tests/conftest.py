@@ -12,7 +12,7 @@ import pytest
 
 from harness.tiny_models import TINY_CONFIGS, write_tiny_model
 from kernels.slice import SliceEngine
-from swarmctl.models import default_model_path
+from swarmctl.model_files.models import default_model_path
 from tests import markers
 
 N_THREADS = 2

@@ -21,7 +21,7 @@ from kernels.errors import UnsupportedModelError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.weights import LayerWeights, SliceWeights, _check_layer_shapes
-from swarmctl.models import default_model_path
+from swarmctl.model_files.models import default_model_path
 from harness.tiny_models import TinyConfig, write_tiny_model
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3moe", "deepseek2")

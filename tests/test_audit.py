@@ -23,7 +23,7 @@ from swarmctl.audit.capture import read_capture, received_streams
 from swarmctl.audit.meter import AuditSettings, attack_and_score, capture_traffic, load_prompts
 from swarmctl.audit.noise import UplinkNoise, calibrate
 from swarmctl.audit.traffic import run_prompts
-from swarmctl.local_swarm import Fronts, LocalSwarm, free_udp_port
+from swarmctl.node.local_swarm import Fronts, LocalSwarm, free_udp_port
 from harness.swarm import swarmctl
 
 AUDIT_ROOT = Path(__file__).resolve().parents[1] / "swarmctl" / "audit"

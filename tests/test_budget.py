@@ -1,4 +1,4 @@
-"""Per-member budgets at a stage (swarmctl/budget.py): the bookkeeping on its own, and the engine's
+"""Per-member budgets at a stage (swarmctl/trunk/budget.py): the bookkeeping on its own, and the engine's
 prediction of what a step will leave a request's KV cache holding, which admission charges."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from kernels.slice import SliceEngine
 from kernels.spec import KV_CELL_PAD, SliceSpec
-from swarmctl.budget import MIN_REQUESTS, SHORT_REQUESTS, SLACK, Limits, MemberBudget
+from swarmctl.trunk.budget import MIN_REQUESTS, SHORT_REQUESTS, SLACK, Limits, MemberBudget
 from tests.conftest import N_THREADS
 
 MB = 1_000_000

@@ -180,7 +180,7 @@ def test_bad_input_is_one_line_and_the_chat_goes_on(tmp_path):
     ("/BYE", "exit", ""), ("//etc/hosts is a file", "", "/etc/hosts is a file"), ("/save a b.json", "save", "a b.json"),
 ])
 def test_lines_parse_into_commands_or_messages(line, name, argument):
-    from swarmctl.conversation import parse_line
+    from swarmctl.chat.conversation import parse_line
 
     command = parse_line(line)
     assert (command.name, command.argument) == (name, argument)

@@ -138,7 +138,7 @@ def test_the_planners_shortfall_and_link_warnings_use_the_same_units():
     from plans.nodes import Link, NodeDescriptor
     from plans.planner import Constraints, PlanError, plan_layers
 
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     layout = ModelLayout.from_gguf(default_model_path())  # SmolLM2-135M: a few MB per layer
     short = layout.range_bytes(4, layout.n_layer - 4) + 300_000_000  # its weights and the reserve, no room for KV

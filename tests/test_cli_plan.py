@@ -67,7 +67,7 @@ def test_a_trunk_reports_what_a_datagram_costs_it_and_plan_charges_the_hops(swar
 
     from net import messages as m
     from swarmctl.commands.status import ask_host
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
 
     nodes = asyncio.run(ask_host(SwarmHome(swarm.homes["carol"]), m.GetNodes(), m.Nodes)).nodes
     (trunk,) = [n for n in nodes if n.name == "trunk-a"]
@@ -86,7 +86,7 @@ def test_a_trunk_reports_a_prompt_rows_cost_and_plan_predicts_the_first_token(sw
 
     from net import messages as m
     from swarmctl.commands.status import ask_host
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
 
     nodes = asyncio.run(ask_host(SwarmHome(swarm.homes["carol"]), m.GetNodes(), m.Nodes)).nodes
     (trunk,) = [n for n in nodes if n.name == "trunk-a"]

@@ -19,9 +19,9 @@ from net.messages import MemberStatus, RecoveryStatus, Status
 from net.protocol import RequestOnlyHandler
 from swarmctl.commands.run import parse_size
 from swarmctl.commands.status import format_table
-from swarmctl.home import SwarmHome
-from swarmctl.local_swarm import free_udp_port
-from swarmctl.membership import JoinRefused, admit, create_swarm, issue_invite
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.local_swarm import free_udp_port
+from swarmctl.node.membership import JoinRefused, admit, create_swarm, issue_invite
 from harness.swarm import Swarm, swarmctl
 from harness.tiny_models import write_unsupported_model
 

@@ -1,5 +1,5 @@
 """The small connection helpers, without sockets: connect to the first host address that answers
-(net.endpoint.connect_first, swarmctl.host_addresses) and the ping helpers (net.ping)."""
+(net.endpoint.connect_first, swarmctl.reaching.host_addresses) and the ping helpers (net.ping)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from net.endpoint import Address, AddressError, NoAddressAnswered, connect_first
 from net.identity import IdentityError
 from net.ping import ping_ms, quiet_ping, round_trip_ms
-from swarmctl.home import NodeConfig
-from swarmctl.host_addresses import host_addresses
+from swarmctl.node.home import NodeConfig
+from swarmctl.reaching.host_addresses import host_addresses
 
 
 def node(role: str, listen: str, advertised: list[str]) -> NodeConfig:

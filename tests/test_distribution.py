@@ -13,9 +13,9 @@ import pytest
 
 from plans.layout import ModelLayout
 from kernels.gguf_file import GGUFFile
-from swarmctl.distribution import CHUNK
-from swarmctl.local_swarm import free_udp_port
-from swarmctl.models import default_model_path
+from swarmctl.model_files.distribution import CHUNK
+from swarmctl.node.local_swarm import free_udp_port
+from swarmctl.model_files.models import default_model_path
 from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"

@@ -20,7 +20,7 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images ar
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\n]+)`")
 # A backticked path into the repository: starts at one of its top folders and ends in a file name
-# with an extension (`benchmarks/results/x.json`, `swarmctl/home.py`), or names a folder (trailing /).
+# with an extension (`benchmarks/results/x.json`, `swarmctl/node/home.py`), or names a folder (trailing /).
 TOP = ("benchmarks", "docs", "harness", "kernels", "net", "plans", "scripts", "swarmctl", "tests")
 REPO_PATH = re.compile(r"^(?:%s)/[\w./-]*(?:\.[a-z0-9]{1,5}|/)$" % "|".join(TOP))  # not module.ATTR
 

@@ -1,4 +1,4 @@
-"""An expert node with no model file fetches exactly its experts (swarmctl/expert_slices.py).
+"""An expert node with no model file fetches exactly its experts (swarmctl/model_files/expert_slices.py).
 
 In one process first: the host's manifest for experts [first, last) of the trunk's layers, the
 member's file written chunk by chunk from the host's bytes (each chunk checked against the host's
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import kernels.gguf_file
-import swarmctl.distribution as distribution
+import swarmctl.model_files.distribution as distribution
 from kernels.errors import EngineError
 from kernels.experts import EXPERT_TENSORS, ExpertEngine
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
-from swarmctl.distribution import SliceFile, SliceManifest, WrongChunk
-from swarmctl.expert_slices import build_expert_manifest, expert_slice_path
+from swarmctl.model_files.distribution import SliceFile, SliceManifest, WrongChunk
+from swarmctl.model_files.expert_slices import build_expert_manifest, expert_slice_path
 from tests.conftest import N_THREADS
 from harness.swarm import Swarm, swarmctl
 
@@ -164,7 +164,7 @@ def test_expert_nodes_with_no_model_file_fetch_their_experts_and_answer_identica
             assert stats["fetched_bytes"] == whole * len(expert_files) + others
             print(name, "fetched", stats["fetched_bytes"], "bytes:", len(expert_files), "expert files of", whole,
                   "; other slices", others)
-            # its fetch as `run` logged it and the host heard it (swarmctl/fetch_progress.py)
+            # its fetch as `run` logged it and the host heard it (swarmctl/model_files/fetch_progress.py)
             what = f"experts [{first}, {last}) of layers [1, 3)"
             assert f"{what}: all {whole / 1e6:.1f} MB fetched in" in (tmp_path / f"{name}-trunk.log").read_text()
             fetch = members[name]["fetch"]

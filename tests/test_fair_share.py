@@ -20,8 +20,8 @@ from net.tls import MAX_STREAMS
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
 from swarmctl.asker.head_tail import PREFILL_CHUNK
 from swarmctl.batching import SPLIT_ROWS, FairShare, _Pending, fair_batch
-from swarmctl.budget import MEMBER_SHARE_OF_STREAMS, Limits
-from swarmctl.home import SwarmHome
+from swarmctl.trunk.budget import MEMBER_SHARE_OF_STREAMS, Limits
+from swarmctl.node.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
 
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "4")

@@ -24,9 +24,9 @@ from kernels.sampling import SamplingParams
 from net.endpoint import Address
 from net.relay import ImpairedLink
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
-from swarmctl.local_swarm import Fronts, LocalSwarm, free_udp_port
+from swarmctl.node.local_swarm import Fronts, LocalSwarm, free_udp_port
 from swarmctl.asker.link import SwarmError, SwarmLink
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from tests.conftest import N_THREADS
 from harness.swarm import Node, Swarm, swarmctl
 
@@ -54,7 +54,7 @@ def swarm(tmp_path_factory):
 
 
 def solo(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     asker = Asker(default_model_path(), 4, n_threads=N_THREADS)
     trunk = InprocTrunk(asker.gguf, u_split(30, 4, 2).trunk, n_threads=N_THREADS, max_context=asker.max_context)
@@ -135,7 +135,7 @@ def generate_through(swarm: Swarm, prompts: list[list[int]], max_tokens: int, di
     """All prompts at once through the swarm; once 16 tokens are out, ``await disturb()``.
     Returns the tokens of each, what ``disturb`` returned, and the link's recoveries."""
     async def run():
-        from swarmctl.models import default_model_path
+        from swarmctl.model_files.models import default_model_path
 
         link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
         asker = Asker(default_model_path(), 4, n_threads=N_THREADS, max_in_flight=len(prompts))
@@ -175,7 +175,7 @@ def test_a_kept_prefix_on_a_killed_stage_costs_a_recompute_not_an_error(swarm):
     as a request without reuse; the turn after reuses the prefix on the new route."""
     from swarmctl.asker.head_tail import Generation
     from swarmctl.asker.prefixes import PrefixCache
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     async def run():
         link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
@@ -257,7 +257,7 @@ def test_a_host_restart_leaves_members_able_to_reconnect(swarm):
 
 def test_without_spare_capacity_a_request_fails_clearly_within_its_deadline(swarm):
     async def run():
-        from swarmctl.models import default_model_path
+        from swarmctl.model_files.models import default_model_path
 
         link = await SwarmLink.open(SwarmHome(swarm.homes["asker"]), min_stages=2)
         asker = Asker(default_model_path(), 4, n_threads=N_THREADS)

@@ -1,9 +1,9 @@
-"""The fetch plan alone (swarmctl/fetch_plan.py): which source pulls which chunk, driven by hand,
+"""The fetch plan alone (swarmctl/model_files/fetch_plan.py): which source pulls which chunk, driven by hand,
 no I/O."""
 
 from __future__ import annotations
 
-from swarmctl.fetch_plan import MAX_FAILURES, FetchPlan
+from swarmctl.model_files.fetch_plan import MAX_FAILURES, FetchPlan
 
 
 def plan_of(n: int, *sources: str) -> FetchPlan:

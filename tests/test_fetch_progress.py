@@ -14,7 +14,7 @@ from rich.console import Console
 from net import messages as m
 from net.wire import FRAME_HEADER
 from swarmctl.commands.status import format_table
-from swarmctl.fetch_progress import LOG_EVERY_S, REPORT_EVERY_S, FetchProgress, format_duration
+from swarmctl.model_files.fetch_progress import LOG_EVERY_S, REPORT_EVERY_S, FetchProgress, format_duration
 from swarmctl.host.status import _fetch
 from swarmctl.host.trunks import FetchReport, TrunkInfo
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder

@@ -1,4 +1,4 @@
-"""Fetching a slice from several sources at once (swarmctl/distribution.py): the host and a web
+"""Fetching a slice from several sources at once (swarmctl/model_files/distribution.py): the host and a web
 mirror of the model's files on 127.0.0.1 (aiohttp, with Range). A good mirror gives most of the
 bytes; a mirror that answers 404, ignores Range, sends wrong bytes or stalls is dropped with one
 line naming why and the fetch completes from the host; a fetch resumes; a full disk is one line.
@@ -16,10 +16,10 @@ from aiohttp import web
 
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
-from swarmctl import distribution
-from swarmctl.distribution import (CHUNK, SliceFile, SliceManifest, WrongChunk, build_manifest, fetch_file,
+from swarmctl.model_files import distribution
+from swarmctl.model_files.distribution import (CHUNK, SliceFile, SliceManifest, WrongChunk, build_manifest, fetch_file,
                                    parse_chunk_ids, slice_path)
-from swarmctl.models import default_model_path
+from swarmctl.model_files.models import default_model_path
 
 START, STOP = 3, 5
 
@@ -140,7 +140,7 @@ def test_the_manifest_names_each_tensors_file_and_offset(model):
 
 
 def test_a_good_mirror_gives_most_of_the_bytes(model, tmp_path, caplog):
-    caplog.set_level(logging.INFO, "swarmctl.distribution")
+    caplog.set_level(logging.INFO, "swarmctl.model_files.distribution")
     (file, received), host = run_fetch(model, tmp_path, "ok")
     assert_slice_is_right(model, file)
     assert received == model[1].n_bytes
@@ -155,7 +155,7 @@ def test_a_good_mirror_gives_most_of_the_bytes(model, tmp_path, caplog):
     ("stalls", "timed out"),
 ])
 def test_a_bad_mirror_is_dropped_in_one_line_and_the_host_gives_the_rest(model, tmp_path, caplog, mode, reason):
-    caplog.set_level(logging.INFO, "swarmctl.distribution")
+    caplog.set_level(logging.INFO, "swarmctl.model_files.distribution")
     (file, received), host = run_fetch(model, tmp_path, mode)
     assert_slice_is_right(model, file)
     assert received == model[1].n_bytes

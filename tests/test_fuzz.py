@@ -31,7 +31,7 @@ from net.protocol import RequestOnlyHandler
 from net.tls import join_configuration
 from net.wire import MAX_HOPS, Q8_0_BLOCK, ActivationPacket, DType, FrameType, Hop, PacketKind, WireError, decode_packet, \
     encode_packet
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"

@@ -89,7 +89,7 @@ def test_an_engine_whose_graph_does_not_fit_keeps_no_allocator(tmp_path, monkeyp
 
     from kernels.slice import SliceEngine
     from kernels.spec import SliceSpec
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
     from harness.tiny_models import TinyConfig, write_tiny_model
 
     real_new, real_free, real_alloc = graph_cache.ggml.gallocr_new, graph_cache.ggml.gallocr_free, \

@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from swarmctl.local_swarm import free_udp_port
+from swarmctl.node.local_swarm import free_udp_port
 from harness.swarm import swarmctl
 
 REPO = Path(__file__).resolve().parents[1]

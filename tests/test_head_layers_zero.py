@@ -33,7 +33,7 @@ from net.wire import ActivationPacket, Frame, FrameType, PacketKind, decode_pack
 from plans.plan import Plan, StageAssignment
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
 from swarmctl.batching import BatchRunner
-from swarmctl.budget import MemberBudget
+from swarmctl.trunk.budget import MemberBudget
 from swarmctl.asker.speculate import speculation_for
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.context import TrunkContext

@@ -1,5 +1,5 @@
 """A trunk proves it holds the layers it serves, and the host plans on speeds it timed itself
-(swarmctl/layer_proof.py). First the pieces on their own (a slice file answers exactly as the full
+(swarmctl/node/layer_proof.py). First the pieces on their own (a slice file answers exactly as the full
 model; the probe's outputs check out, and echoes or noise do not), then a real swarm into which
 members with trunk certificates register, claim what they like and answer the host's checks
 wrongly, not at all, or correctly from a real model file: none of the liars ever becomes a ready
@@ -20,9 +20,9 @@ from kernels.gguf_file import GGUFFile
 from net import messages as m
 from net.endpoint import Address, ask_member, close, connect_member
 from net.wire import decode_control, encode_control
-from swarmctl import layer_proof as lp
-from swarmctl.distribution import CHUNK, SliceFile, build_manifest
-from swarmctl.home import SwarmHome
+from swarmctl.node import layer_proof as lp
+from swarmctl.model_files.distribution import CHUNK, SliceFile, build_manifest
+from swarmctl.node.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"

@@ -13,7 +13,7 @@ import time
 
 from kernels.sampling import SamplingParams
 from swarmctl.asker.head_tail import Asker, generate_all
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from swarmctl.asker.link import SwarmLink
 from harness.swarm import Swarm
 

@@ -1,4 +1,4 @@
-"""The local swarm `ask` and `serve` start when no swarm is joined (swarmctl/local_swarm.py): sized
+"""The local swarm `ask` and `serve` start when no swarm is joined (swarmctl/node/local_swarm.py): sized
 to the machine's cores, and waited for until it is ready rather than raced (issue 29, items 6, 10).
 
 A host that is slow to come up is made deterministic by starting it late: the node's command line
@@ -14,7 +14,7 @@ import pytest
 
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
-from swarmctl.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus
+from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus
 from swarmctl.asker.session import SessionOptions, open_session
 from harness.oracle import oracle_greedy
 
@@ -58,7 +58,7 @@ def test_usable_cpus_are_the_affinity_not_the_machine():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "from swarmctl.local_swarm import usable_cpus; print(usable_cpus())"],
+    r = subprocess.run([sys.executable, "-c", "from swarmctl.node.local_swarm import usable_cpus; print(usable_cpus())"],
                        capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == 1

@@ -15,7 +15,7 @@ from net.endpoint import Address, close, connect_member
 from net.identity import is_revocation
 from net.protocol import RequestOnlyHandler
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
 
 # A small plan, so that the budget is reached in a few requests: the stages reserve KV for 1

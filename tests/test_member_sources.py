@@ -28,7 +28,7 @@ from harness.tiny_models import TinyConfig, write_tiny_model
 from net.endpoint import Address, connect_member, close
 from net import messages as m
 from net.protocol import RequestOnlyHandler
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from tests.conftest import make_oracle
 
 PROMPT = "The capital of France is"

@@ -13,7 +13,7 @@ from aiohttp import web
 from harness.swarm import Swarm, swarmctl
 from harness.tiny_models import write_split_copy
 from kernels.gguf_file import GGUFFile
-from swarmctl.distribution import asker_tensor_names
+from swarmctl.model_files.distribution import asker_tensor_names
 from tests.conftest import make_oracle
 
 PROMPT = "The capital of France is"

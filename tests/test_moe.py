@@ -28,7 +28,7 @@ from plans.nodes import NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, PlanError
 from plans.planner import Constraints, place_experts
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from swarmctl.asker.link import SwarmLink
 from tests.conftest import N_THREADS
 from harness.swarm import Swarm, swarmctl

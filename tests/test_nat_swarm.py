@@ -196,7 +196,7 @@ def test_status_shows_each_trunk_at_its_own_public_mapping(swarm):
 # `swarmctl top`'s poller on a member's machine: every trunk's stats, and the path to each.
 TOP_POLLER = """
 import asyncio, json
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from swarmctl.monitor.poller import Monitor, MonitorConfig
 
 async def main():
@@ -280,8 +280,8 @@ from net import messages as m
 from net.endpoint import Address, close, connect_member
 from net.protocol import RequestOnlyHandler
 from net.wire import decode_control
-from swarmctl.home import SwarmHome
-from swarmctl.host_addresses import connect_host
+from swarmctl.node.home import SwarmHome
+from swarmctl.reaching.host_addresses import connect_host
 
 async def main():
     home = SwarmHome()

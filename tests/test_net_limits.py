@@ -150,8 +150,8 @@ def test_a_home_folder_is_made_private_even_if_it_existed_loose(tmp_path):
     import os
     import stat
 
-    from swarmctl.home import SwarmHome
-    from swarmctl.membership import create_swarm
+    from swarmctl.node.home import SwarmHome
+    from swarmctl.node.membership import create_swarm
 
     home = tmp_path / "loose"
     home.mkdir()
@@ -274,8 +274,8 @@ def test_a_certificate_names_its_invite_and_the_account_follows_it(tmp_path):
     from cryptography.hazmat.primitives import serialization
 
     from net.identity import make_csr, member_account
-    from swarmctl.home import SwarmHome
-    from swarmctl.membership import admit, create_swarm, issue_invite
+    from swarmctl.node.home import SwarmHome
+    from swarmctl.node.membership import admit, create_swarm, issue_invite
 
     home = SwarmHome(tmp_path / "host")
     create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:0", advertise=["127.0.0.1:7470"],

@@ -185,7 +185,7 @@ def test_an_asker_certificate_may_ask_but_not_serve_or_steer_the_plan(swarm, sol
     from net.endpoint import Address, ask_member, close, connect_member
     from net.protocol import RequestOnlyHandler
     from net.wire import ActivationPacket, PacketKind, decode_packet, encode_packet
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
     from harness.swarm import Node
 
     rows = {m["name"]: m for m in swarm.status()["members"]}
@@ -250,7 +250,7 @@ def test_a_trunk_claim_out_of_range_is_refused_and_planning_goes_on(swarm):
     import asyncio
 
     from net.endpoint import Address, ask_member
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
 
     trunk_a = SwarmHome(swarm.homes["trunk-a"]).credentials()
     host = Address("127.0.0.1", swarm.host_port)

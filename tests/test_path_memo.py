@@ -1,4 +1,4 @@
-"""The dialer's memory of path attempts (swarmctl/path_memo.py, issue 29 item 3): a punch that
+"""The dialer's memory of path attempts (swarmctl/reaching/path_memo.py, issue 29 item 3): a punch that
 failed is not tried again on an ask's clock until MEMO_TTL_S has passed, per member, address,
 plan and origin; the file in the home survives the process and its damage."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from swarmctl.path_memo import MEMO_TTL_S, PathKey, PathMemo, PathMemoFile
+from swarmctl.reaching.path_memo import MEMO_TTL_S, PathKey, PathMemo, PathMemoFile
 
 CAROL = PathKey("carol", "198.51.100.12:40123", "punch", "192.168.1.2")
 

@@ -11,7 +11,7 @@ import pytest
 from kernels.sampling import SamplingParams
 from net.endpoint import Address, ask_member
 from swarmctl.asker.head_tail import Asker, BusyError, InprocTrunk, generate_all, u_split
-from swarmctl.local_swarm import LocalSwarm
+from swarmctl.node.local_swarm import LocalSwarm
 from swarmctl.asker.link import SwarmLink
 from tests.conftest import N_THREADS
 

@@ -13,7 +13,7 @@ from plans.options import OPTIONS, PlannerSettings
 from swarmctl.cli import _parser_for
 from swarmctl.commands.config import SETTINGS, parse_pairs
 from swarmctl.errors import UsageError
-from swarmctl.home import NodeConfig
+from swarmctl.node.home import NodeConfig
 
 
 def _flags(command: str) -> dict[str, argparse.Action]:

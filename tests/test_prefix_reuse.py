@@ -25,11 +25,11 @@ from swarmctl.asker.link import SwarmLink
 from swarmctl.asker.speculate import speculation_for
 from swarmctl.asker.prefixes import PrefixCache, PrefixEntry, Steps, chunk_bounds, resume_point
 from swarmctl.batching import BatchRunner
-from swarmctl.budget import Limits, MemberBudget
+from swarmctl.trunk.budget import Limits, MemberBudget
 from net import messages as m
 from net.wire import FRAME_HEADER
 from swarmctl.commands.status import fetch_status, format_table
-from swarmctl.local_swarm import LocalSwarm
+from swarmctl.node.local_swarm import LocalSwarm
 from swarmctl.trunk.prefixes import StagePrefixes
 from tests.conftest import N_THREADS, run_split
 

@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 from swarmctl.host.checks import ClaimChecks, stage_serving
-from swarmctl.layer_proof import Outcome
+from swarmctl.node.layer_proof import Outcome
 
 
 def stats(now: float, batches_ago: list[float], queue_depth: int = 0) -> SimpleNamespace:

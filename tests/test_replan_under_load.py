@@ -32,7 +32,7 @@ from swarmctl.host import HostService, TrunkInfo
 from swarmctl.host.checks import ClaimChecks
 from swarmctl.host.planning import IDLE_RECHECK_S, PlanKeeper
 from swarmctl.host.status import health
-from swarmctl.layer_proof import Outcome
+from swarmctl.node.layer_proof import Outcome
 
 GB = 1e9
 SMOL = ModelLayout("smol", 30, 576, (4_000_000,) * 30, (1,) * 30, 1024, 0, 0)  # 22 trunk layers

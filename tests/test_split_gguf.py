@@ -21,7 +21,7 @@ from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile, split_parts
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
-from swarmctl.models import checked_model, resolve_model
+from swarmctl.model_files.models import checked_model, resolve_model
 from tests.conftest import N_THREADS, make_oracle, run_split
 
 PROMPT = [1, 504, 3458, 282, 260, 1535, 314, 1147, 30]
@@ -211,7 +211,7 @@ def test_an_asker_with_no_model_file_fetches_only_its_part_of_a_split_model(llam
     chunk checked, keeps it, and answers as llama-cpp-python on the parts; a second ask fetches
     nothing."""
     from harness.swarm import Swarm
-    from swarmctl.distribution import asker_tensor_names
+    from swarmctl.model_files.distribution import asker_tensor_names
 
     swarm = Swarm(tmp_path)
     try:

@@ -20,7 +20,7 @@ from net.identity import Credentials, fingerprint, make_ca, new_private_key, sig
 from net.invite import Invite
 from net.protocol import RequestOnlyHandler
 from net.wire import ActivationPacket, PacketKind, decode_control, decode_packet, encode_control, encode_packet
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 from harness.swarm import Swarm, swarmctl
 
 PROMPT = "The three primary colours are"
@@ -106,7 +106,7 @@ def test_trunks_never_see_prompt_text_or_token_ids(swarm):
     r = swarmctl(swarm.homes["asker"], *ASK, prompt)
     assert r.returncode == 0, r.stderr
     from kernels.tokenizer import Tokenizer
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     ids = Tokenizer(default_model_path()).encode_prompt(prompt)
     needles = [prompt.encode(), "Zanzibar".encode(), "Quokka".encode(), "Zanzibar".encode("utf-16-le")]

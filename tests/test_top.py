@@ -26,9 +26,9 @@ from kernels.sampling import SamplingParams
 from net.messages import MemberStatus, RecoveryStatus, Stats, Status
 from swarmctl.asker.head_tail import Asker, generate_all
 from swarmctl.cli import main as cli_main
-from swarmctl.home import SwarmHome
-from swarmctl.local_swarm import LocalSwarm, free_udp_port
-from swarmctl.membership import create_swarm
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.local_swarm import LocalSwarm, free_udp_port
+from swarmctl.node.membership import create_swarm
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.poller import Monitor, MonitorConfig
 from swarmctl.monitor.recording import Recorder, RecordingError, ReplayFeed, read_recording
@@ -271,7 +271,7 @@ def test_members_behind_a_nat_show_how_this_screen_reaches_them():
 
 
 def test_the_monitor_reaches_trunks_the_way_the_host_says(tmp_path):
-    """Trunks are dialled through the member's dialer (swarmctl/reach.py: the host says direct,
+    """Trunks are dialled through the member's dialer (swarmctl/reaching/reach.py: the host says direct,
     punch or relay), not at the address they registered, which behind a NAT answers nobody; the
     path it took is kept for the row, and a trunk that cannot be reached is tried again less and
     less often (each try may cost a relayed link from the member's share)."""

@@ -38,7 +38,7 @@ from kernels.sampling import SamplingParams
 from net.wire import Hop, HopCall
 from swarmctl.asker.head_tail import Generation, TokenTiming, TrunkResult
 from swarmctl.batching import StepTiming
-from swarmctl.local_swarm import LocalSwarm
+from swarmctl.node.local_swarm import LocalSwarm
 from swarmctl.asker.link import SwarmLink
 from swarmctl.asker.trace import ASKER, TraceInfo, generation_trace
 from harness.swarm import swarmctl

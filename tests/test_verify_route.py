@@ -22,7 +22,7 @@ import pytest
 
 from harness.swarm import Swarm, swarmctl
 from net.endpoint import Address, ask_member
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "12")
 PROMPT = "The three primary colours are"

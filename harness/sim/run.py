@@ -21,7 +21,7 @@ from kernels.sampling import SamplingParams
 from net import messages as m
 from net.endpoint import close
 from net.protocol import RequestOnlyHandler
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 
 ASK_TIMEOUT_S = 120.0  # each ask's whole deadline (the link's per-step deadline is the same)
 READY_BOUND_S = 300.0  # how long the swarm may take to serve at first
@@ -296,8 +296,8 @@ class SimRun:
 
     async def _revoke(self, name: str) -> None:
         """What 'swarmctl revoke NAME' does on the host's machine: the record, then the running host."""
-        from swarmctl.host_addresses import connect_host
-        from swarmctl.membership import revoke
+        from swarmctl.reaching.host_addresses import connect_host
+        from swarmctl.node.membership import revoke
 
         home = self.homes["host"]
         revoke(home, name)

@@ -25,9 +25,9 @@ from harness.sim.clock import VirtualClockLoop
 from harness.sim.network import CURRENT_NODE, SimNetwork
 from harness.tiny_models import TinyConfig, write_tiny_model
 from plans.options import PlannerSettings
-from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.membership import create_swarm, issue_direct
-from swarmctl.models import default_model_path
+from swarmctl.node.home import NodeConfig, SwarmHome
+from swarmctl.node.membership import create_swarm, issue_direct
+from swarmctl.model_files.models import default_model_path
 
 TRUNK_MEMORY = 2 * 1024 ** 3  # what each trunk offers (fixed: a run must not depend on this machine's free memory)
 

@@ -16,7 +16,7 @@ from harness.soak.swarm import SoakSwarm, last_line
 from net.endpoint import Address, ask_member
 from net.messages import MemberStatus, Status
 from swarmctl.commands.status import fetch_status
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 
 STATUS_TIMEOUT_S = 15.0
 STATS_QUERIES_END_S = 45.0  # at the end, a stats query still under way may take this long to end

@@ -15,7 +15,7 @@ def reference_answers(prompts: Sequence[Prompt], threads: int) -> tuple[list[str
     final newline), computed in this process; and each prompt's length in tokens."""
     from kernels.sampling import SamplingParams
     from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
-    from swarmctl.models import default_model_path
+    from swarmctl.model_files.models import default_model_path
 
     asker = Asker(default_model_path(), 4, n_threads=threads)
     trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=threads,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from swarmctl.local_swarm import free_udp_port
+from swarmctl.node.local_swarm import free_udp_port
 from harness.swarm import Node, Swarm, die_with_this_process, swarmctl
 
 FIRST_TRUNKS = ("trunk-a", "trunk-b")

@@ -37,11 +37,11 @@ from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, Pa
     encode_packet
 from plans.plan import Plan
 from swarmctl.asker.head_tail import TrunkResult
-from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
+from swarmctl.node.home import NodeConfig, SwarmHome
+from swarmctl.reaching.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
 from swarmctl.asker.replay import Action, Free, OpenRoute, ReplayTable, SentStep, cut_steps
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, cannot_serve
-from swarmctl.reach import Dialer, ask_route
+from swarmctl.reaching.reach import Dialer, ask_route
 
 __all__ = ["SwarmError", "SwarmLink"]
 
@@ -145,7 +145,7 @@ class SwarmLink:
         self._reconnecting: asyncio.Lock | None = None
         self._moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._tasks: list[asyncio.Task] = []
-        self.dialer: Dialer | None = None  # our swarm socket, and the path to each stage (swarmctl/reach.py)
+        self.dialer: Dialer | None = None  # our swarm socket, and the path to each stage (swarmctl/reaching/reach.py)
         self.recomputed: set[bytes] = set()  # resumed requests whose kept prefix a stage lacked (replayed)
         self._resumed_under: dict[bytes, int] = {}  # resumed request → the plan its prefix was kept under
         self.refused = ""  # why no route can serve this member any more (its revocation), once a node said so

@@ -1,4 +1,4 @@
-"""The asker's link to a swarm started on this machine (swarmctl/local_swarm.py), once it is ready.
+"""The asker's link to a swarm started on this machine (swarmctl/node/local_swarm.py), once it is ready.
 
 The swarm was started here, so readiness is waited for rather than raced: the host's ready file,
 then a plan over every trunk, with progress logged every few seconds (shown with -v). The wait ends
@@ -11,7 +11,7 @@ import logging
 import time
 
 from swarmctl.asker.link import SwarmLink
-from swarmctl.local_swarm import READY_BOUND_S, LocalSwarm
+from swarmctl.node.local_swarm import READY_BOUND_S, LocalSwarm
 
 log = logging.getLogger("swarmctl.local")
 

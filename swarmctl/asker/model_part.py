@@ -2,7 +2,7 @@
 norm and LM head, and the metadata (tokenizer, chat template). A member whose home names no model
 file gets exactly that from the swarm's host the first time it asks, each 1 MiB chunk checked
 against the host's hash as it arrives, and keeps it in its home (``parts/``) for next time; an
-interrupted fetch resumes where it stopped (swarmctl/distribution.py).
+interrupted fetch resumes where it stopped (swarmctl/model_files/distribution.py).
 
 Which file an asker runs, in order: ``--model``, else the model its home names, else the bundled
 default where the swarm runs it, else its part of the swarm's model, fetched if not yet here.
@@ -21,10 +21,10 @@ from net.endpoint import NoAddressAnswered, close
 from net.protocol import SwarmProtocol
 from net.wire import Frame, FrameType
 from plans.plan import Plan
-from swarmctl.distribution import fetch_asker_part
-from swarmctl.home import SwarmHome
-from swarmctl.host_addresses import connect_host
-from swarmctl.models import DEFAULT_MODEL_FILE, default_model_path
+from swarmctl.model_files.distribution import fetch_asker_part
+from swarmctl.node.home import SwarmHome
+from swarmctl.reaching.host_addresses import connect_host
+from swarmctl.model_files.models import DEFAULT_MODEL_FILE, default_model_path
 
 log = logging.getLogger("swarmctl.asker")
 

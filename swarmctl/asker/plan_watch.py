@@ -15,8 +15,8 @@ from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import WireError, decode_control
 from plans.plan import Plan
-from swarmctl.home import NodeConfig
-from swarmctl.host_addresses import connect_host
+from swarmctl.node.home import NodeConfig
+from swarmctl.reaching.host_addresses import connect_host
 
 CHECK_EVERY_S = 0.5  # while waiting for a complete plan, the host is also asked this often (a missed push)
 
@@ -35,7 +35,7 @@ def cannot_serve(plan: Plan | None) -> str:
 class PlanWatch:
     def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler,
                  connect_with: Callable[[list[str]], Awaitable[SwarmProtocol]] | None = None) -> None:
-        """``connect_with``: how to reach the host (the asker's swarm socket: swarmctl/reach.py;
+        """``connect_with``: how to reach the host (the asker's swarm socket: swarmctl/reaching/reach.py;
         by default a socket of its own)."""
         self.config = config
         self.creds = creds

@@ -117,7 +117,7 @@ async def open_session(options: SessionOptions) -> AsyncIterator[Session]:
 @asynccontextmanager
 async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.asker.head_tail import InprocTrunk, u_split
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     if options.verify:
         raise EngineError("--verify checks what a swarm's trunks return; with --transport inproc every layer "
@@ -152,9 +152,9 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
 
 @asynccontextmanager
 async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
-    from swarmctl.home import SwarmHome
-    from swarmctl.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
-    from swarmctl.models import checked_model
+    from swarmctl.node.home import SwarmHome
+    from swarmctl.node.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
+    from swarmctl.model_files.models import checked_model
     from swarmctl.asker.link import SwarmLink
     from swarmctl.asker.local_link import open_local_link
 
@@ -175,7 +175,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         else:
             model = checked_model(options.model)
             drafting = _drafting(options, model, threads)  # a draft that cannot serve: one line, before nodes start
-            # The local trunks and this process share this machine's cores (swarmctl/local_swarm.py).
+            # The local trunks and this process share this machine's cores (swarmctl/node/local_swarm.py).
             spec = _header_spec(model)
             layout = size_local_swarm(usable_cpus(), trunks=options.trunk_nodes, threads=options.threads,
                                       streams=options.streams, width=spec.n_embd)

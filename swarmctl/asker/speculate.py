@@ -50,7 +50,7 @@ from kernels.slice import SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
 from plans.whatif import MAX_WINDOWS
 from swarmctl.batching import BatchRunner
-from swarmctl.models import checked_model
+from swarmctl.model_files.models import checked_model
 
 MODES = ("off", "ngram", "draft", "layerskip", "mtp")
 MAX_DRAFT = 8  # drafted tokens per step at most

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from plans.proposal import HEAD_LAYERS
-from swarmctl.local_swarm import LocalSwarm
+from swarmctl.node.local_swarm import LocalSwarm
 
 from .attack import attack
 from .capture import capture_files

@@ -11,7 +11,7 @@ import numpy as np
 
 from kernels.sampling import SamplingParams
 from swarmctl.asker.head_tail import Asker, generate_all
-from swarmctl.local_swarm import LocalSwarm
+from swarmctl.node.local_swarm import LocalSwarm
 from swarmctl.asker.link import SwarmLink
 
 GREEDY = SamplingParams(temperature=0)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from kernels.spec import ModelSpec
     from swarmctl.audit.meter import AuditSettings, load_prompts, run_audit
     from swarmctl.audit.tables import default_cache_dir
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     model = resolve_model(args.model)
     prompts = load_prompts(args.prompts)

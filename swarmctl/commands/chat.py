@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _chat(args: argparse.Namespace, sampling) -> int:
     from swarmctl.asker.session import open_session
-    from swarmctl.chat_terminal import ChatSettings, LineReader, TerminalChat
-    from swarmctl.conversation import Conversation
+    from swarmctl.chat.terminal import ChatSettings, LineReader, TerminalChat
+    from swarmctl.chat.conversation import Conversation
 
     settings = ChatSettings(sampling, args.max_tokens, interactive=sys.stdin.isatty())
     async with open_session(session_options(args)) as session:

@@ -34,7 +34,7 @@ from net.protocol import RequestOnlyHandler
 from net.wire import WireError
 from swarmctl.errors import UsageError
 from plans.options import OPTIONS, PlannerOption
-from swarmctl.home import NodeConfig, SwarmHome
+from swarmctl.node.home import NodeConfig, SwarmHome
 
 @dataclass(frozen=True)
 class Setting:

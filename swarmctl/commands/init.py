@@ -14,9 +14,9 @@ import socket
 
 from net.endpoint import Address
 from plans import options
-from swarmctl.home import DEFAULT_PORT, HomeError, SwarmHome
-from swarmctl.membership import create_swarm
-from swarmctl.models import checked_model
+from swarmctl.node.home import DEFAULT_PORT, HomeError, SwarmHome
+from swarmctl.node.membership import create_swarm
+from swarmctl.model_files.models import checked_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

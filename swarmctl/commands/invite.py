@@ -12,8 +12,8 @@ import re
 import sys
 
 from swarmctl.errors import UsageError
-from swarmctl.home import SwarmHome
-from swarmctl.membership import issue_invite
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.membership import issue_invite
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -14,9 +14,9 @@ import socket
 
 from net.endpoint import Address
 from net.invite import Invite
-from swarmctl.home import DEFAULT_PORT, SwarmHome
-from swarmctl.joiner import join_swarm
-from swarmctl.models import resolve_model
+from swarmctl.node.home import DEFAULT_PORT, SwarmHome
+from swarmctl.node.joiner import join_swarm
+from swarmctl.model_files.models import resolve_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -95,7 +95,7 @@ def settings_from(args: argparse.Namespace, base: PlannerSettings, source: str) 
 def run(args: argparse.Namespace) -> int:
     from plans.layout import ModelLayout, layout_by_name
     from plans.nodes import load_nodes
-    from swarmctl.models import resolve_model
+    from swarmctl.model_files.models import resolve_model
 
     running = None
     if args.nodes:
@@ -175,7 +175,7 @@ def format_speculation(sp: dict) -> str:
 def _this_member(nodes) -> str | None:
     """This machine's name when it is one of the swarm's trunk members: a member that both serves
     and asks is the asker's machine, so its own figures price the asker's part."""
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
 
     name = SwarmHome().load_config().name
     return name if any(n.name == name for n in nodes) else None
@@ -246,8 +246,8 @@ async def _from_swarm(args: argparse.Namespace):
     from plans.plan import Plan
     from net import messages as m
     from swarmctl.commands.status import ask_host
-    from swarmctl.home import SwarmHome
-    from swarmctl.models import resolve_model
+    from swarmctl.node.home import SwarmHome
+    from swarmctl.model_files.models import resolve_model
 
     home = SwarmHome()
     if not home.exists:

@@ -13,9 +13,9 @@ from net import messages as m
 from net.endpoint import NoAddressAnswered, close
 from net.protocol import RequestOnlyHandler
 from net.wire import WireError
-from swarmctl.home import SwarmHome
-from swarmctl.host_addresses import connect_host
-from swarmctl.membership import revoke
+from swarmctl.node.home import SwarmHome
+from swarmctl.reaching.host_addresses import connect_host
+from swarmctl.node.membership import revoke
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from kernels.errors import EngineError
 from swarmctl.commands.options import add_device_option
 from swarmctl.errors import UsageError
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 
 log = logging.getLogger("swarmctl.trunk")
 
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trunk: upload rate in Mbit/s for serving the layers it holds to members fetching them "
                              "(default 10; 0: serve none)")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
-    # host: write the address it listens on to FILE once it does (a local swarm waits for it: swarmctl/local_swarm.py)
+    # host: write the address it listens on to FILE once it does (a local swarm waits for it: swarmctl/node/local_swarm.py)
     parser.add_argument("--ready-file", metavar="FILE", help=argparse.SUPPRESS)
 
 

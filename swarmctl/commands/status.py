@@ -17,9 +17,9 @@ from net.protocol import RequestOnlyHandler
 from net import messages as m
 from net.wire import WireError
 from plans import units
-from swarmctl.fetch_progress import fetching
-from swarmctl.home import SwarmHome
-from swarmctl.host_addresses import connect_host
+from swarmctl.model_files.fetch_progress import fetching
+from swarmctl.node.home import SwarmHome
+from swarmctl.reaching.host_addresses import connect_host
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

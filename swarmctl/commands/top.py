@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarmctl.home import SwarmHome
+    from swarmctl.node.home import SwarmHome
     from swarmctl.monitor.poller import Monitor, MonitorConfig
     from swarmctl.monitor.recording import Recorder, ReplayFeed, read_recording
     from swarmctl.tui.app import TopApp

@@ -12,7 +12,7 @@ The control messages it answers are the handler table in ``HostService.__init__`
 its fields and who sends it are in docs/protocol.md, generated from net/messages.py.
 
 The host asks too (host → trunk, on new streams of the trunk's register connection): ``prove``,
-``probe_run``, ``probe_reveal`` (swarmctl/layer_proof.py). A trunk becomes a ready stage only once
+``probe_run``, ``probe_reveal`` (swarmctl/node/layer_proof.py). A trunk becomes a ready stage only once
 it proved it holds its layers, and a claimed speed is planned on only once the host timed the
 trunk itself, and never faster than it timed it.
 """

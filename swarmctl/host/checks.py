@@ -1,4 +1,4 @@
-"""Checking what trunks claim (swarmctl/layer_proof.py): a trunk becomes a ready stage only once it
+"""Checking what trunks claim (swarmctl/node/layer_proof.py): a trunk becomes a ready stage only once it
 proved it holds its layers, and a claimed speed is planned on only once the host timed the trunk
 itself, and never faster than it timed it. A trunk that fails a check is left out of the plan. A
 trunk that proved nothing yet (no model file to be timed on) does not change a plan that serves:
@@ -34,7 +34,7 @@ from net import clock
 from plans.hysteresis import SPEED_FACTOR
 from net import messages as m
 from net.messages import MS_PER_LAYER
-from swarmctl import layer_proof
+from swarmctl.node import layer_proof
 
 from .planning import PlanKeeper
 from .recheck import StageAnswers, StageCheck, check_stage

@@ -1,7 +1,7 @@
 """The host's hashes of the model: one SHA-256 per 1 MiB chunk of each tensor, each tensor's hash
 made of its chunks', each layer's of its tensors' (kernels/gguf_file.py), read from the file once and
 kept in the home. The chunk hashes let a member check each chunk it fetches on its own, from
-whoever sent it (swarmctl/distribution.py).
+whoever sent it (swarmctl/model_files/distribution.py).
 
 A restart on an unchanged file reads nothing of it: the hashes are stored under the identity of
 the model's files (each part's device, inode, size and modification time), and a file whose

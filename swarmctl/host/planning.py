@@ -20,8 +20,8 @@ from plans.nodes import Link, NodeDescriptor
 from plans.plan import ExpertAssignment, Plan, StageAssignment
 from plans.options import OPTIONS, PlannerSettings
 from plans.planner import PlanError, add_expert_calls, place_experts, plan_layers
-from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.membership import accounts
+from swarmctl.node.home import NodeConfig, SwarmHome
+from swarmctl.node.membership import accounts
 
 from .trunks import Trunks
 
@@ -355,7 +355,7 @@ class PlanKeeper:
     def _apply(self, plan: Plan, proposal, placement) -> bool:
         """Put a planner's proposal (None: no plan) into ``plan``; True (and a new version) if who
         serves what changed."""
-        # (stages bound each member's KV by what the plan reserves there: swarmctl/budget.py)
+        # (stages bound each member's KV by what the plan reserves there: swarmctl/trunk/budget.py)
         plan.context_tokens = self.constraints.context_tokens
         plan.max_concurrent = self.constraints.max_concurrent
         nodes = placement.stage_nodes if placement is not None else []

@@ -1,4 +1,4 @@
-"""The host as rendezvous: how a member reaches a trunk (swarmctl/reach.py).
+"""The host as rendezvous: how a member reaches a trunk (swarmctl/reaching/reach.py).
 
 Every member's connection to the host leaves from its swarm socket, so the host sees each
 socket's public ip:port on the connection itself. A trunk also says where it sees that socket

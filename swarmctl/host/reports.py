@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from net.messages import BadResult
-from swarmctl.log_limit import LogLimit
+from swarmctl.node.log_limit import LogLimit
 
 log = logging.getLogger("swarmctl.host")
 

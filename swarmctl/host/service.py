@@ -28,11 +28,11 @@ from plans.hysteresis import CONVERGE_FACTOR, SERVED_REPORTS, SPEED_FACTOR, serv
 from plans.layout import ModelLayout
 from plans.nodes import Link
 from plans.plan import Plan
-from swarmctl.distribution import SliceManifest, build_asker_manifest, build_manifest, parse_chunk_ids, serve_slice
-from swarmctl.expert_slices import build_expert_manifest
-from swarmctl.home import SwarmHome
-from swarmctl.membership import JoinRefused, accounts, admit
-from swarmctl.models import resolve_model
+from swarmctl.model_files.distribution import SliceManifest, build_asker_manifest, build_manifest, parse_chunk_ids, serve_slice
+from swarmctl.model_files.expert_slices import build_expert_manifest
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.membership import JoinRefused, accounts, admit
+from swarmctl.model_files.models import resolve_model
 
 from .checks import ClaimChecks
 from .liveness import unanswered, watch_trunks

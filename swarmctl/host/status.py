@@ -11,7 +11,7 @@ from net.messages import FetchStatus, LinkStatus, MemberStatus, RecoveryStatus, 
 from plans.links import RELAYED, LinkModel
 from plans.nodes import ASKER, NodeDescriptor
 from plans.plan import Plan
-from swarmctl.home import SwarmHome
+from swarmctl.node.home import SwarmHome
 
 from .rendezvous import Rendezvous
 from .reports import AskerReports

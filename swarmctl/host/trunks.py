@@ -117,7 +117,7 @@ class TrunkInfo:
         the port free: peers see the same one)."""
         seen = observed(self.conn)
         return seen is None or not self.local or Address.parse(self.local).port == int(seen[1])
-    # What the host saw itself (swarmctl/layer_proof.py): a claimed speed is planned on only once
+    # What the host saw itself (swarmctl/node/layer_proof.py): a claimed speed is planned on only once
     # the host has timed the trunk, and never faster than the host timed it.
     measured_ms_per_layer: float | None = None  # the fastest verified probe so far
     checking: bool = False  # its claims are being checked: not planned until they are

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from net.messages import MemberStatus, NodeInfo, Stats, Status
-from swarmctl.fetch_progress import fetching
+from swarmctl.model_files.fetch_progress import fetching
 from swarmctl.monitor.snapshot import Batch, Lane, NodeView, PlanView, RequestView, SwarmSnapshot, waiting_snapshot
 
 LETTERS = string.ascii_lowercase + string.ascii_uppercase

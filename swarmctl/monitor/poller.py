@@ -3,7 +3,7 @@
 The monitor is a member like any other (mutual TLS with the home's identity). It keeps one
 connection to the host and one to each trunk the host lists, and asks each once per interval:
 ``status`` and ``nodes`` from the host, ``stats`` and a QUIC PING from each trunk, all at once.
-It reaches trunks as an asker does (swarmctl/reach.py): its connections leave from one swarm
+It reaches trunks as an asker does (swarmctl/reaching/reach.py): its connections leave from one swarm
 socket, and the host says how to reach each trunk (direct, or punched or relayed to a trunk
 behind a NAT, where the address a trunk registered is no use from outside); mutual TLS runs end
 to end on every path, and each node's row says which path it took.
@@ -26,11 +26,11 @@ from net.messages import GetNodes, GetStats, GetStatus, Message, NodeInfo, Nodes
 from net.ping import ping_ms
 from net.protocol import RequestOnlyHandler, SwarmProtocol
 from net.wire import WireError
-from swarmctl.home import SwarmHome
-from swarmctl.host_addresses import host_addresses
+from swarmctl.node.home import SwarmHome
+from swarmctl.reaching.host_addresses import host_addresses
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.snapshot import SwarmSnapshot, waiting_snapshot
-from swarmctl.reach import DIRECT, Dialer, ask_route
+from swarmctl.reaching.reach import DIRECT, Dialer, ask_route
 
 log = logging.getLogger("swarmctl.monitor")
 

@@ -30,8 +30,8 @@ from net import messages as m
 from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
 from plans.planner import Constraints
 from swarmctl.batching import BatchRunner
-from swarmctl.budget import Limits, MemberBudget
-from swarmctl.fetch_progress import FetchProgress
+from swarmctl.trunk.budget import Limits, MemberBudget
+from swarmctl.model_files.fetch_progress import FetchProgress
 from swarmctl.trunk.context import TrunkContext, TrunkEvents
 from swarmctl.trunk.host_link import HostLink
 from swarmctl.trunk.layer_share import LayerShare, PeerFetches
@@ -234,7 +234,7 @@ class Assignment:
 
     def budget_limits(self) -> Limits:
         """What one member may hold here: derived from what the plan reserves at this stage
-        (plan_concurrent requests × plan_context tokens) and what this node offered (swarmctl/budget.py)."""
+        (plan_concurrent requests × plan_context tokens) and what this node offered (swarmctl/trunk/budget.py)."""
         engine, plan = self.engine, self.plan
         room = self.memory - engine.weights.n_bytes - Constraints().reserve_bytes
         return Limits.derive(kv_bytes_per_position=engine.kv_bytes_per_position,
@@ -329,7 +329,7 @@ class Assignment:
         """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
         if self.model_path.exists():
             return self.model_path
-        from swarmctl.distribution import fetch_slice
+        from swarmctl.model_files.distribution import fetch_slice
 
         if not self._host.is_open:
             raise EngineError("no model file and no host to fetch layers from")
@@ -400,7 +400,7 @@ class Assignment:
         """Our model file, or a file with just our experts of the trunk's layers, fetched if need be."""
         if self.model_path.exists():
             return self.model_path
-        from swarmctl.expert_slices import fetch_experts
+        from swarmctl.model_files.expert_slices import fetch_experts
 
         if not self._host.is_open:
             raise EngineError("no model file and no host to fetch experts from")

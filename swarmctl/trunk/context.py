@@ -20,7 +20,7 @@ from net import messages as m
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
 from plans.plan import Plan
-from swarmctl.home import NodeConfig
+from swarmctl.node.home import NodeConfig
 
 
 @dataclass(frozen=True)

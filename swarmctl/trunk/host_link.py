@@ -39,7 +39,7 @@ class HostLink:
         self.plan_stream: int | None = None  # where the host pushes plans
         self.rtt_ms: float | None = None
         self._events = events
-        self._connect = ctx.connect_host  # from the trunk's swarm socket once it has one (swarmctl/reach.py)
+        self._connect = ctx.connect_host  # from the trunk's swarm socket once it has one (swarmctl/reaching/reach.py)
         self._spawn = ctx.spawn
         self._fetches: dict[int, asyncio.Queue] = {}  # host stream → frames of a slice transfer
         # What the host sends on the plan stream (net/dispatch.py); handlers take (fatal, message).
@@ -122,7 +122,7 @@ class HostLink:
             except (ConnectionError, asyncio.TimeoutError) as e:
                 log.warning("host did not answer %s: %s", type(message).__name__, e)
 
-    # --- slice transfers (swarmctl/distribution.py) arrive on host streams we opened ---
+    # --- slice transfers (swarmctl/model_files/distribution.py) arrive on host streams we opened ---
 
     def open_fetch(self) -> tuple[int, asyncio.Queue]:
         stream_id = self.conn.open_stream()

@@ -1,6 +1,6 @@
 """Layers from everyone who holds them: a trunk serves chunks of the layers it holds (its model
 file, or slices it fetched) to members fetching them, within an upload budget it sets; and it
-fetches from such members in turn (swarmctl/distribution.py MemberSource pulls through
+fetches from such members in turn (swarmctl/model_files/distribution.py MemberSource pulls through
 ``PeerFetches``).
 
     member → trunk  {"type": "fetch_chunks", "tensors": [names], "want": ["k:index", ...]}
@@ -31,7 +31,7 @@ from kernels.spec import ModelSpec, layer_of
 from net import messages as m
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import Frame
-from swarmctl.distribution import CHUNK, MemberSource, SliceManifest, send_chunks
+from swarmctl.model_files.distribution import CHUNK, MemberSource, SliceManifest, send_chunks
 
 log = logging.getLogger("swarmctl.trunk")
 

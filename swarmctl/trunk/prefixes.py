@@ -2,7 +2,7 @@
 
 A conversation sends its whole history again every turn. When a request ends with an END that
 names a prefix (net/wire.py: FLAG_PREFIX), the stage keeps the request's cells [0, positions) under
-that id instead of freeing them, charged to the request's account (swarmctl/budget.py); a later
+that id instead of freeing them, charged to the request's account (swarmctl/trunk/budget.py); a later
 request of the same account whose first PREFILL names the id starts from those cells, cut to its
 start position. The id is the asker's choice and says nothing of the tokens (a stage never sees
 them); it is looked up only among the asking account's own prefixes, so no account can reach
@@ -24,7 +24,7 @@ import hashlib
 import logging
 import time
 
-from swarmctl.budget import MAX_KEPT_PER_MEMBER
+from swarmctl.trunk.budget import MAX_KEPT_PER_MEMBER
 from swarmctl.trunk.assignment import Assignment
 
 log = logging.getLogger("swarmctl.trunk")

@@ -25,7 +25,7 @@ from net.wire import FRAME_HEADER, MAX_HOPS, ActivationPacket, DType, Frame, Fra
     WireError, decode_packet, encode_packet
 from plans.plan import Plan, StageAssignment
 from swarmctl.batching import EngineClosedError
-from swarmctl.log_limit import LogLimit
+from swarmctl.node.log_limit import LogLimit
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.context import TrunkContext
 from swarmctl.trunk.experts import RemoteExpertError

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from net import clock
-from swarmctl.request_locks import RequestLocks
+from swarmctl.trunk.request_locks import RequestLocks
 
 Conn = Any  # a net.protocol.SwarmProtocol; only identity and peer_name are read here
 

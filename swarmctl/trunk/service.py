@@ -30,10 +30,10 @@ from net.wire import Frame, FrameType, WireError, decode_control
 from plans.nodes import ASKER
 from plans.plan import Plan
 from swarmctl.batching import compute_thread
-from swarmctl.home import SwarmHome
-from swarmctl.layer_proof import CHALLENGES, ProofError, Prover
-from swarmctl.models import resolve_model
-from swarmctl.reach import Dialer, ask_route, local_ip_towards
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.layer_proof import CHALLENGES, ProofError, Prover
+from swarmctl.model_files.models import resolve_model
+from swarmctl.reaching.reach import Dialer, ask_route, local_ip_towards
 from swarmctl.trunk.assignment import Assignment
 from swarmctl.trunk.context import TrunkContext, TrunkOptions
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
@@ -164,7 +164,7 @@ class TrunkService:
         return cost.us_per_datagram
 
     async def _connect_member(self, member: str, address: str, handler: ConnectionHandler) -> SwarmProtocol:
-        """A member, by the path the host gives (our dialer: swarmctl/reach.py)."""
+        """A member, by the path the host gives (our dialer: swarmctl/reaching/reach.py)."""
         if self.dialer is None:
             raise ConnectionError("this trunk is not listening yet")
         return await self.dialer.connect(member, address, handler)
@@ -422,7 +422,7 @@ class TrunkService:
 
     async def _answer_challenge(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
         """Only our host may ask (anyone else could use us to time or read the model); the answer
-        is computed on the compute thread, between batches (swarmctl/layer_proof.py)."""
+        is computed on the compute thread, between batches (swarmctl/node/layer_proof.py)."""
         kind = type(message).__struct_config__.tag
         reply: m.Message
         if not self.host.is_host(conn):

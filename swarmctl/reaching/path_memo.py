@@ -3,7 +3,7 @@ again on every ask's clock.
 
 A punch towards a member behind a symmetric NAT fails after net.punch.PUNCH_TIMEOUT (3 s), and
 only then does the member ask for a relay. Every `swarmctl ask` is a new process, so without a
-memory each one paid those seconds again. The dialer (swarmctl/reach.py) records the outcome of
+memory each one paid those seconds again. The dialer (swarmctl/reaching/reach.py) records the outcome of
 each path attempt here, keyed by the member, the address the host gave for it (a new NAT mapping
 is a new key), what the host planned (direct or punch) and our own side (the local address our
 datagrams leave from: on another network the answer may differ). Where a punch failed within
@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-log = logging.getLogger("swarmctl.reach")
+log = logging.getLogger("swarmctl.reaching.reach")
 
 MEMO_TTL_S = 600.0  # how long an outcome is trusted; background attempts refresh it
 MAX_ENTRIES = 256  # the oldest go first: a member talks to few trunks at a time

@@ -15,8 +15,8 @@ from net.invite import Invite
 from net.protocol import RequestOnlyHandler
 from net import messages as m
 from net.wire import WireError
-from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.membership import JoinRefused
+from swarmctl.node.home import NodeConfig, SwarmHome
+from swarmctl.node.membership import JoinRefused
 
 
 async def join_swarm(home: SwarmHome, invite: Invite, *, name: str, listen: str, model: str | None) -> NodeConfig:

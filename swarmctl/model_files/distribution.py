@@ -15,7 +15,7 @@ LM head, the whole metadata with the tokenizer).
     member → mirror  GET FILE with Range: bytes=a-b for each run of adjacent chunks → 206
 
 (Without "want", as members before batches asked, the host sends the manifest and every chunk not
-in "have" on one stream.) Which source fetches which chunk is swarmctl/fetch_plan.py's: each pulls
+in "have" on one stream.) Which source fetches which chunk is swarmctl/model_files/fetch_plan.py's: each pulls
 the next batch when it is free, a source that sends a wrong chunk or fails three batches in a row
 is dropped for the fetch, and at the end an idle source may duplicate a chunk a slow one still has.
 
@@ -50,10 +50,10 @@ from kernels.gguf_file import (DEFAULT_ALIGNMENT, HASH_CHUNK, GGUFFile, encode_k
 from kernels.spec import ModelSpec, layer_of
 from net import messages as m
 from net.protocol import SwarmProtocol
-from swarmctl.fetch_plan import FetchPlan
+from swarmctl.model_files.fetch_plan import FetchPlan
 from net.wire import MAX_MANIFEST_BYTES, FrameType, WireError, encode_frame
 
-log = logging.getLogger("swarmctl.distribution")
+log = logging.getLogger("swarmctl.model_files.distribution")
 
 CHUNK = HASH_CHUNK  # a chunk on the wire is a hashed chunk: each is checked on its own
 CHUNK_HEADER = struct.Struct(">IQ")
@@ -91,7 +91,7 @@ class SliceManifest:
     alignment: int
     tensors: list[TensorEntry]
     mirror: str = ""  # a folder URL serving the model's files with Range requests ("": none)
-    # kind "experts" (an expert node's, swarmctl/expert_slices.py): experts [first_expert,
+    # kind "experts" (an expert node's, swarmctl/model_files/expert_slices.py): experts [first_expert,
     # last_expert) of the model's n_expert, of each expert tensor of layers [start, stop); only the
     # chunks holding them are fetched and only their bytes kept. other_tensors: the hashes of the
     # layers' other tensors, so that the member can check the manifest against the plan's layer hashes.
@@ -377,7 +377,7 @@ async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manif
     return sent
 
 
-# --- fetching from several sources at once (which chunk from whom: swarmctl/fetch_plan.py) ---
+# --- fetching from several sources at once (which chunk from whom: swarmctl/model_files/fetch_plan.py) ---
 
 HOST_BATCH = 16  # chunks per request to the host: 16 MiB, then the next batch is asked for
 MIRROR_BATCH = 64  # chunks per batch from a mirror, one Range request per run of adjacent chunks

@@ -12,7 +12,7 @@ from net.identity import (IdentityError, check_name, fingerprint, make_ca, new_p
                           sign_member)
 from net.invite import Invite, hash_secret, secret_matches
 from plans.options import PlannerSettings
-from swarmctl.home import InviteRecord, MemberRecord, NodeConfig, SwarmHome
+from swarmctl.node.home import InviteRecord, MemberRecord, NodeConfig, SwarmHome
 
 
 SPENT_INVITE_MEMORY_S = 30 * 86400  # how long past its expiry the host still recognises an invite

@@ -15,7 +15,7 @@ A trunk also accepts connections on it. To connect to a trunk, a member asks the
 
 Without a host answer (an older host, the host unreachable) the member connects directly.
 
-What each attempt found is remembered (swarmctl/path_memo.py; an asker keeps it in its home, so
+What each attempt found is remembered (swarmctl/reaching/path_memo.py; an asker keeps it in its home, so
 the next `swarmctl ask` benefits): where punching to a trunk failed lately, the member asks for
 the relay at once and punches again in the background, off the ask's clock.
 """
@@ -35,9 +35,9 @@ from net.protocol import ConnectionHandler, SwarmProtocol
 from net.punch import KEEPALIVE_INTERVAL, PunchFailed, PunchTicket, SharedSocket, connect_on, open_shared, punch
 from net.turn import keep_registered, register, udp_socket
 from net.wire import WireError
-from swarmctl.path_memo import PathKey, PathMemoFile
+from swarmctl.reaching.path_memo import PathKey, PathMemoFile
 
-log = logging.getLogger("swarmctl.reach")
+log = logging.getLogger("swarmctl.reaching.reach")
 
 ConnectPeer = Callable[[str, str, ConnectionHandler], Awaitable[SwarmProtocol]]  # (member, address, handler)
 AskHost = Callable[[m.Message], Awaitable[m.Route]]

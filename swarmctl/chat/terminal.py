@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 from kernels.errors import EngineError, ModelFileError
 from kernels.sampling import SamplingParams
 from swarmctl.asker.prefixes import PrefixCache
-from swarmctl.conversation import HELP, CommandError, Conversation, Turn, parse_line
+from swarmctl.chat.conversation import HELP, CommandError, Conversation, Turn, parse_line
 
 log = logging.getLogger("swarmctl.chat")
 

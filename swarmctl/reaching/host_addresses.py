@@ -5,7 +5,7 @@ from __future__ import annotations
 from net.endpoint import connect_first, connect_member
 from net.identity import Credentials
 from net.protocol import ConnectionHandler, SwarmProtocol
-from swarmctl.home import NodeConfig
+from swarmctl.node.home import NodeConfig
 
 
 def host_addresses(config: NodeConfig) -> list[str]:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from kernels.errors import EngineError
 from plans.options import PlannerSettings
-from swarmctl.home import NodeConfig, SwarmHome
-from swarmctl.membership import create_swarm, issue_direct
+from swarmctl.node.home import NodeConfig, SwarmHome
+from swarmctl.node.membership import create_swarm, issue_direct
 
 log = logging.getLogger("swarmctl.local")
 

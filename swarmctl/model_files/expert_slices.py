@@ -1,5 +1,5 @@
 """An expert node's share of the model, fetched as a trunk fetches its slice
-(swarmctl/distribution.py): experts [first, last) of each expert tensor (``ffn_gate_exps``,
+(swarmctl/model_files/distribution.py): experts [first, last) of each expert tensor (``ffn_gate_exps``,
 ``ffn_up_exps``, ``ffn_down_exps``) of the MoE layers among [start, stop), and the metadata that
 opens them, nothing else.
 
@@ -25,7 +25,7 @@ from kernels.gguf_file import GGUFFile, encode_kv
 from kernels.spec import ModelSpec
 from net import messages as m
 from net.protocol import SwarmProtocol
-from swarmctl.distribution import HostSource, OpenStream, SliceManifest, build_manifest, fetch_file
+from swarmctl.model_files.distribution import HostSource, OpenStream, SliceManifest, build_manifest, fetch_file
 
 
 def expert_slice_path(folder: Path, model_hash: str, start: int, stop: int, first: int, last: int) -> Path:

@@ -1,5 +1,5 @@
 """Which source fetches which chunk next, when a member fetches one file from several sources at
-once (swarmctl/distribution.py drives it). No I/O here: the driver asks, the sources' results are
+once (swarmctl/model_files/distribution.py drives it). No I/O here: the driver asks, the sources' results are
 told to it, and it answers with chunk ids.
 
 - Chunks are pending in file order. Each free source pulls the next up to ``limit`` pending chunks
