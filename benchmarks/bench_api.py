@@ -39,6 +39,7 @@ from benchmarks.common import process_cpu_s  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
@@ -130,7 +131,8 @@ async def measure(base_url: str, server_pid: int, clients: int, max_tokens: int,
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
     threads = max(1, (os.cpu_count() or 1) // 3)  # as `swarmctl serve` splits the cores for its local swarm
-    with LocalSwarm(model=str(default_model_path()), n_trunks=2, head_layers=4, threads=threads) as swarm:
+    with LocalSwarm(model=str(default_model_path()), n_trunks=2, planner=PlannerSettings(head_layers=4),
+                    threads=threads) as swarm:
         link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
         asker = Asker(default_model_path(), link.head_layers, n_threads=threads)
         try:

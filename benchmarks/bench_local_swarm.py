@@ -37,6 +37,7 @@ from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
 from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 
@@ -59,7 +60,7 @@ class Running:
 
     def __init__(self, model: Path, layout: LocalLayout) -> None:
         self.layout = layout
-        self.swarm = LocalSwarm(model=str(model), n_trunks=layout.trunks, head_layers=4,
+        self.swarm = LocalSwarm(model=str(model), n_trunks=layout.trunks, planner=PlannerSettings(head_layers=4),
                                 threads=layout.trunk_threads)
         self.link = None
         self.asker: Asker | None = None

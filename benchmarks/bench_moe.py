@@ -46,6 +46,7 @@ from net.endpoint import Address, ask_member  # noqa: E402
 from plans.layout import ModelLayout  # noqa: E402
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 from harness.tiny_models import TinyConfig, write_tiny_model  # noqa: E402  (the GGUF writer the tests use)
@@ -140,8 +141,9 @@ async def member_stats(home, address: str, name: str) -> dict:
 
 async def swarm_run(model: Path, prompt: list[int], n: int, threads: int, expert_nodes: int) -> dict:
     n_trunks = 2 + expert_nodes
-    with LocalSwarm(model=str(model), n_trunks=n_trunks, head_layers=HEAD_LAYERS, threads=threads,
-                    expert_nodes=expert_nodes) as swarm:
+    with LocalSwarm(model=str(model), n_trunks=n_trunks,
+                    planner=PlannerSettings(head_layers=HEAD_LAYERS, expert_nodes=expert_nodes),
+                    threads=threads) as swarm:
         link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
         asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=8, max_context=1024)
         replans = 0

@@ -46,6 +46,7 @@ from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
@@ -170,7 +171,7 @@ def prompt_parts(gen) -> dict:
 
 
 async def run(model: Path, tokens: int, repeats: int, threads: int, settle_s: float, long_tokens: int) -> dict:
-    with LocalSwarm(model=str(model), n_trunks=2, head_layers=1, threads=threads) as swarm:
+    with LocalSwarm(model=str(model), n_trunks=2, planner=PlannerSettings(head_layers=1), threads=threads) as swarm:
         link = await open_local_link(swarm, bound=900)
         asker = Asker(model, link.head_layers, n_threads=threads)
         try:

@@ -44,6 +44,7 @@ from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, generate_all  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 PROMPT = "Once upon a time, in a lighthouse by a cold grey sea, there lived a keeper who"
@@ -144,7 +145,8 @@ def median_round(rounds: list[dict]) -> dict:
 
 async def plan_run(model: Path, n_stages: int, streams: int, max_tokens: int, repeats: int,
                    threads: int) -> dict:
-    with LocalSwarm(model=str(model), n_trunks=n_stages, head_layers=HEAD_LAYERS, threads=threads) as swarm:
+    with LocalSwarm(model=str(model), n_trunks=n_stages, planner=PlannerSettings(head_layers=HEAD_LAYERS),
+                    threads=threads) as swarm:
         link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=n_stages)
         asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=max(16, streams))
         try:

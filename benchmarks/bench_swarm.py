@@ -56,6 +56,7 @@ from kernels.sampling import SamplingParams  # noqa: E402
 from net.endpoint import Address, ask_member  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, generate_all, u_split  # noqa: E402
 from swarmctl.node.local_swarm import Fronts, LocalSwarm, free_udp_port  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
@@ -127,7 +128,7 @@ async def stage_stats(swarm: LocalSwarm, link: SwarmLink) -> list[dict]:
 
 async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int, *, concurrency_levels=()) -> dict:
     out: dict = {"threads_per_process": threads}
-    with LocalSwarm(model=str(model), n_trunks=2, head_layers=4, threads=threads) as swarm:
+    with LocalSwarm(model=str(model), n_trunks=2, planner=PlannerSettings(head_layers=4), threads=threads) as swarm:
         link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
         asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=64)
         try:
@@ -176,8 +177,9 @@ async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_laye
     try:
         assert relays.stdout.readline().strip() == "ready"
         fronts = Fronts.behind([host_port, *trunk_ports], [f"127.0.0.1:{p}" for p in relay_ports])
-        with LocalSwarm(model=str(model), n_trunks=2, head_layers=head_layers, threads=threads, fronts=fronts,
-                        wire_dtype=wire_dtype) as swarm:
+        with LocalSwarm(model=str(model), n_trunks=2,
+                        planner=PlannerSettings(head_layers=head_layers, wire_dtype=wire_dtype),
+                        threads=threads, fronts=fronts) as swarm:
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
                                         min_stages=2)
             try:

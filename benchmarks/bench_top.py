@@ -41,6 +41,7 @@ from kernels.sampling import SamplingParams  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.commands.top import DEFAULT_NICE  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
@@ -196,7 +197,8 @@ def main() -> None:
     if args.attached_collector:
         attached_collector(args.home)
         return
-    with LocalSwarm(model=str(default_model_path()), n_trunks=2, head_layers=4, threads=1) as swarm:
+    with LocalSwarm(model=str(default_model_path()), n_trunks=2, planner=PlannerSettings(head_layers=4),
+                    threads=1) as swarm:
         try:
             result = asyncio.run(measure(swarm, args))
         except BaseException:

@@ -32,6 +32,7 @@ from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 from swarmctl.asker.verify import MIN_COSINE, REL_TOLERANCE, VerifyingTrunk, VerifyStats  # noqa: E402
@@ -63,7 +64,7 @@ async def one_round(asker: Asker, trunk, prompt: list[int], n_decode: int) -> di
 
 async def run(n_decode: int, rounds: int, threads: int) -> dict:
     model = default_model_path()
-    with LocalSwarm(model=str(model), n_trunks=2, head_layers=4, threads=threads) as swarm:
+    with LocalSwarm(model=str(model), n_trunks=2, planner=PlannerSettings(head_layers=4), threads=threads) as swarm:
         link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
         asker = Asker(model, link.head_layers, n_threads=threads, max_in_flight=64)
         trunks = {p: link if p == 0 else VerifyingTrunk(link, asker.gguf, share=p, n_threads=threads,

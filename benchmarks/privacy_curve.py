@@ -36,6 +36,7 @@ from swarmctl.audit.noise import UplinkNoise, calibrate  # noqa: E402
 from swarmctl.audit.quality import greedy_agreement, perplexity  # noqa: E402
 from swarmctl.audit.tables import default_cache_dir  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 HELD_OUT = (
@@ -79,7 +80,8 @@ def main() -> None:
     std = calibrate(model, args.head_layers, n_threads=args.threads)
     rows, clean_runs, clean_ppl = [], None, None
     t0 = time.perf_counter()
-    with LocalSwarm(model=str(model), n_trunks=2, head_layers=args.head_layers, threads=1, capture=True) as swarm:
+    with LocalSwarm(model=str(model), n_trunks=2, planner=PlannerSettings(head_layers=args.head_layers),
+                    threads=1, capture=True) as swarm:
         for level in sorted(levels):
             settings = replace(base, uplink_noise=level)
             runs, captures = capture_traffic(swarm, model, prompts, settings, threads=1)

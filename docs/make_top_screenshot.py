@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_top import keep_busy  # noqa: E402
 from swarmctl.asker.head_tail import Asker  # noqa: E402
 from swarmctl.node.local_swarm import LocalSwarm  # noqa: E402
+from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 from swarmctl.asker.link import SwarmLink  # noqa: E402
 
@@ -82,7 +83,8 @@ def main() -> None:
     if shutil.which("tmux") is None:
         sys.exit("tmux is needed (apt-get install tmux)")
     with tempfile.TemporaryDirectory() as tmp, \
-            LocalSwarm(model=str(default_model_path()), n_trunks=2, head_layers=4, threads=1) as swarm:
+            LocalSwarm(model=str(default_model_path()), n_trunks=2, planner=PlannerSettings(head_layers=4),
+                       threads=1) as swarm:
         recording = Path(tmp) / "top.jsonl"
         started = time.time()
         text = asyncio.run(capture(swarm, args.seconds, recording))

@@ -103,7 +103,7 @@ class GraphBuilder:
     """Shared helpers for the architecture builders; each names the tensors it makes."""
 
     def __init__(self, spec: ModelSpec, ctx: int, graph: int, caches: list[KVCache | None], shape: GraphShape,
-                 inputs: GraphInputs, rope_freqs: int | None) -> None:
+                 inputs: GraphInputs) -> None:
         self.spec = spec
         self.ctx = ctx
         self.graph = graph
@@ -111,11 +111,21 @@ class GraphBuilder:
         self.shape = shape
         self.n_tokens = shape.n_tokens
         self.inputs = inputs
-        self.rope_freqs = rope_freqs
+        self.rope_freqs: int | None = None  # llama 3's long-context factors, when the model has them
         starts = [0]
         for r in shape.requests:
             starts.append(starts[-1] + r.n_tokens)
         self.row_starts = starts  # request m owns stacked rows [starts[m], starts[m + 1])
+
+    @classmethod
+    def new(cls, spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, caches: list[KVCache | None],
+            shape: GraphShape, size: int) -> "GraphBuilder":
+        """A fresh ggml context and graph of ``size`` nodes, with the inputs ``slice_spec`` takes."""
+        ctx = ggml.new_context(size + 16, graph_nodes=size)
+        graph = ggml.new_graph_custom(ctx, size, False)
+        builder = cls(spec, ctx, graph, caches, shape, _new_inputs(ctx, spec, slice_spec, shape))
+        builder.rope_freqs = weights.rope_freqs
+        return builder
 
     def name(self, tensor: int, label: str, il: int = -1) -> int:
         ggml.set_name(tensor, (f"{label}-{il}" if il >= 0 else label).encode())
@@ -362,10 +372,8 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
     n_layers = slice_spec.stop - slice_spec.start
     every_row = shape.hidden and slice_spec.has_lm_head
     size = graph_size_for(n_layers + every_row, shape.attention_units, spec.n_expert_used)
-    ctx = ggml.new_context(size + 16, graph_nodes=size)
-    graph = ggml.new_graph_custom(ctx, size, False)
-    inputs = _new_inputs(ctx, spec, slice_spec, shape)
-    b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
+    b = GraphBuilder.new(spec, slice_spec, weights, caches, shape, size)
+    ctx, graph, inputs = b.ctx, b.graph, b.inputs
 
     if slice_spec.has_embedding:
         cur = b.name(ggml.get_rows(ctx, weights.tok_embd, inputs.tokens), "inp_embd")
@@ -412,10 +420,8 @@ def build_nextn_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
     every row (``extra_outputs["hidden"]``, before the norm), which feeds the next draft."""
     il, nw = slice_spec.start, weights.nextn
     size = graph_size_for(1, shape.attention_units, spec.n_expert_used) + 16
-    ctx = ggml.new_context(size + 16, graph_nodes=size)
-    graph = ggml.new_graph_custom(ctx, size, False)
-    inputs = _new_inputs(ctx, spec, slice_spec, shape)
-    b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
+    b = GraphBuilder.new(spec, slice_spec, weights, caches, shape, size)
+    ctx, graph, inputs = b.ctx, b.graph, b.inputs
     embd = b.norm(b.name(ggml.get_rows(ctx, nw.embd, inputs.tokens), "nextn_inp_embd"), nw.enorm, "nextn_enorm", il)
     hidden = b.norm(inputs.embd, nw.hnorm, "nextn_hnorm", il)
     cur = b.name(ggml.mul_mat(ctx, nw.eh_proj, ggml.concat(ctx, embd, hidden, 0)), "nextn_eh_proj", il)
@@ -436,10 +442,8 @@ def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceW
     and ``ffn_in`` (normed, what the experts take), ``selected`` (I32 [k, N] expert per slot) and
     ``weights`` (F32 [1, k, N]), computed exactly as the whole-layer graph computes them."""
     size = graph_size_for(1, shape.attention_units, spec.n_expert_used)
-    ctx = ggml.new_context(size + 16, graph_nodes=size)
-    graph = ggml.new_graph_custom(ctx, size, False)
-    inputs = _new_inputs(ctx, spec, SliceSpec(il, il + 1), shape)
-    b = GraphBuilder(spec, ctx, graph, caches, shape, inputs, weights.rope_freqs)
+    b = GraphBuilder.new(spec, SliceSpec(il, il + 1), weights, caches, shape, size)
+    ctx, graph, inputs = b.ctx, b.graph, b.inputs
     w = weights.layers[il]
     ffn_inp = attention_half(b, w, inputs.embd, il)
     ffn_in = b.norm(ffn_inp, w.ffn_norm, "ffn_norm", il)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -27,18 +27,17 @@ from . import ggml
 from .backend import Backend
 from .devices import Device, device_budget
 from .errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
-from .graph import GraphShape, RequestShape, SliceGraph, build_router_segment, build_slice_graph
+from .graph import GraphShape, RequestShape, SliceGraph, build_slice_graph
 from .gguf_file import GGUFFile
 from .graph_cache import GraphCache, PlacedGraph, place
 from .graph_inputs import InputHost, WithHidden
 from .device_split import DeviceSplit, layers_that_fit, split_for_device  # noqa: F401 (layers_that_fit: the API)
 from .kv_cache import KVCache, grown_capacity, pad_cells
+from .remote_experts import RemoteExpertLayers, RemoteExperts  # noqa: F401 (RemoteExperts: the API)
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
 
 Outputs = Literal["last", "all"]
-# (layer, rows [N, n_embd] for the experts, selected [N, k] expert ids) → outputs [N, k, n_embd]
-RemoteExperts = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 DEFAULT_MAX_CONTEXT = 4096
 GRAPH_CACHE_SIZE = 16  # decode graphs kept per engine (a batch's composition changes as requests come and go)
 CACHED_GRAPH_MAX_TOKENS = 64  # graphs with more tokens than this (prompt chunks) are not kept
@@ -155,6 +154,8 @@ class SliceEngine:
         # (shape, layer) → one layer's graph, for remote experts
         self._segments: GraphCache[tuple[GraphShape, int]] = GraphCache(
             GRAPH_CACHE_SIZE * max(1, len(slice_spec.layers)))
+        self._remote: RemoteExpertLayers | None = None if self.remote_experts is None else RemoteExpertLayers(
+            self.spec, slice_spec, self.weights, self.remote_experts, self._place, self._segments)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], slice_spec: SliceSpec, **kwargs) -> "SliceEngine":
@@ -226,7 +227,7 @@ class SliceEngine:
         tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int32) for s in steps]) if self.slice.nextn else None
         if self.remote_experts is not None:
             t1 = time.perf_counter()
-            outputs = self._forward_segmented(shape, requests, inputs, [s.start_pos for s in steps])
+            outputs = self._remote.forward(shape, [r.kv for r in requests], inputs, [s.start_pos for s in steps])
             t2 = time.perf_counter()
         else:
             placed = self._graph_for(shape, requests)
@@ -370,48 +371,6 @@ class SliceEngine:
         self.stats.graph_builds += 1
         return entry
 
-    def _forward_segmented(self, shape: GraphShape, requests: list[_Request], inputs: list[np.ndarray],
-                           starts: list[int]) -> list[np.ndarray]:
-        """Layer by layer, for remote experts: each MoE layer runs to its router here, the experts
-        run elsewhere, and their outputs are weighted and added here in slot order with float32
-        arithmetic, the same operations the whole-layer graph performs, so the bits match."""
-        x = inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
-        k = self.spec.n_expert_used
-        for il in self.slice.layers:
-            moe = self.weights.layers[il].is_moe
-            placed = self._segment_for(shape, requests, il, moe)
-            placed.host.set(x, starts)
-            graph = placed.graph
-            placed.compute()
-            residual = _read(graph.output, (shape.n_tokens, self.spec.n_embd), np.float32)
-            if not moe:
-                x = residual
-                continue
-            ffn_in = _read(graph.extra_outputs["ffn_in"], (shape.n_tokens, self.spec.n_embd), np.float32)
-            selected = _read(graph.extra_outputs["selected"], (shape.n_tokens, k), np.int32)
-            weights = _read(graph.extra_outputs["weights"], (shape.n_tokens, k), np.float32)
-            shared = graph.extra_outputs.get("shared")  # shared experts run here, with the stage
-            shared = _read(shared, (shape.n_tokens, self.spec.n_embd), np.float32) if shared else None
-            experts = np.asarray(self.remote_experts(il, ffn_in, selected), dtype=np.float32)
-            if experts.shape != (shape.n_tokens, k, self.spec.n_embd):
-                raise InputShapeError(f"expert outputs of shape {list(experts.shape)} do not fit")
-            x = _combine_experts(experts, weights, residual, shared)
-        bounds = np.cumsum([0] + [r.n_tokens for r in shape.requests])
-        return [x[a:b] for a, b in zip(bounds, bounds[1:])]
-
-    def _segment_for(self, shape: GraphShape, requests: list[_Request], il: int, moe: bool) -> PlacedGraph:
-        """Layer ``il`` alone (up to its router when it is a MoE layer), placed and kept."""
-        entry = self._segments.get((shape, il))
-        if entry is None:
-            caches = [r.kv for r in requests]
-            if moe:
-                graph = build_router_segment(self.spec, self.slice, self.weights, caches, shape, il)
-            else:
-                graph = build_slice_graph(self.spec, SliceSpec(il, il + 1), self.weights, caches, shape)
-            entry = self._place(graph, caches)
-            self._segments.put((shape, il), entry)
-        return entry
-
     def _free_transient(self) -> None:
         if self._transient is not None:
             self._transient.free()
@@ -486,23 +445,3 @@ def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[n
             shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation, rowwise=step.verify and n > 1))
     return GraphShape(tuple(shapes), tuple(step.key for step in steps),
                       hidden=makes_logits and any(step.hidden_rows for step in steps))
-
-
-def _combine_experts(experts: np.ndarray, weights: np.ndarray, residual: np.ndarray,
-                     shared: np.ndarray | None = None) -> np.ndarray:
-    """l_out = residual + the experts' outputs [n, k, n_embd] weighted [n, k] and added in slot
-    order (+ the shared experts' output), with the float32 operations the whole-layer graph
-    performs (GraphBuilder.combine_experts, then the architecture's FFN)."""
-    weighted = experts * weights[:, :, None]  # ggml_mul(experts, weights)
-    out = weighted[:, 0]
-    for slot in range(1, weighted.shape[1]):
-        out = out + weighted[:, slot]  # the views added in slot order
-    if shared is not None:
-        out = out + shared  # ffn_out = ffn_moe_out + ffn_shexp
-    return np.ascontiguousarray(out + residual, dtype=np.float32)  # l_out = ffn_out + ffn_inp
-
-
-def _read(tensor: int, shape: tuple[int, ...], dtype) -> np.ndarray:
-    out = np.empty(shape, dtype=dtype)
-    ggml.copy_out(tensor, out)
-    return out

@@ -24,6 +24,7 @@ from swarmctl.audit.meter import AuditSettings, attack_and_score, capture_traffi
 from swarmctl.audit.noise import UplinkNoise, calibrate
 from swarmctl.audit.traffic import run_prompts
 from swarmctl.node.local_swarm import Fronts, LocalSwarm, free_udp_port
+from plans.options import PlannerSettings
 from harness.swarm import swarmctl
 
 AUDIT_ROOT = Path(__file__).resolve().parents[1] / "swarmctl" / "audit"
@@ -36,7 +37,8 @@ def table_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def capture_swarm(bundled_model):
-    with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1, capture=True) as swarm:
+    with LocalSwarm(model=str(bundled_model), n_trunks=2, planner=PlannerSettings(head_layers=4),
+                    threads=1, capture=True) as swarm:
         yield swarm
 
 
@@ -134,7 +136,8 @@ def test_no_plaintext_on_the_wire(bundled_model):
             await relay.start()
         try:
             fronts = Fronts.behind([host_port, *trunk_ports], [str(r.address) for r in relays])
-            with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1, capture=True,
+            with LocalSwarm(model=str(bundled_model), n_trunks=2, planner=PlannerSettings(head_layers=4),
+                            threads=1, capture=True,
                             fronts=fronts) as swarm:
                 runs = await run_prompts(swarm, bundled_model, [text], max_tokens=4, n_threads=1)
                 packets = read_capture(f for d in swarm.capture_dirs for f in sorted(d.iterdir()))

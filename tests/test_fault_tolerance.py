@@ -25,6 +25,7 @@ from net.endpoint import Address
 from net.relay import ImpairedLink
 from swarmctl.asker.head_tail import Asker, InprocTrunk, generate_all, u_split
 from swarmctl.node.local_swarm import Fronts, LocalSwarm, free_udp_port
+from plans.options import PlannerSettings
 from swarmctl.asker.link import SwarmError, SwarmLink
 from swarmctl.node.home import SwarmHome
 from tests.conftest import N_THREADS
@@ -299,7 +300,8 @@ def test_lossy_jittery_links_and_a_3s_cut_change_nothing(bundled_model):
             await relay.start()
             relays.append(relay)
         fronts = Fronts.behind([host_port, *trunk_ports], [str(r.address) for r in relays])
-        with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1, fronts=fronts) as local:
+        with LocalSwarm(model=str(bundled_model), n_trunks=2, planner=PlannerSettings(head_layers=4),
+                        threads=1, fronts=fronts) as local:
             link = await SwarmLink.open(local.asker_home, alive_check=local.check_alive, min_stages=2,
                                         ready_timeout=120)
             asker = Asker(bundled_model, 4, n_threads=1)

@@ -12,6 +12,7 @@ from kernels.sampling import SamplingParams
 from net.endpoint import Address, ask_member
 from swarmctl.asker.head_tail import Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.node.local_swarm import LocalSwarm
+from plans.options import PlannerSettings
 from swarmctl.asker.link import SwarmLink
 from tests.conftest import N_THREADS
 
@@ -20,7 +21,7 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="module")
 def local_swarm(bundled_model):
-    with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4) as swarm:
+    with LocalSwarm(model=str(bundled_model), n_trunks=2, planner=PlannerSettings(head_layers=4)) as swarm:
         yield swarm
 
 

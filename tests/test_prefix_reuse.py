@@ -30,6 +30,7 @@ from net import messages as m
 from net.wire import FRAME_HEADER
 from swarmctl.commands.status import fetch_status, format_table
 from swarmctl.node.local_swarm import LocalSwarm
+from plans.options import PlannerSettings
 from swarmctl.trunk.prefixes import StagePrefixes
 from tests.conftest import N_THREADS, run_split
 
@@ -275,7 +276,7 @@ def test_an_account_reaches_only_its_own_prefixes_and_evicts_only_them(stage):
 
 @pytest.fixture(scope="module")
 def local_swarm(bundled_model):
-    with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4) as swarm:
+    with LocalSwarm(model=str(bundled_model), n_trunks=2, planner=PlannerSettings(head_layers=4)) as swarm:
         yield swarm
 
 

@@ -28,6 +28,7 @@ from swarmctl.asker.head_tail import Asker, generate_all
 from swarmctl.cli import main as cli_main
 from swarmctl.node.home import SwarmHome
 from swarmctl.node.local_swarm import LocalSwarm, free_udp_port
+from plans.options import PlannerSettings
 from swarmctl.node.membership import create_swarm
 from swarmctl.monitor.build import RawPoll, SnapshotBuilder
 from swarmctl.monitor.poller import Monitor, MonitorConfig
@@ -356,7 +357,7 @@ def test_golden_screen_when_the_host_stops_answering():
 
 @pytest.fixture(scope="module")
 def live_swarm(bundled_model):
-    with LocalSwarm(model=str(bundled_model), n_trunks=2, head_layers=4, threads=1) as swarm:
+    with LocalSwarm(model=str(bundled_model), n_trunks=2, planner=PlannerSettings(head_layers=4), threads=1) as swarm:
         yield swarm
 
 

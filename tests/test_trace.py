@@ -39,6 +39,7 @@ from net.wire import Hop, HopCall
 from swarmctl.asker.head_tail import Generation, TokenTiming, TrunkResult
 from swarmctl.batching import StepTiming
 from swarmctl.node.local_swarm import LocalSwarm
+from plans.options import PlannerSettings
 from swarmctl.asker.link import SwarmLink
 from swarmctl.asker.trace import ASKER, TraceInfo, generation_trace
 from harness.swarm import swarmctl
@@ -228,8 +229,9 @@ def test_a_speculative_steps_spans_are_labelled_with_the_tokens_it_produced(tmp_
 @pytest.fixture(scope="module")
 def moe_local_swarm(tiny_model):
     """A tiny qwen3moe: host, 2 stage trunks, 2 expert nodes (each a process), ready."""
-    with LocalSwarm(model=str(tiny_model("qwen3moe-q8_0")), n_trunks=4, head_layers=1, threads=1,
-                    expert_nodes=2) as swarm:
+    with LocalSwarm(model=str(tiny_model("qwen3moe-q8_0")), n_trunks=4,
+                    planner=PlannerSettings(head_layers=1, expert_nodes=2),
+                    threads=1) as swarm:
         async def whole() -> None:  # wait for the plan with both stages and both expert nodes
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
             await link.close()

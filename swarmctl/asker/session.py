@@ -154,6 +154,7 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
 async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.node.home import SwarmHome
     from swarmctl.node.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
+    from plans.options import PlannerSettings
     from swarmctl.model_files.models import checked_model
     from swarmctl.asker.link import SwarmLink
     from swarmctl.asker.local_link import open_local_link
@@ -183,7 +184,8 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             _check_local_head_layers(spec.n_layer, head_layers, layout.trunks)
             log.info("no swarm joined: starting a local one (%s)", layout.describe())
             threads = layout.asker_threads
-            local = LocalSwarm(model=str(model.resolve()), n_trunks=layout.trunks, head_layers=head_layers,
+            local = LocalSwarm(model=str(model.resolve()), n_trunks=layout.trunks,
+                               planner=PlannerSettings(head_layers=head_layers),
                                threads=layout.trunk_threads)
             swarm_home = local.asker_home
         if home.exists and model is not None:

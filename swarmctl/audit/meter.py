@@ -17,6 +17,7 @@ import numpy as np
 
 from plans.proposal import HEAD_LAYERS
 from swarmctl.node.local_swarm import LocalSwarm
+from plans.options import PlannerSettings
 
 from .attack import attack
 from .capture import capture_files
@@ -56,7 +57,8 @@ def load_prompts(path: Path | None = None) -> list[str]:
 
 def run_audit(model: Path, prompts: Sequence[str], settings: AuditSettings) -> AuditReport:
     threads = settings.swarm_threads or max(1, (os.cpu_count() or 1) // (settings.n_trunks + 1))
-    with LocalSwarm(model=str(model), n_trunks=settings.n_trunks, head_layers=settings.head_layers,
+    with LocalSwarm(model=str(model), n_trunks=settings.n_trunks,
+                    planner=PlannerSettings(head_layers=settings.head_layers),
                     threads=threads, capture=True) as swarm:
         runs, captures = capture_traffic(swarm, model, prompts, settings, threads)
         return attack_and_score(model, runs, captures, settings)  # the captures go with the swarm's folder

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kernels.errors import EngineError
@@ -132,13 +132,12 @@ class Fronts:
 
 
 class LocalSwarm:
-    def __init__(self, *, model: str | None, n_trunks: int, head_layers: int, threads: int | None = None,
-                 capture: bool = False, fronts: Fronts | None = None, expert_nodes: int = 0,
-                 wire_dtype: str = "f32") -> None:
-        """``fronts``: chosen ports, and other addresses to reach the nodes at (an impairing relay
-        in front of each); ``capture``: the trunks keep every frame (the audit); ``expert_nodes``:
-        for a mixture-of-experts model, that many of the trunks hold experts (expert parallelism);
-        ``wire_dtype``: how activations travel between the nodes (the swarm's --wire-dtype)."""
+    def __init__(self, *, model: str | None, n_trunks: int, planner: PlannerSettings = PlannerSettings(),
+                 threads: int | None = None, capture: bool = False, fronts: Fronts | None = None) -> None:
+        """``planner``: the swarm's planner settings (head layers, expert nodes, wire dtype; its
+        objective is always "even", below); ``fronts``: chosen ports, and other addresses to reach
+        the nodes at (an impairing relay in front of each); ``capture``: the trunks keep every frame
+        (the audit)."""
         if n_trunks < 1:
             raise EngineError("--trunk-nodes must be at least 1")
         self.n_trunks = n_trunks
@@ -155,8 +154,7 @@ class LocalSwarm:
                          # Every trunk here shares one machine: plan "even", so each of the N trunks
                          # asked for serves layers (the latency planner would rightly put them all on
                          # one, as an extra hop buys nothing).
-                         planner=PlannerSettings(objective="even", head_layers=head_layers,
-                                                 expert_nodes=expert_nodes, wire_dtype=wire_dtype))
+                         planner=replace(planner, objective="even"))
             ports = fronts.trunk_ports if fronts else [0] * n_trunks
             self.trunk_homes = [self._member_home(f"trunk-{i + 1}", model, f"127.0.0.1:{ports[i]}")
                                 for i in range(n_trunks)]
