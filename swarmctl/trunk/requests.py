@@ -19,6 +19,7 @@ import numpy as np
 
 from kernels.errors import EngineError, RequestStateError
 from kernels.slice import Step
+from net import clock
 from net.endpoint import close
 from net.protocol import StreamClosedError, SwarmProtocol
 from net.wire import FRAME_HEADER, MAX_HOPS, ActivationPacket, DType, Frame, FrameType, Hop, HopCall, PacketKind, \
@@ -113,7 +114,7 @@ class StageRequests:
     async def reap_idle(self, idle_timeout: float) -> None:
         while True:
             await asyncio.sleep(min(10.0, idle_timeout))
-            actions = self.routes.reap_idle(idle_timeout)
+            actions = self.routes.reap_idle(idle_timeout, clock.now())
             await self.prefixes.reap()
             for action in actions:
                 if isinstance(action, Release):
@@ -166,7 +167,7 @@ class StageRequests:
                                                    "before")
                 return
             reply_to = results_key(conn.peer_name, packet.reply_to) if entering else packet.reply_to
-            route, actions, problem = self.routes.claim(rid, conn, stream_id, packet.start_pos, reply_to)
+            route, actions, problem = self.routes.claim(rid, conn, stream_id, packet.start_pos, reply_to, clock.now())
             if problem:
                 self._refuse(conn, stream_id, rid, problem, retry=True)
                 return
