@@ -37,6 +37,7 @@ from swarmctl.trunk.context import TrunkContext, TrunkOptions
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
 from swarmctl.trunk.layer_checks import LayerChecks
+from swarmctl.trunk.layer_fetch import LayerFetch
 from swarmctl.trunk.layer_share import LayerShare, PeerFetches
 from swarmctl.trunk.links import TrunkLinks
 from swarmctl.trunk.requests import StageRequests
@@ -95,7 +96,7 @@ class TrunkService:
                                 lambda: self.held.plan.model_hash if self.held.plan else None)
         self.peers = PeerFetches(self._connect_member, self)
         self.held = Assignment(self.ctx, self, self.host, self.speed, remote_experts=self.expert_client.forward,
-                               share=self.share, peers=self.peers)
+                               fetch=LayerFetch(self.ctx, self.host, self.share, self.peers))
         self.expert_server = ExpertServer(self.ctx.executor, lambda: self.held.experts)
         self.results = ResultStreams()
         self.requests = StageRequests(self.ctx, self.held, self.results, capture=self._capture,
