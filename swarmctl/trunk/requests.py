@@ -105,8 +105,9 @@ class StageRequests:
     async def reap_idle(self, idle_timeout: float) -> None:
         while True:
             await asyncio.sleep(min(10.0, idle_timeout))
-            actions = self.routes.reap_idle(idle_timeout, clock.now())
-            await self.prefixes.reap()
+            now = clock.now()
+            actions = self.routes.reap_idle(idle_timeout, now)
+            await self.prefixes.reap(now)
             for action in actions:
                 if isinstance(action, Release):
                     log.info("request %s idle for over %.0fs: freeing its cache", action.request_id.hex()[:8],

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from net import clock
 from net.protocol import StreamClosedError, SwarmProtocol
 from net.wire import FRAME_HEADER, ActivationPacket, DType, Frame, FrameType, PacketKind, encode_packet
 from swarmctl.node.log_limit import LogLimit
@@ -62,7 +63,7 @@ class StageSender:
                 plan = self.held.plan
                 account = account_of(action.reply_to, plan) if plan is not None else ""
                 if not (plan is not None and await self.prefixes.keep(action.request_id, account, action.keep.prefix,
-                                                                        action.keep.positions)):
+                                                                        action.keep.positions, clock.now())):
                     await self.carry_out([FreeRequest(action.request_id)])
             elif isinstance(action, FreeRequest):
                 held = self.held
