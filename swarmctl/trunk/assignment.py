@@ -38,7 +38,8 @@ from swarmctl.trunk.context import TrunkContext, TrunkEvents
 from swarmctl.trunk.host_link import HostLink
 from swarmctl.trunk.layer_fetch import LayerFetch
 from swarmctl.trunk.speed_report import SpeedReport
-from swarmctl.trunk.standby import Standby, open_checked, open_standby
+from swarmctl.trunk.checked_open import open_checked
+from swarmctl.trunk.standby import Standby, open_standby
 
 log = logging.getLogger("swarmctl.trunk")
 

@@ -2,8 +2,8 @@
 
 Frames from any connection come here (it is the connections' ``ConnectionHandler``): slice
 transfers go to the host link, activation packets to the data path, expert calls to the expert
-server, and control messages (results subscriptions, link probes, stats, the host's layer
-checks) are answered here.
+server, and control messages are dispatched from here: results subscriptions, link probes and
+stats answered here, relayed links by ``links``, the host's layer checks by ``layer_checks``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from swarmctl.node.layer_proof import CHALLENGES
 from swarmctl.model_files.models import resolve_model
 from swarmctl.reaching.reach import Dialer, ask_route
 from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.capture import FrameCapture
 from swarmctl.trunk.context import TrunkContext, TrunkOptions
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
@@ -79,7 +80,7 @@ class TrunkService:
         self.ram_gb_s: float | None = None
         self._stop = stop
         self._tasks: set[asyncio.Task] = set()
-        self._capture_seq = 0
+        self._capture = FrameCapture(options.capture_dir)  # --capture: every frame, as bytes
         # What a trunk answers on streams other than the host's plan stream (net/dispatch.py).
         self.answers = Dispatcher({m.Subscribe: self._subscribe, m.Probe: self._probe, m.GetStats: self._stats,
                                    m.AllocateRelay: self._relay_wanted, m.FetchChunks: self._fetch_chunks,
@@ -332,17 +333,8 @@ class TrunkService:
         standby = self.held.standby.model if self.held.standby is not None else None
         return [p for p in (loaded, standby, self.model_path) if p is not None and p.exists()]
 
-    # --- what this trunk reports and keeps ---
+    # --- what this trunk reports ---
 
     def stats(self, window_s: float = 10.0) -> m.Stats:
         """``recent_batches`` over the last ``window_s`` seconds; ``requests_detail``: what this stage holds now."""
         return stats_reply(self, now=clock.now(), wall_time=time.time(), window_s=window_s)
-
-    def _capture(self, direction: str, frame: Frame) -> None:
-        """With --capture DIR, keep every frame this stage receives and sends, exactly as bytes:
-        what a curious member running this stage could see."""
-        if self.options.capture_dir is None:
-            return
-        self._capture_seq += 1
-        kind = frame.type.name.lower()
-        (self.options.capture_dir / f"{self._capture_seq:06d}-{direction}-{kind}.bin").write_bytes(frame.body)

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.slice import SliceEngine
 from kernels.spec import ModelSpec
 from plans.plan import Plan, StageAssignment
 from plans.planner import Constraints
 from swarmctl.trunk.assignment_core import room_for_both
+from swarmctl.trunk.checked_open import open_checked
 
 
 @dataclass
@@ -37,22 +37,6 @@ class Standby:
         if self.gguf is not None:
             self.gguf.close()
         self.engine = self.gguf = None
-
-
-def open_checked(model: Path, layers: range, plan: Plan) -> GGUFFile:
-    """Open the model (or slice) file, refusing it unless every layer we are to serve hashes to
-    what the host's copy does."""
-    gguf = GGUFFile(model)
-    try:
-        mismatched = [i for i in layers if gguf.layer_hash(i) != plan.layer_hashes[i]]
-        if mismatched:
-            raise EngineError(f"this trunk's copy of the model ({model.name}) differs from the "
-                              f"host's ({plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
-                              "refusing to serve them")
-    except BaseException:
-        gguf.close()
-        raise
-    return gguf
 
 
 def open_standby(staged: Plan, stage: StageAssignment, model: Path, *, held_bytes: int, memory: int,
