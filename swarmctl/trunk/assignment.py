@@ -317,7 +317,8 @@ class Assignment:
         if not self.core.confirm(confirmed):
             return False
         placement = self.engine.placement() if self.engine is not None and confirmed.role == "stage" else ""
-        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement, holds=self.fetch.holds()))
+        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement,
+                                      holds=self.fetch.holds()))
         return True
 
     def close(self) -> None:

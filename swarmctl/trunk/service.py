@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kernels.devices import device_budget
 from net import clock
-from net.endpoint import Address, close
+from net.endpoint import Address
 from net.punch import serve_on
 from net.turn import NatRelay
 from net.identity import revoked_reason, verify_member
@@ -227,7 +227,8 @@ class TrunkService:
         return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
                           ms_per_layer_token=self.speed.ms_per_layer_token,
                           device=self.device.label if self.device is not None else "cpu",
-                          local="" if self.advertise else local_address(self.address, self.config.host_addresses), relay=self.links.relay is not None,
+                          local="" if self.advertise else local_address(self.address, self.config.host_addresses),
+                          relay=self.links.relay is not None,
                           datagram_us=self.datagram_us, prompt_ms_per_layer_row=self.speed.prompt_figure,
                           holds=self.share.holds(), fetches=not self.model_path.exists(),
                           **ram_offer(self.ram_bytes, self.ram_gb_s))
