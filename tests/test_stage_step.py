@@ -59,6 +59,8 @@ def test_a_step_enters_here_unless_it_comes_from_the_stage_before():
     assert enters_here(p, B, "asker-1")  # an asker re-checking b alone
     assert enters_here(p, A, "asker-1")  # the first stage: every step enters
     assert enters_here(p, A, "a")  # (even its own member asking)
+    odd = plan(stages=(StageAssignment("x", "x:0", 2, 4), A, B))  # a stage ending where the trunk begins
+    assert enters_here(odd, A, "x")  # still: nothing comes to the first stage "from the stage before"
 
 
 def test_a_request_spends_its_members_account():
