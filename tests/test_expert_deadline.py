@@ -57,6 +57,17 @@ def test_a_dead_node_is_found_before_the_host_and_quic_give_up_on_it():
         DeadlinePolicy(floor_s=5.0, ceiling_s=4.0)
 
 
+
+def test_a_node_given_up_fails_its_calls_until_the_time_it_is_given_and_starts_afresh():
+    d = CallDeadlines(DeadlinePolicy(floor_s=1.0, default_s=2.0, min_calls=1))
+    d.record("e", 0.5)
+    assert not d.given_up("e", now=100.0)
+    d.give_up("e", now=100.0, for_s=8.0)
+    assert d.given_up("e", now=100.0) and d.given_up("e", now=107.9)
+    assert not d.given_up("e", now=108.0)  # the plan had time to move on: its calls are tried again
+    assert d.deadline("e") == 2.0  # with its old figures forgotten
+    assert not d.given_up("other", now=100.0)
+
 class _Node:
     """A stand-in connection to an expert node: answers each call after ``delay`` (never if
     None), and pings while ``alive``."""

@@ -246,9 +246,9 @@ def test_an_account_reaches_only_its_own_prefixes_and_evicts_only_them(stage):
     async def run() -> None:
         mine, theirs = secrets.token_bytes(16), secrets.token_bytes(16)
         await prefill(b"a" * 16, "alice")
-        assert await prefixes.keep(b"a" * 16, "alice", mine, 200)
+        assert await prefixes.keep(b"a" * 16, "alice", mine, 200, now=1.0)
         await prefill(b"b" * 16, "bob")
-        assert await prefixes.keep(b"b" * 16, "bob", theirs, 200)
+        assert await prefixes.keep(b"b" * 16, "bob", theirs, 200, now=1.0)
         # bob naming alice's id finds nothing (his own account's prefixes only), nor the reverse
         assert "no kept prefix" in await prefixes.resume(b"c" * 16, "bob", mine, 100)
         assert "no kept prefix" in await prefixes.resume(b"c" * 16, "alice", theirs, 100)
@@ -257,7 +257,7 @@ def test_an_account_reaches_only_its_own_prefixes_and_evicts_only_them(stage):
         flood = [secrets.token_bytes(16) for _ in range(5)]
         for i, prefix in enumerate(flood):
             await prefill(bytes([i]) * 16, "alice")
-            assert await prefixes.keep(bytes([i]) * 16, "alice", prefix, 200)
+            assert await prefixes.keep(bytes([i]) * 16, "alice", prefix, 200, now=1.0)
         assert stage.budget.usage("alice").kv_bytes <= stage.budget.limits.member_kv_bytes
         assert "no kept prefix" in await prefixes.resume(b"c" * 16, "alice", mine, 100)  # her oldest went
         assert await prefixes.resume(b"d" * 16, "alice", flood[-1], 150) == ""  # her newest is there
@@ -271,6 +271,25 @@ def test_an_account_reaches_only_its_own_prefixes_and_evicts_only_them(stage):
     stats = stage.budget.stats()
     assert stats["members"]["alice"]["cached_tokens"] == 200 * (stage.budget.usage("alice").kept)
 
+
+
+def test_a_kept_prefix_goes_once_idle_for_longer_than_the_reap_allows_by_the_clock_given(stage):
+    prefixes = StagePrefixes("stage-1", stage)
+    hidden = np.random.default_rng(6).standard_normal((50, stage.engine.spec.n_embd)).astype(np.float32)
+    rid, prefix = secrets.token_bytes(16), secrets.token_bytes(16)
+
+    async def run() -> tuple[str, str]:
+        assert await prefixes.admit(rid, "carol", stage.engine.kv_bytes_after(rid, 50)) == ""
+        await stage.runner.run(Step(rid, 0, hidden=hidden))
+        assert await prefixes.keep(rid, "carol", prefix, 50, now=1000.0)
+        await prefixes.reap(now=1500.0, idle_s=600.0)  # idle 500 s: kept
+        kept = stage.budget.usage("carol").kept_positions
+        await prefixes.reap(now=1601.0, idle_s=600.0)  # idle 601 s: freed
+        return kept, await prefixes.resume(secrets.token_bytes(16), "carol", prefix, 10)
+
+    kept, resumed = asyncio.run(run())
+    assert kept == 50
+    assert "no kept prefix" in resumed and stage.budget.usage("carol").kept_positions == 0
 
 # --- through a swarm: stages keep the prefix; one that lost it costs a replay ---
 

@@ -20,13 +20,14 @@ class Peer:
 
 
 A, B = b"a" * 16, b"b" * 16  # request ids
+T0 = 100.0  # the clock the tests give the table
 
 
 def started(table: RouteTable, rid: bytes, asker: Peer, in_stream: int, nxt: Peer | None = None,
             out_stream: int | None = None):
     """A request whose first step ran here (and went on to ``nxt`` on ``out_stream``)."""
     table.stream_carries_requests(asker, in_stream)
-    route, actions, problem = table.claim(rid, asker, in_stream, 0, "alice/01")
+    route, actions, problem = table.claim(rid, asker, in_stream, 0, "alice/01", now=T0)
     assert (actions, problem) == ([], "")
     table.commit(rid, route)
     if nxt is not None:
@@ -64,7 +65,7 @@ def test_end_on_an_abandoned_stream_ends_only_that_stream():
 def test_a_request_that_starts_over_gives_up_its_old_stream_onward():
     table, asker, nxt = RouteTable(), Peer("asker"), Peer("next")
     old = started(table, A, asker, 4, nxt, 8)
-    route, actions, problem = table.claim(A, asker, 12, 0, "alice/01")  # replayed from position 0
+    route, actions, problem = table.claim(A, asker, 12, 0, "alice/01", now=T0)  # replayed from position 0
     assert problem == "" and route is not old
     assert ends(actions, FinishStream) == [("next", 8)] and old.out_stream is None
 
@@ -72,7 +73,7 @@ def test_a_request_that_starts_over_gives_up_its_old_stream_onward():
 def test_a_later_step_on_a_second_stream_is_refused_and_changes_nothing():
     table, asker, nxt = RouteTable(), Peer("asker"), Peer("next")
     old = started(table, A, asker, 4, nxt, 8)
-    route, actions, problem = table.claim(A, asker, 12, 5, "alice/01")
+    route, actions, problem = table.claim(A, asker, 12, 5, "alice/01", now=T0)
     assert route is None and actions == [] and "in use on another stream" in problem
     assert table.get(A) is old and old.out_stream == 8
 
@@ -123,7 +124,7 @@ def test_a_reset_request_stream_frees_its_request_and_ends_our_side():
 def test_release_of_a_route_the_request_left_frees_nothing():
     table, asker = RouteTable(), Peer("asker")
     old = started(table, A, asker, 4)
-    route, _, _ = table.claim(A, asker, 12, 0, "alice/01")
+    route, _, _ = table.claim(A, asker, 12, 0, "alice/01", now=T0)
     table.commit(A, route)  # it started over on stream 12
     assert table.take(A, old) == []
     assert table.get(A) is route
@@ -184,3 +185,14 @@ def test_draft_checks_count_every_draft_kept_when_the_next_step_starts_past_them
     assert (checks.drafted, checks.accepted) == (3, 3)
     checks.step(18, 1, verify=False)
     assert (checks.drafted, checks.accepted) == (6, 6)
+
+
+def test_a_step_stamps_its_route_with_the_now_it_is_given_and_the_reap_reads_that():
+    table, asker = RouteTable(), Peer("asker")
+    route = started(table, A, asker, 4)
+    assert route.last_active == T0
+    again, _, problem = table.claim(A, asker, 4, 5, "alice/01", now=T0 + 250.0)  # its next step, later
+    assert again is route and problem == "" and route.last_active == T0 + 250.0
+    assert table.reap_idle(300.0, now=T0 + 301.0) == []  # idle since the second step only
+    actions = table.reap_idle(300.0, now=T0 + 551.0)
+    assert [r.request_id for r in actions if isinstance(r, Release)] == [A]

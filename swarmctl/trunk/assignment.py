@@ -1,5 +1,9 @@
 """What the plan gives this trunk, loaded: a stage's layers or an expert node's experts.
 
+Which plan is applied and what applying it takes (load or re-confirm, take over the standby,
+load again because the plan moved on, say ``ready``) is decided in ``assignment_core`` with no
+I/O; this module carries it out on the compute thread and tells the host.
+
 Applying a plan checks it (a placement that leaves experts unplaced is refused before anything
 runs), then loads in the background on the compute thread: fetch the slice from the host when
 the model file is missing, open it once with every layer checked against the host's hashes,
@@ -8,172 +12,133 @@ are in place, the host hears ``ready`` once per (plan version, assignment).
 
 Make-before-break: a plan the host *staged* (``Plan.staged``) is loaded beside the one served: its
 layers fetched and checked and, where this trunk's memory holds both, its engine built in a
-``Standby``, while the engine in use serves on. When the host publishes that plan, the standby
-takes over at once; a trunk that could not hold both builds the engine then, from the checked file.
+``Standby`` (swarmctl/trunk/standby.py), while the engine in use serves on. When the host publishes
+that plan, the standby takes over at once; a trunk that could not hold both builds the engine
+then, from the checked file. Layers come from the swarm without a model file (layer_fetch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
 from kernels.slice import Placement, RemoteExperts, SliceEngine
-from kernels.spec import ModelSpec, SliceSpec
+from kernels.spec import SliceSpec
 from net import messages as m
-from plans.plan import ExpertAssignment, Plan, PlanError, StageAssignment
+from plans.plan import ExpertAssignment, Plan, StageAssignment
 from plans.planner import Constraints
 from swarmctl.batching import BatchRunner
+from swarmctl.trunk.assignment_core import AssignmentCore, Confirmed, HeldExperts, HeldLayers, LoadKind
 from swarmctl.trunk.budget import Limits, MemberBudget
-from swarmctl.model_files.fetch_progress import FetchProgress
 from swarmctl.trunk.context import TrunkContext, TrunkEvents
 from swarmctl.trunk.host_link import HostLink
-from swarmctl.trunk.layer_share import LayerShare, PeerFetches
+from swarmctl.trunk.layer_fetch import LayerFetch
 from swarmctl.trunk.speed_report import SpeedReport
+from swarmctl.trunk.checked_open import open_checked
+from swarmctl.trunk.standby import Standby, open_standby
 
 log = logging.getLogger("swarmctl.trunk")
 
 NO_LAYERS = Limits(0, 0, 0, "no layers loaded")
 
 
-@dataclass(frozen=True)
-class Confirmed:
-    """What the host last heard ``ready`` for."""
-
-    plan_version: int
-    role: str  # "stage" or "experts"
-    start: int  # layers (a stage) or experts (an expert node)
-    stop: int
-
-
-@dataclass
-class Standby:
-    """The next plan's stage, loaded beside the one served (``engine`` None: no room for both yet)."""
-
-    version: int
-    stage: StageAssignment
-    model: Path
-    gguf: GGUFFile | None = None
-    engine: SliceEngine | None = None
-
-    def close(self) -> None:
-        """On the compute thread."""
-        if self.engine is not None:
-            self.engine.close()
-        if self.gguf is not None:
-            self.gguf.close()
-        self.engine = self.gguf = None
-
-
-def open_checked(model: Path, layers: range, plan: Plan) -> GGUFFile:
-    """Open the model (or slice) file, refusing it unless every layer we are to serve hashes to
-    what the host's copy does."""
-    gguf = GGUFFile(model)
-    try:
-        mismatched = [i for i in layers if gguf.layer_hash(i) != plan.layer_hashes[i]]
-        if mismatched:
-            raise EngineError(f"this trunk's copy of the model ({model.name}) differs from the "
-                              f"host's ({plan.model_name}) in layers {mismatched[0]}..{mismatched[-1]}; "
-                              "refusing to serve them")
-    except BaseException:
-        gguf.close()
-        raise
-    return gguf
-
-
 class Assignment:
     def __init__(self, ctx: TrunkContext, events: TrunkEvents, host: HostLink, speed: SpeedReport,
-                 remote_experts: RemoteExperts | None, share: LayerShare | None = None,
-                 peers: PeerFetches | None = None) -> None:
+                 remote_experts: RemoteExperts | None, fetch: LayerFetch | None = None) -> None:
         """``remote_experts``: how a stage's slice calls the routed experts other nodes hold
-        (ExpertClient.forward), for plans that place experts on expert nodes. ``share``: what
-        this trunk holds and serves (told to the host with ``ready``); ``peers``: fetching from
-        members that hold our layers too."""
+        (ExpertClient.forward), for plans that place experts on expert nodes. ``fetch``: where
+        layers come from without a model file, and what this trunk holds and serves (told to the
+        host with ``ready``)."""
         self.name = ctx.name
         self.device = ctx.device  # where stage slices compute (experts stay on the CPU)
         self.model_path = ctx.model_path
-        self.slices_dir = ctx.slices_dir  # layers fetched from the swarm when the model file is missing
         self.memory = ctx.memory
         self.n_threads = ctx.n_threads
-        self.plan: Plan | None = None
+        self.core = AssignmentCore(ctx.name)  # every decision (assignment_core.py); this class carries them out
         self.stage: StageAssignment | None = None
         self.engine: SliceEngine | None = None
         self.runner: BatchRunner | None = None  # batches the engine's steps (continuous batching)
         self.experts: ExpertEngine | None = None  # when the plan makes this trunk an expert node
         self.gguf: GGUFFile | None = None
         self.budget = MemberBudget(NO_LAYERS)  # requests and KV per member
-        self.fetched_bytes = 0
+        self.fetch = fetch if fetch is not None else LayerFetch(ctx, host)
         self._executor = ctx.executor
         self._host = host
         self._speed = speed
-        self._share = share
-        self._peers = peers
         self._remote_experts = remote_experts
         self._events = events
         self._spawn = ctx.spawn
         self._loading: asyncio.Task | None = None
-        # True while a load replaces the layers held (steps are refused meanwhile); a plan that
-        # keeps them only re-confirms them, and steps run on through that.
-        self.swapping = False
-        self._confirmed: Confirmed | None = None
         self.standby: Standby | None = None  # the staged plan's stage, loaded beside this one
-        self._preparing: int | None = None  # the staged plan version being prepared
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.core.plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self.core.plan = plan
+
+    @property
+    def swapping(self) -> bool:
+        """A load replaces the layers held: steps are refused meanwhile."""
+        return self.core.swapping
+
+    @property
+    def fetched_bytes(self) -> int:
+        return self.fetch.fetched_bytes
 
     @property
     def loading(self) -> bool:
         return self._loading is not None and not self._loading.done()
 
     def host_reconnected(self) -> None:
-        self._confirmed = None  # a (re)connected host needs to hear ``ready`` again
+        self.core.host_reconnected()
 
     def accept(self, plan: Plan) -> bool:
         """Take a plan the host pushed, or refuse it (logged) if it cannot run as written."""
-        try:
-            plan.check_experts()
-        except PlanError as e:
-            log.error("refusing plan v%d: %s", plan.version, e)
+        accepted = self.core.accept(plan)
+        if accepted.refusal:
+            log.error("refusing plan v%d: %s", plan.version, accepted.refusal)
             return False
-        self.plan = plan
         if self.engine is not None:
             self.budget.limits = self.budget_limits()  # the planned context and concurrency may have moved
-        if self._preparing not in (None, plan.version, plan.next_version):
-            self._preparing = None  # the host gave the staged plan up
+        if accepted.give_up_staged:
             self._drop_standby()
         return True
+
+    def _held_layers(self) -> HeldLayers | None:
+        engine = self.engine
+        return HeldLayers(engine.slice.start, engine.slice.stop, engine.remote_experts is not None) \
+            if engine is not None else None
 
     # --- a staged plan (make-before-break) ---
 
     def prepare(self, staged: Plan) -> None:
         """Load our stage of a plan the host staged, beside what we serve, and say ``ready`` for it;
         the plan in use keeps being served until the host publishes the staged one."""
-        stage = staged.stage_for(self.name)
-        if stage is None or self._preparing == staged.version or \
-                (self.plan is not None and staged.version <= self.plan.version):
-            return
-        self._preparing = staged.version
-        self._spawn(self._prepare(staged, stage))
+        stage = self.core.prepare(staged)
+        if stage is not None:
+            self._spawn(self._prepare(staged, stage))
 
     async def _prepare(self, staged: Plan, stage: StageAssignment) -> None:
         loop = asyncio.get_running_loop()
-        serving = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
-            (stage.start, stage.stop) and self.engine.remote_experts is None
+        serving = self.core.serves_already(self._held_layers(), stage)
         if not serving:
             try:
-                model = await self._model_for(stage, staged)
+                model = await self.fetch.stage_file(stage, staged)
                 standby = await loop.run_in_executor(self._executor, self._open_standby, staged, stage, model)
             except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
                 log.error("cannot load layers [%d, %d) of staged plan v%d: %s", stage.start, stage.stop,
                           staged.version, e)
-                if self._preparing == staged.version:
+                if self.core.still_preparing(staged.version):
                     await self._host.tell(m.Refuse(reason=str(e)))
                 return
-            if self._preparing != staged.version or (self.plan is not None and self.plan.version >= staged.version):
+            if not self.core.staged_wanted(staged.version):
                 # given up meanwhile, or published before this trunk was ready (the host's deadline)
                 await loop.run_in_executor(self._executor, standby.close)
                 return
@@ -185,25 +150,13 @@ class Assignment:
                      *((self.stage.start, self.stage.stop) if self.stage else (0, 0)))
         await self._host.tell(m.Ready(plan_version=staged.version,
                                       placement=self.engine.placement() if serving and self.engine else "",
-                                      holds=self._holds()))
+                                      holds=self.fetch.holds()))
 
     def _open_standby(self, staged: Plan, stage: StageAssignment, model: Path) -> Standby:
-        """On the compute thread: the staged stage's file checked and, if this trunk's memory holds it
-        beside the engine in use (weights and the KV its requests hold), its engine built."""
-        standby = Standby(staged.version, stage, model)
-        gguf = open_checked(model, range(stage.start, stage.stop), staged)
+        """On the compute thread (where the engine in use and the KV its requests hold are read)."""
         held = self.engine.weights.n_bytes + self.engine.kv_bytes if self.engine is not None else 0
-        needed = stage.memory_used or sum(ModelSpec.from_gguf(gguf).layer_bytes[stage.start:stage.stop])
-        if held + needed + Constraints().reserve_bytes > self.memory:
-            gguf.close()
-            return standby
-        try:
-            standby.engine = self._new_engine(gguf, stage, staged)
-        except BaseException:
-            gguf.close()
-            raise
-        standby.gguf = gguf
-        return standby
+        return open_standby(staged, stage, model, held_bytes=held, memory=self.memory,
+                            build=lambda gguf: self._new_engine(gguf, stage, staged))
 
     def _drop_standby(self) -> None:
         if self.standby is not None:
@@ -217,20 +170,15 @@ class Assignment:
 
     def apply(self) -> None:
         """Start loading what the current plan gives us, unless a load in progress will re-read it."""
-        plan = self.plan
-        if self.loading and self._loading is not asyncio.current_task():
-            return  # the load in progress re-reads the plan when it finishes (and calls this again)
-        expert = plan.expert_for(self.name)
-        if expert is not None:
-            self._loading = asyncio.ensure_future(self._load_experts(expert))
-            return
-        stage = plan.stage_for(self.name)
-        if stage is None:
+        load = self.core.next_load(loading_elsewhere=self.loading and self._loading is not asyncio.current_task())
+        if load.kind == LoadKind.EXPERTS:
+            self._loading = asyncio.ensure_future(self._load_experts(load.expert))
+        elif load.kind == LoadKind.STAGE:
+            self._loading = asyncio.ensure_future(self._load_stage(load.stage))
+        elif load.kind == LoadKind.NOTHING:
             if self.stage is not None:
-                log.info("plan v%d gives this trunk no layers", plan.version)
+                log.info("plan v%d gives this trunk no layers", self.plan.version)
             self.stage = None
-            return
-        self._loading = asyncio.ensure_future(self._load_stage(stage))
 
     def budget_limits(self) -> Limits:
         """What one member may hold here: derived from what the plan reserves at this stage
@@ -246,22 +194,17 @@ class Assignment:
 
     async def _load_stage(self, stage: StageAssignment) -> None:
         loop = asyncio.get_running_loop()
-        remote = bool(self.plan.experts)  # routed experts elsewhere?
-        same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
-            (stage.start, stage.stop) and (self.engine.remote_experts is not None) == remote
         standby = self.standby
-        if standby is not None and (standby.version != self.plan.version or
-                                    (standby.stage.start, standby.stage.stop) != (stage.start, stage.stop)):
-            standby = None
-        if not same:
-            self.swapping = True
+        load = self.core.start_stage_load(stage, self._held_layers(),
+                                          (standby.version, standby.stage) if standby is not None else None)
+        if load.replaces:
             try:
                 await self._let_go("this stage is loading other layers")
-                if standby is not None:  # loaded beside the old layers while the host staged this plan
+                if load.take_standby:  # loaded beside the old layers while the host staged this plan
                     await loop.run_in_executor(self._executor, self._take_standby, standby)
                     model = standby.model
                 else:
-                    model = await self._model_for(stage, self.plan)
+                    model = await self.fetch.stage_file(stage, self.plan)
                     await loop.run_in_executor(self._executor, self._open_stage, stage, model)
                 if self._speed.ms_per_layer_token is None:  # measure now that the layers are here
                     await self._speed.measure_slice(model, stage.start)
@@ -271,26 +214,18 @@ class Assignment:
                 self._events.fail(str(e))
                 return
             finally:
-                self.swapping = False
+                self.core.load_ended()
         self.stage = stage
-        latest = self.plan.stage_for(self.name) if self.plan else None
-        if latest is None or (latest.start, latest.stop) != (stage.start, stage.stop):
+        after = self.core.after_load(stage)
+        if after.again:
             self.apply()  # the plan moved on while we loaded (maybe to experts, or to nothing)
             return
-        self.stage = latest  # these layers as the newest plan has them (how their output travels may differ)
-        plan = self.plan
-        if await self._confirm(Confirmed(plan.version, "stage", stage.start, stage.stop)):
-            log.info("serving layers [%d, %d) under plan v%d on %s", stage.start, stage.stop, plan.version,
+        self.stage = after.latest  # these layers as the newest plan has them (how their output travels may differ)
+        if await self._confirm(after.confirmed):
+            log.info("serving layers [%d, %d) under plan v%d on %s", stage.start, stage.stop, after.plan.version,
                      self.engine.placement() if self.engine else "?")
-            self._spawn(self._events.serving(plan))
-        self._reapply_if_moved(plan)
-
-    def _reapply_if_moved(self, plan: Plan) -> None:
-        """A plan that arrived while this load told the host it was ready was left to the load
-        (``apply`` returns while one runs): take it up now, or this trunk would serve the old
-        assignment under the new plan's version (seen: a wire dtype changed by `config` while
-        the layers stayed, and the stage kept sending the old one)."""
-        if self.plan is not plan:
+            self._spawn(self._events.serving(after.plan))
+        if self.core.moved_since(after.plan):
             self.apply()
 
     def _take_standby(self, standby: Standby) -> None:
@@ -325,95 +260,35 @@ class Assignment:
                            placement=Placement(device=self.device, gpu_memory=self.memory),
                            remote_experts=self._remote_experts if plan.experts else None)
 
-    async def _model_for(self, stage: StageAssignment, plan: Plan) -> Path:
-        """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
-        if self.model_path.exists():
-            return self.model_path
-        from swarmctl.model_files.distribution import fetch_slice
-
-        if not self._host.is_open:
-            raise EngineError("no model file and no host to fetch layers from")
-        crash_after = os.environ.get("SWARMCTL_TEST_FETCH_CRASH_AFTER")  # fault injection for the resume test
-        members = self._peers.sources(self._report_source) if self._peers is not None else None
-        try:
-            path, received = await fetch_slice(
-                self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
-                model_hash=plan.model_hash, start=stage.start, stop=stage.stop, layer_hashes=plan.layer_hashes,
-                on_progress=self._progress(f"layers [{stage.start}, {stage.stop})"),
-                stop_after_bytes=int(crash_after) if crash_after else None, members=members)
-        finally:
-            if self._peers is not None:
-                await self._peers.release()
-        self.fetched_bytes += received
-        log.info("layers [%d, %d) ready in %s (%.1f MB received)", stage.start, stage.stop, path.name, received / 1e6)
-        return path
-
-    def _report_source(self, member: str, reason: str) -> None:
-        """A member sent us a chunk that failed the host's hash: the host hears of it."""
-        self._spawn(self._host.tell(m.BadSource(member=member, reason=reason[:300])))
-
-    def _progress(self, what: str) -> Callable[[int, int], None]:
-        """A fetch's ``on_progress``: a line in the log every so often with the rate and the time
-        left, and the host told (status and top show it; the planner prices moves at the rate)."""
-        progress = FetchProgress(what)
-
-        def update(done: int, total: int) -> None:
-            progress.update(done, total)
-            if progress.log_due():
-                log.info("%s", progress.line())
-            if progress.report_due():
-                self._spawn(self._host.tell(m.Fetching(what=what[:200], done=done, total=total,
-                                                       bytes_per_s=progress.bytes_per_s, finished=progress.finished)))
-        return update
-
     # --- an expert node ---
 
     async def _load_experts(self, expert: ExpertAssignment) -> None:
         """Expert parallelism: hold experts [start, stop) of every MoE trunk layer, serve calls."""
         loop = asyncio.get_running_loop()
         start, stop = self.plan.trunk_range
-        held = self.experts is not None and (self.experts.first, self.experts.last, self.experts.layers) == \
-            (expert.start, expert.stop, range(start, stop))
-        if not held:
+        experts = self.experts
+        held = HeldExperts(experts.first, experts.last, experts.layers) if experts is not None else None
+        if not self.core.holds_experts(held, expert, (start, stop)):
             await self._let_go("this trunk now serves experts")
             await loop.run_in_executor(self._executor, self.unload)
             self.stage = None
             try:
-                model = await self._experts_file(expert, self.plan)
+                model = await self.fetch.experts_file(expert, self.plan)
                 await loop.run_in_executor(self._executor, self._open_experts, model, range(start, stop),
                                            expert.start, expert.stop)
             except (EngineError, asyncio.TimeoutError, ConnectionError) as e:
                 log.error("%s", e)
                 await self._host.tell(m.Refuse(reason=str(e)))
                 return
-        latest = self.plan.expert_for(self.name)
-        if latest is None or (latest.start, latest.stop) != (expert.start, expert.stop):
+        after = self.core.after_load(expert)
+        if after.again:
             self.apply()
             return
-        plan = self.plan
-        if await self._confirm(Confirmed(plan.version, "experts", expert.start, expert.stop)):
+        if await self._confirm(after.confirmed):
             log.info("serving experts [%d, %d) of layers [%d, %d) under plan v%d", expert.start, expert.stop,
-                     start, stop, plan.version)
-        self._reapply_if_moved(plan)
-
-    async def _experts_file(self, expert: ExpertAssignment, plan: Plan) -> Path:
-        """Our model file, or a file with just our experts of the trunk's layers, fetched if need be."""
-        if self.model_path.exists():
-            return self.model_path
-        from swarmctl.model_files.expert_slices import fetch_experts
-
-        if not self._host.is_open:
-            raise EngineError("no model file and no host to fetch experts from")
-        start, stop = plan.trunk_range
-        what = f"experts [{expert.start}, {expert.stop}) of layers [{start}, {stop})"
-        path, received = await fetch_experts(
-            self._host.conn, self._host.open_fetch, self._host.close_fetch, self.slices_dir,
-            model_hash=plan.model_hash, start=start, stop=stop, first=expert.start, last=expert.stop,
-            layer_hashes=plan.layer_hashes,
-            on_progress=self._progress(what))
-        self.fetched_bytes += received
-        log.info("%s ready in %s (%.1f MB received)", what, path.name, received / 1e6)
-        return path
+                     start, stop, after.plan.version)
+        if self.core.moved_since(after.plan):
+            self.apply()
 
     def _open_experts(self, model: Path, layers: range, first: int, last: int) -> None:
         """On the compute thread. The model file is checked against the plan's layer hashes here;
@@ -439,15 +314,12 @@ class Assignment:
 
     async def _confirm(self, confirmed: Confirmed) -> bool:
         """Tell the host we are ready, once per plan version and assignment."""
-        if self._confirmed == confirmed:
+        if not self.core.confirm(confirmed):
             return False
-        self._confirmed = confirmed
         placement = self.engine.placement() if self.engine is not None and confirmed.role == "stage" else ""
-        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement, holds=self._holds()))
+        await self._host.tell(m.Ready(plan_version=confirmed.plan_version, placement=placement,
+                                      holds=self.fetch.holds()))
         return True
-
-    def _holds(self) -> list[tuple[int, int]]:
-        return self._share.holds() if self._share is not None else []
 
     def close(self) -> None:
         """On the compute thread: everything this trunk holds, the standby too."""

@@ -13,7 +13,9 @@ own wait fails the call and the request is replayed as for a dead stage. Since a
 costs a ping, the deadline can be short; the ping's wait is what must not mistake a busy node for
 a dead one (a false verdict costs the request a replay), so it has a floor of its own.
 
-No I/O here: ``record`` what each answered call took, ask ``deadline`` before the next one.
+No I/O here: ``record`` what each answered call took, ask ``deadline`` before the next one;
+a node found dead is ``give_up``-ed, and its calls fail at once (``given_up``) for a while after
+``now``, the clock the caller passes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class CallDeadlines:
 
     policy: DeadlinePolicy = DeadlinePolicy()
     _recent: dict[str, deque[float]] = field(default_factory=dict)  # node → seconds of its answered calls
+    _given_up: dict[str, float] = field(default_factory=dict)  # node → until when its calls fail at once
 
     def record(self, node: str, seconds: float) -> None:
         """An answered call to ``node`` took ``seconds`` (sent to answer decoded)."""
@@ -69,3 +72,12 @@ class CallDeadlines:
         """The node's figures no longer apply (it was found dead; a member of that name that comes
         back may be another machine)."""
         self._recent.pop(node, None)
+
+    def give_up(self, node: str, now: float, for_s: float) -> None:
+        """The node answered neither a call nor a ping: its calls fail at once until ``for_s``
+        after ``now``, and its figures are forgotten."""
+        self._given_up[node] = now + for_s
+        self.forget(node)
+
+    def given_up(self, node: str, now: float) -> bool:
+        return now < self._given_up.get(node, 0.0)

@@ -20,6 +20,7 @@ import numpy as np
 
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine, rows_for
+from net import clock
 from net.liveness import SILENCE_LIMIT
 from net.ping import ping_ms
 from net.protocol import SwarmProtocol
@@ -72,7 +73,6 @@ class ExpertClient:
         self.recent: deque[CallTiming] = deque(maxlen=RECENT_CALLS)  # newest last
         self.deadlines = CallDeadlines()  # how long each node's next answer may take (call_deadline.py)
         self.on_unanswered = on_unanswered
-        self._given_up: dict[str, float] = {}  # node → until when (monotonic) its calls fail at once
 
     def forward(self, layer: int, x: np.ndarray, selected: np.ndarray) -> np.ndarray:
         """On the compute thread (the slice engine's ``remote_experts``): the outputs of each row's
@@ -94,7 +94,7 @@ class ExpertClient:
         if rows.size == 0:
             return
         member = assignment.member
-        if time.monotonic() < self._given_up.get(member, 0.0):
+        if self.deadlines.given_up(member, clock.now()):
             raise RemoteExpertError(f"expert node {member} stopped answering; waiting for the plan to move on")
         started = time.perf_counter()
         conn = self.conns.get(member)
@@ -141,8 +141,7 @@ class ExpertClient:
     def _give_up(self, member: str, conn: SwarmProtocol, waited: float) -> None:
         log.warning("expert node %s answered neither a call nor a ping for %.1fs: failing its calls for %.0fs "
                     "(requests are replayed once the plan moves on)", member, waited, GIVEN_UP_S)
-        self._given_up[member] = time.monotonic() + GIVEN_UP_S
-        self.deadlines.forget(member)
+        self.deadlines.give_up(member, clock.now(), GIVEN_UP_S)
         if self.conns.get(member) is conn:
             del self.conns[member]
         conn.close_with("no answer to an expert call or a ping")

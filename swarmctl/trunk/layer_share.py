@@ -21,13 +21,13 @@ import asyncio
 import logging
 import os
 import re
-import time
 from pathlib import Path
 from typing import Callable
 
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec, layer_of
+from net import clock
 from net import messages as m
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import Frame
@@ -47,12 +47,17 @@ class UploadBudget:
         self.bytes_per_s = bytes_per_s
         self._free_at = 0.0  # when what was let go so far has gone out at the budget's rate
 
-    async def take(self, n: int) -> None:
-        now = time.monotonic()
+    def wait_s(self, n: int, now: float) -> float:
+        """Seconds from ``now`` until ``n`` more bytes may go, booking them: what was let go before
+        must have gone out at the budget's rate first."""
         start = max(now, self._free_at)
         self._free_at = start + n / self.bytes_per_s
-        if start > now:
-            await asyncio.sleep(start - now)
+        return start - now
+
+    async def take(self, n: int) -> None:
+        wait = self.wait_s(n, clock.now())
+        if wait > 0:
+            await asyncio.sleep(wait)
 
 
 class LayerShare:

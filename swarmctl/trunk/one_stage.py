@@ -9,7 +9,7 @@ from that account (swarmctl/host/reports.py). This is where the stage keeps that
 reads it from the stage's ``stats`` (``one_stage``).
 
 What it takes to fake: the account is bound to the sender's certificate where a request enters
-(requests.account_of), and a step is recorded only once this stage computed it, on that account's
+(stage_step.account_of), and a step is recorded only once this stage computed it, on that account's
 budget. So an accuser cannot make the record up with a message to the host; it has to send this
 stage steps. A stage could leave an accuser out of its record; that only spares it the host's own
 re-check (swarmctl/host/recheck.py), which it could as well answer honestly.

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 
 from swarmctl.trunk.budget import MAX_KEPT_PER_MEMBER
 from swarmctl.trunk.assignment import Assignment
@@ -45,26 +44,27 @@ class StagePrefixes:
     def __init__(self, name: str, held: Assignment) -> None:
         self.name = name
         self.held = held
-        self._used: dict[bytes, float] = {}  # key → time.monotonic() it was kept or last looked up
+        self._used: dict[bytes, float] = {}  # key → when it was kept (the clock callers pass as ``now``)
         # Keeps under way per account: the END of one turn and the first step of the next come on
         # different streams, and the step may overtake the keep; it waits for it to finish.
         self._keeping: dict[str, list[asyncio.Future]] = {}
         self._told = (0, 0)  # the totals the host last heard (``news``)
 
-    async def keep(self, rid: bytes, account: str, prefix: bytes, positions: int) -> bool:
-        """Keep request ``rid``'s cells [0, positions) as ``prefix`` of ``account``; False when it
-        cannot (the stage does not hold them all, or the account has no room): the caller frees it."""
+    async def keep(self, rid: bytes, account: str, prefix: bytes, positions: int, now: float) -> bool:
+        """Keep request ``rid``'s cells [0, positions) as ``prefix`` of ``account``, from ``now`` on
+        (``reap`` counts its idle time from then); False when it cannot (the stage does not hold
+        them all, or the account has no room): the caller frees it."""
         done = asyncio.get_running_loop().create_future()
         self._keeping.setdefault(account, []).append(done)
         try:
-            return await self._keep(rid, account, prefix, positions)
+            return await self._keep(rid, account, prefix, positions, now)
         finally:
             done.set_result(None)
             self._keeping[account].remove(done)
             if not self._keeping[account]:
                 del self._keeping[account]
 
-    async def _keep(self, rid: bytes, account: str, prefix: bytes, positions: int) -> bool:
+    async def _keep(self, rid: bytes, account: str, prefix: bytes, positions: int, now: float) -> bool:
         held = self.held
         runner, engine, budget = held.runner, held.engine, held.budget
         if runner is None or engine is None or positions <= 0 or engine.position_of(rid) < positions:
@@ -81,7 +81,7 @@ class StagePrefixes:
         if held.runner is not runner or not await runner.call(engine.move, rid, key, positions):
             return False
         budget.keep(key, account, kv_bytes, positions)
-        self._used[key] = time.monotonic()
+        self._used[key] = now
         return True
 
     async def resume(self, rid: bytes, account: str, prefix: bytes, positions: int) -> str:
@@ -125,9 +125,9 @@ class StagePrefixes:
         self._told = totals
         return totals
 
-    async def reap(self, idle_s: float = KEPT_IDLE_S) -> None:
-        """Prefixes nobody used for ``idle_s`` go (and bookkeeping of ones an engine swap took)."""
-        now = time.monotonic()
+    async def reap(self, now: float, idle_s: float = KEPT_IDLE_S) -> None:
+        """Prefixes nobody used for ``idle_s`` before ``now`` go (and bookkeeping of ones an engine
+        swap took)."""
         engine = self.held.engine
         for key, used in list(self._used.items()):
             if engine is None or not engine.has_request(key):

@@ -9,7 +9,9 @@ idle reap) is a method here that changes the table and *returns* what to do abou
 ``Action`` values; the trunk's data path (``swarmctl/trunk/requests.py``) carries them out.
 Tests drive the table directly, like aioquic's ``QuicConnection``.
 
-The connection objects are only compared and stored here (``is``, ``peer_name``), never used.
+The connection objects are only compared and stored here (``is``, ``peer_name``), never used,
+and the table reads no clock: a step's arrival and the idle reap are given ``now`` (the trunk's
+shell reads net/clock.now()).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from net import clock
 from swarmctl.trunk.request_locks import RequestLocks
 
 Conn = Any  # a net.protocol.SwarmProtocol; only identity and peer_name are read here
@@ -51,9 +52,9 @@ class Route:
     in_conn: Conn
     in_stream: int
     reply_to: str  # "member/session": the results stream at the last stage
+    last_active: float  # when its last step arrived (the clock the table's caller passes as ``now``)
     out_conn: Conn | None = None  # the next stage's connection when out_stream was opened
     out_stream: int | None = None
-    last_active: float = field(default_factory=clock.now)
     checks: DraftChecks = field(default_factory=DraftChecks)
 
     def arrives_on(self, conn: Conn, stream_id: int) -> bool:
@@ -179,9 +180,9 @@ class RouteTable:
     def has_failed(self, conn: Conn, stream_id: int, rid: bytes) -> bool:
         return (id(conn), stream_id, rid) in self._failed
 
-    def claim(self, rid: bytes, conn: Conn, stream_id: int, start_pos: int,
-              reply_to: str) -> tuple[Route | None, list[Action], str]:
-        """A PREFILL or DECODE step arrived: the route it runs on (not yet in the table: ``commit``
+    def claim(self, rid: bytes, conn: Conn, stream_id: int, start_pos: int, reply_to: str,
+              now: float) -> tuple[Route | None, list[Action], str]:
+        """A PREFILL or DECODE step arrived at ``now``: the route it runs on (not yet in the table: ``commit``
         puts it there once the step ran), what to do first, and why not if it cannot run. A
         request that starts over (position 0) on a new stream, replayed after a failure, gives
         up its old stream onward; any other step on a second stream is refused."""
@@ -193,8 +194,8 @@ class RouteTable:
             actions = self._close_out(rid, route)
             route = None
         if route is None:
-            route = Route(conn, stream_id, reply_to)
-        route.last_active = clock.now()
+            route = Route(conn, stream_id, reply_to, now)
+        route.last_active = now
         return route, actions, ""
 
     def commit(self, rid: bytes, route: Route) -> None:
@@ -274,10 +275,9 @@ class RouteTable:
                 actions.append(Release(rid, route))
         return actions
 
-    def reap_idle(self, idle_timeout: float, now: float | None = None) -> list[Action]:
-        """Requests silent for longer than ``idle_timeout`` are freed, and their senders told: should
-        one ever come back, it starts over."""
-        now = clock.now() if now is None else now
+    def reap_idle(self, idle_timeout: float, now: float) -> list[Action]:
+        """Requests silent for longer than ``idle_timeout`` at ``now`` are freed, and their senders
+        told: should one ever come back, it starts over."""
         actions: list[Action] = []
         for rid, route in self._routes.items():
             if now - route.last_active > idle_timeout:

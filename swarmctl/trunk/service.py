@@ -2,55 +2,52 @@
 
 Frames from any connection come here (it is the connections' ``ConnectionHandler``): slice
 transfers go to the host link, activation packets to the data path, expert calls to the expert
-server, and control messages (results subscriptions, link probes, stats, the host's layer
-checks) are answered here.
+server, and control messages are dispatched from here: results subscriptions, link probes and
+stats answered here, relayed links by ``links``, the host's layer checks by ``layer_checks``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 
 from kernels.devices import device_budget
 from net import clock
-from net.endpoint import Address, close
+from net.endpoint import Address
 from net.punch import serve_on
-from net.turn import NatRelay, RelayFull
+from net.turn import NatRelay
 from net.identity import revoked_reason, verify_member
-from net.protocol import ConnectionHandler, StreamClosedError, SwarmProtocol
+from net.protocol import ConnectionHandler, SwarmProtocol
 from net import messages as m
 from net.dispatch import Dispatcher
 from net.packet_cost import measure_datagram_cost
-from net.probe import ProbeSink, measure_or_none
+from net.probe import ProbeSink
 from net.wire import Frame, FrameType, WireError, decode_control
-from plans.nodes import ASKER
 from plans.plan import Plan
 from swarmctl.batching import compute_thread
 from swarmctl.node.home import SwarmHome
-from swarmctl.node.layer_proof import CHALLENGES, ProofError, Prover
+from swarmctl.node.layer_proof import CHALLENGES
 from swarmctl.model_files.models import resolve_model
-from swarmctl.reaching.reach import Dialer, ask_route, local_ip_towards
+from swarmctl.reaching.reach import Dialer, ask_route
 from swarmctl.trunk.assignment import Assignment
+from swarmctl.trunk.capture import FrameCapture
 from swarmctl.trunk.context import TrunkContext, TrunkOptions
 from swarmctl.trunk.experts import ExpertClient, ExpertServer
 from swarmctl.trunk.host_link import HostLink
+from swarmctl.trunk.layer_checks import LayerChecks
+from swarmctl.trunk.layer_fetch import LayerFetch
 from swarmctl.trunk.layer_share import LayerShare, PeerFetches
+from swarmctl.trunk.links import TrunkLinks
 from swarmctl.trunk.requests import StageRequests
+from swarmctl.trunk.registration import local_address, ram_offer
 from swarmctl.trunk.results import ResultStreams
 from swarmctl.trunk.speed_report import SpeedReport
-from swarmctl.trunk.stats import available_memory, batch_window, proc_status
+from swarmctl.trunk.stats import available_memory, stats_reply
 
 log = logging.getLogger("swarmctl.trunk")
-
-# Links are measured again in the background, this often (jittered, so trunks that started
-# together do not probe together), and only while no request passed for IDLE_BEFORE_PROBE_S: a probe
-# competes with activations for the same uplink.
-LINK_REFRESH_S = 180.0
-IDLE_BEFORE_PROBE_S = 10.0
 
 
 class TrunkService:
@@ -83,14 +80,13 @@ class TrunkService:
         self.ram_gb_s: float | None = None
         self._stop = stop
         self._tasks: set[asyncio.Task] = set()
-        self._capture_seq = 0
+        self._capture = FrameCapture(options.capture_dir)  # --capture: every frame, as bytes
         # What a trunk answers on streams other than the host's plan stream (net/dispatch.py).
         self.answers = Dispatcher({m.Subscribe: self._subscribe, m.Probe: self._probe, m.GetStats: self._stats,
                                    m.AllocateRelay: self._relay_wanted, m.FetchChunks: self._fetch_chunks,
                                    **{challenge: self._challenge for challenge in CHALLENGES.values()}})
         self._server = None
         self.dialer: Dialer | None = None  # our swarm socket: serves, reaches the host and peers (once run)
-        self.relay: NatRelay | None = None  # once we listen, with --relay
         self.host = HostLink(self.ctx, self)
         self.speed = SpeedReport(self.ctx, self.host.tell)
         self.expert_client = ExpertClient(
@@ -101,14 +97,14 @@ class TrunkService:
                                 lambda: self.held.plan.model_hash if self.held.plan else None)
         self.peers = PeerFetches(self._connect_member, self)
         self.held = Assignment(self.ctx, self, self.host, self.speed, remote_experts=self.expert_client.forward,
-                               share=self.share, peers=self.peers)
+                               fetch=LayerFetch(self.ctx, self.host, self.share, self.peers))
         self.expert_server = ExpertServer(self.ctx.executor, lambda: self.held.experts)
         self.results = ResultStreams()
         self.requests = StageRequests(self.ctx, self.held, self.results, capture=self._capture,
                                       expert_calls=self.expert_client.calls_between)
-        self._prover = Prover(self._proof_sources, options.n_threads)  # answers the host's layer checks
+        self.checks = LayerChecks(self.ctx, self.host, self._proof_sources)  # the host's checks of our layers
         self.probes = ProbeSink()  # peers measuring their link to us (net/probe.py)
-        self._measuring = asyncio.Lock()  # one round of link measurements at a time
+        self.links = TrunkLinks(self.ctx, self.host, lambda: self.requests.next_conn)  # ours measured; relays
 
     # --- lifecycle ---
 
@@ -124,13 +120,13 @@ class TrunkService:
             self.dialer.close()
             raise
         if self.options.relay:
-            self.relay = NatRelay(listen.host)
+            self.links.relay = NatRelay(listen.host)
         self._server = serve_on(self.dialer.shared, self.creds, self, client_check=self._check_member)
         self.address = Address(listen.host, self.dialer.shared.local_address.port)
         log.info("trunk %s listening on %s", self.name, self.address)
         tasks = [asyncio.ensure_future(self.host.keep(self._stop, self._registration, self._own_links, self._tick)),
                  asyncio.ensure_future(self.requests.reap_idle(self.options.idle_timeout)),
-                 asyncio.ensure_future(self._refresh_links())]
+                 asyncio.ensure_future(self.links.refresh(lambda: self.held.plan, self._busy))]
         try:
             await self._stop.wait()
         finally:
@@ -181,8 +177,7 @@ class TrunkService:
         self.share.close()
         if self.dialer is not None:
             self.dialer.close()  # (the server and every connection on the socket)
-        if self.relay is not None:
-            self.relay.close()
+        self.links.close()
         await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self.held.close)
 
     # --- what the parts tell the trunk (TrunkEvents) ---
@@ -209,7 +204,7 @@ class TrunkService:
         self.requests.drop_all(reason)
 
     async def serving(self, plan: Plan) -> None:
-        await self._measure_peers(plan)
+        await self.links.measure(plan)
 
     def _check_member(self, cert) -> None:
         plan = self.held.plan
@@ -232,45 +227,15 @@ class TrunkService:
         return m.Register(listen=str(self.advertise or self.address), memory=self.memory,
                           ms_per_layer_token=self.speed.ms_per_layer_token,
                           device=self.device.label if self.device is not None else "cpu",
-                          local="" if self.advertise else self._local_address(), relay=self.relay is not None,
+                          local="" if self.advertise else local_address(self.address, self.config.host_addresses),
+                          relay=self.links.relay is not None,
                           datagram_us=self.datagram_us, prompt_ms_per_layer_row=self.speed.prompt_figure,
-                          holds=self.share.holds(), fetches=not self.model_path.exists(), **self._ram_offer())
-
-    def _ram_offer(self) -> dict:
-        """Host RAM for routed experts, with its measured rate: offered together or not at all."""
-        if not self.ram_bytes or self.ram_gb_s is None:
-            return {}
-        return {"ram_bytes": self.ram_bytes, "ram_gb_s": min(self.ram_gb_s, m.MAX_RAM_GB_S)}
-
-    def _local_address(self) -> str:
-        """Our swarm socket as we see it on the route to the host (the host compares it with where
-        it sees the socket: a difference means a NAT)."""
-        if self.address.host not in ("0.0.0.0", "::"):
-            return str(self.address)
-        for text in self.config.host_addresses:
-            try:
-                ip = local_ip_towards(Address.parse(text))
-            except ValueError:
-                continue
-            if ip is not None:
-                return str(Address(ip, self.address.port))
-        return ""
+                          holds=self.share.holds(), fetches=not self.model_path.exists(),
+                          **ram_offer(self.ram_bytes, self.ram_gb_s))
 
     def peer_coming(self, message: m.Message) -> None:
-        """The host says a member is about to connect: punch towards it, or register at the relay
-        its link goes through."""
-        if self.dialer is None:
-            return
-        try:
-            if isinstance(message, m.PunchWith):
-                self.dialer.punch_with(message)
-            elif isinstance(message, m.RelayEnd):
-                self.dialer.relay_end(message, self._connected_from)
-        except ValueError as e:  # (an address that does not parse)
-            log.error("host sent a malformed %s: %s", type(message).__struct_config__.tag, e)
-
-    def _connected_from(self, address: Address) -> bool:
-        return any(c.is_open and c.peer_address == (address.host, address.port) for c in self.connections)
+        if self.dialer is not None:
+            self.links.peer_coming(self.dialer, message, self.connections)
 
     def _own_links(self) -> list[SwarmProtocol | None]:
         return [self.requests.next_conn, *self.expert_client.conns.values()]
@@ -284,54 +249,12 @@ class TrunkService:
         if kept is not None:  # (what status and top show: the host hears of it when it changes)
             self._spawn(self.host.tell(m.Cached(tokens=kept[0], kv_bytes=kept[1])))
 
-    async def _measure_peers(self, plan: Plan) -> None:
-        """Round trip and throughput to the plan's other stages and to the host (which stands in
-        for the asker's side: ASKER), reported to the host for its next plan. Run when a plan is
-        served (a new plan may need new pairs) and again while idle (``_refresh_links``)."""
-        async with self._measuring:
-            links: dict[str, m.LinkClaim] = {}
-            for stage in plan.stages:
-                if stage.member == self.name or stage.member in links:
-                    continue
-                measure = await self._measure_member(stage.member, stage.address)
-                if measure is not None:
-                    links[stage.member] = measure.claim()
-            measure = await measure_or_none(self.host.conn)
-            if measure is not None:
-                links[ASKER] = measure.claim()
-            if links:
-                log.debug("measured links: %s", ", ".join(
-                    f"{peer} {c.rtt_ms:.1f} ms {c.bandwidth_mb_s:.0f} MB/s" for peer, c in links.items()))
-                await self.host.tell(m.Links(links=links))
-
-    async def _measure_member(self, member: str, address: str):
-        """Over the connection to the next stage where that is the member, else a fresh one
-        (mutually authenticated like every member connection), closed after."""
-        conn = self.requests.next_conn
-        if conn is not None and conn.is_open and conn.peer_name == member:
-            return await measure_or_none(conn)
-        try:
-            conn = await self.dialer.connect(member, address, self)
-        except (ConnectionError, OSError, ValueError):
-            return None
-        try:
-            return await measure_or_none(conn)
-        finally:
-            await close(conn)
-
-    async def _refresh_links(self) -> None:
-        while True:
-            await asyncio.sleep(LINK_REFRESH_S * random.uniform(0.75, 1.25))
-            plan = self.held.plan
-            if plan is not None and plan.stage_for(self.name) is not None and self._idle():
-                await self._measure_peers(plan)
-
-    def _idle(self) -> bool:
-        """No request passed through this stage lately, and nothing waits for the compute thread."""
-        now = clock.now()
+    def _busy(self) -> tuple[int, list[float]]:
+        """What says whether this stage is idle enough to measure links (link_survey.refresh_due):
+        the compute thread's queue, and when each request's last step arrived."""
         runner = self.held.runner
-        return (runner is None or runner.queue_depth == 0) and all(
-            now - route.last_active > IDLE_BEFORE_PROBE_S for _, route in self.requests.routes.items())
+        return (runner.queue_depth if runner is not None else 0,
+                [route.last_active for _, route in self.requests.routes.items()])
 
     # --- ConnectionHandler ---
 
@@ -380,7 +303,7 @@ class TrunkService:
 
     def _challenge(self, conn: SwarmProtocol, stream_id: int, request: m.Message) -> None:
         """The host checks we hold our layers, and times us."""
-        self._spawn(self._answer_challenge(conn, stream_id, request))
+        self._spawn(self.checks.answer(conn, stream_id, request))
 
     def _subscribe(self, conn: SwarmProtocol, stream_id: int, request: m.Subscribe) -> None:
         for old in self.results.subscribe(conn, stream_id, request.session):
@@ -391,7 +314,7 @@ class TrunkService:
         self.probes.start(conn, stream_id, request)  # a peer measuring our link (net/probe.py)
 
     def _relay_wanted(self, conn: SwarmProtocol, stream_id: int, request: m.AllocateRelay) -> None:
-        self._spawn(self._allocate_relay(conn, stream_id))
+        self._spawn(self.links.allocate_relay(conn, stream_id))
 
     def _fetch_chunks(self, conn: SwarmProtocol, stream_id: int, request: m.FetchChunks) -> None:
         """A member fetching layers we hold (swarmctl/trunk/layer_share.py): only trunks fetch layers."""
@@ -404,43 +327,6 @@ class TrunkService:
     def _stats(self, conn: SwarmProtocol, stream_id: int, request: m.GetStats) -> None:
         conn.send(stream_id, m.encode(self.stats()), end=True)
 
-    async def _allocate_relay(self, conn: SwarmProtocol, stream_id: int) -> None:
-        """A relayed link for two other members; only our host may ask (net/turn.py bounds how many)."""
-        reply: m.Message
-        if not self.host.is_host(conn):
-            reply = m.Error(message="only the host allocates relayed links")
-        elif self.relay is None:
-            reply = m.Error(message=f"{self.name} does not relay (run --relay)")
-        else:
-            try:
-                link = await self.relay.allocate()
-                reply = m.RelayAllocated(port=link.address.port, token_a=link.token_a.hex(), token_b=link.token_b.hex())
-            except (RelayFull, OSError) as e:
-                reply = m.Error(message=str(e))
-        if conn.is_open:
-            conn.send(stream_id, m.encode(reply), end=True)
-
-    async def _answer_challenge(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
-        """Only our host may ask (anyone else could use us to time or read the model); the answer
-        is computed on the compute thread, between batches (swarmctl/node/layer_proof.py)."""
-        kind = type(message).__struct_config__.tag
-        reply: m.Message
-        if not self.host.is_host(conn):
-            reply = m.Error(message=f"only the host sends {kind!r}")
-        else:
-            try:
-                reply = await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self._prover.answer, message)
-            except ProofError as e:
-                reply = m.Error(message=str(e), missing=e.missing)
-            except Exception as e:  # noqa: BLE001 - the edge: answer the host, carry on serving
-                log.exception("answering the host's %s failed", kind)
-                reply = m.Error(message=f"{type(e).__name__}: {e}"[:300])
-        if conn.is_open:
-            try:
-                conn.send(stream_id, m.encode(reply), end=True)
-            except StreamClosedError:
-                pass
-
     def _proof_sources(self) -> list[Path]:
         """Files that may hold the layers the host asks about: the one loaded, the one loaded beside
         it for a staged plan, then the model file."""
@@ -448,41 +334,8 @@ class TrunkService:
         standby = self.held.standby.model if self.held.standby is not None else None
         return [p for p in (loaded, standby, self.model_path) if p is not None and p.exists()]
 
-    # --- what this trunk reports and keeps ---
+    # --- what this trunk reports ---
 
     def stats(self, window_s: float = 10.0) -> m.Stats:
         """``recent_batches`` over the last ``window_s`` seconds; ``requests_detail``: what this stage holds now."""
-        held, requests = self.held, self.requests
-        runner, engine, experts = held.runner, held.engine, held.experts
-        now = clock.now()
-        return m.Stats(
-            name=self.name, role="experts" if experts else ("stage" if held.stage else "idle"),
-            layers=[held.stage.start, held.stage.stop] if held.stage else None,
-            expert_range=[experts.first, experts.last] if experts else None,
-            time=time.time(), recent_batches=batch_window(runner, window_s),
-            requests_detail=[{"id": rid.hex()[:8], "position": engine.position_of(rid) if engine else 0,
-                              "idle_s": now - route.last_active, "drafted": route.checks.drafted,
-                              "accepted": route.checks.accepted} for rid, route in requests.routes.items()],
-            requests=engine.n_requests if engine else 0, routes=len(requests.routes),
-            kv_bytes=engine.kv_bytes if engine else 0, peak_kv_bytes=requests.peak_kv_bytes,
-            queue_depth=runner.queue_depth if runner else 0,
-            batches=runner.stats.batches if runner else 0, steps=runner.stats.steps if runner else 0,
-            tokens=runner.stats.tokens if runner else 0, busy_s=runner.stats.busy_s if runner else 0.0,
-            largest_batch=runner.stats.largest_batch if runner else 0,
-            tensor_bytes=engine.weights.n_bytes if engine else (experts.n_bytes if experts else 0),
-            budget=held.budget.stats(),
-            open_streams=sum(c.open_streams for c in self.connections if c.is_open),
-            request_locks=len(requests.routes.locks), rss=proc_status("VmRSS"), peak_rss=proc_status("VmHWM"),
-            fetched_bytes=held.fetched_bytes, expert_rows_served=self.expert_server.rows_served,
-            expert_call_bytes=self.expert_client.call_bytes + self.expert_server.call_bytes,
-            activation_bytes_sent=requests.activation_bytes_sent, ms_per_layer_token=self.speed.ms_per_layer_token,
-            one_stage=requests.one_stage.stats())
-
-    def _capture(self, direction: str, frame: Frame) -> None:
-        """With --capture DIR, keep every frame this stage receives and sends, exactly as bytes:
-        what a curious member running this stage could see."""
-        if self.options.capture_dir is None:
-            return
-        self._capture_seq += 1
-        kind = frame.type.name.lower()
-        (self.options.capture_dir / f"{self._capture_seq:06d}-{direction}-{kind}.bin").write_bytes(frame.body)
+        return stats_reply(self, now=clock.now(), wall_time=time.time(), window_s=window_s)
