@@ -76,7 +76,7 @@ class SwarmLink:
         ``policy``: the timings of rerouting and stall detection (swarmctl/asker/link_core.py)."""
         self.config, self.creds = config, creds
         self.request_timeout, self.policy = request_timeout, policy
-        self.host = PlanWatch(config, creds, self, self._connect_host)  # the newest plan, as the host pushes it
+        self.host = PlanWatch(config, creds, self, lambda addresses: self.stages.connect_host(addresses))
         self.stats = LinkStats()
         # This process's results address at the last stage: other processes of the same member
         # (another terminal, serve, top) subscribe with their own, so results never cross.
@@ -107,12 +107,6 @@ class SwarmLink:
             await link.close()
             raise
         return link
-
-    async def _connect_host(self, addresses: list[str]) -> SwarmProtocol:
-        """The host, from our swarm socket (so the host sees where it leads and answers our reach)."""
-        if self.dialer is None:
-            raise ConnectionError("the link has no socket yet")
-        return await self.dialer.connect_host(addresses, self.config.host_name, self)
 
     plan = property(lambda self: self.stages.plan, doc="the plan the stage connections follow")
     first_conn = property(lambda self: self.stages.first)

@@ -44,6 +44,12 @@ class StageLinks:
         self.moved_at = 0.0  # when the stage connections last moved (requests failing together move once)
         self._moving: asyncio.Lock | None = None
 
+    async def connect_host(self, addresses: list[str]) -> SwarmProtocol:
+        """The host, from our swarm socket (so the host sees where it leads and answers our reach)."""
+        if self.dialer is None:
+            raise ConnectionError("the link has no socket yet")
+        return await self.dialer.connect_host(addresses, self.host.config.host_name, self.handler)
+
     @property
     def alive(self) -> bool:
         return all(c is not None and c.is_open for c in (self.first, self.last))
