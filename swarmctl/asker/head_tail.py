@@ -299,15 +299,15 @@ class USteps:
         self.uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None
 
     def launch(self, rid: bytes, start: int, lead: list[int], draft: Draft, trunk: Trunk | None, *,
-                rewind: bool = False, guess_q: Candidates | None = None, hidden_rows: bool = False) -> Window:
+               rewind: bool = False, guess_q: Candidates | None = None, hidden_rows: bool = False) -> Window:
         """A step of ``lead`` and ``draft``'s tokens from ``start``, set going (head, trunk, tail)."""
         task = asyncio.ensure_future(self.step(rid, start, lead + draft.tokens, trunk,
-                                                outputs="all" if draft.tokens else "last", rewind=rewind,
-                                                verify=bool(draft.tokens), hidden_rows=hidden_rows))
+                                               outputs="all" if draft.tokens else "last", rewind=rewind,
+                                               verify=bool(draft.tokens), hidden_rows=hidden_rows))
         return Window(start, lead, draft, task, guess_q)
 
     async def step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
-                    outputs: Outputs = "last", rewind: bool = False, verify: bool = False, hidden_rows: bool = False):
+                   outputs: Outputs = "last", rewind: bool = False, verify: bool = False, hidden_rows: bool = False):
         """Head, trunk and tail: (the tail's output, TokenTiming). The output is the logits, or, with
         ``hidden_rows``, a kernels.slice.WithHidden that also holds every row's final hidden state."""
         t0 = time.perf_counter()
@@ -317,18 +317,18 @@ class USteps:
             trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
             hidden = trunk_result.hidden
         return await self.tail(rid, start, len(tokens), hidden, outputs, rewind, verify, t0, head_timing, trunk_result,
-                                hidden_rows)
+                               hidden_rows)
 
     async def head(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None, rewind: bool = False,
-                    verify: bool = False) -> tuple[np.ndarray, StepTiming]:
+                   verify: bool = False) -> tuple[np.ndarray, StepTiming]:
         hidden, timing = await self.head_runner.run(Step(rid, start, tokens=tokens, rewind=rewind, verify=verify))
         if trunk is not None and self.uplink_transform is not None:
             hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
         return hidden, timing
 
     async def tail(self, rid: bytes, start: int, rows: int, hidden: np.ndarray, outputs: Outputs, rewind: bool,
-                    verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None,
-                    hidden_rows: bool = False):
+                   verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None,
+                   hidden_rows: bool = False):
         t_trunk = time.perf_counter()
         logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
                                                               rewind=rewind, verify=verify, hidden_rows=hidden_rows))
@@ -337,7 +337,7 @@ class USteps:
                                    trunk_returned=t_trunk, tail_returned=t_tail, rows=rows, start_pos=start)
 
     async def stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk, hidden_rows: bool = False,
-                             first: int = 0):
+                            first: int = 0):
         """A long prompt's chunks through head, trunk and tail, streamed: each chunk goes to the
         trunk as soon as the head has it (up to ``trunk.steps_in_flight`` out at once), so the
         second stage works on chunk 1 while the first works on chunk 2, and an uplink carries one
@@ -374,7 +374,7 @@ class USteps:
                 trunk_result = await forward
                 window.release()
                 results.append(await self.tail(rid, start, rows, trunk_result.hidden, "last", False, False, t0,
-                                                head_timing, trunk_result, hidden_rows))
+                                               head_timing, trunk_result, hidden_rows))
             return results
         finally:
             heads.cancel()
@@ -535,8 +535,8 @@ class Asker:
                     else:
                         if speculation is not None and len(flight.lead) == 1 and room > 0:
                             draft = await speculation.propose(rid, flight.context, room, sample.params)
-                        flight.add(self.u.launch(rid, flight.start, flight.lead, draft, trunk, rewind=flight.rewinds,
-                                               hidden_rows=hidden_rows))
+                        flight.add(self.u.launch(rid, flight.start, flight.lead, draft, trunk,
+                                                 rewind=flight.rewinds, hidden_rows=hidden_rows))
                 if speculation is not None and grammar is None:
                     await self._more_windows(rid, flight, max_tokens - len(gen.tokens), speculation, sample.params,
                                              trunk)
