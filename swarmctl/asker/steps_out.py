@@ -21,12 +21,12 @@ class StepOut:
     answer that a replay brings back before the step's coroutine woke up still finds it."""
 
     result: asyncio.Future
-    route: OpenRoute | None = None  # where it was last sent
-    failures: int = 0  # route failures it was told of (one may come while the step is being handed over)
-    sent_bytes: int = 0  # the waiting step's frame as sent, and its result's as received (for the trace)
-    received_bytes: int = 0
-    received_at: float = 0.0  # time.perf_counter() as the result's frame arrived
-    stall: StallClock = field(default_factory=StallClock)
+    route: OpenRoute | None = field(default=None, init=False)  # where it was last sent
+    failures: int = field(default=0, init=False)  # route failures it was told of (one may come while it is handed over)
+    sent_bytes: int = field(default=0, init=False)  # its frame as sent, and its result's as received (for the trace)
+    received_bytes: int = field(default=0, init=False)
+    received_at: float = field(default=0.0, init=False)  # time.perf_counter() as the result's frame arrived
+    stall: StallClock = field(default_factory=StallClock, init=False)
 
     def sent(self, route: OpenRoute, now: float, rows: int) -> None:
         self.route = route
