@@ -13,7 +13,7 @@ from net.endpoint import Address, ask_member
 from swarmctl.asker.head_tail import Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.node.local_swarm import LocalSwarm
 from plans.options import PlannerSettings
-from swarmctl.asker.link import SwarmLink
+from swarmctl.asker.link import ReroutePolicy, SwarmLink
 from tests.conftest import N_THREADS
 
 GREEDY = SamplingParams(temperature=0)
@@ -245,14 +245,13 @@ def test_a_long_prompt_streams_its_chunks_through_the_stages_and_survives_a_brok
     again, with the first stage's connection closed under it while chunks are out: the link
     reroutes, replays what was answered and sends the chunks out again in order, and the tokens
     are the same again; the stages end idle."""
-    import swarmctl.asker.link as link_module
-
-    monkeypatch.setattr(link_module, "SAME_ROUTE_RETRY_S", 0.5)  # (a dropped link, same plan: retried after this)
+    policy = ReroutePolicy(same_route_retry_s=0.5)  # (a dropped link, same plan: retried after this)
     prompt = long_prompt(1100)
     want = solo_outputs(bundled_model, [(prompt, 6)])[0]
 
     async def scenario():
-        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)
+        link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
+                                    policy=policy)
         asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
         try:
             streamed = await generate_all(asker, prompt, link, max_tokens=6, sampling=GREEDY)
@@ -290,17 +289,15 @@ def test_a_step_whose_answer_never_comes_is_resent_on_a_fresh_route(local_swarm,
     as it arrives: nothing in the swarm does that on purpose, which is why it is faked). The link
     resends that request on a fresh route after its stall limit (lowered from 30 s to 1 s), replays
     its history, and the tokens are those of a solo run; the stages end idle."""
-    import swarmctl.asker.link as link_module
     from net.wire import FrameType, PacketKind, decode_packet
 
-    monkeypatch.setattr(link_module, "SAME_ROUTE_RETRY_S", 0.5)
     prompt = long_prompt(40, seed=22)
     want = solo_outputs(bundled_model, [(prompt, 8)])[0]
 
     async def scenario():
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
-                                    request_timeout=60)  # (without the resend: SwarmError after this)
-        link.stall_min_s = 1.0
+                                    request_timeout=60,  # (without the resend: SwarmError after this)
+                                    policy=ReroutePolicy(same_route_retry_s=0.5, stall_min_s=1.0))
         asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
         dropped: list[int] = []
         deliver = link.frame_received
@@ -334,14 +331,12 @@ def test_a_route_that_cannot_be_reached_again_fails_with_a_clear_error_by_the_de
     faked here: the swarm itself stays up for the other tests). The request keeps trying within its
     deadline (6 s here) and then fails with SwarmError saying why, not with the link's internal
     exception, and the link does not hang."""
-    import swarmctl.asker.link as link_module
     from swarmctl.asker.plan_watch import SwarmError
 
-    monkeypatch.setattr(link_module, "SAME_ROUTE_RETRY_S", 0.5)
 
     async def scenario():
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
-                                    request_timeout=6)
+                                    request_timeout=6, policy=ReroutePolicy(same_route_retry_s=0.5))
         asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
 
         async def unreachable(member, address, handler):

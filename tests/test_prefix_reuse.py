@@ -96,15 +96,16 @@ def test_a_resumed_request_names_its_prefix_once_and_replays_from_zero_after_a_f
 
     # kept under another plan: the link replays at once rather than ask stages that may differ
     from swarmctl.asker.link import KeptSteps
+    from swarmctl.asker.sending import RouteSender
 
-    link = SimpleNamespace(plan=SimpleNamespace(version=2), table=ReplayTable(), recomputed=set(), _resumed_under={})
+    link = SimpleNamespace(plan=SimpleNamespace(version=2), table=ReplayTable(), recomputed=set(), resumed_under={})
     kept = KeptSteps([rows(0, 512), rows(512, 88)], plan_version=1)
-    assert asyncio.run(SwarmLink.resume(link, b"s", b"p" * 16, 550, kept))
+    assert RouteSender.resume(link, b"s", b"p" * 16, 550, kept)
     assert link.table.resuming(b"s") == b"" and [len(h.hidden) for h in link.table.history(b"s")] == [512, 38]
     assert link.recomputed == {b"s"}  # (its usage reports none cached)
     link.plan.version = 1
-    assert asyncio.run(SwarmLink.resume(link, b"t", b"p" * 16, 550, kept)) and link.table.resuming(b"t") == b"p" * 16
-    assert link._resumed_under == {b"t": 1}  # (a route opened under a later plan replays instead)
+    assert RouteSender.resume(link, b"t", b"p" * 16, 550, kept) and link.table.resuming(b"t") == b"p" * 16
+    assert link.resumed_under == {b"t": 1}  # (a route opened under a later plan replays instead)
 
 
 def test_a_moved_cache_answers_as_one_computed_there(bundled_model):

@@ -35,6 +35,7 @@ from swarmctl.asker.logprobs import TokenLogprob, token_logprob
 from kernels.grammar import Grammar, GrammarError
 from swarmctl.asker.speculate import Draft, Speculation, accept
 from swarmctl.asker.prefixes import PrefixCache, PrefixEntry, Steps, chunk_bounds
+from swarmctl.asker.windows import Window, Windows
 
 PREFILL_CHUNK = 512  # prompt tokens per step, as llama.cpp's default n_batch / n_ubatch
 DEFAULT_MAX_IN_FLIGHT = 16
@@ -287,21 +288,102 @@ def choose_constrained(grammar: Grammar, sample: Sampler, rows: np.ndarray, chec
     return tokens, kept
 
 
-@dataclass
-class _Window:
-    """A step out: its lead (the last chosen token, a prompt's last chunk, or, for a window in
-    flight, the guess of what follows the window before it), its drafts, and the task running it
-    through head, trunk and tail: (logits, TokenTiming)."""
+class USteps:
+    """A request's steps through the U: head, trunk and tail, each end's steps batched with other
+    requests' (``BatchRunner``); a long prompt's chunks streamed through the trunk."""
 
-    start: int
-    lead: list[int]
-    draft: Draft
-    task: asyncio.Future
-    guess_q: Candidates | None = None  # a guessed lead: the distribution it was drafted from (None: a point mass)
+    def __init__(self, head_runner: BatchRunner, tail_runner: BatchRunner) -> None:
+        self.head_runner, self.tail_runner = head_runner, tail_runner
+        # Rewrites the head's activations before they leave this process (e.g. a privacy mitigation
+        # that adds noise: swarmctl/audit/noise.py); None sends them as computed.
+        self.uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None
 
-    @property
-    def end(self) -> int:
-        return self.start + len(self.lead) + len(self.draft.tokens)
+    def launch(self, rid: bytes, start: int, lead: list[int], draft: Draft, trunk: Trunk | None, *,
+               rewind: bool = False, guess_q: Candidates | None = None, hidden_rows: bool = False) -> Window:
+        """A step of ``lead`` and ``draft``'s tokens from ``start``, set going (head, trunk, tail)."""
+        task = asyncio.ensure_future(self.step(rid, start, lead + draft.tokens, trunk,
+                                               outputs="all" if draft.tokens else "last", rewind=rewind,
+                                               verify=bool(draft.tokens), hidden_rows=hidden_rows))
+        return Window(start, lead, draft, task, guess_q)
+
+    async def step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
+                   outputs: Outputs = "last", rewind: bool = False, verify: bool = False, hidden_rows: bool = False):
+        """Head, trunk and tail: (the tail's output, TokenTiming). The output is the logits, or, with
+        ``hidden_rows``, a kernels.slice.WithHidden that also holds every row's final hidden state."""
+        t0 = time.perf_counter()
+        hidden, head_timing = await self.head(rid, start, tokens, trunk, rewind, verify)
+        trunk_result = None
+        if trunk is not None:
+            trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
+            hidden = trunk_result.hidden
+        return await self.tail(rid, start, len(tokens), hidden, outputs, rewind, verify, t0, head_timing, trunk_result,
+                               hidden_rows)
+
+    async def head(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None, rewind: bool = False,
+                   verify: bool = False) -> tuple[np.ndarray, StepTiming]:
+        hidden, timing = await self.head_runner.run(Step(rid, start, tokens=tokens, rewind=rewind, verify=verify))
+        if trunk is not None and self.uplink_transform is not None:
+            hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
+        return hidden, timing
+
+    async def tail(self, rid: bytes, start: int, rows: int, hidden: np.ndarray, outputs: Outputs, rewind: bool,
+                   verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None,
+                   hidden_rows: bool = False):
+        t_trunk = time.perf_counter()
+        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
+                                                              rewind=rewind, verify=verify, hidden_rows=hidden_rows))
+        t_tail = time.perf_counter()
+        return logits, TokenTiming(head_timing, trunk_result, tail_timing, t_tail - t0, started=t0,
+                                   trunk_returned=t_trunk, tail_returned=t_tail, rows=rows, start_pos=start)
+
+    async def stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk, hidden_rows: bool = False,
+                            first: int = 0):
+        """A long prompt's chunks through head, trunk and tail, streamed: each chunk goes to the
+        trunk as soon as the head has it (up to ``trunk.steps_in_flight`` out at once), so the
+        second stage works on chunk 1 while the first works on chunk 2, and an uplink carries one
+        chunk while the head computes the next; the tail takes the results in order. Every
+        engine runs the same steps as one chunk at a time would (the same bits). Returns each
+        chunk's (logits of its last row, timing); with ``hidden_rows`` the logits come in a
+        kernels.slice.WithHidden with every row's final hidden state."""
+        window = asyncio.Semaphore(trunk.steps_in_flight)
+        handed: asyncio.Queue = asyncio.Queue()  # (the trunk's step, t0, head timing, start, rows), or an error
+
+        async def head_side() -> None:
+            start = first
+            try:
+                for chunk in chunks:
+                    await window.acquire()
+                    t0 = time.perf_counter()
+                    hidden, head_timing = await self.head(rid, start, chunk, trunk)
+                    forward = asyncio.ensure_future(trunk.forward(rid, hidden, start))
+                    handed.put_nowait((forward, t0, head_timing, start, len(chunk)))
+                    start += len(chunk)
+            except Exception as e:  # noqa: BLE001 - handed to the tail side, which raises it
+                handed.put_nowait(e)
+
+        heads = asyncio.ensure_future(head_side())
+        forwards: list[asyncio.Future] = []
+        results = []
+        try:
+            for _ in chunks:
+                item = await handed.get()
+                if isinstance(item, Exception):
+                    raise item
+                forward, t0, head_timing, start, rows = item
+                forwards.append(forward)
+                trunk_result = await forward
+                window.release()
+                results.append(await self.tail(rid, start, rows, trunk_result.hidden, "last", False, False, t0,
+                                               head_timing, trunk_result, hidden_rows))
+            return results
+        finally:
+            heads.cancel()
+            for forward in forwards:
+                forward.cancel()
+            while not handed.empty():  # handed over but not yet taken: cancelled too
+                item = handed.get_nowait()
+                if not isinstance(item, Exception):
+                    item[0].cancel()
 
 
 class Asker:
@@ -309,11 +391,9 @@ class Asker:
 
     def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
                  max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None,
                  device: Device | None = None) -> None:
-        """``uplink_transform`` (optional) rewrites the head's activations before they leave this
-        process (e.g. a privacy mitigation that adds noise); the default sends them as computed.
-        ``device``: where the head and tail compute (default the CPU)."""
+        """``device``: where the head and tail compute (default the CPU). ``uplink_transform`` (set
+        it after): rewrites the head's activations before they leave this process."""
         self.gguf = GGUFFile(model_path)
         self.head: SliceEngine | None = None
         self.tail: SliceEngine | None = None
@@ -331,10 +411,19 @@ class Asker:
             raise
         self.head_runner = BatchRunner(self.head)
         self.tail_runner = BatchRunner(self.tail)
+        self.u = USteps(self.head_runner, self.tail_runner)
         self.max_in_flight = max_in_flight
-        self.uplink_transform = uplink_transform
         self._admission: asyncio.Semaphore | None = None
         self.in_flight: dict[bytes, Generation] = {}
+
+    @property
+    def uplink_transform(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """Rewrites the head's activations before they leave this process (None: as computed)."""
+        return self.u.uplink_transform
+
+    @uplink_transform.setter
+    def uplink_transform(self, transform: Callable[[np.ndarray], np.ndarray] | None) -> None:
+        self.u.uplink_transform = transform
 
     async def generate(self, prompt: Sequence[int], trunk: Trunk | None, *, max_tokens: int,
                        sampling: SamplingParams, timeout: float | None = None,
@@ -416,7 +505,7 @@ class Asker:
         chunks = [prompt[a:a + n] for a, n in bounds]
         prompt_result = None  # the last chunk's logits and timing, when the chunks streamed through together
         if len(chunks) > 1 and trunk is not None and trunk.steps_in_flight > 1:
-            *fills, prompt_result = await self._stream_prompt(rid, chunks, trunk, hidden_rows, start)
+            *fills, prompt_result = await self.u.stream_prompt(rid, chunks, trunk, hidden_rows, start)
             for (out, timing), (chunk_start, _) in zip(fills, bounds):
                 gen.fill_timings.append(timing)
                 if hidden_rows:
@@ -424,38 +513,34 @@ class Asker:
             start = len(prompt) - len(chunks[-1])
         else:
             for chunk in chunks[:-1]:  # all but the last prompt chunk: only fill the caches
-                out, timing = await self._step(rid, start, chunk, trunk, hidden_rows=hidden_rows)
+                out, timing = await self.u.step(rid, start, chunk, trunk, hidden_rows=hidden_rows)
                 gen.fill_timings.append(timing)
                 if hidden_rows:
                     speculation.saw(rid, start, split_hidden(out)[1])
                 start += len(chunk)
-        new_tokens = chunks[-1]
-        context = list(prompt)
-        filled = start  # positions the stages hold, or will once the windows out reach them
-        windows: list[_Window] = []  # checked steps out, oldest first (several: windows in flight)
+        # The windows in flight (swarmctl/asker/windows.py): what goes out next, what a verdict cancels
+        flight = Windows(start, chunks[-1], list(prompt), self.max_context)
         try:
             while len(gen.tokens) < max_tokens:
-                if not windows:
+                if not flight.out:
                     # Drafts ride along after the last token (never with a prompt chunk, which must
                     # stay the prefill a plain run does); each row of logits then says what follows
-                    # its position. No room past the context or max_tokens.
-                    room = min(max_tokens - len(gen.tokens) - 1, self.max_context - start - len(new_tokens) - 1)
-                    draft = Draft()
+                    # its position.
+                    room, draft = flight.room(max_tokens - len(gen.tokens)), Draft()
                     if prompt_result is not None:
                         done = asyncio.get_running_loop().create_future()
                         done.set_result(prompt_result)
-                        windows.append(_Window(start, new_tokens, draft, done))
+                        flight.add(Window(flight.start, flight.lead, draft, done))
                         prompt_result = None
                     else:
-                        if speculation is not None and len(new_tokens) == 1 and room > 0:
-                            draft = await speculation.propose(rid, context, room, sample.params)
-                        windows.append(self._launch(rid, start, new_tokens, draft, trunk, rewind=start < filled,
-                                                    hidden_rows=hidden_rows))
+                        if speculation is not None and len(flight.lead) == 1 and room > 0:
+                            draft = await speculation.propose(rid, flight.context, room, sample.params)
+                        flight.add(self.u.launch(rid, flight.start, flight.lead, draft, trunk,
+                                                 rewind=flight.rewinds, hidden_rows=hidden_rows))
                 if speculation is not None and grammar is None:
-                    await self._more_windows(rid, windows, context, max_tokens - len(gen.tokens), speculation,
-                                             sample.params, trunk)
-                filled = max(filled, windows[-1].end)
-                window = windows.pop(0)
+                    await self._more_windows(rid, flight, max_tokens - len(gen.tokens), speculation, sample.params,
+                                             trunk)
+                window = flight.take()
                 out, timing = await window.task
                 if not gen.prompt_done and gen.cached_tokens:
                     gen.prefix_recomputed = rid in getattr(trunk, "recomputed", ())
@@ -464,7 +549,7 @@ class Asker:
                 gen.timings.append(timing)
                 # Its drafts, and the first token of the window after it (the guess of what follows
                 # them): the window's last row checks that guess, the next window's rows the rest.
-                following = windows[0] if windows else None
+                following = flight.following
                 checked = window.draft if following is None else window.draft.then(following.lead[0], following.guess_q)
                 sampling_started = time.perf_counter()
                 rows = logits[len(logits) - len(window.draft.tokens) - 1:]  # row j: what follows the j-th last position
@@ -490,134 +575,37 @@ class Asker:
                     if logprobs is not None:
                         gen.logprobs.append(token_logprob(rows[j], token, logprobs))
                     gen.tokens.append(token)
-                    context.append(token)
+                    flight.context.append(token)
                     yield token
-                if chain_holds:  # the next window's step stands: its first token is now chosen
-                    start, new_tokens = following.start, list(following.lead)
-                else:  # the next step starts after the last kept draft: later cells are dropped
-                    for later in windows:
+                # The next window's step stands, or the later ones fall: the next step starts after
+                # the last kept draft and its later cells are dropped.
+                fallen = flight.verdict(window, kept, chain_holds, gen.tokens[-1])
+                if fallen:
+                    for later in fallen:
                         later.task.cancel()
-                    await asyncio.gather(*(later.task for later in windows), return_exceptions=True)
-                    windows.clear()
-                    start, new_tokens = window.start + len(window.lead) + kept, [gen.tokens[-1]]
-                if start + 1 > self.max_context:
+                    await asyncio.gather(*(later.task for later in fallen), return_exceptions=True)
+                if flight.context_full:
                     gen.finish_reason = "context"
                     return
             gen.finish_reason = "length"
         finally:
-            for later in windows:
+            for later in flight.out:
                 later.task.cancel()
-            await asyncio.gather(*(later.task for later in windows), return_exceptions=True)
+            await asyncio.gather(*(later.task for later in flight.out), return_exceptions=True)
 
-    def _launch(self, rid: bytes, start: int, lead: list[int], draft: Draft, trunk: Trunk | None, *,
-                rewind: bool = False, guess_q: Candidates | None = None, hidden_rows: bool = False) -> "_Window":
-        """A step of ``lead`` and ``draft``'s tokens from ``start``, set going (head, trunk, tail)."""
-        task = asyncio.ensure_future(self._step(rid, start, lead + draft.tokens, trunk,
-                                                outputs="all" if draft.tokens else "last", rewind=rewind,
-                                                verify=bool(draft.tokens), hidden_rows=hidden_rows))
-        return _Window(start, lead, draft, task, guess_q)
-
-    async def _more_windows(self, rid: bytes, windows: list["_Window"], context: list[int], left: int,
-                            speculation: Speculation, sampling: SamplingParams, trunk: Trunk | None) -> None:
-        """Windows in flight: while the cost model says another window pays, draft one
-        on the guess that every window out keeps all its drafts (its first token is the guess of
-        what follows the last of them), and send it before their verdicts. ``left``: tokens still
-        to generate."""
-        while len(windows) < speculation.windows() and len(windows[-1].lead) == 1:
-            last = windows[-1]
-            # tokens the windows out add if all is kept, before the last one's own choice
-            ahead = sum(len(w.draft.tokens) for w in windows) + len(windows) - 1
-            k = min(speculation.length.k, left - ahead - 2, self.max_context - last.end - 2)
-            if k < 0:
-                return  # the last window's own choice reaches max_tokens or the context: nothing to guess
-            assumed = context + windows[0].draft.tokens + [t for w in windows[1:] for t in w.lead + w.draft.tokens]
-            proposal = await speculation.source.draft(rid, assumed, k + 1, sampling)
+    async def _more_windows(self, rid: bytes, flight: Windows, left: int, speculation: Speculation,
+                            sampling: SamplingParams, trunk: Trunk | None) -> None:
+        """Windows in flight: while the cost model says another window pays (up to its cap), draft
+        one on the guess that every window out keeps all its drafts, and send it before their
+        verdicts. ``left``: tokens still to generate."""
+        while (guess := flight.guess(left, speculation.windows(), speculation.length.k)) is not None:
+            proposal = await speculation.source.draft(rid, guess.context, guess.k + 1, sampling)
             if not proposal.tokens:
                 return
             rest = Draft(proposal.tokens[1:], [proposal.q[i] if i < len(proposal.q) else None
                                                for i in range(1, len(proposal.tokens))])
-            windows.append(self._launch(rid, last.end, proposal.tokens[:1], rest, trunk,
-                                        guess_q=proposal.q[0] if proposal.q else None,
-                                        hidden_rows=speculation.wants_hidden))
-
-    async def _step(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None,
-                    outputs: Outputs = "last", rewind: bool = False, verify: bool = False, hidden_rows: bool = False):
-        """Head, trunk and tail: (the tail's output, TokenTiming). The output is the logits, or, with
-        ``hidden_rows``, a kernels.slice.WithHidden that also holds every row's final hidden state."""
-        t0 = time.perf_counter()
-        hidden, head_timing = await self._head(rid, start, tokens, trunk, rewind, verify)
-        trunk_result = None
-        if trunk is not None:
-            trunk_result = await trunk.forward(rid, hidden, start, rewind=rewind, verify=verify)
-            hidden = trunk_result.hidden
-        return await self._tail(rid, start, len(tokens), hidden, outputs, rewind, verify, t0, head_timing, trunk_result,
-                                hidden_rows)
-
-    async def _head(self, rid: bytes, start: int, tokens: list[int], trunk: Trunk | None, rewind: bool = False,
-                    verify: bool = False) -> tuple[np.ndarray, StepTiming]:
-        hidden, timing = await self.head_runner.run(Step(rid, start, tokens=tokens, rewind=rewind, verify=verify))
-        if trunk is not None and self.uplink_transform is not None:
-            hidden = np.ascontiguousarray(self.uplink_transform(hidden), dtype=np.float32)
-        return hidden, timing
-
-    async def _tail(self, rid: bytes, start: int, rows: int, hidden: np.ndarray, outputs: Outputs, rewind: bool,
-                    verify: bool, t0: float, head_timing: StepTiming, trunk_result: TrunkResult | None,
-                    hidden_rows: bool = False):
-        t_trunk = time.perf_counter()
-        logits, tail_timing = await self.tail_runner.run(Step(rid, start, hidden=hidden, outputs=outputs,
-                                                              rewind=rewind, verify=verify, hidden_rows=hidden_rows))
-        t_tail = time.perf_counter()
-        return logits, TokenTiming(head_timing, trunk_result, tail_timing, t_tail - t0, started=t0,
-                                   trunk_returned=t_trunk, tail_returned=t_tail, rows=rows, start_pos=start)
-
-    async def _stream_prompt(self, rid: bytes, chunks: list[list[int]], trunk: Trunk, hidden_rows: bool = False,
-                             first: int = 0):
-        """A long prompt's chunks through head, trunk and tail, streamed: each chunk goes to the
-        trunk as soon as the head has it (up to ``trunk.steps_in_flight`` out at once), so the
-        second stage works on chunk 1 while the first works on chunk 2, and an uplink carries one
-        chunk while the head computes the next; the tail takes the results in order. Every
-        engine runs the same steps as one chunk at a time would (the same bits). Returns each
-        chunk's (logits of its last row, timing); with ``hidden_rows`` the logits come in a
-        kernels.slice.WithHidden with every row's final hidden state."""
-        window = asyncio.Semaphore(trunk.steps_in_flight)
-        handed: asyncio.Queue = asyncio.Queue()  # (the trunk's step, t0, head timing, start, rows), or an error
-
-        async def head_side() -> None:
-            start = first
-            try:
-                for chunk in chunks:
-                    await window.acquire()
-                    t0 = time.perf_counter()
-                    hidden, head_timing = await self._head(rid, start, chunk, trunk)
-                    forward = asyncio.ensure_future(trunk.forward(rid, hidden, start))
-                    handed.put_nowait((forward, t0, head_timing, start, len(chunk)))
-                    start += len(chunk)
-            except Exception as e:  # noqa: BLE001 - handed to the tail side, which raises it
-                handed.put_nowait(e)
-
-        heads = asyncio.ensure_future(head_side())
-        forwards: list[asyncio.Future] = []
-        results = []
-        try:
-            for _ in chunks:
-                item = await handed.get()
-                if isinstance(item, Exception):
-                    raise item
-                forward, t0, head_timing, start, rows = item
-                forwards.append(forward)
-                trunk_result = await forward
-                window.release()
-                results.append(await self._tail(rid, start, rows, trunk_result.hidden, "last", False, False, t0,
-                                                head_timing, trunk_result, hidden_rows))
-            return results
-        finally:
-            heads.cancel()
-            for forward in forwards:
-                forward.cancel()
-            while not handed.empty():  # handed over but not yet taken: cancelled too
-                item = handed.get_nowait()
-                if not isinstance(item, Exception):
-                    item[0].cancel()
+            flight.add(self.u.launch(rid, guess.start, proposal.tokens[:1], rest, trunk,
+                                   guess_q=proposal.q[0] if proposal.q else None, hidden_rows=speculation.wants_hidden))
 
     async def _resume(self, rid: bytes, prompt: Sequence[int], trunk: Trunk | None,
                       prefixes: PrefixCache) -> tuple[int, Steps]:

@@ -32,6 +32,15 @@ def cannot_serve(plan: Plan | None) -> str:
     return f"the swarm cannot serve the model: no ready trunk holds layers {gaps}{notes}"
 
 
+def check_asker_layers(plan: Plan, gguf) -> None:
+    """The asker's own copy of the model must match the swarm's in the layers it runs itself."""
+    k, n = plan.head_layers, plan.n_layer
+    for layer in [*range(k), *range(n - k, n)]:
+        if layer >= len(plan.layer_hashes) or gguf.layer_hash(layer) != plan.layer_hashes[layer]:
+            raise SwarmError(f"your copy of the model differs from the swarm's ({plan.model_name}) "
+                             f"in layer {layer}; use --model with the swarm's GGUF")
+
+
 class PlanWatch:
     def __init__(self, config: NodeConfig, creds: Credentials, handler: ConnectionHandler,
                  connect_with: Callable[[list[str]], Awaitable[SwarmProtocol]] | None = None) -> None:

@@ -83,6 +83,17 @@ def cut_steps(steps: list[SentStep], start_pos: int) -> list[SentStep]:
     return _cut(steps, start_pos)
 
 
+def rebuilds(steps: list[SentStep], positions: int) -> bool:
+    """Whether ``steps`` fill positions [0, positions) back to back from 0 (what a kept prefix
+    needs to be rebuilt on another route)."""
+    ends = 0
+    for step in steps:
+        if step.start_pos != ends:
+            return False
+        ends += step.hidden.shape[0]
+    return ends == positions
+
+
 # --- what the table asks the link to do ---
 
 @dataclass(frozen=True)

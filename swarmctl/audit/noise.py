@@ -37,7 +37,7 @@ def calibrate(model: str | Path, head_layers: int, *, text: str | None = None,
 
 @dataclass
 class UplinkNoise:
-    """An ``Asker(uplink_transform=...)``: adds ``scale · std · N(0, 1)`` to each row it is given."""
+    """An ``Asker.uplink_transform``: adds ``scale · std · N(0, 1)`` to each row it is given."""
 
     std: np.ndarray  # [n_embd]
     scale: float

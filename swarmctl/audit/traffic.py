@@ -33,7 +33,8 @@ async def run_prompts(swarm: LocalSwarm, model: Path, prompts: Sequence[str], *,
     link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=swarm.n_trunks)
     asker = None
     try:
-        asker = Asker(model, link.head_layers, n_threads=n_threads, uplink_transform=uplink_transform)
+        asker = Asker(model, link.head_layers, n_threads=n_threads)
+        asker.uplink_transform = uplink_transform
         link.check_model(asker.gguf)
         runs = []
         for text in prompts:

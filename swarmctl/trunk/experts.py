@@ -35,7 +35,7 @@ CALL_TIMEOUT_S = 30.0  # one expert node's answer, however slow, while it answer
 ALL_CALLS_TIMEOUT_S = 60.0  # the compute thread's wait for every expert node of one layer
 # After a node failed a call (no answer, no ping), calls to it fail at once for this long: the
 # request is replayed once the host plans the node out, and the asker retries the same plan after
-# 2 × SILENCE_LIMIT (swarmctl/asker/link.py) if the host never does.
+# 2 × SILENCE_LIMIT (ReroutePolicy.same_route_retry_s, swarmctl/asker/link_core.py) if the host never does.
 GIVEN_UP_S = 2 * SILENCE_LIMIT
 
 
