@@ -39,14 +39,14 @@ def never_loads(tmp: Path) -> dict:
     while "mallory" in host.members() and host.now < at + 3600:
         host.wait(0.1, step=0.1)
     return {"deadline_s": round(ready_deadline_s(SMOL.range_bytes(stage.start, stage.stop),
-                                                  host.planning.ready_deadline_s), 2),
+                                                  host.planning.staging.settings.ready_deadline_s), 2),
             "remade_after_s": round(host.now - at, 2), "published": published.version,
             "remade": host.planning.plan.version, "left_out": host.trunks["mallory"].refused}
 
 
 def keeps_missing(tmp: Path, seconds: float = 3600.0) -> dict:
     host = Host(tmp, {"alice": 1.0, "bob": 1.0})
-    host.planning.staged_deadline_s = 8.0
+    host.planning.staging.settings.staged_deadline_s = 8.0
     host.serve()
     host.join("mallory")
     rounds = [(0.0, host.planning.staged.version)]

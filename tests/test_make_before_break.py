@@ -108,7 +108,7 @@ def test_a_published_stage_that_never_loads_is_left_out_at_its_deadline(tmp_path
     assert "mallory" in host.members(published) and host.asker.plans[-1].version == published.version
     host.load(but="mallory")
     stage = published.stage_for("mallory")
-    deadline = ready_deadline_s(SMOL.range_bytes(stage.start, stage.stop), host.planning.ready_deadline_s)
+    deadline = ready_deadline_s(SMOL.range_bytes(stage.start, stage.stop), host.planning.staging.settings.ready_deadline_s)
     while "mallory" in host.members() and host.now < at + 10 * deadline:
         host.wait(1.0)
     remade_after = host.now - at
@@ -125,7 +125,7 @@ def test_a_member_that_keeps_missing_its_deadline_waits_longer_each_time_and_ver
     twice). Now each miss leaves it out for MISSED_HOLD_S, doubling, also across its re-registrations,
     and no version is ever issued for two different plans, nor again by a restarted host."""
     host = Host(tmp_path, {"alice": 1.0, "bob": 1.0})
-    host.planning.staged_deadline_s = 8.0
+    host.planning.staging.settings.staged_deadline_s = 8.0
     host.serve()
     rounds = []  # (when, version) of each staged plan mallory is given to load
 

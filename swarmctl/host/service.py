@@ -505,7 +505,7 @@ class HostService:
         self._reply(conn, stream_id, m.PlanPush(plan=self.plan.to_dict()), end=True)
 
     def _nodes(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
-        self._reply(conn, stream_id, m.Nodes(nodes=self.planning.describe_nodes()), end=True)
+        self._reply(conn, stream_id, m.Nodes(nodes=self.planning.inputs.describe_nodes()), end=True)
 
     def _status(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
         self._reply(conn, stream_id, self.status(), end=True)
