@@ -45,7 +45,8 @@ import os
 import statistics
 import sys
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -157,17 +158,17 @@ async def swarm_runs(model: Path, prompt: list[int], n_decode: int, threads: int
     return out
 
 
-@asynccontextmanager
-async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4, wire_dtype: str = "f32",
-                    delay_s: float = WAN["delay_s"], jitter_s: float = WAN["jitter_s"], loss: float = WAN["loss"]):
-    """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
-    link to it. Relays run in a process of their own: in the asker's process their per-datagram
-    work would share its interpreter and cores and inflate its compute (measured: head + tail
-    27 ms instead of 7)."""
+@contextmanager
+def wan_fronts(rate_mbit: float = 0.0, delay_s: float = WAN["delay_s"], jitter_s: float = WAN["jitter_s"],
+               loss: float = WAN["loss"], n_trunks: int = 2) -> Iterator[Fronts]:
+    """Ports for a local swarm's host and trunks, each behind an impairing relay (WAN), the
+    relays running until the block ends. Relays run in a process of their own: in the asker's
+    process their per-datagram work would share its interpreter and cores and inflate its compute
+    (measured: head + tail 27 ms instead of 7)."""
     import subprocess
 
-    host_port, trunk_ports = free_udp_port(), [free_udp_port(), free_udp_port()]
-    relay_ports = [free_udp_port() for _ in range(3)]
+    host_port, trunk_ports = free_udp_port(), [free_udp_port() for _ in range(n_trunks)]
+    relay_ports = [free_udp_port() for _ in range(n_trunks + 1)]
     links = [f"{t}:{r}" for t, r in zip([host_port, *trunk_ports], relay_ports)]
     relays = subprocess.Popen([sys.executable, "-m", "net.relay", *sum((["--link", x] for x in links), []),
                                "--delay", str(delay_s), "--jitter", str(jitter_s),
@@ -176,19 +177,27 @@ async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_laye
                               cwd=Path(__file__).resolve().parents[1])
     try:
         assert relays.stdout.readline().strip() == "ready"
-        fronts = Fronts.behind([host_port, *trunk_ports], [f"127.0.0.1:{p}" for p in relay_ports])
-        with LocalSwarm(model=str(model), n_trunks=2,
-                        planner=PlannerSettings(head_layers=head_layers, wire_dtype=wire_dtype),
-                        threads=threads, fronts=fronts) as swarm:
-            link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
-                                        min_stages=2)
-            try:
-                yield link
-            finally:
-                await link.close()
+        yield Fronts.behind([host_port, *trunk_ports], [f"127.0.0.1:{p}" for p in relay_ports])
     finally:
         relays.kill()
         relays.wait()
+
+
+@asynccontextmanager
+async def wan_swarm(model: Path, threads: int, rate_mbit: float = 0.0, head_layers: int = 4, wire_dtype: str = "f32",
+                    delay_s: float = WAN["delay_s"], jitter_s: float = WAN["jitter_s"], loss: float = WAN["loss"]):
+    """A local swarm (host + 2 trunks) whose every link passes an impairing relay (WAN), and a
+    link to it."""
+    with wan_fronts(rate_mbit, delay_s, jitter_s, loss) as fronts, \
+            LocalSwarm(model=str(model), n_trunks=2,
+                       planner=PlannerSettings(head_layers=head_layers, wire_dtype=wire_dtype),
+                       threads=threads, fronts=fronts) as swarm:
+        link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, ready_timeout=120,
+                                    min_stages=2)
+        try:
+            yield link
+        finally:
+            await link.close()
 
 
 async def wan_run(model: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
