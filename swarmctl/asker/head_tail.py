@@ -25,7 +25,7 @@ from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Candidates, Sampler, SamplingParams
-from kernels.slice import Outputs, Placement, SliceEngine, Step, split_hidden
+from kernels.slice import ON_THE_CPU, Outputs, Placement, SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net import clock
@@ -310,10 +310,11 @@ class Asker:
     def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
                  max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  uplink_transform: Callable[[np.ndarray], np.ndarray] | None = None,
-                 device: Device | None = None) -> None:
+                 placement: Placement = ON_THE_CPU) -> None:
         """``uplink_transform`` (optional) rewrites the head's activations before they leave this
         process (e.g. a privacy mitigation that adds noise); the default sends them as computed.
-        ``device``: where the head and tail compute (default the CPU)."""
+        ``placement``: where the head and tail compute (default the CPU) and with which kernels
+        (a swarm's asker: the plan's, as its trunks)."""
         self.gguf = GGUFFile(model_path)
         self.head: SliceEngine | None = None
         self.tail: SliceEngine | None = None
@@ -321,9 +322,9 @@ class Asker:
             self.spec = ModelSpec.from_gguf(self.gguf)
             head, tail = u_ends(self.spec.n_layer, head_layers)
             self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context,
-                                    placement=Placement(device=device))
+                                    placement=placement)
             self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context,
-                                    placement=Placement(device=device))
+                                    placement=placement)
             self.max_context = self.head.max_context
             self.tokenizer = Tokenizer(model_path)
         except BaseException:

@@ -376,6 +376,15 @@ class PlanKeeper:
             plan.experts = experts
             plan.check_experts()
             changed = True
+        if plan.kernels != self.constraints.kernels:  # every member reloads its weights under the new kernels
+            plan.kernels = self.constraints.kernels
+            if not changed:
+                plan.version += 1
+                for s in plan.stages:
+                    s.ready = False
+            for e in plan.experts:
+                e.ready = False
+            changed = True
         return changed
 
     # --- make-before-break ---

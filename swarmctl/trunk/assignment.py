@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kernels.backend import describe_kernels
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
@@ -248,7 +249,8 @@ class Assignment:
         loop = asyncio.get_running_loop()
         remote = bool(self.plan.experts)  # routed experts elsewhere?
         same = self.engine is not None and (self.engine.slice.start, self.engine.slice.stop) == \
-            (stage.start, stage.stop) and (self.engine.remote_experts is not None) == remote
+            (stage.start, stage.stop) and (self.engine.remote_experts is not None) == remote and \
+            self.engine.weights.kernels == self.plan.kernels  # (new kernels: the weights load again)
         standby = self.standby
         if standby is not None and (standby.version != self.plan.version or
                                     (standby.stage.start, standby.stage.stop) != (stage.start, stage.stop)):
@@ -321,9 +323,11 @@ class Assignment:
     def _new_engine(self, gguf: GGUFFile, stage: StageAssignment, plan: Plan) -> SliceEngine:
         """The engine for ``stage`` of ``plan`` (on the compute thread), the same for the stage in use
         and one loaded beside it."""
-        return SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                           placement=Placement(device=self.device, gpu_memory=self.memory),
-                           remote_experts=self._remote_experts if plan.experts else None)
+        engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                             placement=Placement(device=self.device, gpu_memory=self.memory, kernels=plan.kernels),
+                             remote_experts=self._remote_experts if plan.experts else None)
+        log.info("%s (%d weights repacked)", describe_kernels(plan.kernels), len(engine.weights.repacked))
+        return engine
 
     async def _model_for(self, stage: StageAssignment, plan: Plan) -> Path:
         """Our model file, or a slice file with the stage's layers, fetched from the host if need be."""
@@ -372,8 +376,9 @@ class Assignment:
         """Expert parallelism: hold experts [start, stop) of every MoE trunk layer, serve calls."""
         loop = asyncio.get_running_loop()
         start, stop = self.plan.trunk_range
-        held = self.experts is not None and (self.experts.first, self.experts.last, self.experts.layers) == \
-            (expert.start, expert.stop, range(start, stop))
+        held = self.experts is not None and (self.experts.first, self.experts.last, self.experts.layers,
+                                             self.experts.kernels) == (expert.start, expert.stop, range(start, stop),
+                                                                       self.plan.kernels)
         if not held:
             await self._let_go("this trunk now serves experts")
             await loop.run_in_executor(self._executor, self.unload)
@@ -422,7 +427,8 @@ class Assignment:
         self.unload()
         gguf = open_checked(model, layers, self.plan) if model == self.model_path else GGUFFile(model)
         try:
-            self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads)
+            self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads, kernels=self.plan.kernels)
+            log.info("%s", describe_kernels(self.plan.kernels))
             self.gguf = gguf
         except BaseException:
             gguf.close()
