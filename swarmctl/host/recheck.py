@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine
+from kernels.slice import Placement, SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 from net.protocol import SwarmProtocol
 from net.wire import ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_packet, encode_packet
