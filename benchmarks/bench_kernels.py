@@ -11,16 +11,18 @@ AVX2 / AVX-512 / NEON; Q4_1 has a layout only in AMX's), at each thread count:
     engine_repack     the same with kernels repack (the CPU's extra buffer types but AMX)
     llama_plain       llama-cpp-python, use_extra_bufts=False
     llama_default     llama-cpp-python's default load (use_extra_bufts=True: every extra type)
-    llama_bench_r0/1  llama-bench built from the llama.cpp llama-cpp-python vendors (--llama-bench),
-                      ``--repack 0`` and ``--repack 1``: tg (decode) only, its own repetitions
+    llama_bench_rR_faF  llama-bench built from the llama.cpp llama-cpp-python vendors (--llama-bench),
+                      ``--repack 0,1`` by ``-fa 0,1``: tg (decode) only, its own repetitions (flash
+                      attention is llama.cpp's default on the CPU; our graphs run without it)
 
 Each engine and llama-cpp-python figure is one subprocess (a crash, as llama.cpp's AMX path had
 on AMX Xeons, is reported, not fatal), rounds interleaved across variants; quoted: medians over
 --repeats rounds of greedy decode after an 8-token prompt, per wall-clock second (``decode_tok_s``)
 and per second of the process's CPU time (``decode_tok_per_cpu_s``: steadier on a shared machine).
-``ratios`` gives the engine's best over llama.cpp's best configuration (the larger of its plain and
-repacked figures, from llama-cpp-python and from llama-bench) at each thread count: the goal is
->= 0.95.
+``ratios`` gives the engine's best over llama.cpp's best configuration at each thread count (from
+llama-cpp-python, and from llama-bench with and without flash attention): the goal is >= 0.95.
+With two threads on a 2-core machine that other work shares, any other process stalls ggml's
+thread barriers: read those rounds' spread before their medians.
 """
 
 from __future__ import annotations
@@ -83,22 +85,25 @@ def run_child(variant: str, model: Path, n_decode: int, threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def llama_bench(binary: Path, model: Path, threads: int, repack: int, n_decode: int, repeats: int) -> dict:
-    """llama-bench's tg figure (decode of ``n_decode`` tokens, ``repeats`` repetitions): its mean
-    and its samples' median, tokens per second."""
+def llama_bench(binary: Path, model: Path, threads: int, n_decode: int, repeats: int) -> dict:
+    """llama-bench's tg figures (decode of ``n_decode`` tokens, ``repeats`` repetitions) for
+    ``--repack 0,1`` by ``-fa 0,1`` (flash attention: our graphs, like the oracle, run without it),
+    keyed ``llama_bench_r{repack}_fa{fa}``: its samples' median, its mean and the samples, tok/s."""
     cmd = [os.fspath(binary), "-m", os.fspath(model), "-p", "0", "-n", str(n_decode), "-t", str(threads),
-           "-r", str(repeats), "--repack", str(repack), "-o", "json"]
+           "-r", str(repeats), "--repack", "0,1", "-fa", "0,1", "-o", "json"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {CHILD_TIMEOUT_S} s"}
+        return {"llama_bench": {"error": f"timed out after {CHILD_TIMEOUT_S} s"}}
     if proc.returncode != 0:
         why = f"crashed: {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
-        return {"error": why, "stderr_tail": proc.stderr[-500:]}
-    row = json.loads(proc.stdout)[0]
-    return {"decode_tok_s": round(statistics.median(row["samples_ts"]), 2), "mean_tok_s": round(row["avg_ts"], 2),
-            "samples_tok_s": [round(x, 2) for x in row["samples_ts"]], "build_commit": row.get("build_commit"),
-            "cpu_info": row.get("cpu_info")}
+        return {"llama_bench": {"error": why, "stderr_tail": proc.stderr[-500:]}}
+    out = {}
+    for row in json.loads(proc.stdout):
+        key = f"llama_bench_r{int(row['repack'])}_fa{int(row['flash_attn'])}"
+        out[key] = {"decode_tok_s": round(statistics.median(row["samples_ts"]), 2), "mean_tok_s": round(row["avg_ts"], 2),
+                    "samples_tok_s": [round(x, 2) for x in row["samples_ts"]], "build_commit": row.get("build_commit")}
+    return out
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -122,7 +127,9 @@ def ratios(at: dict) -> dict:
     engine = best("engine_plain", "engine_repack")
     out = {}
     for label, names in (("llama_cpp_python", ("llama_plain", "llama_default")),
-                         ("llama_bench", ("llama_bench_r0", "llama_bench_r1"))):
+                         ("llama_bench_without_flash_attn", ("llama_bench_r0_fa0", "llama_bench_r1_fa0")),
+                         ("llama_bench", ("llama_bench_r0_fa0", "llama_bench_r1_fa0", "llama_bench_r0_fa1",
+                                          "llama_bench_r1_fa1"))):
         theirs = best(*names)
         if engine and theirs:
             out[f"engine_best_over_{label}_best"] = round(engine / theirs, 3)
@@ -168,10 +175,8 @@ def main() -> None:
     if args.llama_bench is not None:
         for label, model in models.items():
             for t in threads:
-                at = results[label][f"threads_{t}"]
-                for repack in (0, 1):
-                    at[f"llama_bench_r{repack}"] = llama_bench(args.llama_bench, model, t, repack, args.decode,
-                                                               args.repeats)
+                results[label][f"threads_{t}"].update(llama_bench(args.llama_bench, model, t, args.decode,
+                                                                  args.repeats))
     for label in results:
         for at in results[label].values():
             at["ratios"] = ratios(at)
