@@ -94,8 +94,9 @@ class PlannerSettings:
 
     @classmethod
     def from_config(cls, config) -> "PlannerSettings":
-        """The host's settings as its node.json keeps them."""
-        return cls(**{o.field: getattr(config, o.config_field) for o in OPTIONS})
+        """The host's settings as its node.json keeps them (an option a config object lacks, as
+        stand-ins written before the option existed: its default)."""
+        return cls(**{o.field: getattr(config, o.config_field, o.default) for o in OPTIONS})
 
     def into_config(self, config) -> None:
         """Written into a host's NodeConfig (node.json): `init` and the local swarm."""
