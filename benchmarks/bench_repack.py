@@ -14,7 +14,7 @@ with ``llama_model_quantize`` (requantized from the Q4_1 file, kept in --cache-d
     llama_repacked   llama-cpp-python's default loading (use_extra_bufts=True)
     llama_plain      llama-cpp-python with use_extra_bufts=False (the oracle's way)
     engine_plain     our engine, the whole model as one slice (kernels.SliceEngine), mapped weights
-    engine_repacked  the same with repack=True (ggml's CPU_REPACK buffer type, never AMX)
+    engine_repacked  the same with kernels="repack" (the CPU's extra buffer types but AMX)
 
 Each is measured in its own subprocess (so a SIGILL on an AMX CPU is reported as "crashed", not
 the end of the benchmark), rounds interleaved across models and variants; the figures are medians
@@ -108,7 +108,7 @@ def child(variant: str, model: Path, tokens: list[int], n_decode: int, threads: 
         gguf_file = GGUFFile(model)
         spec = ModelSpec.from_gguf(gguf_file)
         with SliceEngine(gguf_file, SliceSpec(0, spec.n_layer, True, True), n_threads=threads,
-                         max_context=256, placement=Placement(repack=variant == "engine_repacked")) as probe:
+                         max_context=256, placement=Placement(kernels="repack" if variant == "engine_repacked" else "plain")) as probe:
             out["engine_repacked_matrices"] = len(probe.weights.repacked)
     for n in PROMPT_LENGTHS:
         if variant.startswith("engine"):

@@ -139,7 +139,7 @@ def make_engines(gguf: GGUFFile, cuts: list[int], threads: int, *, repack: bool 
     try:
         for a, b in zip(bounds, bounds[1:]):
             engines.append(SliceEngine(gguf, SliceSpec(a, b, a == 0, b == n_layer), n_threads=threads,
-                                       max_context=max_context, placement=Placement(device=device, repack=repack)))
+                                       max_context=max_context, placement=Placement(device=device, kernels="repack" if repack else "plain")))
     except BaseException:
         for e in engines:
             e.close()

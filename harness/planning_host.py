@@ -37,7 +37,7 @@ class Host:
         self.now = 0.0  # the keeper's clock, in the test's hands
         self.memory = memory
         config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective=objective,
-                                 plan_max_stages=0, expert_nodes=0, wire_dtype="f32")
+                                 plan_max_stages=0, expert_nodes=0, wire_dtype="f32", kernels="plain")
         self.planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
                                    Plan(0, "m", 30, 4), self.trunks)
         self.planning.clock = lambda: self.now

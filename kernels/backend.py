@@ -17,9 +17,16 @@ import os
 from . import ggml
 from .devices import Device, DeviceError
 
-# The CPU extra buffer type whose weights the engine may repack (kernels.weights, repack=True).
-# Never "AMX": llama.cpp's AMX matmul dies with SIGILL on some AMX CPUs.
+# The kernels a slice's weights may use (the swarm's `kernels` setting, plans/options.py):
+# plain: every weight computes from the GGUF's map, as llama.cpp with use_extra_bufts=False;
+# repack: the weights the CPU's extra buffer types take are copied there (kernels/weight_bufts.py),
+#   all but AMX: ggml's AMX matmul has crashed llama.cpp on AMX Xeons (SIGSEGV and SIGILL, seen
+#   here with llama-cpp-python's default load; llama.cpp issue 20824, PR 26954), so it is opt-in;
+# amx: every extra type ggml offers, in its order (AMX first where the CPU has it): llama.cpp's
+#   default load exactly.
+KERNELS = ("plain", "repack", "amx")
 REPACK_BUFFER_TYPE = "CPU_REPACK"
+AMX_BUFFER_TYPE = "AMX"
 
 
 def default_threads() -> int:
@@ -42,6 +49,38 @@ def cpu_extra_buffer_types() -> dict[str, int]:
         found[ggml.backend_buft_name(bufts[i]).decode()] = bufts[i]
         i += 1
     return found
+
+
+def kernel_buffer_types(kernels: str) -> list[tuple[str, int]]:
+    """The CPU's extra buffer types ``kernels`` may put weights in, in ggml's order (the order
+    llama.cpp tries them in); [] for plain, or where this build and CPU offer none."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
+    if kernels == "plain":
+        return []
+    return [(name, buft) for name, buft in cpu_extra_buffer_types().items()
+            if kernels == "amx" or name != AMX_BUFFER_TYPE]
+
+
+def describe_kernels(kernels: str) -> str:
+    """One line for start-up logs: what ``kernels`` means on this CPU, and what it falls back to."""
+    offered = list(cpu_extra_buffer_types())
+    used = [name for name, _ in kernel_buffer_types(kernels)]
+    if kernels == "plain":
+        return "kernels plain: weights compute from the model file's map" + (
+            f" (this CPU also offers {', '.join(offered)}: `swarmctl config kernels repack`)" if offered else "")
+    if not used:
+        left = f" ({', '.join(offered)} left out: AMX matmuls crash on some Xeons; `kernels amx` opts in)" if offered else ""
+        return f"kernels {kernels}: this CPU offers no extra buffer types we use{left}; weights stay plain"
+    skipped = [n for n in offered if n not in used]
+    note = f"; {', '.join(skipped)} left out (crashes on some Xeons; `kernels amx` opts in)" if skipped else ""
+    return f"kernels {kernels}: {', '.join(used)} where ggml takes the weight, else plain{note}"
+
+
+@functools.cache
+def cpu_device() -> int:
+    """The CPU's ggml device (ggml_backend_dev_t), whose supports_op judges extra buffer types."""
+    return ggml.backend_reg_dev_get(ggml.backend_cpu_reg(), 0)
 
 
 class Backend:
@@ -111,12 +150,10 @@ class Backend:
         """Where ``layer``'s KV cache lives."""
         return ggml.backend_get_default_buffer_type(self.handle if self.on_device(layer) else self.cpu_handle)
 
-    def repack_buffer_type(self) -> int | None:
-        """ggml's CPU_REPACK buffer type, where this build has it and weights stay on the CPU;
-        None otherwise."""
-        if self.uploads_weights:
-            return None
-        return cpu_extra_buffer_types().get(REPACK_BUFFER_TYPE)
+    def weight_buffer_types(self, kernels: str) -> list[tuple[str, int]]:
+        """The extra buffer types weights may go to under ``kernels`` (kernel_buffer_types),
+        where weights stay on the CPU; [] when they go to a device."""
+        return [] if self.uploads_weights else kernel_buffer_types(kernels)
 
     def unsupported_ops(self, graph: int) -> list[str]:
         """The operations of ``graph`` this backend cannot run (none on the CPU), by name."""

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
+import dataclasses
+
 from . import ggml
-from .backend import Backend
+from .backend import Backend, cpu_device
 from .errors import InputShapeError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .spec import ModelSpec
+from .weight_bufts import Candidate, ExtraCopies, choose
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # An expert node's fetched file (swarmctl/model_files/expert_slices.py) holds only experts [first, last) of
@@ -49,7 +52,11 @@ def rows_for(selected: np.ndarray, first: int, last: int) -> tuple[np.ndarray, n
 
 
 class ExpertEngine:
-    def __init__(self, gguf: GGUFFile, layers: range, first: int, last: int, *, n_threads: int | None = None) -> None:
+    def __init__(self, gguf: GGUFFile, layers: range, first: int, last: int, *, n_threads: int | None = None,
+                 kernels: str = "plain") -> None:
+        """``kernels``: plain, or repack (amx) to copy the slabs the CPU's extra buffer types take
+        into them, as a stage's own experts are (kernels/weight_bufts.py)."""
+        self.kernels = kernels
         self.spec = ModelSpec.from_gguf(gguf)
         if not self.spec.n_expert:
             raise UnsupportedModelError("the model has no experts to serve")
@@ -73,7 +80,14 @@ class ExpertEngine:
                     raise UnsupportedModelError(f"layer {il} has no {stem} tensor")
                 infos.append((il, stem, info))
         self._ctx = ggml.new_context(len(infos) + 1)
-        spans = [span for il in self.moe_layers for span in expert_slabs(gguf, il, first, last)]
+        all_spans = [span for il in self.moe_layers for span in expert_slabs(gguf, il, first, last)]
+        self._extra = self._repack(gguf, all_spans, first, last)
+        spans = [span for span in all_spans if _slab_name(span, first, last) not in self._extra.tensors]
+        for il, stem, _, _, size in all_spans:
+            t = self._extra.tensors.get(_slab_name((il, stem), first, last))
+            if t is not None:
+                self.tensors[(il, stem)] = t
+                self.n_bytes += size
         # one buffer over the mapped bytes of each part that holds some (a split model's parts are mapped apart)
         for part in sorted({info.part for _, _, info, _, _ in spans}):
             in_part = [(offset, size) for _, _, info, offset, size in spans if info.part == part]
@@ -83,13 +97,35 @@ class ExpertEngine:
         for il, stem, info, offset, size in spans:
             ne0, ne1, _ = info.shape
             t = ggml.new_tensor_3d(self._ctx, info.ggml_type, ne0, ne1, last - first)
-            ggml.set_name(t, f"blk.{il}.{stem}[{first}:{last}]".encode())
+            ggml.set_name(t, _slab_name((il, stem), first, last).encode())
             address = gguf.part_address(info.part) + offset
             if ggml.backend_tensor_alloc(self._buffers[info.part], t, address) != ggml.STATUS_SUCCESS:
                 raise RuntimeError(f"cannot place experts of {info.name}")
             self.tensors[(il, stem)] = t
             self.n_bytes += size
         self._gguf = gguf
+
+    def _repack(self, gguf: GGUFFile, spans: list, first: int, last: int) -> ExtraCopies:
+        """The slabs the kernels' extra buffer types take, copied there (none under plain)."""
+        extra = ExtraCopies()
+        bufts = self.backend.weight_buffer_types(self.kernels)
+        if not bufts:
+            return extra
+        candidates = [Candidate(dataclasses.replace(info, shape=(*info.shape[:2], last - first), offset=offset,
+                                                    n_bytes=size), _slab_name((il, stem), first, last), experts=True)
+                      for il, stem, info, offset, size in spans]
+        chosen = choose(candidates, bufts, cpu_device(), max(1, self.spec.n_expert_used))
+        try:
+            extra.copy(gguf, candidates, chosen)
+        except BaseException:
+            extra.close()
+            raise
+        return extra
+
+    @property
+    def repacked(self) -> tuple[str, ...]:
+        """The slabs held in an extra buffer type (``blk.L.ffn_up_exps[first:last]``)."""
+        return tuple(self._extra.placed)
 
     def forward(self, layer: int, x: np.ndarray, expert_ids: np.ndarray) -> np.ndarray:
         """Rows ``x`` [m, n_embd] through experts ``expert_ids`` [m] (model-wide ids): [m, n_embd]."""
@@ -135,6 +171,7 @@ class ExpertEngine:
         for buffer in self._buffers.values():
             ggml.backend_buffer_free(buffer)
         self._buffers = {}
+        self._extra.close()
         if self._ctx:
             ggml.free(self._ctx)
             self._ctx = 0
@@ -145,6 +182,11 @@ class ExpertEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _slab_name(span: tuple, first: int, last: int) -> str:
+    """The ggml name of a layer's slab of experts [first, last): ``span`` starts (layer, stem, ...)."""
+    return f"blk.{span[0]}.{span[1]}[{first}:{last}]"
 
 
 class LocalExperts:

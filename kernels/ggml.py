@@ -244,6 +244,8 @@ DevGetExtraBufts = ctypes.CFUNCTYPE(ctypes.POINTER(c_void_p), c_void_p)  # ggml_
 _declare("backend_buft_name", "base", "ggml_backend_buft_name", c_char_p, _P)
 _declare("backend_alloc_ctx_tensors_from_buft", "base", "ggml_backend_alloc_ctx_tensors_from_buft", _P, _P, _P)
 _declare("backend_buffer_set_usage", "base", "ggml_backend_buffer_set_usage", None, _P, c_int)
+_declare("backend_buft_alloc_buffer", "base", "ggml_backend_buft_alloc_buffer", _P, _P, c_size_t)
+_declare("backend_dev_supports_op", "base", "ggml_backend_dev_supports_op", c_bool, _P, _P)
 BUFFER_USAGE_WEIGHTS = 1
 
 # --- devices (ggml-backend.h): every backend this build registers, GPUs included ---

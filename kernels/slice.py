@@ -104,13 +104,14 @@ class Placement:
     (None: what it reports free, less a reserve); when its layers (weights, and one request's KV
     cache at the full context) need more, the first ones that fit go there and the rest stay on the
     CPU, as llama.cpp's ``n_gpu_layers`` does (``SliceEngine.backend.device_layers``). ``upload``:
-    copy the weights even on the CPU, the device path without a device (tests). ``repack``: copy
-    the matrices ggml can repack into its CPU_REPACK buffer type (kernels.weights)."""
+    copy the weights even on the CPU, the device path without a device (tests). ``kernels``:
+    plain, or repack (amx) to copy the weights the CPU's extra buffer types take into them
+    (kernels/weights.py, kernels/backend.py KERNELS)."""
 
     device: Device | None = None
     gpu_memory: int | None = None
     upload: bool = False
-    repack: bool = False
+    kernels: str = "plain"
 
 
 ON_THE_CPU = Placement()
@@ -142,7 +143,7 @@ class SliceEngine:
                                expert_layers=self.split.experts if self.split else None)
         try:
             self.weights = SliceWeights(gguf, self.spec, slice_spec, self.backend,
-                                        with_experts=self.remote_experts is None, repack=placement.repack)
+                                        with_experts=self.remote_experts is None, kernels=placement.kernels)
         except BaseException:
             self.backend.close()
             raise

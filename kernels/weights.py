@@ -7,13 +7,13 @@ mapped pages are released once copied. Quantized tensors stay quantized.
 GGUF names are translated to field names here, once, never inside the math: the architecture's
 record (kernels.archs) lists the tensors, which of them are required, and their shapes.
 
-``repack=True`` copies the matrices that ggml's CPU_REPACK buffer type has a layout for (Q4_0,
-Q4_K, IQ4_NL, ... on AVX2 / NEON CPUs; see ``Backend.repack_buffer_type``) into that buffer, which
-interleaves their blocks for faster matmuls, as llama.cpp does by default; everything else stays
-mapped. Only tensors that feed nothing but ``ggml_mul_mat`` are candidates: the repacked layout
-is meaningless to any other operator. So a tied LM head stays mapped in a slice that also looks
-up embeddings in it (llama.cpp repacks a duplicate there: in that one case the two agree closely,
-not bit for bit). The repacked copy replaces the mapped pages, which are released.
+``kernels`` (``plain`` by default; kernels.backend.KERNELS): under ``repack`` (or ``amx``) the
+weights the CPU's extra buffer types take (kernels/weight_bufts.py: every matrix that feeds
+nothing but ``ggml_mul_mat``, and the routed experts, which feed ``ggml_mul_mat_id``) are copied
+into them, repacked for faster matmuls, as llama.cpp does by default; everything else stays
+mapped. A tied LM head stays mapped in a slice that also looks up embeddings in it (llama.cpp
+repacks a duplicate there: in that one case the two agree closely, not bit for bit). The repacked
+copy replaces the mapped pages, which are released.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from . import ggml
 from .archs import LayerTensor
-from .backend import Backend
+from .backend import Backend, cpu_device
 from .errors import UnsupportedModelError
 from .gguf_file import GGUFFile, TensorInfo
 from .spec import ModelSpec, SliceSpec
+from .weight_bufts import Candidate, ExtraCopies, choose
 
 @dataclass
 class LayerWeights:
@@ -109,10 +110,11 @@ class SliceWeights:
     """The ggml tensors of one slice. Context manager: frees the ggml context and buffer."""
 
     def __init__(self, gguf: GGUFFile, spec: ModelSpec, slice_spec: SliceSpec, backend: Backend, *,
-                 with_experts: bool = True, repack: bool = False) -> None:
+                 with_experts: bool = True, kernels: str = "plain") -> None:
         """``with_experts=False``: a stage whose experts live on other nodes maps the router but not
-        the experts' weights (usually most of a MoE layer's bytes). ``repack=True``: see the module
+        the experts' weights (usually most of a MoE layer's bytes). ``kernels``: see the module
         notes; ``self.repacked`` names the tensors it repacked (none where the CPU has no layout)."""
+        self.kernels = kernels
         slice_spec.check(spec)
         self.with_experts = with_experts
         self.slice = slice_spec
@@ -128,6 +130,7 @@ class SliceWeights:
         self._buffers: list[int] = []  # over the mapped bytes, one per part of the file (zero-copy)
         self._copy_ctx = 0
         self._copy_buffer = 0
+        self._extra = ExtraCopies()  # the repacked weights (kernels/weight_bufts.py)
 
         wanted = self._tensor_names(gguf, spec, slice_spec)
         infos = [gguf.tensors[name] for name in dict.fromkeys(wanted.values())]
@@ -145,11 +148,16 @@ class SliceWeights:
                 backend.weights_kept_on_cpu = True
             copy_buft = upload_buft
         else:
-            copy_buft = backend.repack_buffer_type() if repack else None
-            to_copy = _repackable(_matmul_only(wanted, _matmul_fields(spec)), gguf, copy_buft) if copy_buft else []
-        copied = tuple(info.name for info in to_copy)
-        self.repacked: tuple[str, ...] = copied if upload_buft is None else ()
-        self.uploaded: tuple[str, ...] = copied if upload_buft is not None else ()
+            to_copy = []
+        repacking: list[Candidate] = []
+        bufts = backend.weight_buffer_types(kernels)
+        if bufts:
+            repacking = _candidates(wanted, spec, gguf)
+            chosen = choose(repacking, bufts, cpu_device(), max(1, spec.n_expert_used))
+            repacking = [c for c in repacking if c.name in chosen]
+        self.repacked: tuple[str, ...] = tuple(c.name for c in repacking)
+        self.uploaded: tuple[str, ...] = tuple(info.name for info in to_copy)
+        copied = set(self.repacked) | set(self.uploaded)
         mapped = [info for info in infos if info.name not in copied]
         self._ctx = ggml.new_context(len(mapped) + 1)
         # Keep the map open as long as ggml points into it.
@@ -165,17 +173,26 @@ class SliceWeights:
             by_name.update((info.name, self._map_tensor(buffer, info, gguf.tensor_address(info)))
                            for info in infos_in_part)
         if to_copy:
-            by_name.update(self._copy(to_copy, gguf, copy_buft, repacking=upload_buft is None))
+            by_name.update(self._copy(to_copy, gguf, copy_buft))
+        if repacking:
+            self._extra.copy(gguf, repacking, chosen)
+            by_name.update(self._extra.tensors)
         self._assign(wanted, by_name)
 
     @property
-    def copied_bytes(self) -> int:
-        """Bytes of the buffer the weights were copied into (device memory, or repacked layouts)."""
-        return ggml.backend_buffer_get_size(self._copy_buffer) if self._copy_buffer else 0
+    def repacked_into(self) -> dict[str, str]:
+        """Tensor name → the extra buffer type it was repacked into (CPU_REPACK, AMX, ...)."""
+        return dict(self._extra.placed)
 
-    def _copy(self, infos: list[TensorInfo], gguf: GGUFFile, buft: int, *, repacking: bool) -> dict[str, int]:
-        """Copy ``infos`` into one buffer of type ``buft``: a device's memory, or the CPU's repack
-        type, which repacks them as they arrive. The mapped pages are dropped once copied."""
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes of the buffers the weights were copied into (device memory, or repacked layouts)."""
+        uploaded = ggml.backend_buffer_get_size(self._copy_buffer) if self._copy_buffer else 0
+        return uploaded + self._extra.n_bytes
+
+    def _copy(self, infos: list[TensorInfo], gguf: GGUFFile, buft: int) -> dict[str, int]:
+        """Copy ``infos`` into one buffer of type ``buft`` (a device's memory). The mapped pages
+        are dropped once copied."""
         self._copy_ctx = ggml.new_context(len(infos) + 1)
         tensors = {}
         for info in infos:
@@ -187,8 +204,6 @@ class SliceWeights:
                               f"({ggml.backend_buft_name(buft).decode()})")
         ggml.backend_buffer_set_usage(self._copy_buffer, ggml.BUFFER_USAGE_WEIGHTS)
         for info in infos:
-            if repacking and not ggml.tensor_view(tensors[info.name]).extra:  # ggml would abort on the copy
-                raise RuntimeError(f"ggml has no repacked layout for {info.name}")
             ggml.backend_tensor_set(tensors[info.name], gguf.tensor_address(info), 0, info.n_bytes)
             gguf.release_pages([info])  # the copy replaces the mapped bytes
         return tensors
@@ -251,6 +266,7 @@ class SliceWeights:
         if self._copy_buffer:
             ggml.backend_buffer_free(self._copy_buffer)
             self._copy_buffer = 0
+        self._extra.close()
         for ctx in ("_ctx", "_copy_ctx"):
             if getattr(self, ctx):
                 ggml.free(getattr(self, ctx))
@@ -312,29 +328,13 @@ def _matmul_fields(spec: ModelSpec) -> set[str]:
     return {t.field for t in tensors if t.matmul_only}
 
 
-def _repackable(names: list[str], gguf: GGUFFile, buft: int) -> list[TensorInfo]:
-    """The 2-D tensors among ``names`` for which ``buft`` has a repacked layout on this CPU.
-
-    Asks ggml itself: a probe tensor of each type and shape is placed in a buffer of that type
-    (address space only; nothing is written), whose ``init_tensor`` records the layout it would
-    use in ``tensor->extra``, or nothing."""
-    infos = [gguf.tensors[name] for name in names if len(gguf.tensors[name].shape) == 2]
-    kinds = list(dict.fromkeys((info.ggml_type, info.shape) for info in infos))
-    if not kinds:
-        return []
-    ctx = ggml.new_context(len(kinds) + 1)
-    buffer = 0
-    try:
-        probes = {kind: ggml.new_tensor_2d(ctx, kind[0], *kind[1]) for kind in kinds}
-        buffer = ggml.backend_alloc_ctx_tensors_from_buft(ctx, buft)
-        if not buffer:
-            return []
-        ok = {kind for kind, probe in probes.items() if ggml.tensor_view(probe).extra}
-    finally:
-        if buffer:
-            ggml.backend_buffer_free(buffer)
-        ggml.free(ctx)
-    return [info for info in infos if (info.ggml_type, info.shape) in ok]
+def _candidates(wanted: dict[tuple[str, int], str], spec: ModelSpec, gguf: GGUFFile) -> list[Candidate]:
+    """The slice's weights an extra buffer type might take: the matrices that feed nothing but
+    ggml_mul_mat, and the routed experts (ggml_mul_mat_id)."""
+    experts = _expert_fields(spec)
+    expert_names = {name for (field_name, _), name in wanted.items() if field_name in experts}
+    names = _matmul_only(wanted, _matmul_fields(spec) | experts)
+    return [Candidate(gguf.tensors[name], name, experts=name in expert_names) for name in names]
 
 
 def _beyond_device(backend: Backend, infos: list[TensorInfo]) -> set[str]:

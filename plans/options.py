@@ -13,6 +13,8 @@ from typing import Callable
 from .proposal import HEAD_LAYERS, Constraints
 from .wire import SETTINGS as WIRE_DTYPES
 
+from kernels.backend import KERNELS  # the CPU kernels every member computes with
+
 OBJECTIVES = ("latency", "throughput", "even")
 
 
@@ -65,6 +67,12 @@ OPTIONS: tuple[PlannerOption, ...] = (
                   "how activations travel between machines: f32 as computed (answers identical to one machine's), "
                   "f16 or q8_0 (half or about a quarter of the bytes and datagrams), or auto: f32 within a site "
                   "and f16 between sites", choices=WIRE_DTYPES),
+    PlannerOption("kernels", "kernels", "kernels", "plain", "",
+                  "the CPU kernels every member computes with: plain weights from the model file (llama.cpp with "
+                  "use_extra_bufts off), repack: weights copied into the CPU's repacked buffer types where ggml "
+                  "takes them (faster matmuls on AVX2/AVX-512/NEON for Q4_0, Q4_K, IQ4_NL, ...; llama.cpp's "
+                  "default, AMX left out), or amx: AMX too where the CPU has it (it has crashed on some Xeons); "
+                  "answers are identical across members either way", choices=KERNELS),
 )
 BY_KEY = {option.key: option for option in OPTIONS}
 
@@ -78,15 +86,17 @@ class PlannerSettings:
     max_stages: int = 0
     expert_nodes: int = 0
     wire_dtype: str = "f32"
+    kernels: str = "plain"
 
     def constraints(self) -> Constraints:
         return Constraints(self.head_layers, self.context, self.concurrent, self.objective,
-                           max_stages=self.max_stages, wire_dtype=self.wire_dtype)
+                           max_stages=self.max_stages, wire_dtype=self.wire_dtype, kernels=self.kernels)
 
     @classmethod
     def from_config(cls, config) -> "PlannerSettings":
-        """The host's settings as its node.json keeps them."""
-        return cls(**{o.field: getattr(config, o.config_field) for o in OPTIONS})
+        """The host's settings as its node.json keeps them (an option a config object lacks, as
+        stand-ins written before the option existed: its default)."""
+        return cls(**{o.field: getattr(config, o.config_field, o.default) for o in OPTIONS})
 
     def into_config(self, config) -> None:
         """Written into a host's NodeConfig (node.json): `init` and the local swarm."""

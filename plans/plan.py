@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from kernels.backend import KERNELS
 from kernels.errors import EngineError
 from net.wire import DType
 
@@ -66,6 +67,9 @@ class Plan:
     # the one in use, not yet published to askers. A trunk keeps serving the plan in use meanwhile.
     staged: bool = False
     next_version: int = 0  # on the plan in use: the version staged to follow it (0: none)
+    # The CPU kernels every member computes with (plans/options.py): each applies the same, so a
+    # step replayed on another member (a re-check, a take-over) gives the same bits.
+    kernels: str = "plain"
 
     def account(self, member: str) -> str:
         """Whose budget ``member``'s requests spend at a stage."""
@@ -156,7 +160,7 @@ class Plan:
     def assignments(self) -> tuple:
         """Who serves what, and how it travels: two plans with the same are the same plan."""
         return (tuple((s.member, s.start, s.stop, s.send_dtype) for s in self.stages), self.entry_dtype,
-                tuple((e.member, e.start, e.stop) for e in self.experts))
+                tuple((e.member, e.start, e.stop) for e in self.experts), self.kernels)
 
     def to_dict(self) -> dict:
         d = asdict(self)  # (dtypes travel by name: net/wire.py's DType labels)
@@ -172,7 +176,9 @@ class Plan:
         stages = [StageAssignment(**{**s, "send_dtype": DType.in_plan(s.get("send_dtype", "f32"))})
                   for s in d.get("stages", [])]
         experts = [ExpertAssignment(**e) for e in d.get("experts", [])]
-        return cls(**{**d, "stages": stages, "experts": experts,
+        # (kernels a newer host names that this version lacks: plain, which every CPU runs)
+        kernels = d["kernels"] if d.get("kernels") in KERNELS else "plain"
+        return cls(**{**d, "stages": stages, "experts": experts, "kernels": kernels,
                       "entry_dtype": DType.in_plan(d.get("entry_dtype", "f32"))})
 
     def to_json(self) -> str:

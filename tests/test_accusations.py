@@ -69,7 +69,7 @@ class FakeHost:
                                        measured_ms_per_layer=1.0)
                        for i, (name, conn) in enumerate(self.stages.items())}
         config = SimpleNamespace(head_layers=4, plan_context=1024, plan_concurrent=4, objective="throughput",
-                                 plan_max_stages=0, expert_nodes=0, wire_dtype="f32")
+                                 plan_max_stages=0, expert_nodes=0, wire_dtype="f32", kernels="plain")
         home = SimpleNamespace(file=lambda name: tmp_path / name, members=dict)
         self.planning = PlanKeeper(home, config, SMOL, Plan(0, "m", 30, 4), self.trunks)
         self.checked: list[str] = []

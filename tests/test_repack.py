@@ -27,7 +27,7 @@ from tests.conftest import N_THREADS, make_oracle, run_split
 from harness.oracle import oracle_greedy, oracle_logits
 from harness.tiny_models import TinyConfig, write_tiny_model
 
-REPACKED = Placement(repack=True)
+REPACKED = Placement(kernels="repack")
 
 ROOT = Path(__file__).resolve().parents[1]
 # every matrix Q4_0 (a type ggml repacks on AVX2 and NEON CPUs), 8-row multiples throughout

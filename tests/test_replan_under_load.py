@@ -54,7 +54,7 @@ class FakeHost:
                                        passed_check=True)  # (trunks that proved their layers: planned)
                        for i, (name, conn) in enumerate(self.conns.items())}
         config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective=objective,
-                                 plan_max_stages=0, expert_nodes=0, wire_dtype="f32")
+                                 plan_max_stages=0, expert_nodes=0, wire_dtype="f32", kernels="plain")
         self.planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
                                    Plan(0, "m", 30, 4), self.trunks)
         self.planning.constraints = constraints(objective)

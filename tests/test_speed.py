@@ -316,7 +316,7 @@ def test_the_host_replans_on_a_material_change_only(tmp_path):
     trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=int(2 * GB),
                               ms_per_layer_token=1.0) for i, (name, conn) in enumerate(conns.items())}
     config = SimpleNamespace(head_layers=4, plan_context=1024, plan_concurrent=4, objective="throughput",
-                             plan_max_stages=0, expert_nodes=0, wire_dtype="f32")
+                             plan_max_stages=0, expert_nodes=0, wire_dtype="f32", kernels="plain")
     home = SimpleNamespace(file=lambda name: tmp_path / name, members=dict)
     planning = PlanKeeper(home, config, SMOL, Plan(0, "m", 30, 4), trunks)
     planning.constraints = constraints("throughput")
@@ -399,7 +399,7 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
     trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=360_000_000,
                               ms_per_layer_token=1.0, rtt_ms=1.0) for i, (name, conn) in enumerate(conns.items())}
     config = SimpleNamespace(head_layers=4, plan_context=256, plan_concurrent=2, objective="latency",
-                             plan_max_stages=0, expert_nodes=0, wire_dtype="f32")
+                             plan_max_stages=0, expert_nodes=0, wire_dtype="f32", kernels="plain")
     planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
                           Plan(0, "m", 30, 4), trunks)
     planning.constraints = constraints("latency")

@@ -25,7 +25,7 @@ from kernels.devices import Device
 from kernels.errors import ContextOverflowError, EngineError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.sampling import Candidates, Sampler, SamplingParams
-from kernels.slice import Outputs, Placement, SliceEngine, Step, split_hidden
+from kernels.slice import ON_THE_CPU, Outputs, Placement, SliceEngine, Step, split_hidden
 from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from net import clock
@@ -391,9 +391,10 @@ class Asker:
 
     def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
                  max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 device: Device | None = None) -> None:
-        """``device``: where the head and tail compute (default the CPU). ``uplink_transform`` (set
-        it after): rewrites the head's activations before they leave this process."""
+                 placement: Placement = ON_THE_CPU) -> None:
+        """``uplink_transform`` (set it after): rewrites the head's activations before they leave
+        this process. ``placement``: where the head and tail compute (default the CPU) and with which kernels
+        (a swarm's asker: the plan's, as its trunks)."""
         self.gguf = GGUFFile(model_path)
         self.head: SliceEngine | None = None
         self.tail: SliceEngine | None = None
@@ -401,9 +402,9 @@ class Asker:
             self.spec = ModelSpec.from_gguf(self.gguf)
             head, tail = u_ends(self.spec.n_layer, head_layers)
             self.head = SliceEngine(self.gguf, head, n_threads=n_threads, max_context=max_context,
-                                    placement=Placement(device=device))
+                                    placement=placement)
             self.tail = SliceEngine(self.gguf, tail, n_threads=n_threads, max_context=max_context,
-                                    placement=Placement(device=device))
+                                    placement=placement)
             self.max_context = self.head.max_context
             self.tokenizer = Tokenizer(model_path)
         except BaseException:

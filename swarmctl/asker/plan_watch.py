@@ -5,6 +5,7 @@ the same connection."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Awaitable, Callable
 
 from kernels.errors import EngineError
@@ -17,6 +18,8 @@ from net.wire import WireError, decode_control
 from plans.plan import Plan
 from swarmctl.node.home import NodeConfig
 from swarmctl.reaching.host_addresses import connect_host
+
+log = logging.getLogger("swarmctl.asker")
 
 CHECK_EVERY_S = 0.5  # while waiting for a complete plan, the host is also asked this often (a missed push)
 
@@ -85,7 +88,12 @@ class PlanWatch:
         return self.from_host.dispatch(message)
 
     def _plan(self, push: m.PlanPush) -> Plan:
-        self.latest = Plan.from_dict(push.plan)
+        plan = Plan.from_dict(push.plan)
+        if self.latest is not None and plan.kernels != self.latest.kernels:
+            # (the head and tail were loaded with the kernels of the plan this asker started under)
+            log.warning("the swarm's kernels are now %s (were %s): this asker's head and tail keep theirs until it "
+                        "restarts", plan.kernels, self.latest.kernels)
+        self.latest = plan
         self._changed.set()
         return self.latest
 

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
+from kernels.backend import describe_kernels
 from kernels.devices import choose_device
 from kernels.errors import EngineError
+from kernels.slice import Placement
 from plans.proposal import HEAD_LAYERS
 from swarmctl.asker.head_tail import DEFAULT_MAX_IN_FLIGHT, Asker, Trunk
 from swarmctl.asker.speculate import MAX_DRAFT, Drafting, open_drafting
@@ -129,7 +131,7 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
     drafting = _drafting(options, model, options.threads, head_layers)
     try:
         asker = Asker(model, head_layers, n_threads=options.threads, max_context=options.ctx,
-                      max_in_flight=options.max_in_flight, device=device)
+                      max_in_flight=options.max_in_flight, placement=Placement(device=device))
     except BaseException:
         drafting.close()
         raise
@@ -200,8 +202,11 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         if model is None:
             model = await _model_for_swarm(home, link, options)
             drafting = _drafting(options, model, threads)
+        # (the plan's kernels, as the trunks compute: the same bits a single machine under them gives)
         asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
-                      max_in_flight=options.max_in_flight, device=device)
+                      max_in_flight=options.max_in_flight, placement=Placement(device=device, kernels=link.plan.kernels))
+        log.info("head and tail: %s (%d weights repacked)", describe_kernels(link.plan.kernels),
+                 len(asker.head.weights.repacked) + len(asker.tail.weights.repacked))
         link.check_model(asker.gguf)
         if options.speculate == "layerskip":  # (it drafts with the head layers the plan gives this asker)
             drafting.close()

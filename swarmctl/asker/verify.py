@@ -79,7 +79,7 @@ import numpy as np
 
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine, Step
+from kernels.slice import Placement, SliceEngine, Step
 from kernels.spec import SliceSpec
 from net import messages as m
 from net.wire import DType, Hop
@@ -192,7 +192,10 @@ class VerifyingTrunk:
         self.layers = (start, stop)
         check_trunk_layers(gguf, link.plan)
         self.gguf, self.n_threads, self.max_context = gguf, n_threads, max_context  # (for a re-check stage by stage)
-        self.engine = SliceEngine(gguf, SliceSpec(start, stop), n_threads=n_threads, max_context=max_context)
+        # the kernels the trunks compute with (the plan's), so an honest trunk's rows are the same bits
+        self.kernels = getattr(link.plan, "kernels", "plain")
+        self.engine = SliceEngine(gguf, SliceSpec(start, stop), n_threads=n_threads, max_context=max_context,
+                                  placement=Placement(kernels=self.kernels))
         self.runner = BatchRunner(self.engine)
         self.stats = VerifyStats()
         self.suspects: set[str] = set()  # members caught returning a wrong result (this process's view)
@@ -295,7 +298,7 @@ class VerifyingTrunk:
         inputs = [x]
         for i, stage in enumerate(stages):
             engine = SliceEngine(self.gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                                 max_context=self.max_context)
+                                 max_context=self.max_context, placement=Placement(kernels=self.kernels))
             runner = BatchRunner(engine)
             try:
                 outs = []

@@ -10,12 +10,17 @@ settings:
   expert-nodes  mixture-of-experts models: trunks that hold the experts (0: none)
   wire-dtype    how activations travel between machines: f32 (answers identical to one
                 machine's), f16, q8_0, or auto (f32 within a site, f16 between sites)
+  kernels       the CPU kernels every member computes with: plain (weights from the model
+                file), repack (the CPU's repacked buffer types where ggml takes a weight:
+                faster Q4_0/Q4_K/IQ4_NL matmuls; AMX left out) or amx (AMX too, where the CPU
+                has it; it has crashed on some Xeons). Every member reloads under the new one
 
 examples:
   swarmctl config                          # show them
   swarmctl config objective throughput
   swarmctl config context 8192 concurrent 2
   swarmctl config wire-dtype f16
+  swarmctl config kernels repack
 """
 
 from __future__ import annotations
@@ -77,7 +82,10 @@ def parse_pairs(pairs: list[str]) -> dict[str, object]:
 
 
 def _example(key: str) -> str:
-    return "throughput" if key == "objective" else "8192" if key == "context" else "2"
+    option = next(o for o in OPTIONS if o.key == key)
+    if option.minimum is None:  # one of its choices: the first that is not the default
+        return next(str(c) for c in option.choices if c != option.default)
+    return "8192" if key == "context" else "2"
 
 
 def show(config: NodeConfig) -> str:

@@ -43,6 +43,15 @@ def apply_proposal(plan: Plan, proposal, placement, constraints: Constraints) ->
         plan.experts = experts
         plan.check_experts()
         changed = True
+    if plan.kernels != constraints.kernels:  # every member reloads its weights under the new kernels
+        plan.kernels = constraints.kernels
+        if not changed:
+            plan.version += 1
+            for s in plan.stages:
+                s.ready = False
+        for e in plan.experts:
+            e.ready = False
+        changed = True
     return changed
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.gguf_file import GGUFFile
-from kernels.slice import SliceEngine
+from kernels.slice import Placement, SliceEngine
 from kernels.spec import ModelSpec, SliceSpec
 from net.protocol import SwarmProtocol
 from net.wire import ActivationPacket, DType, Frame, FrameType, PacketKind, WireError, decode_packet, encode_packet
@@ -95,12 +95,15 @@ class StageAnswers:
         return decode_packet(frame.body)
 
 
-def reference(gguf: GGUFFile, start: int, stop: int, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def reference(gguf: GGUFFile, start: int, stop: int, tokens: list[int],
+              kernels: str = "plain") -> tuple[np.ndarray, np.ndarray]:
     """The stage's input for ``tokens`` (embedding and layers [0, start)) and its output (layers
-    [start, stop)), on the host's copy of the model: [n, n_embd] float32 each. Blocking."""
-    with SliceEngine(gguf, SliceSpec(0, start, has_embedding=True), max_context=256) as head:
+    [start, stop)), on the host's copy of the model with the plan's ``kernels``, as the askers
+    and the stage compute: [n, n_embd] float32 each. Blocking."""
+    placement = Placement(kernels=kernels)
+    with SliceEngine(gguf, SliceSpec(0, start, has_embedding=True), max_context=256, placement=placement) as head:
         x = np.asarray(head.forward(b"host-recheck", start_pos=0, tokens=tokens), dtype=np.float32)
-    with SliceEngine(gguf, SliceSpec(start, stop), max_context=256) as stage:
+    with SliceEngine(gguf, SliceSpec(start, stop), max_context=256, placement=placement) as stage:
         want = np.asarray(stage.forward(b"host-recheck", start_pos=0, hidden=x), dtype=np.float32)
     return x, want
 
@@ -111,7 +114,7 @@ async def check_stage(gguf: GGUFFile, answers: StageAnswers, conn: SwarmProtocol
     """Run the host's step through ``stage`` alone and judge its rows (module docstring)."""
     n_vocab = ModelSpec.from_gguf(gguf).n_vocab
     tokens = [secrets.randbelow(n_vocab) for _ in range(n_tokens)]
-    x, want = await asyncio.to_thread(reference, gguf, stage.start, stage.stop, tokens)
+    x, want = await asyncio.to_thread(reference, gguf, stage.start, stage.stop, tokens, plan.kernels)
     packet = ActivationPacket(PacketKind.PREFILL, secrets.token_bytes(16), plan.version, stage.start, 0, x,
                               DType.F32, secrets.token_hex(16), one_stage=True)
     try:

@@ -23,6 +23,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from kernels.backend import describe_kernels
 from kernels.errors import EngineError
 from kernels.experts import ExpertEngine
 from kernels.gguf_file import GGUFFile
@@ -113,8 +114,8 @@ class Assignment:
 
     def _held_layers(self) -> HeldLayers | None:
         engine = self.engine
-        return HeldLayers(engine.slice.start, engine.slice.stop, engine.remote_experts is not None) \
-            if engine is not None else None
+        return HeldLayers(engine.slice.start, engine.slice.stop, engine.remote_experts is not None,
+                          engine.weights.kernels) if engine is not None else None
 
     # --- a staged plan (make-before-break) ---
 
@@ -256,9 +257,11 @@ class Assignment:
     def _new_engine(self, gguf: GGUFFile, stage: StageAssignment, plan: Plan) -> SliceEngine:
         """The engine for ``stage`` of ``plan`` (on the compute thread), the same for the stage in use
         and one loaded beside it."""
-        return SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                           placement=Placement(device=self.device, gpu_memory=self.memory),
-                           remote_experts=self._remote_experts if plan.experts else None)
+        engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
+                             placement=Placement(device=self.device, gpu_memory=self.memory, kernels=plan.kernels),
+                             remote_experts=self._remote_experts if plan.experts else None)
+        log.info("%s (%d weights repacked)", describe_kernels(plan.kernels), len(engine.weights.repacked))
+        return engine
 
     # --- an expert node ---
 
@@ -267,7 +270,7 @@ class Assignment:
         loop = asyncio.get_running_loop()
         start, stop = self.plan.trunk_range
         experts = self.experts
-        held = HeldExperts(experts.first, experts.last, experts.layers) if experts is not None else None
+        held = HeldExperts(experts.first, experts.last, experts.layers, experts.kernels) if experts is not None else None
         if not self.core.holds_experts(held, expert, (start, stop)):
             await self._let_go("this trunk now serves experts")
             await loop.run_in_executor(self._executor, self.unload)
@@ -297,7 +300,8 @@ class Assignment:
         self.unload()
         gguf = open_checked(model, layers, self.plan) if model == self.model_path else GGUFFile(model)
         try:
-            self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads)
+            self.experts = ExpertEngine(gguf, layers, first, last, n_threads=self.n_threads, kernels=self.plan.kernels)
+            log.info("%s", describe_kernels(self.plan.kernels))
             self.gguf = gguf
         except BaseException:
             gguf.close()

@@ -43,6 +43,7 @@ class HeldLayers:
     start: int
     stop: int
     remote_experts: bool
+    kernels: str = "plain"  # the weights' kernels (plans/options: kernels); other kernels load again
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class HeldExperts:
     first: int
     last: int
     layers: range
+    kernels: str = "plain"
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,8 @@ class AssignmentCore:
         staged plan's version and stage) loaded beside it: sets ``swapping`` when the layers held
         go (``load_ended`` clears it)."""
         remote = bool(self.plan.experts)  # routed experts elsewhere?
-        same = held is not None and same_range(held, stage) and held.remote_experts == remote
+        same = held is not None and same_range(held, stage) and held.remote_experts == remote and \
+            held.kernels == self.plan.kernels  # (new kernels: the weights load again)
         usable = standby is not None and standby[0] == self.plan.version and same_range(standby[1], stage)
         if not same:
             self.swapping = True
@@ -180,11 +183,11 @@ class AssignmentCore:
 
     # --- an expert node ---
 
-    @staticmethod
-    def holds_experts(held: HeldExperts | None, expert: ExpertAssignment, trunk_range: tuple[int, int]) -> bool:
-        """Whether the experts held are the ones ``expert`` names, of every trunk layer."""
-        return held is not None and (held.first, held.last, held.layers) == \
-            (expert.start, expert.stop, range(*trunk_range))
+    def holds_experts(self, held: HeldExperts | None, expert: ExpertAssignment, trunk_range: tuple[int, int]) -> bool:
+        """Whether the experts held are the ones ``expert`` names, of every trunk layer, under the
+        plan's kernels."""
+        return held is not None and (held.first, held.last, held.layers, held.kernels) == \
+            (expert.start, expert.stop, range(*trunk_range), self.plan.kernels)
 
     # --- after a load ---
 
