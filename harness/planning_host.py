@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from net.wire import FRAME_HEADER
 from plans.layout import ModelLayout
 from plans.nodes import ASKER, Link
 from plans.plan import Plan
@@ -27,7 +28,7 @@ class Recorder:
         self.peer_name, self.is_open, self.plans = name, True, []
 
     def send(self, stream_id: int, frame: bytes, end: bool = False) -> None:
-        self.plans.append(Plan.from_dict(json.loads(frame[frame.index(b"{"):])["plan"]))
+        self.plans.append(Plan.from_dict(json.loads(frame[FRAME_HEADER.size:])["plan"]))  # (past the binary header)
 
 
 class Host:
