@@ -29,7 +29,7 @@ from harness.sim.world import Template, WorldSpec  # noqa: E402
 def _kind(failure: str) -> str:
     """A failure without its particulars (which ask, which tokens), to count distinct ones."""
     for key in ("never ended", "not the fault-free", "past its", "ended with an error that is not", "revoked at",
-                "failed with no fault", "still holds", "did not finish", "unhandled", "ended with"):
+                "failed with no fault", "still holds", "the plan was", "over budget", "did not finish", "unhandled", "ended with"):
         if key in failure:
             return key
     return failure[:60]

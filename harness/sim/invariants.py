@@ -7,12 +7,16 @@
   the other members' asks are not affected by it;
 - once every ask is over and the faults have stopped, no live stage holds a request, a route, a
   request lock, KV or budget for any of them;
+- once the faults have stopped, the host's plan is complete again (every trunk layer on a ready
+  stage) within PLAN_BOUND_S, and still complete at the end, as long as a trunk lives;
+- no member ever holds more at a stage than its budget there allows (requests, KV bytes), no
+  stage more KV than all members together may hold, and no engine a request nobody is charged for;
 - no task died with an unhandled exception, and nothing logged a traceback.
 """
 
 from __future__ import annotations
 
-from harness.sim.run import ASK_TIMEOUT_S, RunResult
+from harness.sim.run import ASK_TIMEOUT_S, PLAN_BOUND_S, RunResult
 from harness.sim.schedule import REVOKED_ASKER
 from harness.sim.world import WorldSpec
 
@@ -53,5 +57,20 @@ def check(result: RunResult, spec: WorldSpec) -> list[str]:
     for name, held in result.leftovers.items():
         if any(held.values()):
             failures.append(f"{name} still holds {held} after every ask ended")
+    failures += _plan_complete_again(result)
+    failures += [f"over budget: {line}" for line in result.over_budget]
     failures += [f"unhandled: {crash}" for crash in result.crashes]
     return failures
+
+
+def _plan_complete_again(result: RunResult) -> list[str]:
+    span = result.plan
+    if span is None or not result.trunks_alive:
+        return []  # (the run did not get that far, or every trunk was killed)
+    if span.complete_at is None or span.complete_at - span.since > PLAN_BOUND_S:
+        when = "never" if span.complete_at is None else f"only at {span.complete_at:.2f}"
+        return [f"the plan was not complete within {PLAN_BOUND_S:.0f} s of the faults stopping at "
+                f"{span.since:.2f} ({when}; trunks alive: {', '.join(result.trunks_alive)})"]
+    if not span.complete_now:
+        return [f"the plan was complete again at {span.complete_at:.2f}, but not at the end of the run"]
+    return []

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from harness.sim.clock import VirtualClockLoop, WallLimit
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
 from harness.sim.schedule import Ask, Fault, Schedule
+from harness.sim.watch import PlanSpan, Watch
 from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
@@ -26,6 +27,7 @@ from swarmctl.node.home import SwarmHome
 ASK_TIMEOUT_S = 120.0  # each ask's whole deadline (the link's per-step deadline is the same)
 READY_BOUND_S = 300.0  # how long the swarm may take to serve at first
 SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free what they held
+PLAN_BOUND_S = 30.0  # once the faults stop, the host's plan is complete again within this (a trunk lives)
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
 GREEDY = SamplingParams(temperature=0.0)
@@ -54,6 +56,9 @@ class RunResult:
     revoked_at: float | None = None
     leftovers: dict[str, dict] = field(default_factory=dict)  # live trunk → what it still holds
     crashes: list[str] = field(default_factory=list)  # unhandled exceptions and logged tracebacks
+    plan: PlanSpan | None = None  # when the plan was complete again after the faults stopped
+    over_budget: list[str] = field(default_factory=list)  # members found holding more than a budget allows
+    trunks_alive: list[str] = field(default_factory=list)  # at the end
 
     @property
     def ok(self) -> bool:
@@ -90,6 +95,8 @@ class SimRun:
         self.killed: set[str] = set()  # nodes killed at some point of the run
         self.running: set[str] = set()  # host and trunks started and not killed since
         self.revoke_pending = False  # revoked while the host was down: in force once it starts again
+        self.host_service = None  # the running HostService (None while the host is down)
+        self.watch = Watch(lambda: self.host_service, lambda: self.trunks, lambda: self.loop.time() - self.t0)
 
     def event(self, text: str) -> None:
         self.result.log.append(f"{self.loop.time() - self.t0:9.3f} {text}")
@@ -151,14 +158,25 @@ class SimRun:
         self.t0 = self.loop.time()
         self.event("the swarm serves: " + ", ".join(f"{s.member}[{s.start},{s.stop})"
                                                      for s in next(iter(self.links.values())).plan.stages))
-        faults = [asyncio.ensure_future(self._fault(f)) for f in self.schedule.faults]
+        watching = asyncio.ensure_future(self.watch.run())
+        faults = asyncio.gather(*[asyncio.ensure_future(self._fault(f)) for f in self.schedule.faults])
         asks = [run_as(r.ask.asker, self._ask(r)) for r in self.result.asks]
-        await asyncio.gather(*asks, *faults)
+        await faults
         self.network.heal()
         self.network.down.clear()
         self.network.slow.clear()
+        self.watch.faults_over()
+        faults_over = self.loop.time()
+        self.event(f"faults over (the plan must be complete within {PLAN_BOUND_S:.0f} s)")
+        await asyncio.gather(*asks)
         self.event(f"all asks over; waiting {SETTLE_S:.0f} s for the stages to free what they hold")
-        await asyncio.sleep(SETTLE_S)
+        await asyncio.sleep(max(SETTLE_S, faults_over + PLAN_BOUND_S - self.loop.time()))
+        watching.cancel()
+        span = self.result.plan = self.watch.after_faults
+        self.event(f"the plan was complete again {span.complete_at - span.since:.2f} s after the faults stopped"
+                   if span.complete_at is not None else "the plan was never complete again after the faults stopped")
+        self.result.over_budget = self.watch.over_budget
+        self.result.trunks_alive = sorted(self.trunks)
         self.result.leftovers = {name: self._held(service) for name, service in self.trunks.items()
                                  if name not in self.network.down and not service.fatal}
 
@@ -186,7 +204,16 @@ class SimRun:
     # --- nodes ---
 
     def _start_host(self) -> None:
-        from swarmctl.host import run_host
+        from swarmctl.host.service import HostService
+
+        async def serve(stop: asyncio.Event) -> None:  # (run_host, keeping the service for the watch)
+            service = HostService(self.homes["host"])
+            await service.start()
+            self.host_service = service
+            try:
+                await stop.wait()
+            finally:
+                service.close()
 
         if "host" in self.running:  # (two restarts overlapped: this one restarts the other's)
             self._kill("host")
@@ -195,7 +222,7 @@ class SimRun:
         if self.revoke_pending:
             self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
         self.stops["host"] = asyncio.Event()
-        run_as("host", run_host(self.homes["host"], self.stops["host"]))
+        run_as("host", serve(self.stops["host"]))
 
     def _start_trunk(self, name: str) -> None:
         from swarmctl.trunk import TrunkService
@@ -227,6 +254,8 @@ class SimRun:
             self.links[name] = await run_as(name, open_link(name))
 
     def _kill(self, node: str) -> None:
+        if node == "host":
+            self.host_service = None
         self.killed.add(node)
         self.running.discard(node)
         kill_node(self.loop, self.network, node)
