@@ -21,7 +21,7 @@ from plans.layout import ModelLayout
 from plans.plan import Plan
 from swarmctl.asker.verify import Verdict
 from swarmctl.host import HostService, TrunkInfo
-from swarmctl.host.checks import ClaimChecks
+from swarmctl.host.checks import CheckTimings, ClaimChecks
 from swarmctl.host.planning import PlanKeeper
 from swarmctl.host.recheck import StageCheck
 from swarmctl.host.reports import REPORT_WINDOW_S, AskerReports
@@ -73,7 +73,8 @@ class FakeHost:
         home = SimpleNamespace(file=lambda name: tmp_path / name, members=dict)
         self.planning = PlanKeeper(home, config, SMOL, Plan(0, "m", 30, 4), self.trunks)
         self.checked: list[str] = []
-        self.checks = ClaimChecks(None, self.planning, stage_check=self._stage_check, wrong_hold_s=wrong_hold_s)
+        self.checks = ClaimChecks(None, self.planning, stage_check=self._stage_check,
+                                  timings=CheckTimings(wrong_hold_s=wrong_hold_s))
         self.checks.measured_speeds.update({name: 1.0 for name in self.trunks})  # (the host timed them)
         self.host = object.__new__(HostService)  # only what the bad_result handler reads
         self.host.trunks, self.host.planning, self.host.checks = self.trunks, self.planning, self.checks

@@ -9,7 +9,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from swarmctl.host.checks import ClaimChecks, stage_serving
+from swarmctl.host.checks import CheckTimings, ClaimChecks, stage_serving
 from swarmctl.node.layer_proof import Outcome
 
 
@@ -36,7 +36,8 @@ def checks_with(serving_answers: list[bool], wait_max_s: float = 1.0) -> tuple[C
     async def serving(_trunk) -> bool:
         return next(answers, False)
 
-    checks = ClaimChecks(None, planning, serving=serving, probe_wait_s=0.25, probe_wait_max_s=wait_max_s)
+    checks = ClaimChecks(None, planning, serving=serving,
+                         timings=CheckTimings(probe_wait_s=0.25, probe_wait_max_s=wait_max_s))
     timed: list[int] = []
 
     async def challenge(_trunk, layers, probe_layer, experts=None) -> Outcome:

@@ -29,7 +29,7 @@ from plans.plan import Plan
 from plans.planner import Constraints
 from swarmctl.batching import BatchRecord
 from swarmctl.host import HostService, TrunkInfo
-from swarmctl.host.checks import ClaimChecks
+from swarmctl.host.checks import CheckTimings, ClaimChecks
 from swarmctl.host.planning import IDLE_RECHECK_S, PlanKeeper
 from swarmctl.host.status import health
 from swarmctl.node.layer_proof import Outcome
@@ -357,7 +357,7 @@ def test_a_check_that_raised_is_retried_and_shown(tmp_path):
         return Outcome(ms_per_layer=0.3, layer=probe_layer, steps=8, runs_ms=[3.0], rtt_ms=0.1)
 
     async def scenario():
-        checks = ClaimChecks(None, host.planning, retry_first_s=0.05, retry_max_s=1.0)
+        checks = ClaimChecks(None, host.planning, timings=CheckTimings(retry_first_s=0.05, retry_max_s=1.0))
         checks._challenge = challenge
         conn = SimpleNamespace(peer_name="carol", is_open=True, send=lambda *a, **k: None)
         trunk = host.trunks["carol"] = TrunkInfo(conn=conn, plan_stream=0, listen="127.0.0.1:9", memory=int(2 * GB),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Coroutine
 
 from kernels.gguf_file import GGUFFile
@@ -60,24 +61,34 @@ RETRY_FIRST_S = 5.0  # a check that raised on the host's side is tried again aft
 RETRY_MAX_S = 300.0
 
 
+@dataclass(frozen=True)
+class CheckTimings:
+    """How long the host waits between a trunk's failed checks, holds members out, and waits for a
+    serving member's stage to go idle before timing it (tests shorten them)."""
+
+    retry_first_s: float = RETRY_FIRST_S
+    retry_max_s: float = RETRY_MAX_S
+    failed_hold_s: float = FAILED_CHECK_HOLD_S
+    wrong_hold_s: float = WRONG_RESULT_HOLD_S
+    probe_wait_s: float = PROBE_WAIT_S
+    probe_wait_max_s: float = PROBE_WAIT_MAX_S
+
+
 class ClaimChecks:
-    def __init__(self, gguf: GGUFFile, planning: PlanKeeper, *, retry_first_s: float = RETRY_FIRST_S,
-                 retry_max_s: float = RETRY_MAX_S, failed_hold_s: float = FAILED_CHECK_HOLD_S,
-                 wrong_hold_s: float = WRONG_RESULT_HOLD_S,
+    def __init__(self, gguf: GGUFFile, planning: PlanKeeper, *, timings: CheckTimings = CheckTimings(),
                  stage_check: Callable[[str, TrunkInfo, object], Awaitable[StageCheck]] | None = None,
-                 serving: Callable[[TrunkInfo], Awaitable[bool]] | None = None,
-                 probe_wait_s: float = PROBE_WAIT_S, probe_wait_max_s: float = PROBE_WAIT_MAX_S) -> None:
+                 serving: Callable[[TrunkInfo], Awaitable[bool]] | None = None) -> None:
         self.gguf = gguf  # the host's own copy of the layers: the answers are checked against it
         self.planning = planning
-        self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
-        self.failed_hold_s, self.wrong_hold_s = failed_hold_s, wrong_hold_s
+        self.retry_first_s, self.retry_max_s = timings.retry_first_s, timings.retry_max_s
+        self.failed_hold_s, self.wrong_hold_s = timings.failed_hold_s, timings.wrong_hold_s
         # member → (clock.now() it may be planned again, what it failed): re-registering does not shorten it
         self.held_out: dict[str, tuple[float, str]] = {}
         self.strikes: dict[str, tuple[int, float]] = {}  # member → (wrong-result strikes, clock.now() of the latest)
         self.answers = StageAnswers()  # the stages' answers to the host's own steps (recheck.py)
         self.stage_check = stage_check or self._check_stage  # (tests pass a fake: no sockets, no kernels)
         self.serving = serving or self._serving  # whether a member's stage ran batches lately (tests pass a fake)
-        self.probe_wait_s, self.probe_wait_max_s = probe_wait_s, probe_wait_max_s
+        self.probe_wait_s, self.probe_wait_max_s = timings.probe_wait_s, timings.probe_wait_max_s
         self._check_lock = asyncio.Lock()  # one re-check of a stage's results at a time
         self.measured_speeds: dict[str, float] = {}  # member → the fastest the host timed it (kept across rejoins)
         self._timing_lock = asyncio.Lock()  # one speed probe at a time
