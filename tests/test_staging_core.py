@@ -62,3 +62,40 @@ def test_next_step_stages_only_beside_a_whole_serving_plan():
     assert next_step(old, None, new, {"alice", "bob"}) == "stage"
     assert next_step(old, None, new, {"bob"}) == "publish"  # a member of the plan in use is gone
     assert next_step(old, new, plan(3, ("alice", 4, 26, False)), {"alice", "bob"}) == "drop"
+
+
+def test_a_member_whose_fetch_keeps_advancing_is_not_late_and_one_that_stalls_is():
+    # a 1 GB stage priced at a local reload is due at 10 s + 20 s; fetched at 1 MB/s it takes 1,000 s
+    settings = StagingSettings(ready_deadline_s=10.0, fetch_stall_s=60.0, fetch_floor_bytes_s=250e3)
+    size = 1_000_000_000
+    given = {"slow": Unready("layers [4, 15)", size)}
+    s = Staging(settings)
+    s.track(given, 0.0)
+    for t in range(0, 600, 10):  # a report every 10 s, 1 MB/s
+        s.fetch_progress("slow", t * 1_000_000, float(t))
+        assert s.overdue(2, given, set(), float(t)) == {}
+    assert s.ready_by == 590.0 + 60.0  # its latest progress, and the stall allowance
+    s.fetch_progress("slow", 590 * 1_000_000, 640.0)  # no advance: it counts for nothing
+    assert s.overdue(2, given, set(), 649.0) == {}
+    assert "not ready" in s.overdue(2, given, set(), 650.0)["slow"]  # stalled: late 60 s after its last progress
+
+
+def test_a_fetch_slower_than_the_floor_or_claiming_more_than_it_was_given_moves_no_deadline():
+    settings = StagingSettings(ready_deadline_s=10.0, fetch_stall_s=60.0, fetch_floor_bytes_s=250e3)
+    given = {"m": Unready("layers [4, 15)", 1_000_000_000)}
+    crawl = Staging(settings)
+    crawl.track(given, 0.0)
+    for t in range(0, 40, 10):
+        crawl.fetch_progress("m", t * 1_000, float(t))  # 1 kB/s
+    assert "m" in crawl.overdue(2, given, set(), 40.0)
+    liar = Staging(settings)
+    liar.track(given, 0.0)
+    liar.fetch_progress("m", 0, 0.0)
+    liar.fetch_progress("m", 3_000_000_000, 30.0)  # more than twice the stage's bytes
+    assert "m" in liar.overdue(2, given, set(), 40.0)
+    gone = Staging(settings)
+    gone.track(given, 0.0)
+    gone.fetch_progress("m", 0, 0.0)
+    gone.fetch_progress("m", 10_000_000, 10.0)
+    gone.left("m", 11.0)  # its fetch is forgotten with its registration
+    assert "m" in gone.overdue(2, given, set(), 40.0)

@@ -271,6 +271,11 @@ class PlanKeeper:
         self.rebase(name)
         self.replan(also_send_to=name)
 
+    def fetch_progress(self, name: str, done: int) -> None:
+        """``name``'s fetch of what it was given reached ``done`` bytes: while it keeps advancing,
+        its ready deadline moves with it (staging.py)."""
+        self.staging.fetch_progress(name, done, self.clock())
+
     def lost(self, name: str) -> None:
         """``name``'s registration ended (it disconnected, or was marked down): a plan without it."""
         self.staging.left(name, self.clock())

@@ -380,6 +380,7 @@ class HostService:
         if trunk is not None:
             trunk.took_fetch_report(FetchReport(message.what, message.done, message.total, message.bytes_per_s,
                                                 message.finished))
+            self.planning.fetch_progress(conn.peer_name, message.done)
         self._ok(conn, stream_id)
 
     def _cached(self, conn: SwarmProtocol, stream_id: int, message: m.Cached) -> None:

@@ -8,6 +8,7 @@ table decides, from the times it is given:
 - when a published plan's stages must be ready (``ready_by``: counted per member from when it
   stopped being ready in the plan in use, through re-plans; plans/hysteresis.py
   ``ready_deadline_s``), and a stage whose layer check is under way gets ``checking_grace_s`` more,
+  one whose fetch keeps advancing ``fetch_stall_s`` past its latest progress,
 - which members are left out of plans and until when (``holds``): one that missed a deadline, or
   that came back right after leaving, longer each time (plans/hysteresis.py ``Backoff``),
 - plan versions: each issued once, never again, also by a restarted host (``issue``).
@@ -24,6 +25,7 @@ events:
     a member missed             ``miss(name, why, now)``     the hold that leaves it out
     a member registered         ``registered(name, now, replaced, free, settle_s)``
     a member left               ``left(name, now)``
+    a member's fetch progressed ``fetch_progress(name, done, now)``  its ready deadline moves on
     holds over                  ``release(names)``
 
 Nothing here reads a clock or touches a connection: tests/test_staging_core.py drives it.
@@ -64,6 +66,12 @@ class StagingSettings:
 
     staged_deadline_s: float = 600.0
     ready_deadline_s: float = READY_BASE_S
+    # a member whose fetch of what it was given keeps advancing is not late while it does: it is
+    # given ``fetch_stall_s`` past its latest progress, as long as it fetches at least
+    # ``fetch_floor_bytes_s`` on average and claims no more than twice what it was given (Kimi's trunk share at
+    # 20 Mbit/s is about 29 h of fetching, far past a deadline priced at a local reload)
+    fetch_stall_s: float = 120.0
+    fetch_floor_bytes_s: float = 250e3
     checking_grace_s: float = 10.0
     missed_hold_s: float = MISSED_HOLD_S
     rejoin_hold_s: float = REJOIN_HOLD_S
@@ -112,6 +120,20 @@ def unready(plan: Plan, layout: ModelLayout, registered: Collection[str]) -> dic
 
 
 @dataclass
+class FetchSeen:
+    """A member's fetch as its progress reports show it: the first report's time and bytes, and
+    the latest report that advanced."""
+
+    first_at: float
+    first_done: int
+    last_at: float
+    done: int
+
+    def rate(self) -> float:
+        return (self.done - self.first_done) / (self.last_at - self.first_at) if self.last_at > self.first_at else 0.0
+
+
+@dataclass
 class Staging:
     settings: StagingSettings = field(default_factory=StagingSettings)
     issued: int = 0  # the last version issued (staged, published, or given up)
@@ -120,6 +142,7 @@ class Staging:
     unready_since: dict[str, float] = field(default_factory=dict)  # member → since when, in the plan in use
     holds: dict[str, Hold] = field(default_factory=dict)
     left_at: dict[str, float] = field(default_factory=dict)  # member → when its registration ended
+    fetches: dict[str, FetchSeen] = field(default_factory=dict)  # unready members' fetches, as reported
     missed: Backoff = field(init=False)  # members whose stage missed its deadline
     flapped: Backoff = field(init=False)  # members that rejoined right after leaving (the first time free)
 
@@ -165,12 +188,27 @@ class Staging:
     # --- the published plan's deadlines ---
 
     def deadline(self, name: str, size: int) -> float:
-        return self.unready_since[name] + ready_deadline_s(size, self.settings.ready_deadline_s)
+        """When ``name``, given ``size`` weight bytes to load, is late: its deadline priced at a
+        local reload, or later while its fetch keeps advancing (``fetch_progress``)."""
+        by = self.unready_since[name] + ready_deadline_s(size, self.settings.ready_deadline_s)
+        seen = self.fetches.get(name)
+        if seen is not None and seen.done <= 2 * size and seen.rate() >= self.settings.fetch_floor_bytes_s:
+            by = max(by, seen.last_at + self.settings.fetch_stall_s)
+        return by
+
+    def fetch_progress(self, name: str, done: int, now: float) -> None:
+        """``name`` says its fetch has ``done`` bytes: only an advance counts."""
+        seen = self.fetches.get(name)
+        if seen is None:
+            self.fetches[name] = FetchSeen(now, done, now, done)
+        elif done > seen.done:
+            seen.last_at, seen.done = now, done
 
     def track(self, members: Mapping[str, Unready], now: float) -> None:
         """The plan in use's unready ``members`` now: each keeps the time it was first unready (a
         re-plan gives nobody a new deadline); the first of them is due at ``ready_by``."""
         self.unready_since = {name: self.unready_since.get(name, now) for name in members}
+        self.fetches = {name: seen for name, seen in self.fetches.items() if name in members}
         self.ready_by = min((self.deadline(name, u.size) for name, u in members.items()), default=None)
 
     def ready_due(self, now: float) -> bool:
@@ -221,6 +259,7 @@ class Staging:
 
     def left(self, name: str, now: float) -> None:
         self.left_at[name] = now
+        self.fetches.pop(name, None)
 
     def held(self, name: str, refused: str | None) -> bool:
         """``name`` (refused with ``refused`` now; None: not registered) is refused by its hold."""
