@@ -29,6 +29,7 @@ from kernels.spec import ModelSpec, SliceSpec
 from kernels.tokenizer import Tokenizer
 from kernels.weight_bufts import Candidate, choose
 from tests.conftest import N_THREADS, run_split
+from tests.test_repack import _greedy  # (greedy decode on one engine, as there)
 
 MOE_Q4_0 = TinyConfig(arch="qwen3moe", qtype="Q4_0", n_expert=8, n_expert_used=2, tied_output=False, seed=21)
 LLAMA_Q4_0 = TinyConfig(arch="llama", qtype="Q4_0", tied_output=False, seed=22)
@@ -49,18 +50,6 @@ def _needs_repack() -> None:
     if AMX_BUFFER_TYPE in offered:
         pytest.skip("llama.cpp's default load uses AMX on this CPU (the `amx` choice), and its AMX matmul has "
                     "crashed on AMX Xeons: not run here")
-
-
-def _greedy(engine: SliceEngine, tokens: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    logits = engine.forward("g", start_pos=0, tokens=tokens)
-    try:
-        while len(out) < n:
-            out.append(int(np.argmax(logits[-1])))
-            logits = engine.forward("g", start_pos=len(tokens) + len(out) - 1, tokens=[out[-1]])
-    finally:
-        engine.release("g")
-    return out
 
 
 def _same_as_llama_cpp(path: Path, kernels: str) -> dict[str, str]:
