@@ -3,7 +3,10 @@
     service.py   HostService: connections and the control messages it answers
     liveness.py  watch_trunks: a silent trunk is marked down and planned around
     planning.py  PlanKeeper: the plan, the speeds it is made with, re-planning and pushing it
+    plan_members.py  PlanMembers: which trunks a plan is made over; members' holds as refusals
     checks.py    ClaimChecks: layer proofs and the host's own timing of each trunk
+    check_core.py    CheckRecord: what the checks decide, no I/O, given now (holds, strikes, timings)
+    check_tasks.py   CheckTasks: running the checks (tasks, retries, one challenge per trunk)
     trunks.py    TrunkInfo: what the host knows of a registered trunk
     reports.py   AskerReports: recoveries and wrong results askers report
     status.py    swarm_status: the answer to ``status``

@@ -4,7 +4,8 @@ and the askers that follow it. Re-planning and pushing a new plan happen here an
 PlanKeeper does the I/O and applies decisions made elsewhere, each given the keeper's clock:
 make-before-break's (staging.py: when a staged plan is published or given up, ready deadlines,
 members held out, versions), the figures' (figures.py over plans/hysteresis.py: when a new speed
-or link re-plans), the planner's (plans/). It pushes plans (plan_push.py) and sets the timer."""
+or link re-plans), which trunks a plan is made over (plan_members.py, over the planner in plans/).
+It pushes plans (plan_push.py) and sets the timer."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from plans.layout import ModelLayout
 from plans.nodes import Link, NodeDescriptor
 from plans.plan import Plan
 from plans.options import OPTIONS, PlannerSettings
-from plans.planner import PlanError
 from swarmctl.node.home import NodeConfig, SwarmHome
 from swarmctl.node.membership import accounts
 
 from .figures import DEFAULT_MS_PER_LAYER, IDLE_RECHECK_S, FigureWatch, PlanInputs  # noqa: F401 (re-exported)
 from .alarm import Alarm
+from .plan_members import PlanMembers
 from .plan_push import PlanSender
-from .proposals import apply_proposal, propose, trial_ranges
+from .proposals import apply_proposal
 from .staging import TRIAL_VERSIONS, Hold, Staging, StagingSettings, next_step, unready  # noqa: F401
 from .trunks import Trunks
 
@@ -57,7 +58,9 @@ class PlanKeeper:
         self.constraints = PlannerSettings.from_config(config).constraints()
         # Make-before-break's decisions (staging.py): deadlines, holds, versions.
         self.staging = Staging(StagingSettings(STAGED_DEADLINE_S, READY_DEADLINE_S, CHECKING_GRACE_S))
-        self.inputs = PlanInputs(trunks, lambda name: self._held(name))
+        # Which trunks a plan is made over, and the holds as their refusals (plan_members.py).
+        self.members = PlanMembers(layout, config, trunks, self.staging)
+        self.inputs = self.members.inputs
         self.speed_basis = self.inputs.speed_basis  # (the same dict: the speeds planned with)
         # A re-plan on speed waits until its gain was sustained and the plan in use has settled.
         self.gate = ReplanGate()
@@ -71,16 +74,10 @@ class PlanKeeper:
         self._timer = Alarm(lambda: self.clock(), self.tick)  # the deadlines' and holds' (``tick``)
         # Versions only grow, also past a staged plan that was given up and across a restart: each is
         # saved as it is issued, and a restarted host starts one past the last.
-        if self.staging.restarted(self._load_version()):
+        if self.staging.restarted(_saved_version(home)):
             self.save_version(self.staging.issued)
         self.plan.version = self.staging.issued
         self.plan.accounts = accounts(home.members())  # (Plan.account: one budget per invite)
-
-    def _load_version(self) -> int:
-        try:
-            return int(self.home.file("plan_version").read_text())
-        except (FileNotFoundError, ValueError):
-            return 0
 
     def save_version(self, version: int | None = None) -> None:
         """A restarted host numbers on from the last version it staged or published."""
@@ -112,52 +109,22 @@ class PlanKeeper:
 
     # --- planning and telling ---
 
-    def _propose(self, every_node: list[NodeDescriptor]):
-        return propose(self.layout, every_node, self.constraints, self.config.expert_nodes)
-
-    def _try_propose(self):
-        """(proposal, placement, "") over the descriptors, or (None, None, why not)."""
-        try:
-            return *self._propose(self.descriptors()), ""
-        except PlanError as e:
-            return None, None, str(e)
-
-    def _plan_members(self):
-        """(the unproven trunks, proposal, placement, problem): with the proven trunks, or with the
-        unproven too where the proven cannot serve alone (a swarm starting up)."""
-        unproven = [name for name, t in self.trunks.items() if not t.refused and not t.checking and not t.proven]
-        self.inputs.with_unproven = False
-        proposal, placement, problem = self._try_propose()
-        if unproven and proposal is None:
-            self.inputs.with_unproven = True
-            proposal, placement, problem = self._try_propose()
-        return unproven, proposal, placement, problem
-
     def replan(self, also_send_to: str | None = None, force_push: bool = False) -> None:
-        unproven, proposal, placement, problem = self._plan_members()
-        # Members waiting out a hold are planned where the others cannot serve without them: first
-        # those that only rejoined right after leaving, then those that missed a deadline.
-        for missed in (False, True):
-            held = self.staging.waiting({name: t.refused for name, t in self.trunks.items()}, missed)
-            if proposal is not None or not held:
-                continue
-            log.warning("the others cannot serve without %s: planned before %s wait is over", ", ".join(held),
-                        "its" if len(held) == 1 else "their")
-            self._release(held)
-            unproven, proposal, placement, problem = self._plan_members()
-        if problem:
-            log.warning("cannot plan: %s", problem)
-        for name in unproven:  # planned as they are (the proven cannot serve alone), or sent a trial
-            if self.inputs.with_unproven:
-                self.trunks[name].trial = None
-        if unproven and not self.inputs.with_unproven:
-            self._send_trials(unproven)
+        choice = self.members.choose(self.constraints)  # (the holds it ended: the timer again)
+        self._arm()
+        if choice.problem:
+            log.warning("cannot plan: %s", choice.problem)
+        # The proven trunks hold the model, so the plan in use stays as it is: each unproven trunk
+        # without a trial gets a plan of its own to load and prove (checks.py), and is planned once
+        # it has (the layers it proves on: plan_members.py).
+        for name, (start, stop) in self.members.trials(choice.on_trial, self.plan, self.constraints).items():
+            self.sender.send_trial(self.plan, name, start, stop)
         # The new plan is made from the latest one (the staged plan, if any), so versions only grow.
         base = self.latest
         candidate = Plan.from_dict(base.to_dict())
-        if problem:
-            candidate.warnings = [problem]
-        if not apply_proposal(candidate, proposal, placement, self.constraints):
+        if choice.problem:
+            candidate.warnings = [choice.problem]
+        if not apply_proposal(candidate, choice.proposal, choice.placement, self.constraints):
             if base is self.plan:
                 self.plan = candidate  # (the same assignments: its figures and warnings are new)
             else:
@@ -240,11 +207,7 @@ class PlanKeeper:
         self._arm()
         if not late:
             return
-        try:
-            proposal, _ = self._propose([n for n in self.descriptors(unproven=True, held=True) if n.name not in late])
-        except PlanError:
-            proposal = None
-        if proposal is None:
+        if not self.members.serve_without(late, self.constraints):
             log.warning("plan v%d is not complete (%s), but the others cannot serve without %s: waiting",
                         plan.version, "; ".join(f"{name} {why}" for name, why in late.items()), ", ".join(late))
             return
@@ -281,27 +244,10 @@ class PlanKeeper:
         self.staging.left(name, self.clock())
         self.replan()
 
-    def _held(self, name: str) -> bool:
-        """``name`` is registered and refused by its hold (not for another reason)."""
-        trunk = self.trunks.get(name)
-        return self.staging.held(name, trunk.refused if trunk is not None else None)
-
     def _refuse(self, name: str, hold: Hold) -> None:
-        """A new hold: ``name`` is refused with it (unless it is refused already)."""
-        trunk = self.trunks.get(name)
-        if trunk is not None and not trunk.refused:
-            trunk.refused = hold.why
-        log.warning("trunk %s %s", name, hold.why)
+        """A new hold: ``name`` is refused with it (plan_members.py), and the timer set for its end."""
+        self.members.refuse(name, hold)
         self._arm()
-
-    def _release(self, names: list[str]) -> bool:
-        """End the holds of ``names``; True if one of them is registered (it can be planned now)."""
-        back = [name for name in names if self._held(name)]
-        for name in back:
-            self.trunks[name].refused = ""
-        self.staging.release(names)
-        self._arm()
-        return bool(back)
 
     # --- the deadlines' and holds' timer ---
 
@@ -315,7 +261,7 @@ class PlanKeeper:
             if self.staging.ready_due(now):
                 self._ready_overdue()
             ended = self.staging.ended_holds(now)
-            if ended and self._release(ended):
+            if ended and self.members.release(ended):
                 log.info("%s waited long enough: planned again", ", ".join(ended))
                 self.replan()
         finally:
@@ -345,21 +291,6 @@ class PlanKeeper:
         log.info("plan v%d: %s", new.version, _describe(new))
         self.push()
 
-    def _send_trials(self, unproven: list[str]) -> None:
-        """The proven trunks hold the model, so the plan in use stays as it is: each unproven trunk
-        without a trial gets a plan of its own (plan_push.py) to load and prove (checks.py), and is
-        planned once it has: the layers the planner would give it, or, where it would leave it out,
-        the first trunk layer (proving it makes it a standby)."""
-        waiting = [name for name in unproven if self.trunks[name].trial is None and self.trunks[name].conn.is_open]
-        if not waiting:
-            return
-        try:
-            would_be, _ = self._propose(self.descriptors(unproven=True))
-        except PlanError:
-            would_be = None
-        for name, (start, stop) in trial_ranges(waiting, self.plan, would_be).items():
-            self.sender.send_trial(self.plan, name, start, stop)
-
     def push(self, only: str | None = None) -> None:
         """The plan (and the staged one, to its trunks) to every trunk, or to ``only``, and to every watcher."""
         self.sender.push(self.plan, self.staged, only)
@@ -379,6 +310,14 @@ class PlanKeeper:
         log.info("settings changed: %s", ", ".join(f"{o.key} {getattr(settings, o.field)}" for o in OPTIONS
                                                    if o.configurable))
         self.replan(force_push=True)
+
+
+def _saved_version(home: SwarmHome) -> int:
+    """The last version this host issued (``PlanKeeper.save_version``), 0 for none."""
+    try:
+        return int(home.file("plan_version").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
 def _describe(plan: Plan) -> str:

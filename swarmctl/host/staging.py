@@ -14,8 +14,8 @@ table decides, from the times it is given:
 - plan versions: each issued once, never again, also by a restarted host (``issue``).
 
 The keeper (``swarmctl/host/planning.py``) does the I/O: it re-plans, pushes plans, sets a timer
-for ``due()``, writes what a member is refused with onto its TrunkInfo, and feeds this table the
-events:
+for ``due()``, writes what a member is refused with onto its TrunkInfo (plan_members.py), and feeds
+this table the events:
 
     a plan staged               ``staged(now)``
     the staged plan ended       ``staging_ended()``          published or dropped
