@@ -25,12 +25,14 @@ drives it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from net import messages as m
 from net.messages import MS_PER_LAYER
 from plans.hysteresis import SPEED_FACTOR
-from swarmctl.node.layer_proof import Outcome
+
+if TYPE_CHECKING:  # (only its fields are read: the challenge itself is check_tasks.py's)
+    from swarmctl.node.layer_proof import Outcome
 
 RECHECK_EVERY_S = 60.0  # a member named by askers' reports is checked again at most this often
 FAILED_CHECK_HOLD_S = 300.0  # a member that failed a layer check is left out this long, re-registered or not
