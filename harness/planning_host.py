@@ -52,7 +52,7 @@ class Host:
 
     def join(self, name: str, figure: float = 1.0) -> None:
         """A member the host timed before registers (its claims need no check: checks.py), and the
-        host re-plans (service.py's ``register``)."""
+        host re-plans (trunk_reports.py's ``register``)."""
         replaced = name in self.trunks
         self.conns.append(Recorder(name))
         self.trunks[name] = TrunkInfo(conn=self.conns[-1], plan_stream=0, listen=f"127.0.0.1:{len(self.conns)}",

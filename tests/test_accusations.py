@@ -17,10 +17,12 @@ from types import SimpleNamespace
 import msgspec
 
 from net import messages as m
+from net.wire import FrameDecoder, decode_control
 from plans.layout import ModelLayout
 from plans.plan import Plan
 from swarmctl.asker.verify import Verdict
-from swarmctl.host import HostService, TrunkInfo
+from swarmctl.host import TrunkInfo
+from swarmctl.host.accusations import Accusations
 from swarmctl.host.checks import CheckTimings, ClaimChecks
 from swarmctl.host.planning import PlanKeeper
 from swarmctl.host.recheck import StageCheck
@@ -76,11 +78,8 @@ class FakeHost:
         self.checks = ClaimChecks(None, self.planning, stage_check=self._stage_check,
                                   timings=CheckTimings(wrong_hold_s=wrong_hold_s))
         self.checks.measured_speeds.update({name: 1.0 for name in self.trunks})  # (the host timed them)
-        self.host = object.__new__(HostService)  # only what the bad_result handler reads
-        self.host.trunks, self.host.planning, self.host.checks = self.trunks, self.planning, self.checks
-        self.host.reports = AskerReports()
-        self.replies: list[dict] = []
-        self.host._reply = lambda conn, sid, message, end=False: self.replies.append(m.as_dict(message))
+        self.host = Accusations(self.trunks, self.planning, self.checks, AskerReports())  # the bad_result handler
+        self.replies: list[dict] = []  # what the handler answered the accusers, as they read it
         self.planning.replan()
         for stage in self.planning.plan.stages:
             stage.ready = True
@@ -89,6 +88,11 @@ class FakeHost:
         self.checked.append(name)
         verdict = WRONG_ROWS if name == "liar" else HONEST_ROWS
         return StageCheck(verdict, verdict.describe())
+
+    def asker(self, name: str) -> SimpleNamespace:
+        """An accuser's connection to the host: the replies it reads land in ``replies``."""
+        return SimpleNamespace(peer_name=name, is_open=True, send=lambda sid, data, end=False: self.replies.extend(
+            decode_control(frame.body) for frame in FrameDecoder().feed(data)))
 
     def in_plan(self) -> set[str]:
         return {s.member for s in self.planning.plan.stages}
@@ -101,7 +105,7 @@ class FakeHost:
         report = m.BadResult(members=[name], attributed=True,
                              plan_version=self.planning.plan.version if version is None else version)
         answered = len(self.replies)
-        self.host._bad_result(SimpleNamespace(peer_name=accuser, is_open=True), 0, report)
+        self.host.bad_result(self.asker(accuser), 0, report)
         for _ in range(100):  # the handler asks the stage for its record, then answers
             if len(self.replies) > answered:
                 break
@@ -281,9 +285,9 @@ def test_one_report_of_a_member_is_judged_at_a_time(tmp_path):
 
         stage.request = slow_request
         report = m.BadResult(members=["honest"], attributed=True, plan_version=host.planning.plan.version)
-        alice = SimpleNamespace(peer_name="alice", is_open=True)
+        alice = host.asker("alice")
         for _ in range(50):
-            host.host._bad_result(alice, 0, report)
+            host.host.bad_result(alice, 0, report)
         await host.settle()
         assert len(asked) == 1 and len(host.replies) == 49 and all(r.get("counted") == [] for r in host.replies)
         answer.set_result(None)

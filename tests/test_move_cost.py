@@ -58,12 +58,11 @@ def test_a_gain_worth_a_reload_is_not_worth_a_slow_fetch():
 def test_the_host_plans_with_the_rate_a_member_reported(tmp_path):
     host = FakeHost(tmp_path, {"alice": 0.41, "bob": 0.45})
     host.trunks["bob"].fetches = True  # its register said it has no model file
-    host.host._ok = lambda conn, stream_id, **fields: None
     by_name = {n.name: n for n in host.planning.descriptors()}
     assert (by_name["alice"].fetches, by_name["bob"].fetches, by_name["bob"].fetch_mb_s) == (False, True, None)
     assert load_mb_s(by_name["bob"]) == DEFAULT_FETCH_MB_S
-    host.host._fetching(host.conns["bob"], 0, Fetching(what="layers [4, 15)", done=30_000_000, total=44_000_000,
-                                                       bytes_per_s=1_500_000.0))
+    host.host.fetching(host.conns["bob"], 0, Fetching(what="layers [4, 15)", done=30_000_000, total=44_000_000,
+                                                      bytes_per_s=1_500_000.0))
     bob = {n.name: n for n in host.planning.descriptors()}["bob"]
     assert bob.fetch_mb_s == 1.5 and load_mb_s(bob) == 1.5
     assert move_cost_s(SMOL, [("alice", 4, 26)], [("bob", 4, 26)], [bob]) == \

@@ -35,7 +35,7 @@ class StandIn(SimpleNamespace):
 
 
 def _registered(name: str, listen: str, seen: tuple[str, int], local: str = "") -> TrunkInfo:
-    """A trunk as the host's registration keeps it (service._register): its stated address made
+    """A trunk as the host's registration keeps it (trunk_reports.TrunkReports.register): its stated address made
     where the swarm reaches it."""
     conn = StandIn(name, seen)
     return TrunkInfo(conn, 0, str(reachable_address(Address.parse(listen), conn)), 1 << 30, local=local)

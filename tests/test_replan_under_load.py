@@ -28,10 +28,11 @@ from plans.nodes import ASKER, Link, NodeDescriptor
 from plans.plan import Plan
 from plans.planner import Constraints
 from swarmctl.batching import BatchRecord
-from swarmctl.host import HostService, TrunkInfo
+from swarmctl.host import TrunkInfo
 from swarmctl.host.checks import CheckTimings, ClaimChecks
 from swarmctl.host.planning import IDLE_RECHECK_S, PlanKeeper
 from swarmctl.host.status import health
+from swarmctl.host.trunk_reports import TrunkReports
 from swarmctl.node.layer_proof import Outcome
 
 GB = 1e9
@@ -60,15 +61,14 @@ class FakeHost:
         self.planning.constraints = constraints(objective)
         self.now = 0.0
         self.planning.clock = lambda: self.now
-        self.host = object.__new__(HostService)  # only what the speed handler reads
-        self.host.trunks, self.host.planning = self.trunks, self.planning
         self.reprobed: list[str] = []
-        self.host.checks = SimpleNamespace(reprobe=lambda name, trunk: self.reprobed.append(name))
-        self.host._reply = lambda conn, sid, message, end=False: None
+        # the host's handlers of what trunks report (its speed handler), checks faked to a list of reprobes
+        self.host = TrunkReports(self.trunks, self.planning,
+                                 SimpleNamespace(reprobe=lambda name, trunk: self.reprobed.append(name)))
         self.planning.replan()
 
     def speed(self, name: str, figure: float, serving: bool = False) -> None:
-        self.host._speed(self.conns[name], 0, Speed(ms_per_layer_token=figure, serving=serving))
+        self.host.speed(self.conns[name], 0, Speed(ms_per_layer_token=figure, serving=serving))
 
     def wait(self, seconds: float) -> None:
         """Time passes; the gate's timer, if it was set and is due, looks again."""

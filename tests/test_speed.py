@@ -24,6 +24,7 @@ from kernels.speed import (BUDGET_S, MAX_REMEASURES, REMEASURE_AFTER_S, REPEATS,
                            SpeedMeasurement, SpeedTracker, classify, collect, measure_ram_rate, measure_speed, n_cpus,
                            robust_figure, worth_reporting)
 from net.messages import Speed, as_dict
+from net.wire import FrameDecoder, decode_control
 from plans.hysteresis import (MIN_GAIN, SETTLE_S, SPEED_FACTOR, SUSTAIN_S, assignment_cost, decide_on_speed,
                               materially_changed, sticky_speed)
 from plans.layout import ModelLayout
@@ -309,10 +310,14 @@ def test_the_host_replans_on_a_material_change_only(tmp_path):
     """The host's `speed` handler and its PlanKeeper with the figures of a throughput swarm of two
     equal trunks."""
     from plans.plan import Plan
-    from swarmctl.host import HostService, TrunkInfo
+    from swarmctl.host import TrunkInfo
     from swarmctl.host.planning import PlanKeeper
+    from swarmctl.host.trunk_reports import TrunkReports
 
-    conns = {name: SimpleNamespace(peer_name=name, is_open=True, send=lambda *a, **k: None) for name in ("a", "b")}
+    request = 7  # the stream the trunk's ``speed`` came on (its plans come on its register stream, 0)
+    replies = []  # what the handler answered on it, as the sender reads it
+    conns = {name: SimpleNamespace(peer_name=name, is_open=True, send=lambda sid, data, end=False: replies.extend(
+        decode_control(frame.body) for frame in FrameDecoder().feed(data) if sid == request)) for name in ("a", "b")}
     trunks = {name: TrunkInfo(conn=conn, plan_stream=0, listen=f"127.0.0.1:{i + 1}", memory=int(2 * GB),
                               ms_per_layer_token=1.0) for i, (name, conn) in enumerate(conns.items())}
     config = SimpleNamespace(head_layers=4, plan_context=1024, plan_concurrent=4, objective="throughput",
@@ -320,16 +325,13 @@ def test_the_host_replans_on_a_material_change_only(tmp_path):
     home = SimpleNamespace(file=lambda name: tmp_path / name, members=dict)
     planning = PlanKeeper(home, config, SMOL, Plan(0, "m", 30, 4), trunks)
     planning.constraints = constraints("throughput")
-    host = object.__new__(HostService)  # only what the speed handler reads
-    host.trunks, host.planning = trunks, planning
-    replies = []
-    host._reply = lambda conn, sid, message, end=False: replies.append(message)
+    host = TrunkReports(trunks, planning, checks=None)  # (the host never timed them: nothing to reprobe)
     planning.replan()
     assert planning.plan.version == 1 and [s.stop - s.start for s in planning.plan.stages] == [11, 11]
     assert (tmp_path / "plan_version").read_text() == "1"
 
     for wobble in (1.3, 0.75, 1.2):
-        host._speed(conns["a"], 0, Speed(ms_per_layer_token=wobble))
+        host.speed(conns["a"], request, Speed(ms_per_layer_token=wobble))
         assert planning.plan.version == 1 and planning.speed_basis["a"] == 1.0
         assert trunks["a"].ms_per_layer_token == wobble  # status shows the latest figure
     planning.replan()  # a re-plan for another reason plans with the figure it had
@@ -338,7 +340,7 @@ def test_the_host_replans_on_a_material_change_only(tmp_path):
     now = [0.0]
     planning.clock = lambda: now[0]
     planning.gate.plan_changed(0.0)  # (the first plan, on the fake clock)
-    host._speed(conns["a"], 0, Speed(ms_per_layer_token=3.0))
+    host.speed(conns["a"], request, Speed(ms_per_layer_token=3.0))
     assert planning.speed_basis["a"] == 3.0  # adopted at once ...
     assert planning.plan.version == 1  # ... but re-planned on only once the gain was sustained
     now[0] = SUSTAIN_S / 2
@@ -348,7 +350,7 @@ def test_the_host_replans_on_a_material_change_only(tmp_path):
     planning.reconsider()
     assert planning.plan.version == 2
     assert {s.member: s.stop - s.start for s in planning.plan.stages}["a"] < 11
-    assert [as_dict(r) for r in replies] == [{"type": "ok"}] * 4
+    assert replies == [{"type": "ok"}] * 4
 
 
 # --- the real kernels ---
@@ -390,8 +392,9 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
     stages. A slow link inside the plan moves the plan, once its gain held as a speed's must (issue
     43: the speeds' sustain-and-settle gate); noise around a figure does not."""
     from plans.plan import Plan
-    from swarmctl.host import HostService, TrunkInfo
+    from swarmctl.host import TrunkInfo
     from swarmctl.host.planning import PlanKeeper
+    from swarmctl.host.reaching import Reaching
     from net.messages import LinkClaim, Links
 
     conns = {name: SimpleNamespace(peer_name=name, is_open=True, send=lambda *a, **k: None) for name in "abc"}
@@ -403,16 +406,14 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
     planning = PlanKeeper(SimpleNamespace(file=lambda name: tmp_path / name, members=dict), config, SMOL,
                           Plan(0, "m", 30, 4), trunks)
     planning.constraints = constraints("latency")
-    host = object.__new__(HostService)  # only what the links handler reads
-    host.trunks, host.planning = trunks, planning
-    host._reply = lambda conn, sid, message, end=False: None
+    host = Reaching(trunks, planning)  # the host's links handler
     now = [0.0]
     planning.clock = lambda: now[0]
     planning.replan()
     first, second = [s.member for s in planning.plan.stages]
     assert planning.plan.version == 1
 
-    host._links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=300.0)}))
+    host.links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=300.0)}))
     assert planning.plan.version == 1  # the gain must hold first
     now[0] = planning.gate.due()
     planning.reconsider()  # (the gate's timer)
@@ -421,10 +422,10 @@ def test_the_host_replans_on_links_that_matter_only(tmp_path):
     assert (first, second) not in zip(order, order[1:]), order  # the slow hop is out of the plan
     assert trunks[first].links[second].rtt_ms == 300.0
 
-    host._links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=310.0)}))  # noise on a known link
+    host.links(conns[first], 0, Links(links={second: LinkClaim(rtt_ms=310.0)}))  # noise on a known link
     assert planning.plan.version == 2 and trunks[first].links[second].rtt_ms == 300.0
     a, b = order
-    host._links(conns[a], 0, Links(links={b: LinkClaim(rtt_ms=2.5)}))  # about what the plan assumed
+    host.links(conns[a], 0, Links(links={b: LinkClaim(rtt_ms=2.5)}))  # about what the plan assumed
     assert planning.plan.version == 2
 
 

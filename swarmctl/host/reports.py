@@ -1,6 +1,6 @@
 """What askers tell the host about their routes: recoveries after a failure, and wrong results
 their spot checks caught. Counted and shown in status; what the host does about a wrong result is
-HostService's and ClaimChecks' (service.py, checks.py): a check of its own, never the askers' word.
+Accusations' and ClaimChecks' (accusations.py, checks.py): a check of its own, never the askers' word.
 
 Which accusations count. An asker that re-checked its route stage by stage names
 the stage whose own answer was wrong (``attributed``). The host counts such a report against a

@@ -170,3 +170,10 @@ class TrunkInfo:
 
 
 Trunks = dict[str, TrunkInfo]  # member name → its registration; shared by the host's parts
+
+
+def held_ranges(ranges: list[tuple[int, int]], n_layer: int) -> list[tuple[int, int]]:
+    """What a trunk says it holds (``register``, ``ready``), within the model's ``n_layer`` layers:
+    a claim, listed to fetching members as it is, since every chunk it sends them is checked by
+    the fetcher against the host's hashes."""
+    return [(a, min(b, n_layer)) for a, b in ranges if a < min(b, n_layer)]
