@@ -94,7 +94,7 @@ class SimRun:
         self.asker = None
         self.killed: set[str] = set()  # nodes killed at some point of the run
         self.running: set[str] = set()  # host and trunks started and not killed since
-        self.revoke_pending = False  # revoked while the host was down: in force once it starts again
+        self.revoke_pending = False  # revoked while the host was down or frozen: counted from when it hears again
         self.host_service = None  # the running HostService (None while the host is down)
         self.watch = Watch(lambda: self.host_service, lambda: self.trunks, lambda: self.loop.time() - self.t0)
 
@@ -219,8 +219,7 @@ class SimRun:
             self._kill("host")
         self.running.add("host")
         self.network.down.discard("host")
-        if self.revoke_pending:
-            self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
+        self._host_hears_again()
         self.stops["host"] = asyncio.Event()
         run_as("host", serve(self.stops["host"]))
 
@@ -318,10 +317,20 @@ class SimRun:
             self.event(f"   fault over: {fault.describe()}")
             if fault.kind == "freeze":
                 net.down.discard(fault.node)
+                self._host_hears_again()
             elif fault.kind == "slow":
                 net.slow.pop(fault.node, None)
             else:
                 net.heal(fault.node, fault.other)
+
+    def _host_hears(self) -> bool:
+        return "host" in self.running and "host" not in self.network.down
+
+    def _host_hears_again(self) -> None:
+        """A revocation made while the host was down or frozen counts from when it runs and hears
+        again: until then neither it nor anyone it tells can act on it."""
+        if self.revoke_pending and self._host_hears():
+            self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
 
     async def _revoke(self, name: str) -> None:
         """What 'swarmctl revoke NAME' does on the host's machine: the record, then the running host."""
@@ -330,14 +339,17 @@ class SimRun:
 
         home = self.homes["host"]
         revoke(home, name)
-        revoked_at = self.loop.time() - self.t0
+        if self._host_hears():
+            self.result.revoked_at = self.loop.time() - self.t0
+        else:  # (down or frozen: nobody can learn of it before the host can tell them; counted from then)
+            self.revoke_pending = True
         try:
             conn = await connect_host(home.load_config(), home.credentials(), RequestOnlyHandler())
         except ConnectionError as e:  # (it refuses the member as it starts again: counted from then)
             self.event(f"host-cli revoke: the host did not answer ({e})")
-            self.revoke_pending = True
+            self.result.revoked_at, self.revoke_pending = None, True
+            self._host_hears_again()
             return
-        self.result.revoked_at = revoked_at
         try:
             await conn.request(m.encode(m.Revoked()), timeout=5)
         except (ConnectionError, asyncio.TimeoutError) as e:
