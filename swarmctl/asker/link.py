@@ -46,7 +46,7 @@ from swarmctl.asker.link_core import CHECK_STALLS, Answer, PrefixLost, ReroutePo
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, check_asker_layers
 from swarmctl.asker.replay import SentStep
 from swarmctl.asker.sending import KeptSteps, RouteSender
-from swarmctl.asker.stage_links import StageLinks
+from swarmctl.asker.stage_links import StageLinks, each_once
 from swarmctl.asker.steps_out import StepOut, StepsOut
 from swarmctl.node.home import NodeConfig, SwarmHome
 from swarmctl.reaching.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
@@ -289,7 +289,7 @@ class SwarmLink:
         while True:
             await asyncio.sleep(PING_INTERVAL)
             silences.tick()
-            for conn in {self.host.conn, self.first_conn, self.last_conn} - {None}:
+            for conn in each_once(self.host.conn, self.first_conn, self.last_conn):
                 if conn.is_open:
                     asyncio.ensure_future(quiet_ping(conn))
             heard = [(c.peer_name, silences.silence(c)) for c in (self.first_conn, self.last_conn) if c is not None]
