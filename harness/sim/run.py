@@ -16,7 +16,7 @@ from harness.sim.clock import VirtualClockLoop, WallLimit
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
+from harness.sim.world import FIGURES, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -30,6 +30,7 @@ SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free
 PLAN_BOUND_S = 30.0  # once the faults stop, the host's plan is complete again within this (a trunk lives)
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
+SWARM_STARTS_S = 1.0  # virtual seconds after the loop's start: the host and trunks start then in every run
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -116,7 +117,9 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            with MEASURED, seeded_randomness(self.schedule.seed):
+            self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
+            self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
+            with FIGURES, seeded_randomness(self.schedule.seed):
                 self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
@@ -146,11 +149,15 @@ class SimRun:
         self.result.crashes.append(f"{where}: {context.get('message')}: {exception!r}")
         self.event(f"{where:>8} UNHANDLED {context.get('message')}: {exception!r}")
 
-    async def _main(self) -> None:
+    async def _prepare(self) -> None:
+        """The askers' engine and the fault-free tokens (computed in the first run of a process
+        that asks a prompt, and kept)."""
         from swarmctl.asker.head_tail import Asker
 
         self.asker = Asker(self.template.model, self.spec.head_layers, n_threads=1)
         self.result.reference = await self._reference()
+
+    async def _main(self) -> None:
         self._start_host()
         for name in self.spec.trunk_names:
             self._start_trunk(name)
