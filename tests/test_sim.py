@@ -173,6 +173,21 @@ def test_a_revoked_asker_s_running_ask_ends_with_the_revocation():
     assert all(r.tokens is not None for r in result.asks if r.ask.asker == "alice")
 
 
+def test_a_revoked_member_still_served_fails_the_run():
+    """Her ask returning its tokens well after her revocation is a failure, not a pass: before, only
+    an ask that ended with an error was held to the revocation's bound."""
+    from harness.sim.invariants import check
+    from harness.sim.run import AskResult, RunResult
+
+    ask = Ask(1.0, REVOKED_ASKER, (11, 12), 4)
+    served = RunResult(Schedule(0, Conditions(), (ask,), (Fault(2.0, "revoke", REVOKED_ASKER),)),
+                       [AskResult(ask, tokens=[1, 2, 3, 4], started=1.0, ended=9.0)], {((11, 12), 4): [1, 2, 3, 4]},
+                       revoked_at=2.0)
+    assert any("still served" in f for f in check(served, SPEC))
+    served.asks[0].ended = 6.5  # (within the bound: her last step may have been under way)
+    assert check(served, SPEC) == []
+
+
 def test_the_invariants_catch_a_trunk_that_lies():
     """A trunk adding noise to its results: the asks it serves meanwhile return other tokens, and
     the run fails saying so (the invariants can fail)."""
