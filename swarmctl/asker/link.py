@@ -188,11 +188,16 @@ class SwarmLink:
             self.sender.carry_out(self.table.failed(rid, on=step.route))
         if isinstance(e, PrefixLost):
             return  # (the route is fine: the replay from position 0 goes on it now)
+        # Waited for together with a refusal for good: reaching a new route's stages may take
+        # minutes of connect attempts (dead stages), which a revocation ends at once.
+        moving = asyncio.ensure_future(self.stages.await_route(failures.deadline, failed_at=clock.now()))
         try:
-            await self.stages.await_route(failures.deadline, failed_at=clock.now())
+            await self._unless_refused(moving)
         except RouteFailed as again:  # the new route's stages did not answer: go round again
             failures.move_error = str(again)
             log.warning("request %s: %s", rid.hex()[:8], again)
+        finally:
+            moving.cancel()  # (refused: no route will serve it)
 
     async def release(self, rid: bytes, keep: tuple[bytes, int] | None = None) -> None:
         """The request is over; ``keep`` (prefix id, positions): every stage keeps its cells
