@@ -17,7 +17,7 @@ from net import messages as m
 from net.dispatch import Dispatcher
 from net.endpoint import close
 from net.identity import is_revocation
-from net.liveness import PING_INTERVAL, SILENCE_LIMIT, SilenceClock
+from net.liveness import PING_INTERVAL
 from net.ping import quiet_ping, round_trip_ms
 from net.protocol import SwarmProtocol
 from net.wire import Frame, WireError, decode_control
@@ -38,7 +38,6 @@ class HostLink:
         self.conn: SwarmProtocol | None = None
         self.plan_stream: int | None = None  # where the host pushes plans
         self.rtt_ms: float | None = None
-        self._silenced: SwarmProtocol | None = None  # the connection given up for the host's silence
         self._events = events
         self._connect = ctx.connect_host  # from the trunk's swarm socket once it has one (swarmctl/reaching/reach.py)
         self._spawn = ctx.spawn
@@ -59,10 +58,8 @@ class HostLink:
         """Register, and re-register whenever the link drops; ping the host and ``peers`` (links
         this trunk opened: an idle QUIC connection closes after IDLE_TIMEOUT, and the next
         request would meet it closing and have to reroute); ``on_tick`` once a second."""
-        silences = SilenceClock(2 * PING_INTERVAL)  # (a round: a ping's wait, then the pause)
         while not stop.is_set():
-            silences.tick()
-            if not self.is_open or self._gone_silent(silences):
+            if not self.is_open:
                 if self.conn is not None and is_revocation(self.conn.close_reason):
                     self._events.fail(REVOKED)
                     return
@@ -85,19 +82,6 @@ class HostLink:
                     self._spawn(quiet_ping(conn))
             on_tick()
             await asyncio.sleep(PING_INTERVAL)
-
-    def _gone_silent(self, silences: SilenceClock) -> bool:
-        """The host's connection heard nothing for SILENCE_LIMIT (net/liveness.py): given up now,
-        not at QUIC's idle timeout. A host that restarted knows nothing of the connection and drops
-        what it carries: until the trunk registers again, it hears no plan (and no revocation)."""
-        if self.conn is not None and self.conn is self._silenced:
-            return True  # (closing already: register again)
-        if self.conn is None or silences.silence(self.conn) <= SILENCE_LIMIT:
-            return False
-        log.warning("the host went silent (%.1fs without a datagram): connecting again", silences.silence(self.conn))
-        self._silenced = self.conn
-        self.conn.close_with("the host went silent")
-        return True
 
     async def _register(self, registration: Callable[[], m.Register]) -> None:
         # (the advertised addresses only, even on the host's own machine)
