@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # net.tls reads IDLE_TIMEOUT from here, and net.protocol impo
 # QUIC closes its connection.
 PING_INTERVAL = 1.0  # members ping the host, and askers their stages, this often
 PING_TIMEOUT = 5.0  # how long one ping may wait for its answer
-# Seconds without a datagram before a peer counts as gone: the host marks a trunk down, a trunk
-# registers with its host again, an asker with steps outstanding at a stage reroutes them.
+# Seconds without a datagram before a peer counts as gone: the host marks a trunk down, an asker
+# with steps outstanding at a stage reroutes them.
 SILENCE_LIMIT = 4.0
 IDLE_TIMEOUT = 8.0  # seconds of silence before QUIC gives a connection up
 LATE_BY = 1.0  # a round this much later than its interval means our loop stalled

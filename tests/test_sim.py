@@ -33,8 +33,8 @@ SPEC = WorldSpec()
 # the host is frozen and 458 while it is down and its CLI's connect waits for it to start again: each
 # counts from when the host hears again (before, from the record's writing: over 6 s "late"); 99
 # (five faults) revokes mallory 2 s after a host restart, before any trunk noticed the restart: they
-# registered again, and heard of her revocation, only at QUIC's idle timeout (her ask ended 6.5 s
-# after it; now the trunks give a silent host up after 4 s); 178 and 157 (five faults) revoke
+# register again, and hear of it, only at QUIC's idle timeout, from which it counts (her ask ended
+# 6.5 s after the revocation, 0.6 s after that); 178 and 157 (five faults) revoke
 # mallory while asks of hers reroute, connecting to a new route's stages (a dead or very slow one):
 # the asks went on until those connects gave up, 17 to 45 s later.
 SEEDS = [(2, 3), (4, 3), (5, 3), (7, 3), (9, 3), (25, 3), (28, 3), (314, 5), (10, 5), (458, 5),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import shutil
 import time
@@ -21,6 +22,7 @@ from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
 from net.endpoint import close
+from net.liveness import IDLE_TIMEOUT
 from net.protocol import RequestOnlyHandler
 from swarmctl.node.home import SwarmHome
 
@@ -97,6 +99,7 @@ class SimRun:
         self.running: set[str] = set()  # host and trunks started and not killed since
         self.revoke_pending = False  # revoked while the host was down or frozen: counted from when it hears again
         self.host_service = None  # the running HostService (None while the host is down)
+        self.host_started = -math.inf  # when the host last started again (virtual s since the swarm served)
         self.watch = Watch(lambda: self.host_service, lambda: self.trunks, lambda: self.loop.time() - self.t0)
 
     def event(self, text: str) -> None:
@@ -226,6 +229,7 @@ class SimRun:
             self._kill("host")
         self.running.add("host")
         self.network.down.discard("host")
+        self.host_started = self.loop.time() - self.t0 if self.t0 else -math.inf
         self._host_hears_again()
         self.stops["host"] = asyncio.Event()
         run_as("host", serve(self.stops["host"]))
@@ -337,7 +341,13 @@ class SimRun:
         """A revocation made while the host was down or frozen counts from when it runs and hears
         again: until then neither it nor anyone it tells can act on it."""
         if self.revoke_pending and self._host_hears():
-            self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
+            self.result.revoked_at, self.revoke_pending = self._revocation_counts_from(), False
+
+    def _revocation_counts_from(self) -> float:
+        """Now, or, after a host restart, once the members can have noticed it: they keep their
+        connections to the old process until QUIC's idle timeout (net/liveness.py IDLE_TIMEOUT),
+        and hear nothing from the new one, the revocation included, before they register again."""
+        return max(self.loop.time() - self.t0, self.host_started + IDLE_TIMEOUT)
 
     async def _revoke(self, name: str) -> None:
         """What 'swarmctl revoke NAME' does on the host's machine: the record, then the running host."""
@@ -347,7 +357,7 @@ class SimRun:
         home = self.homes["host"]
         revoke(home, name)
         if self._host_hears():
-            self.result.revoked_at = self.loop.time() - self.t0
+            self.result.revoked_at = self._revocation_counts_from()
         else:  # (down or frozen: nobody can learn of it before the host can tell them; counted from then)
             self.revoke_pending = True
         try:
