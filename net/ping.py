@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
+from . import clock
 from .liveness import PING_TIMEOUT
 from .protocol import SwarmProtocol
 
@@ -19,10 +19,11 @@ async def quiet_ping(conn: SwarmProtocol, timeout: float = PING_TIMEOUT) -> None
 
 
 async def ping_ms(conn: SwarmProtocol, timeout: float = PING_TIMEOUT) -> float:
-    """One ping's round trip in milliseconds; raises ``asyncio.TimeoutError`` or ``ConnectionError``."""
-    t0 = time.perf_counter()
+    """One ping's round trip in milliseconds; raises ``asyncio.TimeoutError`` or ``ConnectionError``.
+    Timed on the loop's clock (net/clock.py): the network's time, not this machine's."""
+    t0 = clock.now()
     await asyncio.wait_for(conn.ping(), timeout)
-    return (time.perf_counter() - t0) * 1e3
+    return (clock.now() - t0) * 1e3
 
 
 async def round_trip_ms(conn: SwarmProtocol, pings: int = 3, timeout: float = PING_TIMEOUT) -> float:

@@ -19,9 +19,9 @@ reset, one probe per connection is in flight at a time, and a refusal costs the 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
+from . import clock
 from . import messages as m
 from .liveness import PING_TIMEOUT
 from .ping import round_trip_ms
@@ -62,10 +62,10 @@ async def send_probe(conn: SwarmProtocol, n_bytes: int = PROBE_BYTES, timeout: f
     """Send ``n_bytes`` and wait for their acknowledgement: the milliseconds it took. Raises
     ProbeRefused, ``asyncio.TimeoutError`` or ``ConnectionError``."""
     data = m.encode(m.Probe(n_bytes=n_bytes)) + encode_frame(FrameType.DATA, bytes(n_bytes))
-    t0 = time.perf_counter()
+    t0 = clock.now()  # (the network's time, not this machine's: the loop's clock, net/clock.py)
     try:
         reply = await conn.request(data, timeout=timeout)
-        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        elapsed_ms = (clock.now() - t0) * 1e3
         m.decode(reply.body, m.Ok)
     except m.Refused as e:
         raise ProbeRefused(f"{conn.peer_name or 'the peer'} refused the probe: {e}") from None

@@ -38,7 +38,6 @@ import logging
 import os
 import socket
 import struct
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,7 +46,7 @@ from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
-from . import batch, path_mtu
+from . import batch, clock, path_mtu
 from .endpoint import CONNECT_TIMEOUT, QUIC_IDLE_TIMEOUT, Address, AnonymousGuard, close_reason, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
@@ -158,7 +157,7 @@ class SharedSocket:
     def _size_probe_received(self, data: bytes, addr: tuple) -> None:
         """Answer a size probe, if it is large enough to be one and within the answer rates: its
         source address may be forged, and the answer goes there (net/path_mtu.py)."""
-        if not path_mtu.worth_answering(data) or not self.answer_limit.allow(addr[0], time.monotonic()):
+        if not path_mtu.worth_answering(data) or not self.answer_limit.allow(addr[0], clock.now()):
             self.dropped += 1
             return
         if self.transport is not None and not self.transport.is_closing():
@@ -224,7 +223,7 @@ class SharedSocket:
         pass  # an ICMP error for one destination says nothing about the others
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for client in set(self.clients.values()):
+        for client in dict.fromkeys(self.clients.values()):  # (each once, in the order they came)
             client.connection_lost(exc)
 
     @property
@@ -367,13 +366,13 @@ async def punch(shared: SharedSocket, ticket: PunchTicket, *, timeout: float = P
     if ticket.nonce in shared.punches:
         raise PunchFailed(f"hole punching with {ticket.peer}: this socket already punches with that nonce")
     shared.punches[ticket.nonce] = on_probe
-    start = time.monotonic()
+    start = clock.now()  # (the loop's clock, net/clock.py)
     try:
         while not (heard.done() and acked.done()):
             target = heard.result() if heard.done() else ticket.peer
-            opening = not heard.done() and time.monotonic() - start < opening_s
+            opening = not heard.done() and clock.now() - start < opening_s
             shared.sendto(_probe(ticket, heard.done()), target, ttl=opening_ttl if opening else None)
-            left = timeout - (time.monotonic() - start)
+            left = timeout - (clock.now() - start)
             if left <= 0:
                 raise PunchFailed(_failure(ticket, heard.done(), timeout))
             # Wake early when the peer is first heard: the next probe tells it so at once.

@@ -106,13 +106,17 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self.threads_busy = 0  # executor calls not yet back on the loop
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
-        self.node_tasks: dict[str, weakref.WeakSet[asyncio.Task]] = {}  # node → the tasks it started
+        # node → the tasks it started, oldest first (a kill cancels them in that order on every
+        # replay: a WeakSet's order is that of the tasks' addresses)
+        self.node_tasks: dict[str, weakref.WeakValueDictionary[int, asyncio.Task]] = {}
+        self._tasks_started = 0
         self.set_task_factory(self._new_task)
 
     def _new_task(self, loop, coro, **kwargs) -> asyncio.Task:
         task = asyncio.Task(coro, loop=loop, **kwargs)
         node = kwargs["context"].get(CURRENT_NODE, "") if kwargs.get("context") else CURRENT_NODE.get()
-        self.node_tasks.setdefault(node, weakref.WeakSet()).add(task)
+        self._tasks_started += 1
+        self.node_tasks.setdefault(node, weakref.WeakValueDictionary())[self._tasks_started] = task
         return task
 
     async def create_datagram_endpoint(self, protocol_factory, local_addr=None, remote_addr=None, *, sock=None,
@@ -131,6 +135,13 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._now
+
+    def jump_to(self, when: float) -> None:
+        """The clock set forward to ``when`` (a run's swarm starts at the same instant whatever
+        the loop did before it)."""
+        if when < self._now:
+            raise ValueError(f"the clock is at {self._now}, past {when}")
+        self._now = when
 
     def advance(self, seconds: float) -> None:
         if seconds > 0:

@@ -3,7 +3,8 @@
 - every ask returns exactly the fault-free tokens, or ends with a clear error (the product's own
   EngineError kinds, one line) within its deadline; with no faults at all (only the network's
   delay, loss, duplication and reordering), every ask returns its tokens;
-- an ask of a revoked member ends with the revocation, at once (within REVOKE_BOUND_S of it);
+- an ask of a revoked member ends with the revocation, at once (within REVOKE_BOUND_S of it, or of
+  when the host runs and hears again if it was down or frozen), and is not served past that;
   the other members' asks are not affected by it;
 - once every ask is over and the faults have stopped, no live stage holds a request, a route, a
   request lock, KV or budget for any of them;
@@ -40,6 +41,8 @@ def check(result: RunResult, spec: WorldSpec) -> list[str]:
             want = result.reference[(r.ask.prompt, r.ask.max_tokens)]
             if r.tokens != want:
                 failures.append(f"{who} returned tokens {r.tokens}, not the fault-free {want}")
+            if revoked and r.ended - max(revoked_at, r.started) > REVOKE_BOUND_S:
+                failures.append(f"{who}: revoked at {revoked_at:.2f}, it was still served until {r.ended:.2f}")
             continue
         if r.error_type not in CLEAR_ERRORS:
             failures.append(f"{who} ended with {r.error_type}: {r.error}")

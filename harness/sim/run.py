@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import shutil
 import time
@@ -16,11 +17,12 @@ from harness.sim.clock import VirtualClockLoop, WallLimit
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
+from harness.sim.world import FIGURES, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
 from net.endpoint import close
+from net.liveness import IDLE_TIMEOUT
 from net.protocol import RequestOnlyHandler
 from swarmctl.node.home import SwarmHome
 
@@ -30,6 +32,7 @@ SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free
 PLAN_BOUND_S = 30.0  # once the faults stop, the host's plan is complete again within this (a trunk lives)
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
+SWARM_STARTS_S = 1.0  # virtual seconds after the loop's start: the host and trunks start then in every run
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -94,8 +97,9 @@ class SimRun:
         self.asker = None
         self.killed: set[str] = set()  # nodes killed at some point of the run
         self.running: set[str] = set()  # host and trunks started and not killed since
-        self.revoke_pending = False  # revoked while the host was down: in force once it starts again
+        self.revoke_pending = False  # revoked while the host was down or frozen: counted from when it hears again
         self.host_service = None  # the running HostService (None while the host is down)
+        self.host_started = -math.inf  # when the host last started again (virtual s since the swarm served)
         self.watch = Watch(lambda: self.host_service, lambda: self.trunks, lambda: self.loop.time() - self.t0)
 
     def event(self, text: str) -> None:
@@ -116,7 +120,9 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            with MEASURED, seeded_randomness(self.schedule.seed):
+            self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
+            self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
+            with FIGURES, seeded_randomness(self.schedule.seed):
                 self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
@@ -146,11 +152,15 @@ class SimRun:
         self.result.crashes.append(f"{where}: {context.get('message')}: {exception!r}")
         self.event(f"{where:>8} UNHANDLED {context.get('message')}: {exception!r}")
 
-    async def _main(self) -> None:
+    async def _prepare(self) -> None:
+        """The askers' engine and the fault-free tokens (computed in the first run of a process
+        that asks a prompt, and kept)."""
         from swarmctl.asker.head_tail import Asker
 
         self.asker = Asker(self.template.model, self.spec.head_layers, n_threads=1)
         self.result.reference = await self._reference()
+
+    async def _main(self) -> None:
         self._start_host()
         for name in self.spec.trunk_names:
             self._start_trunk(name)
@@ -219,8 +229,8 @@ class SimRun:
             self._kill("host")
         self.running.add("host")
         self.network.down.discard("host")
-        if self.revoke_pending:
-            self.result.revoked_at, self.revoke_pending = self.loop.time() - self.t0, False
+        self.host_started = self.loop.time() - self.t0 if self.t0 else -math.inf
+        self._host_hears_again()
         self.stops["host"] = asyncio.Event()
         run_as("host", serve(self.stops["host"]))
 
@@ -318,10 +328,26 @@ class SimRun:
             self.event(f"   fault over: {fault.describe()}")
             if fault.kind == "freeze":
                 net.down.discard(fault.node)
+                self._host_hears_again()
             elif fault.kind == "slow":
                 net.slow.pop(fault.node, None)
             else:
                 net.heal(fault.node, fault.other)
+
+    def _host_hears(self) -> bool:
+        return "host" in self.running and "host" not in self.network.down
+
+    def _host_hears_again(self) -> None:
+        """A revocation made while the host was down or frozen counts from when it runs and hears
+        again: until then neither it nor anyone it tells can act on it."""
+        if self.revoke_pending and self._host_hears():
+            self.result.revoked_at, self.revoke_pending = self._revocation_counts_from(), False
+
+    def _revocation_counts_from(self) -> float:
+        """Now, or, after a host restart, once the members can have noticed it: they keep their
+        connections to the old process until QUIC's idle timeout (net/liveness.py IDLE_TIMEOUT),
+        and hear nothing from the new one, the revocation included, before they register again."""
+        return max(self.loop.time() - self.t0, self.host_started + IDLE_TIMEOUT)
 
     async def _revoke(self, name: str) -> None:
         """What 'swarmctl revoke NAME' does on the host's machine: the record, then the running host."""
@@ -330,14 +356,17 @@ class SimRun:
 
         home = self.homes["host"]
         revoke(home, name)
-        revoked_at = self.loop.time() - self.t0
+        if self._host_hears():
+            self.result.revoked_at = self._revocation_counts_from()
+        else:  # (down or frozen: nobody can learn of it before the host can tell them; counted from then)
+            self.revoke_pending = True
         try:
             conn = await connect_host(home.load_config(), home.credentials(), RequestOnlyHandler())
         except ConnectionError as e:  # (it refuses the member as it starts again: counted from then)
             self.event(f"host-cli revoke: the host did not answer ({e})")
-            self.revoke_pending = True
+            self.result.revoked_at, self.revoke_pending = None, True
+            self._host_hears_again()
             return
-        self.result.revoked_at = revoked_at
         try:
             await conn.request(m.encode(m.Revoked()), timeout=5)
         except (ConnectionError, asyncio.TimeoutError) as e:

@@ -52,6 +52,10 @@ class Template:
     _made: dict[WorldSpec, "Template"] = {}
 
     def __init__(self, spec: WorldSpec) -> None:
+        # Imported here, not by the first run's asker: the import draws random bytes (multiprocessing's
+        # authkey), which would shift that run's seeded draws from every later run's.
+        import llama_cpp  # noqa: F401
+
         self.spec = spec
         self.root = Path(tempfile.mkdtemp(prefix="swarmctl-sim-"))
         self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd,
@@ -85,12 +89,21 @@ class Template:
         return dest
 
 
-class MeasuredOnce:
-    """A trunk measures this machine as it starts: its speed on the model (a third of a second of
-    compute per trunk) and what a datagram costs it (hundreds of datagrams): figures that vary
-    from run to run, and the plan follows them. In the simulator every trunk of every run reports
-    the figures measured the first time: runs are cheaper, and a run's plan does not depend on how
-    busy this machine was."""
+class FixedFigures:
+    """A trunk measures this machine as it starts (its speed on the model: a third of a second of
+    compute per trunk; what a datagram costs it: hundreds of datagrams, over the network it is
+    on) and its speed again from the batches it serves (their wall time): figures that vary from
+    run to run and process to process, and the plan follows them. In the simulator every trunk
+    reports the same fixed figures at start (of the tiny model on this 2-core machine, measured
+    once) and none from its batches (whose compute runs inline, in no virtual time): runs are
+    cheaper, a run's plan does not depend on how busy the machine is, and a replay in a fresh
+    process sends the same datagrams as the run in a sweep (measured in the run, the datagram
+    cost took 1.3 virtual seconds and its datagrams' draws from the network's seed, in the first
+    run of each process only)."""
+
+    MS_PER_LAYER = 0.033  # a decode token through one layer
+    PROMPT_MS_PER_ROW = 0.004  # a prompt row through one layer
+    US_PER_DATAGRAM = 500.0  # a 1350-byte datagram, both ends of a hop
 
     def __init__(self) -> None:
         import swarmctl.trunk.service as trunk_service
@@ -99,33 +112,40 @@ class MeasuredOnce:
         self.module, self.service = speed_report, trunk_service
         self.real = (speed_report.measure_speed, speed_report.measure_prompt_rate)
         self.real_cost = trunk_service.measure_datagram_cost
-        self.figures: dict[tuple, object] = {}
+        self.real_tracker = speed_report.SpeedTracker
+
+        class FixedTracker(speed_report.SpeedTracker):
+            def observe(self, batches, n_layers, **kwargs) -> None:
+                pass  # (a batch's wall time says nothing under the virtual clock)
+
+        self.tracker = FixedTracker
+
+    @staticmethod
+    def _figure(ms: float):
+        from kernels.speed import SpeedMeasurement
+
+        return lambda gguf, **kwargs: SpeedMeasurement(ms, repeats=(), starved=(), contended=False, seconds=0.0,
+                                                       n_threads=kwargs.get("n_threads") or 1)
 
     async def _datagram_cost(self, *args, **kwargs):
-        if "datagram" not in self.figures:
-            self.figures["datagram"] = await self.real_cost(*args, **kwargs)
-        return self.figures["datagram"]
+        from net.packet_cost import DEFAULT_DATAGRAM_SIZE, DatagramCost
 
-    def _once(self, measure, kind: str):
-        def measured(gguf, **kwargs):
-            key = (kind, str(gguf.path) if hasattr(gguf, "path") else id(gguf), kwargs.get("layer"))
-            if key not in self.figures:
-                self.figures[key] = measure(gguf, **kwargs)
-            return self.figures[key]
-        return measured
+        return DatagramCost(self.US_PER_DATAGRAM, DEFAULT_DATAGRAM_SIZE, ())
 
-    def __enter__(self) -> "MeasuredOnce":
-        self.module.measure_speed = self._once(self.real[0], "speed")
-        self.module.measure_prompt_rate = self._once(self.real[1], "prompt")
+    def __enter__(self) -> "FixedFigures":
+        self.module.measure_speed = self._figure(self.MS_PER_LAYER)
+        self.module.measure_prompt_rate = self._figure(self.PROMPT_MS_PER_ROW)
         self.service.measure_datagram_cost = self._datagram_cost
+        self.module.SpeedTracker = self.tracker
         return self
 
     def __exit__(self, *exc) -> None:
         self.module.measure_speed, self.module.measure_prompt_rate = self.real
         self.service.measure_datagram_cost = self.real_cost
+        self.module.SpeedTracker = self.real_tracker
 
 
-MEASURED = MeasuredOnce()
+FIGURES = FixedFigures()
 
 
 @contextlib.contextmanager
@@ -170,5 +190,5 @@ def kill_node(loop: VirtualClockLoop, network: SimNetwork, node: str) -> None:
     """kill -9: its sockets vanish without a word, and none of its code runs again."""
     for transport in network.endpoints_of(node):
         transport.kill()
-    for task in list(loop.node_tasks.get(node, ())):
+    for task in list(loop.node_tasks.get(node, {}).values()):
         task.cancel()

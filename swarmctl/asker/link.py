@@ -46,7 +46,7 @@ from swarmctl.asker.link_core import CHECK_STALLS, Answer, PrefixLost, ReroutePo
 from swarmctl.asker.plan_watch import PlanWatch, SwarmError, check_asker_layers
 from swarmctl.asker.replay import SentStep
 from swarmctl.asker.sending import KeptSteps, RouteSender
-from swarmctl.asker.stage_links import StageLinks
+from swarmctl.asker.stage_links import StageLinks, each_once
 from swarmctl.asker.steps_out import StepOut, StepsOut
 from swarmctl.node.home import NodeConfig, SwarmHome
 from swarmctl.reaching.path_memo import FILE_NAME as PATH_MEMO_FILE, PathMemoFile
@@ -188,11 +188,16 @@ class SwarmLink:
             self.sender.carry_out(self.table.failed(rid, on=step.route))
         if isinstance(e, PrefixLost):
             return  # (the route is fine: the replay from position 0 goes on it now)
+        # Waited for together with a refusal for good: reaching a new route's stages may take
+        # minutes of connect attempts (dead stages), which a revocation ends at once.
+        moving = asyncio.ensure_future(self.stages.await_route(failures.deadline, failed_at=clock.now()))
         try:
-            await self.stages.await_route(failures.deadline, failed_at=clock.now())
+            await self._unless_refused(moving)
         except RouteFailed as again:  # the new route's stages did not answer: go round again
             failures.move_error = str(again)
             log.warning("request %s: %s", rid.hex()[:8], again)
+        finally:
+            moving.cancel()  # (refused: no route will serve it)
 
     async def release(self, rid: bytes, keep: tuple[bytes, int] | None = None) -> None:
         """The request is over; ``keep`` (prefix id, positions): every stage keeps its cells
@@ -289,7 +294,7 @@ class SwarmLink:
         while True:
             await asyncio.sleep(PING_INTERVAL)
             silences.tick()
-            for conn in {self.host.conn, self.first_conn, self.last_conn} - {None}:
+            for conn in each_once(self.host.conn, self.first_conn, self.last_conn):
                 if conn.is_open:
                     asyncio.ensure_future(quiet_ping(conn))
             heard = [(c.peer_name, silences.silence(c)) for c in (self.first_conn, self.last_conn) if c is not None]

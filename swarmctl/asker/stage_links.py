@@ -22,6 +22,12 @@ from swarmctl.reaching.reach import Dialer
 log = logging.getLogger("swarmctl.client")
 
 
+def each_once(*conns: SwarmProtocol | None) -> list[SwarmProtocol]:
+    """The connections given, each once, in the order given (a set's order is their addresses':
+    pings and closes would go out in another order in every process)."""
+    return list(dict.fromkeys(c for c in conns if c is not None))
+
+
 class LinkHandler(ConnectionHandler, Protocol):
     def refused_for_good(self, reason: str) -> str:
         """Record a refusal that holds at every node; returns what to tell the requests."""
@@ -65,7 +71,7 @@ class StageLinks:
                 await self.connect()
                 return
             except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-                for conn in {self.first, self.last} - {None}:
+                for conn in each_once(self.first, self.last):
                     await close(conn)
                 self.first = self.last = None
                 if not self.policy.retry_reach(clock.now(), deadline):
@@ -107,7 +113,7 @@ class StageLinks:
                     plan_version=self.plan.version, alive=self.alive):
                 return
             self.plan = await self.host.complete(self.request_timeout, self.handler.still_served)
-            old = {c for c in (self.first, self.last) if c is not None}
+            old = each_once(self.first, self.last)
             for attempt in range(self.policy.connect_attempts):
                 try:
                     await self.connect(fresh=force or attempt > 0)
@@ -118,7 +124,7 @@ class StageLinks:
                     if attempt == self.policy.connect_attempts - 1:
                         raise RouteFailed(f"cannot connect to the new route: {e}") from None
                     await asyncio.sleep(self.policy.connect_pause_s)
-            for conn in old - {self.first, self.last}:
+            for conn in [c for c in old if c is not self.first and c is not self.last]:
                 asyncio.ensure_future(close(conn))
             self.moved_at = clock.now()
 
@@ -140,7 +146,7 @@ class StageLinks:
             await self.host.changed()
 
     async def close(self) -> None:
-        for conn in {self.host.conn, self.first, self.last} - {None}:
+        for conn in each_once(self.host.conn, self.first, self.last):
             await close(conn)
         if self.dialer is not None:
             self.dialer.close()

@@ -120,4 +120,5 @@ class StepsOut:
     def routes_over(self, conn: Conn) -> list[tuple[bytes, OpenRoute]]:
         """The routes over ``conn`` that steps out were sent on, with their requests."""
         return [(rid, route) for rid, steps in self._steps.items()
-                for route in {s.route for s in steps.values() if s.route is not None and s.route.conn is conn}]
+                for route in dict.fromkeys(s.route for s in steps.values()  # (each once, in the order sent)
+                                           if s.route is not None and s.route.conn is conn)]

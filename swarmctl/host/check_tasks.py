@@ -34,15 +34,15 @@ class CheckTasks:
         # replaced the first's mid-run ("no such probe run": a model-less trunk is checked on its
         # trial layers and, as an expert node, on its experts at once)
         self._challenging: dict[int, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, None] = {}  # (cancelled in the order they began, on every run)
 
     def spawn(self, coro: Coroutine) -> None:
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
+        self._tasks[task] = None
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("checking a trunk failed: %r", task.exception())
 

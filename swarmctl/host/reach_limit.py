@@ -11,9 +11,10 @@ make nobody send anything; relayed links have their own limit in rendezvous.py.)
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from net.clock import now
 
 log = logging.getLogger("swarmctl.host")
 
@@ -49,7 +50,7 @@ class TokenBucket:
 class ReachLimit:
     rate: float = REACH_RATE_PER_S
     burst: int = REACH_BURST
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = now  # the loop's (net/clock.py)
     # member → its bucket, kept after it disconnects (reconnecting does not refill it)
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)  # member → refusals in its current streak

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
-from net import messages as m
+from net import clock, messages as m
 from net.endpoint import Address
 from net.protocol import SwarmProtocol
 from net.rendezvous import introduce
@@ -138,7 +137,7 @@ class Rendezvous:
     async def _relayed(self, requester: SwarmProtocol, trunk_name: str, trunk: TrunkInfo) -> m.Route:
         """A relayed link: through a reachable member that offers to relay (the one that was given
         fewest links so far), else through the host's own relay."""
-        now = time.monotonic()
+        now = clock.now()
         account = self.account(requester.peer_name)
         asked = [t for t in self._asked.get(account, []) if now - t < RELAY_WINDOW_S]
         if len(asked) >= MAX_RELAYED_PER_MEMBER:

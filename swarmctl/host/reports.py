@@ -30,10 +30,10 @@ Every report ages out: status and the host count only those of the last ``REPORT
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from net.clock import now
 from net.messages import BadResult
 from swarmctl.node.log_limit import LogLimit
 
@@ -55,7 +55,7 @@ class Recovery:
 @dataclass
 class AskerReports:
     recovery: Recovery = field(default_factory=Recovery)
-    # accused → {accuser: time.monotonic() of each counted report, oldest first}
+    # accused → {accuser: the clock's time of each counted report, oldest first}
     bad_results: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     # accused → {accuser: when it last found it stage by stage, with evidence}
     attributed: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -63,7 +63,7 @@ class AskerReports:
     evidence_used: dict[tuple[str, float], dict[str, int]] = field(default_factory=dict)
     judging: set[str] = field(default_factory=set)  # accusers with an attributed report being judged (one each)
     window_s: float = REPORT_WINDOW_S
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = now  # the loop's (net/clock.py)
     _log: LogLimit = field(default_factory=lambda: LogLimit(log))  # a flood of reports must not fill the disk
 
     def recovered(self, recovery_s: float, replayed_bytes: int) -> None:

@@ -74,7 +74,7 @@ class HostService:
         self.accusations = Accusations(self.trunks, self.planning, self.checks, self.reports)
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
         # serve, top), so "online" means any of them is open, and revoking closes them all.
-        self.connections: set[SwarmProtocol] = set()
+        self.connections: dict[SwarmProtocol, None] = {}  # (a dict: in the order they came, not their addresses')
         self.last_seen: dict[str, float] = {}  # member → time.monotonic() its last connection closed (status)
         self._monitor: asyncio.Task | None = None
         self.server = None
@@ -138,13 +138,13 @@ class HostService:
 
     def connection_made(self, conn: SwarmProtocol) -> None:
         if conn.peer_name:
-            self.connections.add(conn)
+            self.connections[conn] = None
             log.info("member %s connected", conn.peer_name)
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
         self.reaching.probes.connection_lost(conn)
         if conn in self.connections:
-            self.connections.discard(conn)
+            del self.connections[conn]
             log.info("member %s disconnected%s", conn.peer_name,
                      "" if conn.peer_name not in self.online() else " (its other connections stay)")
             self.last_seen[conn.peer_name] = time.monotonic()

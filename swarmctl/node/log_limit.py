@@ -4,7 +4,8 @@ must not be able to fill the disk through our log. What is held back is counted 
 from __future__ import annotations
 
 import logging
-import time
+
+from net import clock
 
 
 class LogLimit:
@@ -12,12 +13,12 @@ class LogLimit:
         self.logger = logger
         self.per_period = per_period
         self.period_s = period_s
-        self._period_start = time.monotonic()
+        self._period_start = clock.now()
         self._logged = 0
         self.suppressed = 0  # held back in the current period
 
     def warning(self, message: str, *args) -> None:
-        now = time.monotonic()
+        now = clock.now()  # (the loop's: net/clock.py)
         if now - self._period_start >= self.period_s:
             if self.suppressed:
                 self.logger.warning("(%d more like this in the last %.0fs not logged)", self.suppressed,

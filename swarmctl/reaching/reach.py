@@ -82,7 +82,7 @@ class Dialer:
         self.paths: dict[str, Path] = {}  # trunk → how we reached it last
         self.memo = memo if memo is not None else PathMemoFile()  # what attempts found (in memory by default)
         self.asking = asking
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, None] = {}  # (cancelled in the order they began, on every run)
 
     @classmethod
     async def open(cls, creds: Credentials, listen: Address | None = None, memo: PathMemoFile | None = None, *,
@@ -211,8 +211,8 @@ class Dialer:
 
     def _spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = None
+        task.add_done_callback(lambda done: self._tasks.pop(done, None))
 
     def close(self) -> None:
         for task in list(self._tasks):

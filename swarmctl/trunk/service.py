@@ -71,7 +71,7 @@ class TrunkService:
         self.model_path, self.device, self.memory = self.ctx.model_path, device, self.ctx.memory
         self.advertise = Address.parse(options.advertise) if options.advertise else None
         self.address: Address | None = None  # where we listen, once we do
-        self.connections: set[SwarmProtocol] = set()  # every open connection, ours and our peers'
+        self.connections: dict[SwarmProtocol, None] = {}  # every open connection, ours and our peers', oldest first
         self.fatal: str | None = None  # set when this trunk cannot serve; run() reports it
         self.datagram_us: float | None = None  # measured as run() starts (net/packet_cost.py)
         # On a GPU: host RAM offered for routed experts (--memory there), and its rate, measured as
@@ -260,10 +260,10 @@ class TrunkService:
 
     def connection_made(self, conn: SwarmProtocol) -> None:
         log.debug("connection from %s", conn.peer_name)
-        self.connections.add(conn)
+        self.connections[conn] = None
 
     def connection_lost(self, conn: SwarmProtocol) -> None:
-        self.connections.discard(conn)
+        self.connections.pop(conn, None)
         self.probes.connection_lost(conn)
         self.requests.connection_lost(conn)
         self.results.connection_lost(conn)
