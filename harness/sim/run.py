@@ -13,10 +13,14 @@ import time
 from dataclasses import dataclass, field
 
 from harness.sim.clock import VirtualClockLoop, WallLimit
+from harness.sim.headers import HEADERS
 from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
+from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
+from harness.sim.standin import engines
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
+from harness.sim.world import MEASURED, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, \
+    seeded_randomness, udp_free
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -80,8 +84,10 @@ class _RunLog(logging.Handler):
 
 
 class SimRun:
-    def __init__(self, schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False) -> None:
-        self.schedule, self.spec, self.verbose = schedule, spec, verbose
+    def __init__(self, schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False,
+                 compute: str = "tiny") -> None:
+        """``compute``: "tiny" (the real engine on the tiny model) or "stand-in" (harness/sim/standin.py)."""
+        self.schedule, self.spec, self.verbose, self.compute = schedule, spec, verbose, compute
         self.template = Template.of(spec)
         self.result = RunResult(schedule, [AskResult(a) for a in schedule.asks], {})
         self.loop = VirtualClockLoop()
@@ -107,7 +113,8 @@ class SimRun:
         wall = time.perf_counter()
         root = self.template.copy_homes()
         self.homes = {p.name: SwarmHome(p) for p in (root / "homes").iterdir()}
-        move_host(self.homes, f"127.0.0.2:{free_udp_port('127.0.0.2')}")  # (free now: others may have taken the template's)
+        if not udp_free(self.template.host_address):  # (another process took the template's port: one free now)
+            move_host(self.homes, f"127.0.0.2:{free_udp_port('127.0.0.2')}")
         handler = _RunLog(self, logging.INFO if self.verbose else logging.WARNING)
         logging.getLogger().addHandler(handler)
         levels = {name: logging.getLogger(name).level for name in ("", "quic")}
@@ -116,7 +123,8 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            with MEASURED, seeded_randomness(self.schedule.seed):
+            with MEASURED.of(self.compute), HEADERS, SMALL_PROBES, engines(self.compute), \
+                    seeded_randomness(self.schedule.seed):
                 self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
@@ -186,7 +194,7 @@ class SimRun:
         from swarmctl.asker.head_tail import InprocTrunk, u_split
 
         wanted = {(a.prompt, a.max_tokens) for a in self.schedule.asks}
-        cached = _REFERENCE.setdefault(self.spec, {})
+        cached = _REFERENCE.setdefault((self.spec, self.compute), {})
         missing = [w for w in sorted(wanted) if w not in cached]
         if missing:
             gguf = GGUFFile(self.template.model)
@@ -360,8 +368,9 @@ class SimRun:
         self.loop.close()
 
 
-_REFERENCE: dict[WorldSpec, dict[tuple, list[int]]] = {}  # fault-free tokens, per process
+_REFERENCE: dict[tuple[WorldSpec, str], dict[tuple, list[int]]] = {}  # fault-free tokens, per process and compute
 
 
-def play(schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False) -> RunResult:
-    return SimRun(schedule, spec, verbose=verbose).play()
+def play(schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False,
+         compute: str = "tiny") -> RunResult:
+    return SimRun(schedule, spec, verbose=verbose, compute=compute).play()

@@ -3,7 +3,7 @@ class (``run_host``, ``TrunkService``, ``SwarmLink`` + ``Asker``) started as a t
 that names its node, on one virtual-clock loop, over the simulated network.
 
 Homes come from a template made once per process (a tiny model, the CA, every member's key and
-certificate) and are copied per run, so a run starts from the same files every time and what it
+certificate, the host's hashes of the model) and are copied per run, so a run starts from the same files every time and what it
 changes (a revocation, the host's plan counter) is its own.
 """
 
@@ -24,7 +24,10 @@ from pathlib import Path
 from harness.sim.clock import VirtualClockLoop
 from harness.sim.network import CURRENT_NODE, SimNetwork
 from harness.tiny_models import TinyConfig, write_tiny_model
+from kernels.gguf_file import GGUFFile
+from kernels.spec import ModelSpec
 from plans.options import PlannerSettings
+from swarmctl.host.model_hashes import CACHE_FOLDER as HASH_CACHE_FOLDER, model_hashes
 from swarmctl.node.home import NodeConfig, SwarmHome
 from swarmctl.node.membership import create_swarm, issue_direct
 from swarmctl.model_files.models import default_model_path
@@ -57,10 +60,12 @@ class Template:
         self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd,
                                                                                    vocab_limit=spec.vocab),
                                       default_model_path())
-        host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
+        host_address = self.host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
         host = SwarmHome(self.root / "homes" / "host")
         create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
                      model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers))
+        with GGUFFile(self.model) as gguf:  # the host's hashes of the model, in its home: no run's host reads it all
+            model_hashes(gguf, ModelSpec.from_gguf(gguf).n_layer, host.file(HASH_CACHE_FOLDER))
         config = host.load_config()
         for i, name in enumerate([*spec.trunk_names, *spec.askers]):
             role = "trunk" if name.startswith("trunk-") else "asker"
@@ -100,15 +105,21 @@ class MeasuredOnce:
         self.real = (speed_report.measure_speed, speed_report.measure_prompt_rate)
         self.real_cost = trunk_service.measure_datagram_cost
         self.figures: dict[tuple, object] = {}
+        self.compute = "tiny"  # the run's compute: each kind is measured once (the stand-in is far faster)
+
+    def of(self, compute: str) -> "MeasuredOnce":
+        """In force for a run with this compute (harness/sim/standin.py)."""
+        self.compute = compute
+        return self
 
     async def _datagram_cost(self, *args, **kwargs):
-        if "datagram" not in self.figures:
+        if "datagram" not in self.figures:  # (the network's, whatever the compute)
             self.figures["datagram"] = await self.real_cost(*args, **kwargs)
         return self.figures["datagram"]
 
     def _once(self, measure, kind: str):
         def measured(gguf, **kwargs):
-            key = (kind, str(gguf.path) if hasattr(gguf, "path") else id(gguf), kwargs.get("layer"))
+            key = (self.compute, kind, str(gguf.path) if hasattr(gguf, "path") else id(gguf), kwargs.get("layer"))
             if key not in self.figures:
                 self.figures[key] = measure(gguf, **kwargs)
             return self.figures[key]
@@ -148,6 +159,17 @@ def free_udp_port(ip: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind((ip, 0))
         return s.getsockname()[1]
+
+
+def udp_free(address: str) -> bool:
+    """Whether nothing on this machine holds UDP ``ip:port`` now."""
+    ip, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((ip, int(port)))
+        except OSError:
+            return False
+    return True
 
 
 def move_host(homes: dict[str, SwarmHome], address: str) -> None:
