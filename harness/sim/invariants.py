@@ -37,8 +37,10 @@ def check(result: RunResult, spec: WorldSpec) -> list[str]:
         took = r.ended - r.started
         revoked = revoked_at is not None and r.ask.asker == REVOKED_ASKER and r.ended > revoked_at
         if r.tokens is not None:
-            want = result.reference[(r.ask.prompt, r.ask.max_tokens)]
-            if r.tokens != want:
+            want = result.reference.get((r.ask.prompt, r.ask.max_tokens))
+            if want is None:  # (a run stopped by its wall-time limit: that is reported too)
+                failures.append(f"{who} returned tokens, but the run ended before the fault-free ones were made")
+            elif r.tokens != want:
                 failures.append(f"{who} returned tokens {r.tokens}, not the fault-free {want}")
             continue
         if r.error_type not in CLEAR_ERRORS:

@@ -158,7 +158,6 @@ class SimRun:
         from swarmctl.asker.head_tail import Asker
 
         self.asker = Asker(self.template.model, self.spec.head_layers, n_threads=1)
-        self.result.reference = await self._reference()
         self._start_host()
         for name in self.spec.trunk_names:
             self._start_trunk(name)
@@ -187,13 +186,17 @@ class SimRun:
         self.result.trunks_alive = sorted(self.trunks)
         self.result.leftovers = {name: self._held(service) for name, service in self.trunks.items()
                                  if name not in self.network.down and not service.fatal}
+        # Last, once the run is over: nothing it did depended on them (made first, they shifted the
+        # run's random draws and clock by what earlier runs in this process had left in the cache),
+        # and only the asks that returned tokens need them (not the revoked asker's long one).
+        self.result.reference = await self._reference({(r.ask.prompt, r.ask.max_tokens) for r in self.result.asks
+                                                       if r.tokens is not None})
 
-    async def _reference(self) -> dict[tuple, list[int]]:
-        """Each prompt's tokens from the same engine with the trunk's layers in this process."""
+    async def _reference(self, wanted: set[tuple]) -> dict[tuple, list[int]]:
+        """Each (prompt, max_tokens)'s tokens from the same engine with the trunk's layers in this process."""
         from kernels.gguf_file import GGUFFile
         from swarmctl.asker.head_tail import InprocTrunk, u_split
 
-        wanted = {(a.prompt, a.max_tokens) for a in self.schedule.asks}
         cached = _REFERENCE.setdefault((self.spec, self.compute), {})
         missing = [w for w in sorted(wanted) if w not in cached]
         if missing:

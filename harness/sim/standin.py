@@ -51,8 +51,8 @@ def _table(what: str, rows: int, n_embd: int) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((rows, n_embd)) * 0.5).astype(np.float32)
 
 
-def _digest(before: bytes, row: np.ndarray) -> bytes:
-    return hashlib.blake2b(row.tobytes(), digest_size=8, key=before).digest()
+def _digest(before: bytes, row: bytes) -> bytes:
+    return hashlib.blake2b(row, digest_size=8, key=before).digest()
 
 
 @dataclass
@@ -259,9 +259,10 @@ class StandInEngine:
             chain = request.chains[layer]
             del chain[step.start_pos:]  # (a rewind, or a restart at 0: the later cells are gone)
             before = chain[-1] if chain else first
+            data, width = h.tobytes(), h.shape[1] * 4
             picks = []
-            for row in h:
-                before = _digest(before, row)
+            for start in range(0, len(data), width):
+                before = _digest(before, data[start:start + width])
                 chain.append(before)
                 picks.append(before[0])
             h = h * half + rows[picks]
@@ -270,7 +271,7 @@ class StandInEngine:
         rows = h if step.outputs == "all" else h[-1:]
         logits = np.zeros((len(rows), self.spec.n_vocab), np.float32)
         for i, row in enumerate(rows):
-            logits[i, int.from_bytes(_digest(b"lm head", row), "little") % self.spec.n_vocab] = 1.0
+            logits[i, int.from_bytes(_digest(b"lm head", row.tobytes()), "little") % self.spec.n_vocab] = 1.0
         return WithHidden(logits, h) if step.hidden_rows else logits
 
     # --- lifetime ---
