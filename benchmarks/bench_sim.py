@@ -16,6 +16,7 @@ seconds are this process's: on a machine others share they say more than wall ti
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -53,6 +54,8 @@ def cpu_model() -> str:
 
 def bench(spec: WorldSpec, compute: str, first: int, minutes: float) -> dict:
     play(draw(first - 1, spec), spec, compute=compute)  # warm: the measured figures and the reference tokens
+    gc.collect()
+    gc.freeze()  # (what the warm run left, modules and template included, is not walked by every full collection)
     walls, cpus, virtuals, sent, failed, kinds = [], [], [], [], {}, Counter()
     seed, start, load = first, time.perf_counter(), os.getloadavg()[0]
     while time.perf_counter() - start < minutes * 60:
