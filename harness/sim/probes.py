@@ -2,7 +2,7 @@
 
 A trunk measures each link it plans with by a throughput probe of 512 KiB (net/probe.py): some 400
 full datagrams and their acknowledgements, each through aioquic, for every link, after every
-plan: a third of a run's datagrams. The simulated network has delay, loss and cuts but no
+plan: a quarter of a run's datagrams. The simulated network has delay, loss and cuts but no
 bandwidth, so what such a probe reads is how fast this process carried it, whatever its size.
 Within ``SMALL_PROBES`` every probe a trunk sends carries PROBE_BYTES: the same protocol on the
 same connections (announced, sent, acknowledged, refused or cut by a fault), a few datagrams long.

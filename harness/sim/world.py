@@ -53,7 +53,7 @@ class WorldSpec:
 def scratch_dir() -> str | None:
     """Where the template and each run's homes live: in memory (/dev/shm) where there is one. The
     product writes its files with an fsync each (a plan version, a revocation, a config): some 6 ms
-    each on this machine's disk, dozens a run, wall time the run waits for; in memory, 10 µs."""
+    each on this machine's disk, 8 or more a run, wall time the run waits for; in memory, 10 µs."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
