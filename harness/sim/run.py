@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from harness.sim.clock import VirtualClockLoop, WallLimit
 from harness.sim.headers import HEADERS
-from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
+from harness.sim.network import CURRENT_NODE, Conditions, NetStats, SimNetwork
 from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.standin import engines
@@ -376,4 +376,10 @@ _REFERENCE: dict[tuple[WorldSpec, str], dict[tuple, list[int]]] = {}  # fault-fr
 
 def play(schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False,
          compute: str = "tiny") -> RunResult:
+    if not MEASURED.measured(compute):
+        # The first run in a process measures this machine (its trunks' speed, and a datagram's
+        # cost: hundreds of datagrams on the run's network) and is unlike every run after it. A
+        # warm-up run of its own takes that, so that a seed run alone (python -m harness.sim
+        # --seed N) plays as it did in a sweep.
+        SimRun(Schedule(-1, Conditions(), (Ask(0.5, spec.askers[0], (1, 2, 3), 4),)), spec, compute=compute).play()
     return SimRun(schedule, spec, verbose=verbose, compute=compute).play()

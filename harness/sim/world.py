@@ -117,6 +117,10 @@ class MeasuredOnce:
         self.figures: dict[tuple, object] = {}
         self.compute = "tiny"  # the run's compute: each kind is measured once (the stand-in is far faster)
 
+    def measured(self, compute: str) -> bool:
+        """Whether a run with this compute measured its figures in this process already."""
+        return "datagram" in self.figures and any(key[0] == compute for key in self.figures if isinstance(key, tuple))
+
     def of(self, compute: str) -> "MeasuredOnce":
         """In force for a run with this compute (harness/sim/standin.py)."""
         self.compute = compute
