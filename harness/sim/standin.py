@@ -35,11 +35,10 @@ import numpy as np
 from kernels.errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.graph_inputs import WithHidden
-from kernels.slice import ForwardStats, Step
+from kernels.kv_cache import grown_capacity
+from kernels.slice import DEFAULT_MAX_CONTEXT, ForwardStats, Step
 from kernels.spec import ModelSpec, SliceSpec, layer_of
 
-DEFAULT_MAX_CONTEXT = 4096  # as kernels/slice.py's
-KV_CELL_PAD = 256  # cells a cache grows by (kernels/kv_cache.py), for the budgets' arithmetic
 ROWS = 256  # fixed rows a layer picks from
 COMPUTE_KINDS = ("tiny", "stand-in")  # the real engine on the tiny model, or this one
 
@@ -156,11 +155,8 @@ class StandInEngine:
         return self._grown(request.capacity if request is not None else 0, n_positions) * self.kv_bytes_per_position
 
     def _grown(self, capacity: int, n_tokens: int) -> int:
-        n_tokens = min(n_tokens, self.max_context)
-        if n_tokens <= capacity:
-            return capacity
-        pad = lambda n: -(-n // KV_CELL_PAD) * KV_CELL_PAD  # noqa: E731
-        return min(pad(self.max_context), max(pad(n_tokens), 2 * capacity))
+        """Cells a real cache would hold (what admission charges): kernels/kv_cache.py's growth."""
+        return grown_capacity(capacity, min(n_tokens, self.max_context), self.max_context)
 
     def position_of(self, request_id: bytes | str) -> int:
         request = self._requests.get(_key(request_id))
