@@ -1,17 +1,23 @@
 """Whole-swarm simulation runs per minute (harness/sim): seeds FIRST.. for a while, each a fresh
 swarm (host, 3 trunks, 2 askers: 5 members) with 8 asks and up to 3 faults in a minute of
 virtual time, its invariants checked. Prints JSON (runs per minute, virtual seconds per wall
-second, median run, what failed and the seeds to replay it with ``python -m harness.sim --seed``).
+second, median run in wall and CPU seconds, datagrams carried, what failed and the seeds to replay
+it with ``python -m harness.sim --seed``).
 
-    python benchmarks/bench_sim.py [--minutes 2] [--first 1000] [--out benchmarks/results/bench_sim.json]
+    python benchmarks/bench_sim.py [--minutes 2] [--first 1000] [--compute tiny,stand-in] [--out FILE]
 
-Compute is the real engine on a tiny model (harness/tiny_models.py, 8 layers of 64); the template
-(model file, identities) is made once, before the clock starts.
+``--compute``: the real engine on a tiny model (harness/tiny_models.py, 8 layers of 64) and/or the
+stand-in (harness/sim/standin.py), one after the other in this process, on the same seeds; the
+result is one entry per kind. The template (model file, identities) is made once, and one run of
+each kind warms up (the measured figures, the reference tokens) before the clock starts. CPU
+seconds are this process's: on a machine others share they say more than wall time does.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import sys
 import time
@@ -23,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import emit_json  # noqa: E402
 from harness.sim.run import play  # noqa: E402
 from harness.sim.schedule import draw  # noqa: E402
+from harness.sim.standin import COMPUTE_KINDS  # noqa: E402
 from harness.sim.world import Template, WorldSpec  # noqa: E402
 
 
@@ -35,35 +42,64 @@ def _kind(failure: str) -> str:
     return failure[:60]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=2.0)
-    parser.add_argument("--first", type=int, default=1000, help="the first seed")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    spec = WorldSpec()
-    Template.of(spec)
-    play(draw(args.first - 1, spec), spec)  # warm: the measured figures and the reference tokens
-    walls, virtuals, failed, kinds = [], [], {}, Counter()
-    seed, start = args.first, time.perf_counter()
-    while time.perf_counter() - start < args.minutes * 60:
-        result = play(draw(seed, spec), spec)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def bench(spec: WorldSpec, compute: str, first: int, minutes: float) -> dict:
+    play(draw(first - 1, spec), spec, compute=compute)  # warm: the measured figures and the reference tokens
+    gc.collect()
+    gc.freeze()  # (what the warm run left, modules and template included, is not walked by every full collection)
+    walls, cpus, virtuals, sent, failed, kinds = [], [], [], [], {}, Counter()
+    seed, start, load = first, time.perf_counter(), os.getloadavg()[0]
+    while time.perf_counter() - start < minutes * 60:
+        cpu = time.process_time()
+        result = play(draw(seed, spec), spec, compute=compute)
+        cpus.append(time.process_time() - cpu)
         walls.append(result.wall_s)
         virtuals.append(result.virtual_s)
+        sent.append(result.net.sent)
         if not result.ok:
             failed[seed] = result.failures
             kinds.update({_kind(f) for f in result.failures})
         seed += 1
     elapsed = time.perf_counter() - start
-    emit_json({
-        "runs": len(walls), "seconds": round(elapsed, 1), "runs_per_minute": round(len(walls) / elapsed * 60, 1),
-        "median_run_s": round(statistics.median(walls), 3), "virtual_s_per_run_median": round(statistics.median(virtuals), 1),
+    return {
+        "compute": compute, "runs": len(walls), "seconds": round(elapsed, 1),
+        "runs_per_minute": round(len(walls) / elapsed * 60, 1),
+        "median_run_s": round(statistics.median(walls), 3), "median_run_cpu_s": round(statistics.median(cpus), 3),
+        "runs_per_cpu_minute": round(len(cpus) / sum(cpus) * 60, 1),
+        "virtual_s_per_run_median": round(statistics.median(virtuals), 1),
         "virtual_per_wall": round(sum(virtuals) / sum(walls), 1),
+        "datagrams_per_run_median": int(statistics.median(sent)),
         "members": spec.trunks + len(spec.askers), "asks_per_run": 8, "faults_per_run_at_most": 3,
         "failed_runs": len(failed), "failure_kinds": dict(kinds),
         "failed_seeds": {str(s): f[:3] for s, f in list(failed.items())[:20]},
-        "seeds": [args.first, seed - 1],
-    }, args.out)
+        "seeds": [first, seed - 1], "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=2.0, help="per compute kind")
+    parser.add_argument("--first", type=int, default=1000, help="the first seed")
+    parser.add_argument("--compute", default=",".join(COMPUTE_KINDS),
+                        help=f"comma-separated, of {', '.join(COMPUTE_KINDS)} (default both)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    kinds = args.compute.split(",")
+    if any(k not in COMPUTE_KINDS for k in kinds):
+        parser.error(f"--compute takes {', '.join(COMPUTE_KINDS)}")
+    spec = WorldSpec()
+    Template.of(spec)
+    emit_json({"cpu": cpu_model(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+               "results": [bench(spec, kind, args.first, args.minutes) for kind in kinds]}, args.out)
 
 
 if __name__ == "__main__":

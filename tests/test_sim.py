@@ -16,7 +16,11 @@ from harness.sim.clock import VirtualClockLoop
 from harness.sim.network import CURRENT_NODE, Conditions, SimNetwork
 from harness.sim.run import play
 from harness.sim.schedule import LIE, REVOKED_ASKER, Ask, Fault, Schedule, draw
-from harness.sim.world import WorldSpec
+from harness.sim.standin import StandInEngine, engines
+from harness.sim.world import Template, WorldSpec
+from kernels.gguf_file import GGUFFile
+from kernels.slice import SliceEngine, Step
+from kernels.spec import SliceSpec
 from net.endpoint import Address, close, connect_member, serve_member
 from net.identity import Credentials, make_ca, new_private_key, sign_member, verify_member
 from net.protocol import RequestOnlyHandler
@@ -194,13 +198,54 @@ def test_a_revoked_member_still_served_fails_the_run():
     assert check(served, SPEC) == []
 
 
-def test_the_invariants_catch_a_trunk_that_lies():
+@pytest.mark.parametrize("compute", ["tiny", "stand-in"])
+def test_the_invariants_catch_a_trunk_that_lies(compute):
     """A trunk adding noise to its results: the asks it serves meanwhile return other tokens, and
-    the run fails saying so (the invariants can fail)."""
+    the run fails saying so (the invariants can fail), with either compute."""
     asks = (Ask(1.0, "alice", (5, 6, 7), 16), Ask(1.1, "mallory", (8, 9), 16))
     schedule = Schedule(0, Conditions(), asks, (Fault(0.5, LIE, "trunk-2", lasts=30.0),))
-    result = play(schedule, SPEC)
+    result = play(schedule, SPEC, compute=compute)
     assert any("not the fault-free" in f for f in result.failures), result.failures
+
+
+def test_a_stand_in_run_keeps_every_invariant():
+    """Seed 9 (a revocation during a long ask, over a lossy network) with the stand-in compute."""
+    result = play(draw(9, SPEC), SPEC, compute="stand-in")
+    assert result.ok, "python -m harness.sim --seed 9 --compute stand-in:\n" + "\n".join(result.failures)
+    assert any(r.tokens for r in result.asks)
+
+
+def test_the_stand_in_composes_like_layers_and_sees_every_change():
+    """The trunk split any way gives the same bits as one stage (the reference's), batched or
+    alone, prefill or step by step, after a rewind too; a changed activation changes the token."""
+    gguf = GGUFFile(Template.of(SPEC).model)
+    with engines("stand-in"):
+        import kernels.slice
+
+        assert kernels.slice.SliceEngine is StandInEngine
+        head = kernels.slice.SliceEngine(gguf, SliceSpec(0, 1, has_embedding=True))
+    assert kernels.slice.SliceEngine is SliceEngine  # (given back after)
+    whole, tail = StandInEngine(gguf, SliceSpec(1, 7)), StandInEngine(gguf, SliceSpec(7, 8, has_lm_head=True))
+    parts = [StandInEngine(gguf, SliceSpec(1, 3)), StandInEngine(gguf, SliceSpec(3, 4)), StandInEngine(gguf, SliceSpec(4, 7))]
+    hidden = head.forward(b"r", start_pos=0, tokens=[5, 6, 7, 8])
+    out = whole.forward(b"r", start_pos=0, hidden=hidden)
+    split = hidden
+    for part in parts:
+        split = part.forward(b"r", start_pos=0, hidden=split)
+    assert split.tobytes() == out.tobytes()
+    steps = StandInEngine(gguf, SliceSpec(1, 7))
+    rows = [steps.forward(b"s", start_pos=i, hidden=hidden[i:i + 1])[0] for i in range(4)]
+    assert b"".join(r.tobytes() for r in rows) == out.tobytes()
+    batched = steps.forward_batch([Step(b"t", 0, hidden=hidden[:3]), Step(b"s", 3, hidden=hidden[3:], rewind=True)])
+    assert batched[0].tobytes() == out[:3].tobytes() and batched[1].tobytes() == out[3:].tobytes()
+    token = int(tail.forward(b"r", start_pos=0, hidden=out).argmax())
+    noisy = out.copy()
+    noisy[-1, 0] += 1e-6
+    assert int(tail.forward(b"n", start_pos=0, hidden=noisy).argmax()) != token
+    earlier = hidden.copy()
+    earlier[0, 5] += 1e-6  # (an earlier position: the same row in, another row out, through the history)
+    assert whole.forward(b"e", start_pos=0, hidden=earlier)[-1].tobytes() != out[-1].tobytes()
+    gguf.close()
 
 
 class _HostThatLeaves(RequestOnlyHandler):

@@ -5,6 +5,7 @@ with its schedule, its event log (virtual seconds, node, what happened) and what
     python -m harness.sim --seed 42 --verbose       every node's info log too
     python -m harness.sim --seed 42 --shrink        a failing run: the fewest events that still fail
     python -m harness.sim --seeds 0:200             many runs; one line each, the failing seeds at the end
+    python -m harness.sim --seeds 0:200 --compute stand-in    the same with the stand-in compute (faster)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from harness.sim.run import play
 from harness.sim.schedule import draw
 from harness.sim.shrink import shrink
+from harness.sim.standin import COMPUTE_KINDS
 from harness.sim.world import WorldSpec
 
 
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=3, help="faults per run, at most (default 3)")
     parser.add_argument("--verbose", action="store_true", help="every node's info log in the event log")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing schedule")
+    parser.add_argument("--compute", choices=COMPUTE_KINDS, default="tiny",
+                        help="the real engine on a tiny model (default), or the stand-in: outputs a cheap "
+                             "function of the inputs (harness/sim/standin.py)")
     args = parser.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != "0":  # (sets of strings iterate in one order every time)
         os.environ["PYTHONHASHSEED"] = "0"
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds is not None:
         failed = []
         for seed in args.seeds:
-            result = play(draw(seed, spec, asks=args.asks, faults=args.faults), spec)
+            result = play(draw(seed, spec, asks=args.asks, faults=args.faults), spec, compute=args.compute)
             print(f"seed {seed}: {'ok' if result.ok else 'FAILED'} ({result.wall_s:.2f} s)"
                   + "".join(f"\n    {f}" for f in result.failures), flush=True)
             if not result.ok:
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failed else 0
     schedule = draw(args.seed, spec, asks=args.asks, faults=args.faults)
     print(schedule.describe())
-    result = play(schedule, spec, verbose=args.verbose)
+    result = play(schedule, spec, verbose=args.verbose, compute=args.compute)
     print("\n".join(result.log))
     print(f"virtual {result.virtual_s:.1f} s in {result.wall_s:.2f} s; network: {result.net}")
     if result.ok:
@@ -61,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("FAILED:\n" + "\n".join(f"  {f}" for f in result.failures))
     if args.shrink:
-        smallest = shrink(schedule, lambda s: not play(s, spec).ok, report=lambda line: print(f"shrink: {line}"))
+        smallest = shrink(schedule, lambda s: not play(s, spec, compute=args.compute).ok,
+                          report=lambda line: print(f"shrink: {line}"))
         print("shrunk to:\n" + smallest.describe())
-        print("FAILED:\n" + "\n".join(f"  {f}" for f in play(smallest, spec).failures))
+        print("FAILED:\n" + "\n".join(f"  {f}" for f in play(smallest, spec, compute=args.compute).failures))
     return 1
 
 

@@ -27,6 +27,9 @@ ITERATION_S = 1e-6
 # A loop with nothing scheduled, no thread at work and no I/O would wait forever: it waits this
 # long in real time for I/O it cannot see (a real socket a node opened), then reports being stuck.
 STUCK_POLL_S = 0.05
+# The wall-time limit is read every this many turns of the loop, not every turn (a run takes
+# tens of thousands of turns; reading the clock was a cost of its own).
+WALL_CHECK_TURNS = 256
 
 
 def _threads() -> str:
@@ -70,18 +73,20 @@ class VirtualSelector(selectors.BaseSelector):
 
     def select(self, timeout: float | None = None):
         loop = self.loop
-        if loop is not None and loop.wall_deadline and time.perf_counter() > loop.wall_deadline:
+        if loop is None:
+            return self.real.select(0)
+        loop.turns += 1
+        if loop.wall_deadline and not loop.turns % WALL_CHECK_TURNS and time.perf_counter() > loop.wall_deadline:
             raise WallLimit(f"still running after {loop.wall_limit:g} s of wall time, at virtual "
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
-        if loop is not None:
-            loop.advance(ITERATION_S)
-        if timeout == 0:
-            return self.real.select(0)
-        if loop is not None and loop.threads_busy:
-            return self.real.select(None)  # the clock stands still until the thread is back
+        loop._now += ITERATION_S
+        if loop.threads_busy:  # the clock stands still until the thread is back
+            return self.real.select(0 if timeout == 0 else None)
+        if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
+            return []
         events = self.real.select(0)
-        if events or loop is None:
+        if events:
             return events
         if timeout is None:  # nothing scheduled at all: only real I/O could wake us
             loop.stuck_polls += 1
@@ -104,6 +109,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         # the loop (a mixture-of-experts stage calling remote experts) needs real threads (False).
         self.inline_threads = True
         self.threads_busy = 0  # executor calls not yet back on the loop
+        self.turns = 0  # turns of the loop so far
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
         # node → the tasks it started, oldest first (a kill cancels them in that order on every
@@ -116,7 +122,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         task = asyncio.Task(coro, loop=loop, **kwargs)
         node = kwargs["context"].get(CURRENT_NODE, "") if kwargs.get("context") else CURRENT_NODE.get()
         self._tasks_started += 1
-        self.node_tasks.setdefault(node, weakref.WeakValueDictionary())[self._tasks_started] = task
+        tasks = self.node_tasks.get(node)
+        if tasks is None:  # (not setdefault: a dictionary made for every task was a cost of its own)
+            tasks = self.node_tasks[node] = weakref.WeakValueDictionary()
+        tasks[self._tasks_started] = task
         return task
 
     async def create_datagram_endpoint(self, protocol_factory, local_addr=None, remote_addr=None, *, sock=None,

@@ -38,8 +38,10 @@ def check(result: RunResult, spec: WorldSpec) -> list[str]:
         took = r.ended - r.started
         revoked = revoked_at is not None and r.ask.asker == REVOKED_ASKER and r.ended > revoked_at
         if r.tokens is not None:
-            want = result.reference[(r.ask.prompt, r.ask.max_tokens)]
-            if r.tokens != want:
+            want = result.reference.get((r.ask.prompt, r.ask.max_tokens))
+            if want is None:  # (a run stopped by its wall-time limit: that is reported too)
+                failures.append(f"{who} returned tokens, but the run ended before the fault-free ones were made")
+            elif r.tokens != want:
                 failures.append(f"{who} returned tokens {r.tokens}, not the fault-free {want}")
             if revoked and r.ended - max(revoked_at, r.started) > REVOKE_BOUND_S:
                 failures.append(f"{who}: revoked at {revoked_at:.2f}, it was still served until {r.ended:.2f}")

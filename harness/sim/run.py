@@ -14,10 +14,14 @@ import time
 from dataclasses import dataclass, field
 
 from harness.sim.clock import VirtualClockLoop, WallLimit
-from harness.sim.network import CURRENT_NODE, NetStats, SimNetwork
+from harness.sim.headers import HEADERS
+from harness.sim.network import CURRENT_NODE, Conditions, NetStats, SimNetwork
+from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
+from harness.sim.standin import engines
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import FIGURES, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, seeded_randomness
+from harness.sim.world import FIGURES, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, \
+    seeded_randomness, udp_free
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -83,8 +87,10 @@ class _RunLog(logging.Handler):
 
 
 class SimRun:
-    def __init__(self, schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False) -> None:
-        self.schedule, self.spec, self.verbose = schedule, spec, verbose
+    def __init__(self, schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False,
+                 compute: str = "tiny") -> None:
+        """``compute``: "tiny" (the real engine on the tiny model) or "stand-in" (harness/sim/standin.py)."""
+        self.schedule, self.spec, self.verbose, self.compute = schedule, spec, verbose, compute
         self.template = Template.of(spec)
         self.result = RunResult(schedule, [AskResult(a) for a in schedule.asks], {})
         self.loop = VirtualClockLoop()
@@ -111,7 +117,8 @@ class SimRun:
         wall = time.perf_counter()
         root = self.template.copy_homes()
         self.homes = {p.name: SwarmHome(p) for p in (root / "homes").iterdir()}
-        move_host(self.homes, f"127.0.0.2:{free_udp_port('127.0.0.2')}")  # (free now: others may have taken the template's)
+        if not udp_free(self.template.host_address):  # (another process took the template's port: one free now)
+            move_host(self.homes, f"127.0.0.2:{free_udp_port('127.0.0.2')}")
         handler = _RunLog(self, logging.INFO if self.verbose else logging.WARNING)
         logging.getLogger().addHandler(handler)
         levels = {name: logging.getLogger(name).level for name in ("", "quic")}
@@ -120,10 +127,11 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
-            self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
-            with FIGURES, seeded_randomness(self.schedule.seed):
-                self.loop.run_until_complete(self._main())
+            with engines(self.compute), HEADERS:
+                self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
+                self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
+                with FIGURES, SMALL_PROBES, seeded_randomness(self.schedule.seed):
+                    self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
             self.result.crashes.append(f"the run did not finish: {e}; running: {busy}")
@@ -153,12 +161,14 @@ class SimRun:
         self.event(f"{where:>8} UNHANDLED {context.get('message')}: {exception!r}")
 
     async def _prepare(self) -> None:
-        """The askers' engine and the fault-free tokens (computed in the first run of a process
-        that asks a prompt, and kept)."""
+        """The askers' engine, made before the seed's draws (its first load in a process draws
+        random bytes of its own)."""
         from swarmctl.asker.head_tail import Asker
 
         self.asker = Asker(self.template.model, self.spec.head_layers, n_threads=1)
-        self.result.reference = await self._reference()
+        # The fault-free tokens, here: the clock is set to the swarm's start after this, so a run
+        # that computed them and one that found them cached play alike.
+        self.result.reference = await self._reference({(a.prompt, a.max_tokens) for a in self.schedule.asks})
 
     async def _main(self) -> None:
         self._start_host()
@@ -190,13 +200,12 @@ class SimRun:
         self.result.leftovers = {name: self._held(service) for name, service in self.trunks.items()
                                  if name not in self.network.down and not service.fatal}
 
-    async def _reference(self) -> dict[tuple, list[int]]:
-        """Each prompt's tokens from the same engine with the trunk's layers in this process."""
+    async def _reference(self, wanted: set[tuple]) -> dict[tuple, list[int]]:
+        """Each (prompt, max_tokens)'s tokens from the same engine with the trunk's layers in this process."""
         from kernels.gguf_file import GGUFFile
         from swarmctl.asker.head_tail import InprocTrunk, u_split
 
-        wanted = {(a.prompt, a.max_tokens) for a in self.schedule.asks}
-        cached = _REFERENCE.setdefault(self.spec, {})
+        cached = _REFERENCE.setdefault((self.spec, self.compute), {})
         missing = [w for w in sorted(wanted) if w not in cached]
         if missing:
             gguf = GGUFFile(self.template.model)
@@ -389,8 +398,9 @@ class SimRun:
         self.loop.close()
 
 
-_REFERENCE: dict[WorldSpec, dict[tuple, list[int]]] = {}  # fault-free tokens, per process
+_REFERENCE: dict[tuple[WorldSpec, str], dict[tuple, list[int]]] = {}  # fault-free tokens, per process and compute
 
 
-def play(schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False) -> RunResult:
-    return SimRun(schedule, spec, verbose=verbose).play()
+def play(schedule: Schedule, spec: WorldSpec = WorldSpec(), *, verbose: bool = False,
+         compute: str = "tiny") -> RunResult:
+    return SimRun(schedule, spec, verbose=verbose, compute=compute).play()
