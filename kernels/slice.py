@@ -135,6 +135,7 @@ class SliceEngine:
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
         # Flash attention where the cache has V; latent attention (no V: deepseek2's MLA) stays plain.
+        self.attention = placement.attention  # (as asked: what a member compares with its plan's)
         self.flash = placement.attention == "flash" and self.spec.kv_widths[1] > 0
         self.slice = slice_spec
         self.remote_experts = remote_experts if self.spec.n_expert else None
@@ -182,6 +183,12 @@ class SliceEngine:
         where = self.split.describe(self.backend.name, self.slice, self.spec) if self.split else self.backend.name
         kept = self.weights.kept_in_host
         return where + (f" ({len(kept)} tensors too large for it in host memory: {kept[0]}, ...)" if kept else "")
+
+    def describe_attention(self) -> str:
+        """One line for a member's log: the attention it computes with, and what it fell back to."""
+        if self.attention == "flash" and not self.flash:
+            return "attention flash: this model's latent attention has no flash path here; attention stays plain"
+        return f"attention {self.attention}" + (": ggml_flash_attn_ext (llama.cpp's -fa 1)" if self.flash else "")
 
     def compute_buffer_bytes(self) -> int:
         """Bytes of the compute buffers this engine holds: its kept graphs' and segments'
