@@ -1,4 +1,4 @@
-"""Decode speed under each kernels choice, ours and llama.cpp's, side by side in one run; prints JSON.
+"""Decode speed under each kernels and attention choice, ours and llama.cpp's, side by side in one run; prints JSON.
 
     python benchmarks/bench_kernels.py [--threads 1,2] [--repeats 3] [--decode 64]
                                        [--llama-bench PATH] [--cache-dir DIR] [--out FILE]
@@ -9,11 +9,13 @@ AVX2 / AVX-512 / NEON; Q4_1 has a layout only in AMX's), at each thread count:
 
     engine_plain      our engine, the whole model as one slice, kernels plain (weights mapped)
     engine_repack     the same with kernels repack (the CPU's extra buffer types but AMX)
+    engine_flash, engine_repack_flash   the same two with attention flash (ggml_flash_attn_ext)
     llama_plain       llama-cpp-python, use_extra_bufts=False
     llama_default     llama-cpp-python's default load (use_extra_bufts=True: every extra type)
+    llama_plain_flash, llama_default_flash   the same two with flash_attn=True
     llama_bench_rR_faF  llama-bench built from the llama.cpp llama-cpp-python vendors (--llama-bench),
                       ``--repack 0,1`` by ``-fa 0,1``: tg (decode) only, its own repetitions (flash
-                      attention is llama.cpp's default on the CPU; our graphs run without it)
+                      attention is llama.cpp's default on the CPU)
 
 Each engine and llama-cpp-python figure is one subprocess (a crash, as llama.cpp's AMX path had
 on AMX Xeons, is reported, not fatal), rounds interleaved across variants; quoted: medians over
@@ -43,7 +45,8 @@ from benchmarks.bench_repack import cpu_description, quantized_copy  # noqa: E40
 from benchmarks.bench_slice import bench_engine, bench_llama_cpp  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
 
-VARIANTS = ("engine_plain", "engine_repack", "llama_plain", "llama_default")
+VARIANTS = ("engine_plain", "engine_repack", "engine_flash", "engine_repack_flash",
+            "llama_plain", "llama_default", "llama_plain_flash", "llama_default_flash")
 PROMPT = list(range(1000, 1008))  # 8 token ids: the decode runs at a short context, as llama-bench's tg does
 CHILD_TIMEOUT_S = 300
 
@@ -56,17 +59,22 @@ def child(variant: str, model: Path, n_decode: int, threads: int) -> dict:
         from kernels.slice import Placement, SliceEngine
         from kernels.spec import ModelSpec, SliceSpec
 
-        kernels = "repack" if variant == "engine_repack" else "plain"
+        kernels = "repack" if "repack" in variant else "plain"
+        attention = "flash" if variant.endswith("_flash") else "plain"
         with GGUFFile(model) as gguf:
             spec = ModelSpec.from_gguf(gguf)
             with SliceEngine(gguf, SliceSpec(0, spec.n_layer, True, True), n_threads=threads, max_context=256,
-                             placement=Placement(kernels=kernels)) as probe:
+                             placement=Placement(kernels=kernels, attention=attention)) as probe:
                 placed = sorted(set(probe.weights.repacked_into.values()))
                 n = len(probe.weights.repacked)
-            r = bench_engine(gguf, [], PROMPT, n_decode, threads, repack=kernels == "repack")
-        extra = {"repacked_weights": n, "repacked_into": placed, "kernels": describe_kernels(kernels)}
+                said = probe.describe_attention()
+            r = bench_engine(gguf, [], PROMPT, n_decode, threads, repack=kernels == "repack", attention=attention)
+        extra = {"repacked_weights": n, "repacked_into": placed, "kernels": describe_kernels(kernels),
+                 "attention": said, "python_overhead_us_per_token": r["python_overhead_us_per_token"],
+                 "ggml_compute_us_per_token": r["ggml_compute_us_per_token"]}
     else:
-        r = bench_llama_cpp(model, PROMPT, n_decode, threads, repack=variant == "llama_default")
+        r = bench_llama_cpp(model, PROMPT, n_decode, threads, repack="default" in variant,
+                            flash=variant.endswith("_flash"))
         extra = {}
     return {"decode_tok_s": r["decode_tok_s"], "decode_tok_per_cpu_s": r["decode_tok_per_cpu_s"], **extra}
 
@@ -112,6 +120,9 @@ def summarize(rounds: list[dict]) -> dict:
         return {"error": rounds[0]["error"], "rounds_failed": len(rounds)}
     out = {k: round(statistics.median(r[k] for r in ok), 2) for k in ("decode_tok_s", "decode_tok_per_cpu_s")}
     out["rounds_tok_s"] = [round(r["decode_tok_s"], 2) for r in ok]
+    for k in ("python_overhead_us_per_token", "ggml_compute_us_per_token"):
+        if k in ok[0]:
+            out[k] = round(statistics.median(r[k] for r in ok), 1)
     out.update((k, v) for k, v in ok[0].items() if k not in out and not isinstance(v, float))
     if len(ok) < len(rounds):
         out["errors"] = sorted({r["error"] for r in rounds if "error" in r})
@@ -124,9 +135,9 @@ def ratios(at: dict) -> dict:
         values = [at[n]["decode_tok_s"] for n in names if n in at and "decode_tok_s" in at[n]]
         return max(values) if values else None
 
-    engine = best("engine_plain", "engine_repack")
+    engine = best(*(v for v in VARIANTS if v.startswith("engine")))
     out = {}
-    for label, names in (("llama_cpp_python", ("llama_plain", "llama_default")),
+    for label, names in (("llama_cpp_python", tuple(v for v in VARIANTS if v.startswith("llama"))),
                          ("llama_bench_without_flash_attn", ("llama_bench_r0_fa0", "llama_bench_r1_fa0")),
                          ("llama_bench", ("llama_bench_r0_fa0", "llama_bench_r1_fa0", "llama_bench_r0_fa1",
                                           "llama_bench_r1_fa1"))):
@@ -134,7 +145,9 @@ def ratios(at: dict) -> dict:
         if engine and theirs:
             out[f"engine_best_over_{label}_best"] = round(engine / theirs, 3)
     for ours, theirs in (("engine_repack", "engine_plain"), ("llama_default", "llama_plain"),
-                         ("engine_plain", "llama_plain"), ("engine_repack", "llama_default")):
+                         ("engine_plain", "llama_plain"), ("engine_repack", "llama_default"),
+                         ("engine_flash", "engine_plain"), ("llama_plain_flash", "llama_plain"),
+                         ("engine_flash", "llama_plain_flash"), ("engine_repack_flash", "llama_default_flash")):
         a, b = best(ours), best(theirs)
         if a and b:
             out[f"{ours}_over_{theirs}"] = round(a / b, 3)

@@ -2,12 +2,13 @@
 
 The oracle is llama-cpp-python loaded with ``flash_attn=True`` (plain weight buffers, as the
 engine's ``kernels plain``): our whole-model logits and greedy tokens equal its, bit for bit, on
-the bundled model (llama, Q4_1) and tiny qwen2 / qwen3 (grouped heads) / qwen3moe models; every
+the bundled model (llama, Q4_1) and tiny qwen2 / qwen3 (grouped heads) / qwen3moe models, and a
+deepseek2 of an older conversion (unsplit ``attn_kv_b``: ordinary multi-head attention); every
 decode step's logits too past a cache's growth and at 512 cells, where ggml's CPU kernel splits a
 one-row step's cells between the threads. Flash attention changes the bits (the plain engine
 differs from this oracle), so both halves can fail. A batch and a speculative check (rows one at
 a time) give each request the bits it gets alone, as under plain attention. Latent attention
-(deepseek2, a cache without V) stays plain.
+(deepseek2's MLA, a cache without V) stays plain.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.test_repack import _greedy
 
 FLASH = Placement(attention="flash")
 PROMPTS = ["The three primary colours are", "import numpy as np"]
-TINY = ["qwen2-q4_1", "qwen3-f32", "qwen3moe-q8_0"]
+TINY = ["qwen2-q4_1", "qwen3-f32", "qwen3moe-q8_0", "deepseek2-unsplit-q8_0"]
 
 
 def _whole(gguf: GGUFFile, placement: Placement = FLASH, max_context: int = 512) -> SliceEngine:
