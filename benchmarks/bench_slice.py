@@ -103,14 +103,15 @@ def warmup_tokens(tokens: list[int], device: Device | None) -> list[int]:
 
 
 def bench_llama_cpp(model: Path, tokens: list[int], n_decode: int, threads: int, *, repack: bool = False,
-                    device: Device | None = None) -> dict:
+                    device: Device | None = None, flash: bool = False) -> dict:
     """``repack=False``: plain weight buffers, like the engine; ``True``: llama.cpp's default
-    (repacked extra buffer types; can die with SIGILL on AMX CPUs, see bench_repack.py)."""
+    (repacked extra buffer types; can die with SIGILL on AMX CPUs, see bench_repack.py).
+    ``flash``: llama-cpp-python's ``flash_attn=True``."""
     from kernels.oracle_llama import last_logits, load_llama
 
     before = device_memory(device)
     llm = load_llama(model, repack=repack, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                     **llama_device_args(device))
+                     flash_attn=flash, **llama_device_args(device))
     llm.eval(warmup_tokens(tokens, device))
     last_logits(llm)
     llm.reset()
@@ -131,7 +132,7 @@ def bench_llama_cpp(model: Path, tokens: list[int], n_decode: int, threads: int,
 
 
 def make_engines(gguf: GGUFFile, cuts: list[int], threads: int, *, repack: bool = False,
-                 device: Device | None = None, max_context: int = 1024) -> list[SliceEngine]:
+                 device: Device | None = None, max_context: int = 1024, attention: str = "plain") -> list[SliceEngine]:
     """The model as consecutive slices, cut before each layer in ``cuts`` (none: one slice)."""
     n_layer = ModelSpec.from_gguf(gguf).n_layer
     bounds = [0, *cuts, n_layer]
@@ -139,7 +140,8 @@ def make_engines(gguf: GGUFFile, cuts: list[int], threads: int, *, repack: bool 
     try:
         for a, b in zip(bounds, bounds[1:]):
             engines.append(SliceEngine(gguf, SliceSpec(a, b, a == 0, b == n_layer), n_threads=threads,
-                                       max_context=max_context, placement=Placement(device=device, kernels="repack" if repack else "plain")))
+                                       max_context=max_context, placement=Placement(
+                                           device=device, kernels="repack" if repack else "plain", attention=attention)))
     except BaseException:
         for e in engines:
             e.close()
@@ -148,10 +150,10 @@ def make_engines(gguf: GGUFFile, cuts: list[int], threads: int, *, repack: bool 
 
 
 def bench_engine(gguf: GGUFFile, cuts: list[int], tokens: list[int], n_decode: int, threads: int,
-                 *, repack: bool = False, device: Device | None = None) -> dict:
+                 *, repack: bool = False, device: Device | None = None, attention: str = "plain") -> dict:
     """On a GPU the result also carries ``memory``: the engines' device buffers (device_buffers)."""
     before = device_memory(device)
-    engines = make_engines(gguf, cuts, threads, repack=repack, device=device)
+    engines = make_engines(gguf, cuts, threads, repack=repack, device=device, attention=attention)
 
     def step(rid: bytes, pos: int, new: list[int]) -> np.ndarray:
         x = engines[0].forward(rid, start_pos=pos, tokens=new)

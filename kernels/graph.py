@@ -7,9 +7,10 @@ so a slice's tensors can be compared with a whole-model llama.cpp run by name. T
 the same for every architecture; its attention and FFN come from the architecture's record
 (kernels.archs), built from the helpers here.
 
-The operator sequence deliberately mirrors llama.cpp's graph without flash attention (F16 KV
-cache, transposed V, F32-accumulated KQ, fused soft_max_ext, swiglu_split): the same kernels on
-the same data give the same bits, which keeps greedy tokens equal to the oracle's.
+The operator sequence deliberately mirrors llama.cpp's graph (F16 KV cache; without flash
+attention a transposed V, F32-accumulated KQ, fused soft_max_ext; with it ggml_flash_attn_ext at
+F32 precision over an untransposed V and an F16 mask; swiglu_split): the same kernels on the same
+data give the same bits, which keeps greedy tokens equal to the oracle's.
 
 A batch stacks the requests' tokens as columns: norms, projections and the FFN run once over all
 of them (shared matmuls); attention runs per request, against that request's own KV cache with
@@ -45,6 +46,7 @@ class GraphShape:
     requests: tuple[RequestShape, ...]
     request_ids: tuple[bytes, ...]  # each member's KV cache is wired into the graph
     hidden: bool = False  # also output every row's final hidden state (``extra_outputs["hidden"]``)
+    flash: bool = False  # attention by ggml_flash_attn_ext (caches laid out for it: KVCache v_trans False)
 
     @property
     def n_tokens(self) -> int:
@@ -64,10 +66,10 @@ class GraphShape:
 class AttentionInputs:
     """One request's attention placeholders (llama.cpp's llm_graph_input_attn_kv)."""
 
-    kq_mask: int  # F32 [n_kv, n_tokens]: 0 where a token may attend a cell, -inf elsewhere
-    k_idxs: int  # I64 [n_tokens]: cell each token's K is written to
+    kq_mask: int  # F32 [n_kv, n_tokens] (F16 under flash): 0 where a token may attend a cell, -inf elsewhere
+    k_idxs: int  # I64 [n_tokens]: cell each token's K (and, under flash, V) is written to
     v_idxs: int | None  # I64 [n_tokens * v_width]: element of the transposed V each value goes to
-    # (None: a cache without V, latent attention)
+    # (None: a cache without V, latent attention; or V untransposed, flash, written with k_idxs)
 
 
 @dataclass
@@ -189,6 +191,10 @@ class GraphBuilder:
         ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, cache.k[il], k_rows, inp.k_idxs))
         if not cache.v_width:  # latent attention: the values are read from the K rows
             return
+        if not cache.v_trans:  # flash attention: one row per cell, as K (llama.cpp's cpy_v without v_trans)
+            v_rows = ggml.view_2d(ctx, v, cache.v_width, n, ggml.tensor_strides(v)[2], 0)
+            ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, cache.v[il], v_rows, inp.k_idxs))
+            return
         # V is stored transposed: scatter single elements, as llama.cpp's cpy_v does.
         v_elems = ggml.reshape_2d(ctx, v, 1, cache.v_width * n)
         v_cells = ggml.reshape_2d(ctx, cache.v[il], 1, cache.v_width * cache.capacity)
@@ -209,6 +215,8 @@ class GraphBuilder:
         if row is not None:
             mask = ggml.view_2d(ctx, mask, n_kv, 1, ggml.tensor_strides(mask)[1], row * ggml.tensor_strides(mask)[1])
         k_all, v_all = self._cached_kv(cache, n_kv, il, v_cur)
+        if not cache.v_trans and cache.v_width:
+            return self._flash(q, k_all, v_all, mask, il)
         q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
         k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
         v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
@@ -223,10 +231,27 @@ class GraphBuilder:
         width, _, heads, _ = ggml.tensor_shape(kqv)
         return ggml.cont_2d(ctx, ggml.permute(ctx, kqv, 0, 2, 1, 3), width * heads, n)
 
+    def _flash(self, q: int, k_all: int, v_all: int, mask: int, il: int) -> int:
+        """Attention as llama.cpp's build_attn_mha with flash attention on: one fused ggml op over
+        the untransposed cache (mask F16, n_kv cells), accumulated in F32 (llama.cpp sets that
+        precision on every flash node). Its CPU kernel splits a one-row step's cells between
+        the threads once there are 512 or more, so there the bits depend on the thread count,
+        as in llama.cpp itself."""
+        ctx = self.ctx
+        q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
+        k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
+        v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [head_v, n_kv, n_head_kv]
+        out = self.name(ggml.flash_attn_ext(ctx, q, k_all, v_all, mask, self.spec.attention_scale, 0.0, 0.0),
+                        "fattn", il)  # [head_v, n_head, n]
+        ggml.prec_set_acc(out, ggml.PREC_F32)
+        width, heads, n, _ = ggml.tensor_shape(out)
+        return ggml.reshape_2d(ctx, out, width * heads, n)
+
     def _cached_kv(self, cache: KVCache, n_kv: int, il: int, v_cur: int) -> tuple[int, int]:
         """Views of the cache's first ``n_kv`` cells: K [head_dim, n_head_kv, n_kv] and V
-        [n_kv, n_head_kv, head_dim] transposed, or, for a cache without V, the first
-        ``v_cur``-width values of each K row [v_width, n_head_kv, n_kv] (llama.cpp's MLA)."""
+        [n_kv, n_head_kv, head_dim] transposed ([head_dim, n_head_kv, n_kv] under flash), or, for a
+        cache without V, the first ``v_cur``-width values of each K row [v_width, n_head_kv, n_kv]
+        (llama.cpp's MLA)."""
         s, cap, f16 = self.spec, cache.capacity, ggml.TYPE_F16
         row = ggml.row_size
         k = ggml.view_4d(self.ctx, cache.k[il], s.head_dim, s.n_head_kv, n_kv, 1,
@@ -236,6 +261,9 @@ class GraphBuilder:
             v = ggml.view_4d(self.ctx, k, ggml.tensor_shape(v_cur)[0], s.n_head_kv, n_kv, 1, nb[1], nb[2], nb[3], 0)
             return k, v
         head_v = s.head_dim_v or s.head_dim
+        if not cache.v_trans:
+            return k, ggml.view_4d(self.ctx, cache.v[il], head_v, s.n_head_kv, n_kv, 1, row(f16, head_v),
+                                   row(f16, cache.v_width), row(f16, cache.v_width * cap), 0)
         v = ggml.view_4d(self.ctx, cache.v[il], n_kv, s.n_head_kv, head_v, 1,
                          row(f16, cap * head_v), row(f16, cap), row(f16, cap * cache.v_width), 0)
         return k, v
@@ -469,11 +497,12 @@ def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> G
     has_layers = s.stop > s.start
     inputs = GraphInputs(pos=placeholder("inp_pos", ggml.TYPE_I32, n) if has_layers else None)
     if has_layers:
+        mask_type = ggml.TYPE_F16 if shape.flash else ggml.TYPE_F32  # (flash attention takes an F16 mask)
         inputs.attention = [AttentionInputs(
-            kq_mask=placeholder("attn_inp_kq_mask", ggml.TYPE_F32, r.n_kv, r.n_tokens),
+            kq_mask=placeholder("attn_inp_kq_mask", mask_type, r.n_kv, r.n_tokens),
             k_idxs=placeholder("attn_inp_k_idxs", ggml.TYPE_I64, r.n_tokens),
             v_idxs=placeholder("attn_inp_v_idxs", ggml.TYPE_I64, r.n_tokens * spec.kv_widths[1])
-            if spec.kv_widths[1] else None,
+            if spec.kv_widths[1] and not shape.flash else None,
         ) for r in shape.requests]
     if s.has_embedding or s.nextn:  # (a nextn layer takes both: a token and the hidden state before it)
         inputs.tokens = placeholder("inp_tokens", ggml.TYPE_I32, n)

@@ -33,13 +33,16 @@ class InputHost:
         ``capacities``: the KV cells of each request's cache, in the graph's order."""
         self.graph = graph
         shape = graph.shape
+        if shape.flash:  # V rows go to the cells K rows go to: no element indices
+            v_width = 0
+        mask_dtype = np.float16 if shape.flash else np.float32  # (flash attention takes an F16 mask)
         self.pos = np.empty(shape.n_tokens, dtype=np.int32)
         self.members = []
         copies = []
         for r, cap, inp in zip(shape.requests, capacities, graph.inputs.attention):
             member = {
                 "n": r.n_tokens,
-                "mask": np.empty((r.n_tokens, r.n_kv), dtype=np.float32),
+                "mask": np.empty((r.n_tokens, r.n_kv), dtype=mask_dtype),
                 "cells": np.arange(r.n_kv, dtype=np.int32),
                 "k_idxs": np.empty(r.n_tokens, dtype=np.int64),
                 "v_idxs": np.empty((r.n_tokens, v_width), dtype=np.int64),
@@ -73,8 +76,7 @@ class InputHost:
                 np.add(member["v_base"], start, out=member["v_idxs"][0])
             else:
                 pos[:] = np.arange(start, start + n, dtype=np.int32)
-                member["mask"][:] = np.where(member["cells"][None, :] <= pos[:, None], np.float32(0),
-                                             np.float32(-np.inf))
+                member["mask"][:] = np.where(member["cells"][None, :] <= pos[:, None], 0.0, -np.inf)
                 member["k_idxs"][:] = pos  # cell i holds position i
                 np.add(member["k_idxs"][:, None], member["v_base"][None, :], out=member["v_idxs"])
             offset += n

@@ -1,10 +1,12 @@
 """Per-request key/value cache for the layers of one slice.
 
-Layout mirrors llama.cpp's cache without flash attention, so that attention runs the same ggml
-operations on the same data layout and gives the same bits:
+Layout mirrors llama.cpp's cache, so that attention runs the same ggml operations on the same
+data layout and gives the same bits:
 
     K per layer: [k_width, capacity] f16, one row per cell (cell i holds position i)
-    V per layer: [capacity, v_width] f16, transposed: one row per channel
+    V per layer: [capacity, v_width] f16, transposed: one row per channel (``attention plain``)
+                 [v_width, capacity] f16, one row per cell, as K (``attention flash``: what
+                 ggml_flash_attn_ext reads, llama.cpp's cache with flash attention on)
 
 Latent attention (deepseek2's MLA) keeps no V (``v_width`` 0): a K row is the token's compressed
 latent plus its RoPE part, and attention reads the values from the latent, as llama.cpp does.
@@ -22,6 +24,11 @@ from .backend import Backend
 from .errors import ContextOverflowError
 from .spec import KV_CELL_PAD
 
+# How attention is computed (a swarm-wide choice: the two give different bits). plain: llama.cpp
+# without flash attention (KQ matmul, soft_max_ext, KQV matmul over a transposed V); flash:
+# ggml_flash_attn_ext, as llama.cpp with flash attention on (kernels.graph, GraphBuilder._attend).
+ATTENTION = ("plain", "flash")
+
 
 def pad_cells(n: int) -> int:
     return -(-n // KV_CELL_PAD) * KV_CELL_PAD
@@ -36,11 +43,14 @@ def grown_capacity(capacity: int, n_tokens: int, max_tokens: int) -> int:
 
 
 class KVCache:
-    def __init__(self, backend: Backend, layers: range, widths: tuple[int, int], max_tokens: int) -> None:
-        """``widths``: (K, V) values per cell per layer (ModelSpec.kv_widths); V 0: no V tensors."""
+    def __init__(self, backend: Backend, layers: range, widths: tuple[int, int], max_tokens: int,
+                 flash: bool = False) -> None:
+        """``widths``: (K, V) values per cell per layer (ModelSpec.kv_widths); V 0: no V tensors.
+        ``flash``: V laid out as K, one row per cell, for flash attention (else transposed)."""
         self.backend = backend
         self.layers = layers
         self.k_width, self.v_width = widths
+        self.v_trans = not flash
         self.max_tokens = max_tokens  # the context bound: positions [0, max_tokens)
         self.n_filled = 0  # positions [0, n_filled) hold valid keys and values
         self.capacity = 0  # cells allocated per layer (a multiple of KV_CELL_PAD)
@@ -81,7 +91,8 @@ class KVCache:
                     k[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, self.k_width, capacity)
                     ggml.set_name(k[il], f"cache_k_l{il}".encode())
                     if self.v_width:
-                        v[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, capacity, self.v_width)
+                        v_shape = (capacity, self.v_width) if self.v_trans else (self.v_width, capacity)
+                        v[il] = ggml.new_tensor_2d(ctx, ggml.TYPE_F16, *v_shape)
                         ggml.set_name(v[il], f"cache_v_l{il}".encode())
                 buffer = ggml.backend_alloc_ctx_tensors_from_buft(ctx, buft)
                 if not buffer:
@@ -103,12 +114,12 @@ class KVCache:
     def _copy_cells(self, old_k: dict, old_v: dict, old_capacity: int, new_k: dict, new_v: dict,
                     new_capacity: int) -> None:
         n = self.n_filled
-        row = self.k_width * 2
         for il in self.layers:
-            k_bytes = np.empty(n * row, dtype=np.uint8)
-            ggml.backend_tensor_get(old_k[il], k_bytes.ctypes.data, 0, k_bytes.nbytes)
-            ggml.backend_tensor_set(new_k[il], k_bytes.ctypes.data, 0, k_bytes.nbytes)
+            _copy_rows(old_k[il], new_k[il], n * self.k_width * 2)
             if not self.v_width:
+                continue
+            if not self.v_trans:  # one row per cell, as K
+                _copy_rows(old_v[il], new_v[il], n * self.v_width * 2)
                 continue
             v_old = np.empty((self.v_width, old_capacity), dtype=np.float16)
             ggml.backend_tensor_get(old_v[il], v_old.ctypes.data, 0, v_old.nbytes)
@@ -122,6 +133,13 @@ class KVCache:
         self._allocations = []
         self.k, self.v = {}, {}
         self.capacity = self.n_filled = 0
+
+
+def _copy_rows(old: int, new: int, n_bytes: int) -> None:
+    """The first ``n_bytes`` of a cache tensor whose rows are cells into a larger one."""
+    data = np.empty(n_bytes, dtype=np.uint8)
+    ggml.backend_tensor_get(old, data.ctypes.data, 0, n_bytes)
+    ggml.backend_tensor_set(new, data.ctypes.data, 0, n_bytes)
 
 
 def _free(ctx: int, buffer: int) -> None:

@@ -32,7 +32,7 @@ from .gguf_file import GGUFFile
 from .graph_cache import GraphCache, PlacedGraph, place
 from .graph_inputs import InputHost, WithHidden
 from .device_split import DeviceSplit, layers_that_fit, split_for_device  # noqa: F401 (layers_that_fit: the API)
-from .kv_cache import KVCache, grown_capacity, pad_cells
+from .kv_cache import ATTENTION, KVCache, grown_capacity, pad_cells
 from .remote_experts import RemoteExpertLayers, RemoteExperts  # noqa: F401 (RemoteExperts: the API)
 from .spec import ModelSpec, SliceSpec
 from .weights import SliceWeights
@@ -106,12 +106,15 @@ class Placement:
     CPU, as llama.cpp's ``n_gpu_layers`` does (``SliceEngine.backend.device_layers``). ``upload``:
     copy the weights even on the CPU, the device path without a device (tests). ``kernels``:
     plain, or repack (amx) to copy the weights the CPU's extra buffer types take into them
-    (kernels/weights.py, kernels/backend.py KERNELS)."""
+    (kernels/weights.py, kernels/backend.py KERNELS). ``attention``: plain, or flash for
+    ggml_flash_attn_ext over a cache laid out for it (kernels/kv_cache.py ATTENTION; a model
+    with latent attention keeps plain, ``SliceEngine.flash``)."""
 
     device: Device | None = None
     gpu_memory: int | None = None
     upload: bool = False
     kernels: str = "plain"
+    attention: str = "plain"
 
 
 ON_THE_CPU = Placement()
@@ -126,9 +129,14 @@ class SliceEngine:
         combines them itself. Called on the compute thread; it may block on the network.
         ``placement``: where it computes and keeps its weights (``Placement``; default the CPU)."""
         device, gpu_memory = placement.device, placement.gpu_memory
+        if placement.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {placement.attention!r}")
         self.gguf = gguf
         self.spec = ModelSpec.from_gguf(gguf)
         slice_spec.check(self.spec)
+        # Flash attention where the cache has V; latent attention (no V: deepseek2's MLA) stays plain.
+        self.attention = placement.attention  # (as asked: what a member compares with its plan's)
+        self.flash = placement.attention == "flash" and self.spec.kv_widths[1] > 0
         self.slice = slice_spec
         self.remote_experts = remote_experts if self.spec.n_expert else None
         if self.remote_experts is not None and (slice_spec.has_embedding or slice_spec.has_lm_head or slice_spec.nextn):
@@ -175,6 +183,12 @@ class SliceEngine:
         where = self.split.describe(self.backend.name, self.slice, self.spec) if self.split else self.backend.name
         kept = self.weights.kept_in_host
         return where + (f" ({len(kept)} tensors too large for it in host memory: {kept[0]}, ...)" if kept else "")
+
+    def describe_attention(self) -> str:
+        """One line for a member's log: the attention it computes with, and what it fell back to."""
+        if self.attention == "flash" and not self.flash:
+            return "attention flash: this model's latent attention has no flash path here; attention stays plain"
+        return f"attention {self.attention}" + (": ggml_flash_attn_ext (llama.cpp's -fa 1)" if self.flash else "")
 
     def compute_buffer_bytes(self) -> int:
         """Bytes of the compute buffers this engine holds: its kept graphs' and segments'
@@ -224,7 +238,7 @@ class SliceEngine:
         for step, request, x in zip(steps, requests, inputs):
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
-        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head or self.slice.nextn)
+        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head or self.slice.nextn, self.flash)
         tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int32) for s in steps]) if self.slice.nextn else None
         if self.remote_experts is not None:
             t1 = time.perf_counter()
@@ -345,7 +359,7 @@ class SliceEngine:
     def _new_request(self, key: bytes) -> _Request:
         kv = None
         if self.slice.stop > self.slice.start:
-            kv = KVCache(self.backend, self.slice.layers, self.spec.kv_widths, self.max_context)
+            kv = KVCache(self.backend, self.slice.layers, self.spec.kv_widths, self.max_context, flash=self.flash)
         request = self._requests[key] = _Request(kv)
         return request
 
@@ -428,7 +442,7 @@ def _token_ids(spec: ModelSpec, tokens: Sequence[int] | np.ndarray | None) -> np
 
 
 def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray],
-                 makes_logits: bool) -> GraphShape:
+                 makes_logits: bool, flash: bool = False) -> GraphShape:
     """The batch's graph shape. ``makes_logits``: the slice has the LM head, and only then may a
     step keep fewer rows than it has tokens. Why not any slice that ends at the model's last
     layer: with no layers at the asker's end (--head-layers 0) that is the last trunk stage, and
@@ -445,4 +459,4 @@ def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[n
             n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
             shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation, rowwise=step.verify and n > 1))
     return GraphShape(tuple(shapes), tuple(step.key for step in steps),
-                      hidden=makes_logits and any(step.hidden_rows for step in steps))
+                      hidden=makes_logits and any(step.hidden_rows for step in steps), flash=flash)

@@ -14,6 +14,7 @@ from .proposal import HEAD_LAYERS, Constraints
 from .wire import SETTINGS as WIRE_DTYPES
 
 from kernels.backend import KERNELS  # the CPU kernels every member computes with
+from kernels.kv_cache import ATTENTION  # how every member computes attention
 
 OBJECTIVES = ("latency", "throughput", "even")
 
@@ -73,6 +74,10 @@ OPTIONS: tuple[PlannerOption, ...] = (
                   "takes them (faster matmuls on AVX2/AVX-512/NEON for Q4_0, Q4_K, IQ4_NL, ...; llama.cpp's "
                   "default, AMX left out), or amx: AMX too where the CPU has it (it has crashed on some Xeons); "
                   "answers are identical across members either way", choices=KERNELS),
+    PlannerOption("attention", "attention", "attention", "plain", "",
+                  "how every member computes attention: plain (llama.cpp without flash attention) or flash "
+                  "(ggml's flash attention, llama.cpp's -fa 1: faster decode; other bits, so the whole swarm "
+                  "switches; latent attention stays plain)", choices=ATTENTION),
 )
 BY_KEY = {option.key: option for option in OPTIONS}
 
@@ -87,10 +92,12 @@ class PlannerSettings:
     expert_nodes: int = 0
     wire_dtype: str = "f32"
     kernels: str = "plain"
+    attention: str = "plain"
 
     def constraints(self) -> Constraints:
         return Constraints(self.head_layers, self.context, self.concurrent, self.objective,
-                           max_stages=self.max_stages, wire_dtype=self.wire_dtype, kernels=self.kernels)
+                           max_stages=self.max_stages, wire_dtype=self.wire_dtype, kernels=self.kernels,
+                           attention=self.attention)
 
     @classmethod
     def from_config(cls, config) -> "PlannerSettings":

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from kernels.backend import KERNELS
+from kernels.kv_cache import ATTENTION
 from kernels.errors import EngineError
 from net.wire import DType
 
@@ -70,6 +71,7 @@ class Plan:
     # The CPU kernels every member computes with (plans/options.py): each applies the same, so a
     # step replayed on another member (a re-check, a take-over) gives the same bits.
     kernels: str = "plain"
+    attention: str = "plain"  # plain or flash (plans/options.py), the same for the same reason
 
     def account(self, member: str) -> str:
         """Whose budget ``member``'s requests spend at a stage."""
@@ -160,7 +162,7 @@ class Plan:
     def assignments(self) -> tuple:
         """Who serves what, and how it travels: two plans with the same are the same plan."""
         return (tuple((s.member, s.start, s.stop, s.send_dtype) for s in self.stages), self.entry_dtype,
-                tuple((e.member, e.start, e.stop) for e in self.experts), self.kernels)
+                tuple((e.member, e.start, e.stop) for e in self.experts), self.kernels, self.attention)
 
     def to_dict(self) -> dict:
         d = asdict(self)  # (dtypes travel by name: net/wire.py's DType labels)
@@ -178,7 +180,8 @@ class Plan:
         experts = [ExpertAssignment(**e) for e in d.get("experts", [])]
         # (kernels a newer host names that this version lacks: plain, which every CPU runs)
         kernels = d["kernels"] if d.get("kernels") in KERNELS else "plain"
-        return cls(**{**d, "stages": stages, "experts": experts, "kernels": kernels,
+        attention = d["attention"] if d.get("attention") in ATTENTION else "plain"
+        return cls(**{**d, "stages": stages, "experts": experts, "kernels": kernels, "attention": attention,
                       "entry_dtype": DType.in_plan(d.get("entry_dtype", "f32"))})
 
     def to_json(self) -> str:

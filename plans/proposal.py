@@ -54,6 +54,7 @@ class Constraints:
     max_stages: int = 0  # 0 = no limit; members beyond it stay out as standbys
     wire_dtype: str = "f32"  # how activations travel between machines: f32, f16, q8_0, or auto (plans/wire.py)
     kernels: str = "plain"  # the CPU kernels every member computes with (plans/options.py; carried in the Plan)
+    attention: str = "plain"  # plain or flash, as every member computes attention (the same; carried in the Plan)
     asker: AskerModel = ASSUMED_ASKER  # what the asker's own layers and LM head cost it
 
 

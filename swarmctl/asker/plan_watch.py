@@ -89,10 +89,11 @@ class PlanWatch:
 
     def _plan(self, push: m.PlanPush) -> Plan:
         plan = Plan.from_dict(push.plan)
-        if self.latest is not None and plan.kernels != self.latest.kernels:
-            # (the head and tail were loaded with the kernels of the plan this asker started under)
-            log.warning("the swarm's kernels are now %s (were %s): this asker's head and tail keep theirs until it "
-                        "restarts", plan.kernels, self.latest.kernels)
+        for setting in ("kernels", "attention") if self.latest is not None else ():
+            now, was = getattr(plan, setting), getattr(self.latest, setting)
+            if now != was:  # (the head and tail were loaded under the plan this asker started with)
+                log.warning("the swarm's %s is now %s (was %s): this asker's head and tail keep theirs until it "
+                            "restarts", setting, now, was)
         self.latest = plan
         self._changed.set()
         return self.latest

@@ -202,11 +202,12 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
         if model is None:
             model = await _model_for_swarm(home, link, options)
             drafting = _drafting(options, model, threads)
-        # (the plan's kernels, as the trunks compute: the same bits a single machine under them gives)
+        # (the plan's kernels and attention, as the trunks compute: the same bits a single machine under them gives)
+        placement = Placement(device=device, kernels=link.plan.kernels, attention=link.plan.attention)
         asker = Asker(model, link.head_layers, n_threads=threads, max_context=options.ctx,
-                      max_in_flight=options.max_in_flight, placement=Placement(device=device, kernels=link.plan.kernels))
-        log.info("head and tail: %s (%d weights repacked)", describe_kernels(link.plan.kernels),
-                 len(asker.head.weights.repacked) + len(asker.tail.weights.repacked))
+                      max_in_flight=options.max_in_flight, placement=placement)
+        log.info("head and tail: %s (%d weights repacked); %s", describe_kernels(link.plan.kernels),
+                 len(asker.head.weights.repacked) + len(asker.tail.weights.repacked), asker.head.describe_attention())
         link.check_model(asker.gguf)
         if options.speculate == "layerskip":  # (it drafts with the head layers the plan gives this asker)
             drafting.close()

@@ -192,10 +192,11 @@ class VerifyingTrunk:
         self.layers = (start, stop)
         check_trunk_layers(gguf, link.plan)
         self.gguf, self.n_threads, self.max_context = gguf, n_threads, max_context  # (for a re-check stage by stage)
-        # the kernels the trunks compute with (the plan's), so an honest trunk's rows are the same bits
-        self.kernels = getattr(link.plan, "kernels", "plain")
+        # the kernels and attention the trunks compute with (the plan's), so an honest trunk's rows are the same bits
+        self.placement = Placement(kernels=getattr(link.plan, "kernels", "plain"),
+                                   attention=getattr(link.plan, "attention", "plain"))
         self.engine = SliceEngine(gguf, SliceSpec(start, stop), n_threads=n_threads, max_context=max_context,
-                                  placement=Placement(kernels=self.kernels))
+                                  placement=self.placement)
         self.runner = BatchRunner(self.engine)
         self.stats = VerifyStats()
         self.suspects: set[str] = set()  # members caught returning a wrong result (this process's view)
@@ -298,7 +299,7 @@ class VerifyingTrunk:
         inputs = [x]
         for i, stage in enumerate(stages):
             engine = SliceEngine(self.gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                                 max_context=self.max_context, placement=Placement(kernels=self.kernels))
+                                 max_context=self.max_context, placement=self.placement)
             runner = BatchRunner(engine)
             try:
                 outs = []

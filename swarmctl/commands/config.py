@@ -14,6 +14,9 @@ settings:
                 file), repack (the CPU's repacked buffer types where ggml takes a weight:
                 faster Q4_0/Q4_K/IQ4_NL matmuls; AMX left out) or amx (AMX too, where the CPU
                 has it; it has crashed on some Xeons). Every member reloads under the new one
+  attention     how every member computes attention: plain, or flash (ggml's flash attention,
+                llama.cpp's -fa 1: faster decode, other bits; latent attention stays plain).
+                Every stage loads again under the new one
 
 examples:
   swarmctl config                          # show them
@@ -21,6 +24,7 @@ examples:
   swarmctl config context 8192 concurrent 2
   swarmctl config wire-dtype f16
   swarmctl config kernels repack
+  swarmctl config attention flash
 """
 
 from __future__ import annotations

@@ -52,6 +52,13 @@ def apply_proposal(plan: Plan, proposal, placement, constraints: Constraints) ->
         for e in plan.experts:
             e.ready = False
         changed = True
+    if plan.attention != constraints.attention:  # every stage builds its engine again (the KV layout
+        plan.attention = constraints.attention  # differs); expert nodes compute no attention and stay
+        if not changed:
+            plan.version += 1
+            for s in plan.stages:
+                s.ready = False
+        changed = True
     return changed
 
 

@@ -96,11 +96,11 @@ class StageAnswers:
 
 
 def reference(gguf: GGUFFile, start: int, stop: int, tokens: list[int],
-              kernels: str = "plain") -> tuple[np.ndarray, np.ndarray]:
+              kernels: str = "plain", attention: str = "plain") -> tuple[np.ndarray, np.ndarray]:
     """The stage's input for ``tokens`` (embedding and layers [0, start)) and its output (layers
-    [start, stop)), on the host's copy of the model with the plan's ``kernels``, as the askers
-    and the stage compute: [n, n_embd] float32 each. Blocking."""
-    placement = Placement(kernels=kernels)
+    [start, stop)), on the host's copy of the model with the plan's ``kernels`` and ``attention``,
+    as the askers and the stage compute: [n, n_embd] float32 each. Blocking."""
+    placement = Placement(kernels=kernels, attention=attention)
     with SliceEngine(gguf, SliceSpec(0, start, has_embedding=True), max_context=256, placement=placement) as head:
         x = np.asarray(head.forward(b"host-recheck", start_pos=0, tokens=tokens), dtype=np.float32)
     with SliceEngine(gguf, SliceSpec(start, stop), max_context=256, placement=placement) as stage:
@@ -114,7 +114,7 @@ async def check_stage(gguf: GGUFFile, answers: StageAnswers, conn: SwarmProtocol
     """Run the host's step through ``stage`` alone and judge its rows (module docstring)."""
     n_vocab = ModelSpec.from_gguf(gguf).n_vocab
     tokens = [secrets.randbelow(n_vocab) for _ in range(n_tokens)]
-    x, want = await asyncio.to_thread(reference, gguf, stage.start, stage.stop, tokens, plan.kernels)
+    x, want = await asyncio.to_thread(reference, gguf, stage.start, stage.stop, tokens, plan.kernels, plan.attention)
     packet = ActivationPacket(PacketKind.PREFILL, secrets.token_bytes(16), plan.version, stage.start, 0, x,
                               DType.F32, secrets.token_hex(16), one_stage=True)
     try:

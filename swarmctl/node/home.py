@@ -69,6 +69,7 @@ class NodeConfig:
     expert_nodes: int = 0  # host only, MoE models: trunks that hold experts instead of layers
     wire_dtype: str = "f32"  # host only: how activations travel between machines (plans/options.py)
     kernels: str = "plain"  # host only: the CPU kernels every member computes with (plans/options.py)
+    attention: str = "plain"  # host only: plain or flash attention, on every member (plans/options.py)
     model_url: str = ""  # host only: a folder URL serving the model's files with Range requests (a mirror)
 
 

@@ -115,7 +115,7 @@ class Assignment:
     def _held_layers(self) -> HeldLayers | None:
         engine = self.engine
         return HeldLayers(engine.slice.start, engine.slice.stop, engine.remote_experts is not None,
-                          engine.weights.kernels) if engine is not None else None
+                          engine.weights.kernels, engine.attention) if engine is not None else None
 
     # --- a staged plan (make-before-break) ---
 
@@ -128,7 +128,7 @@ class Assignment:
 
     async def _prepare(self, staged: Plan, stage: StageAssignment) -> None:
         loop = asyncio.get_running_loop()
-        serving = self.core.serves_already(self._held_layers(), stage)
+        serving = self.core.serves_already(self._held_layers(), stage, staged)
         if not serving:
             try:
                 model = await self.fetch.stage_file(stage, staged)
@@ -257,10 +257,11 @@ class Assignment:
     def _new_engine(self, gguf: GGUFFile, stage: StageAssignment, plan: Plan) -> SliceEngine:
         """The engine for ``stage`` of ``plan`` (on the compute thread), the same for the stage in use
         and one loaded beside it."""
-        engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads,
-                             placement=Placement(device=self.device, gpu_memory=self.memory, kernels=plan.kernels),
+        placement = Placement(self.device, self.memory, kernels=plan.kernels, attention=plan.attention)
+        engine = SliceEngine(gguf, SliceSpec(stage.start, stage.stop), n_threads=self.n_threads, placement=placement,
                              remote_experts=self._remote_experts if plan.experts else None)
-        log.info("%s (%d weights repacked)", describe_kernels(plan.kernels), len(engine.weights.repacked))
+        log.info("%s (%d weights repacked); %s", describe_kernels(plan.kernels), len(engine.weights.repacked),
+                 engine.describe_attention())
         return engine
 
     # --- an expert node ---

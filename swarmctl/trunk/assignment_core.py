@@ -44,6 +44,7 @@ class HeldLayers:
     stop: int
     remote_experts: bool
     kernels: str = "plain"  # the weights' kernels (plans/options: kernels); other kernels load again
+    attention: str = "plain"  # plain or flash (plans/options: attention); the other builds the engine again
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,12 @@ class AssignmentCore:
     # --- a stage ---
 
     @staticmethod
-    def serves_already(held: HeldLayers | None, stage: StageAssignment) -> bool:
+    def serves_already(held: HeldLayers | None, stage: StageAssignment, staged: Plan | None = None) -> bool:
         """A staged plan's stage that the engine in use serves as it is (same layers, experts in
-        it): nothing to load beside it, only ``ready`` to say."""
-        return held is not None and same_range(held, stage) and not held.remote_experts
+        it, and the ``staged`` plan's kernels and attention): nothing to load beside it, only
+        ``ready`` to say."""
+        return held is not None and same_range(held, stage) and not held.remote_experts and (
+            staged is None or (held.kernels, held.attention) == (staged.kernels, staged.attention))
 
     def start_stage_load(self, stage: StageAssignment, held: HeldLayers | None,
                          standby: tuple[int, StageAssignment] | None) -> StageLoad:
@@ -172,7 +175,7 @@ class AssignmentCore:
         go (``load_ended`` clears it)."""
         remote = bool(self.plan.experts)  # routed experts elsewhere?
         same = held is not None and same_range(held, stage) and held.remote_experts == remote and \
-            held.kernels == self.plan.kernels  # (new kernels: the weights load again)
+            (held.kernels, held.attention) == (self.plan.kernels, self.plan.attention)  # (else: load again)
         usable = standby is not None and standby[0] == self.plan.version and same_range(standby[1], stage)
         if not same:
             self.swapping = True
