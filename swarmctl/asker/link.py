@@ -188,8 +188,7 @@ class SwarmLink:
             self.sender.carry_out(self.table.failed(rid, on=step.route))
         if isinstance(e, PrefixLost):
             return  # (the route is fine: the replay from position 0 goes on it now)
-        # Waited for together with a refusal for good: reaching a new route's stages may take
-        # minutes of connect attempts (dead stages), which a revocation ends at once.
+        # With a refusal for good: a new route's stages may take minutes of connects, a revocation none.
         moving = asyncio.ensure_future(self.stages.await_route(failures.deadline, failed_at=clock.now()))
         try:
             await self._unless_refused(moving)
@@ -261,8 +260,7 @@ class SwarmLink:
             self.steps.fail(f"the plan changed to v{plan.version}", self.table.plan_changed(plan.version))
 
     async def _unless_refused(self, work: asyncio.Future):
-        """``work``'s result, or SwarmError as soon as a refusal for good arrives (a step being
-        handed over may be waiting minutes to reach a route's stages; ``work`` goes on)."""
+        """``work``'s result, or SwarmError once a refusal for good arrives (``work`` goes on)."""
         refused = asyncio.ensure_future(self._refusal.wait())
         try:
             done, _ = await asyncio.wait({work, refused}, return_when=asyncio.FIRST_COMPLETED)
