@@ -99,12 +99,16 @@ class StandInEngine:
         self.split = None
         self.backend = StandInBackend(n_threads)
         self.weights = StandInWeights(self._weight_bytes(), getattr(placement, "kernels", "plain"))
+        self.attention = getattr(placement, "attention", "plain")  # (what a member compares with its plan's)
         self.stats = ForwardStats()
         self._owns_file = False
         self._requests: dict[bytes, _Request] = {}
         self._embedding = _table("embedding", self.spec.n_vocab, self.spec.n_embd) if slice_spec.has_embedding else None
         self._layers = [(layer, layer.to_bytes(4, "little"), _table(f"layer {layer}", ROWS, self.spec.n_embd))
                         for layer in slice_spec.layers]
+
+    def describe_attention(self) -> str:
+        return f"attention {self.attention} (the stand-in compute: no attention at all)"
 
     def _weight_bytes(self) -> int:
         """The bytes the real slice would map: its layers' tensors, the embedding and the head."""
