@@ -273,20 +273,7 @@ class SliceEngine:
         if step.hidden_rows and not self.slice.has_lm_head:
             raise InputShapeError("only a slice with the LM head returns hidden states with its rows")
         request = self._requests.get(step.key)
-        if request is None:
-            if step.start_pos != 0:
-                raise RequestStateError(f"unknown request {step.key.hex()[:8]} (a new request starts at position 0)")
-        elif step.start_pos < 0 or step.start_pos > request.n_filled:
-            raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; "
-                                    f"cannot continue at {step.start_pos}")
-        elif 0 < step.start_pos < request.n_filled and not step.rewind:
-            raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; a step at "
-                                    f"{step.start_pos} would drop the rest and does not say rewind")
-        # A rewind (or a restart at 0) masks the later cells out; the step then overwrites them.
-        n_total = step.start_pos + len(x)
-        if n_total > self.max_context:
-            raise ContextOverflowError(f"request needs {n_total} positions but the context length is "
-                                       f"{self.max_context}")
+        check_position(step, None if request is None else request.n_filled, len(x), self.max_context)
         return x
 
     def release(self, request_id: bytes | str) -> bool:
@@ -407,6 +394,24 @@ class SliceEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_position(step: Step, n_filled: int | None, n_rows: int, max_context: int) -> None:
+    """Whether ``step`` may run on its request (``n_filled`` positions; None: the engine holds none
+    of it): RequestStateError or ContextOverflowError (one line) otherwise. A rewind (or a restart
+    at 0) masks the later cells out; the step then overwrites them."""
+    if n_filled is None:
+        if step.start_pos != 0:
+            raise RequestStateError(f"unknown request {step.key.hex()[:8]} (a new request starts at position 0)")
+    elif step.start_pos < 0 or step.start_pos > n_filled:
+        raise RequestStateError(f"request {step.key.hex()[:8]} has {n_filled} positions; "
+                                f"cannot continue at {step.start_pos}")
+    elif 0 < step.start_pos < n_filled and not step.rewind:
+        raise RequestStateError(f"request {step.key.hex()[:8]} has {n_filled} positions; a step at "
+                                f"{step.start_pos} would drop the rest and does not say rewind")
+    if step.start_pos + n_rows > max_context:
+        raise ContextOverflowError(f"request needs {step.start_pos + n_rows} positions but the context length is "
+                                   f"{max_context}")
 
 
 def _input_array(slice_spec: SliceSpec, spec: ModelSpec, tokens: Sequence[int] | np.ndarray | None,

@@ -32,11 +32,11 @@ from typing import Sequence
 
 import numpy as np
 
-from kernels.errors import ContextOverflowError, InputShapeError, RequestStateError, SliceRangeError
+from kernels.errors import InputShapeError, RequestStateError, SliceRangeError
 from kernels.gguf_file import GGUFFile
 from kernels.graph_inputs import WithHidden
 from kernels.kv_cache import grown_capacity
-from kernels.slice import DEFAULT_MAX_CONTEXT, ForwardStats, Step
+from kernels.slice import DEFAULT_MAX_CONTEXT, ForwardStats, Step, check_position
 from kernels.spec import ModelSpec, SliceSpec, layer_of
 
 ROWS = 256  # fixed rows a layer picks from
@@ -196,19 +196,7 @@ class StandInEngine:
         if step.hidden_rows and not self.slice.has_lm_head:
             raise InputShapeError("only a slice with the LM head returns hidden states with its rows")
         request = self._requests.get(step.key)
-        if request is None:
-            if step.start_pos != 0:
-                raise RequestStateError(f"unknown request {step.key.hex()[:8]} (a new request starts at position 0)")
-        elif step.start_pos < 0 or step.start_pos > request.n_filled:
-            raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; "
-                                    f"cannot continue at {step.start_pos}")
-        elif 0 < step.start_pos < request.n_filled and not step.rewind:
-            raise RequestStateError(f"request {step.key.hex()[:8]} has {request.n_filled} positions; a step at "
-                                    f"{step.start_pos} would drop the rest and does not say rewind")
-        n_total = step.start_pos + len(x)
-        if n_total > self.max_context:
-            raise ContextOverflowError(f"request needs {n_total} positions but the context length is "
-                                       f"{self.max_context}")
+        check_position(step, None if request is None else request.n_filled, len(x), self.max_context)
         return x
 
     def _input(self, tokens, hidden) -> np.ndarray:
