@@ -9,7 +9,7 @@ it with ``python -m harness.sim --seed``).
 ``--compute``: the real engine on a tiny model (harness/tiny_models.py, 8 layers of 64) and/or the
 stand-in (harness/sim/standin.py), one after the other in this process, on the same seeds; the
 result is one entry per kind. The template (model file, identities) is made once, and one run of
-each kind warms up (the measured figures, the reference tokens) before the clock starts. CPU
+each kind warms up (the template, the model headers, the engines' first load) before the clock starts. CPU
 seconds are this process's: on a machine others share they say more than wall time does.
 """
 
@@ -53,7 +53,7 @@ def cpu_model() -> str:
 
 
 def bench(spec: WorldSpec, compute: str, first: int, minutes: float) -> dict:
-    play(draw(first - 1, spec), spec, compute=compute)  # warm: the measured figures and the reference tokens
+    play(draw(first - 1, spec), spec, compute=compute)  # warm: the template, headers and first engine loads
     gc.collect()
     gc.freeze()  # (what the warm run left, modules and template included, is not walked by every full collection)
     walls, cpus, virtuals, sent, failed, kinds = [], [], [], [], {}, Counter()

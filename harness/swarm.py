@@ -179,6 +179,17 @@ class Swarm:
         raise AssertionError(f"swarm not complete with {n_stages} stages and experts on {list(expert_nodes)}: "
                              f"{self.status()}")
 
+    def configure_and_wait(self, setting: str, value: str, asker: str, timeout: float = 60) -> None:
+        """``swarmctl config SETTING VALUE`` on the host, then wait until a newer plan is complete,
+        nothing is staged, and ``asker`` reads the plan with the new value (every stage loaded again)."""
+        version = self.status()["plan_version"]
+        swarmctl(self.host_home, "config", setting, value, check=True)
+        deadline = time.monotonic() + timeout
+        while not ((now := self.status()).get("plan_version", version) > version and now.get("complete")
+                   and not now.get("staged") and self.plan(via=asker).get(setting) == value):
+            assert time.monotonic() < deadline, now
+            time.sleep(0.3)
+
     @classmethod
     @contextlib.contextmanager
     def two_trunks(cls, root: Path, *, askers: tuple[str, ...] = (), init: tuple[str, ...] = ()):

@@ -21,7 +21,7 @@ from .devices import Device, DeviceError
 # plain: every weight computes from the GGUF's map, as llama.cpp with use_extra_bufts=False;
 # repack: the weights the CPU's extra buffer types take are copied there (kernels/weight_bufts.py),
 #   all but AMX: ggml's AMX matmul has crashed llama.cpp on AMX Xeons (SIGSEGV and SIGILL, seen
-#   here with llama-cpp-python's default load; llama.cpp issue 20824, PR 26954), so it is opt-in;
+#   here with llama-cpp-python's default load; https://github.com/ggml-org/llama.cpp/issues/20824), so it is opt-in;
 # amx: every extra type ggml offers, in its order (AMX first where the CPU has it): llama.cpp's
 #   default load exactly.
 KERNELS = ("plain", "repack", "amx")

@@ -11,7 +11,6 @@ line says it too. The bits in one process: tests/test_flash_attention.py.
 from __future__ import annotations
 
 import re
-import time
 
 from harness.swarm import Swarm, swarmctl
 from kernels.oracle_llama import load_llama
@@ -47,13 +46,7 @@ def test_a_swarm_on_flash_answers_llama_cpp_with_flash_attention_and_plain_after
         assert r.stdout == flash
         assert re.search(r"head and tail: .*; attention flash", r.stderr), r.stderr
 
-        version = swarm.status()["plan_version"]
-        swarmctl(swarm.host_home, "config", "attention", "plain", check=True)
-        deadline = time.monotonic() + 60
-        while not ((now := swarm.status()).get("plan_version", version) > version and now.get("complete")
-                   and not now.get("staged") and swarm.plan(via="alice").get("attention") == "plain"):
-            assert time.monotonic() < deadline, now
-            time.sleep(0.3)
+        swarm.configure_and_wait("attention", "plain", asker="alice")
         assert _attention_lines(swarm) == ["attention plain"] * 2, "every trunk loaded its stage again"
         r = swarmctl(swarm.homes["alice"], *ASK)
         assert r.returncode == 0 and r.stdout == plain, r.stderr

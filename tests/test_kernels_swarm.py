@@ -12,7 +12,6 @@ themselves are compared with llama.cpp in one process: tests/test_kernels_choice
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
@@ -74,13 +73,7 @@ def test_a_swarm_on_repack_answers_llama_cpp_default_and_plain_after_config(tmp_
         assert r.stdout == _llama_answer(model, repack=True)
         assert re.search(r"head and tail: kernels repack: .*\([1-9]\d* weights repacked\)", r.stderr), r.stderr
 
-        version = swarm.status()["plan_version"]
-        swarmctl(swarm.host_home, "config", "kernels", "plain", check=True)
-        deadline = time.monotonic() + 60
-        while not ((now := swarm.status()).get("plan_version", version) > version and now.get("complete")
-                   and not now.get("staged") and swarm.plan(via="alice").get("kernels") == "plain"):
-            assert time.monotonic() < deadline, now
-            time.sleep(0.3)
+        swarm.configure_and_wait("kernels", "plain", asker="alice")
         assert _repacked_counts(swarm) == [0, 0], "every trunk reloaded its weights plain"
         r = swarmctl(swarm.homes["alice"], *ASK)
         assert r.returncode == 0 and r.stdout == _llama_answer(model, repack=False), r.stderr
