@@ -9,7 +9,8 @@ What a trace must satisfy (``check_trace``):
 - on each track (pid, tid), spans either nest or follow each other, never partly overlap;
 - each step's critical path comes in route order, each part starting where the one before ended
   or later: head queue → head → crossing → stage-1 queue → stage-1 compute → crossing → ... →
-  crossing back → tail queue → tail → sample;
+  crossing back → tail queue → tail → sample; where the step's route failed, a "reroute" on the
+  asker between its head and its first crossing (from the step's first sending to its last);
 - the parts of a step add up to the asker's own measurement of it (TokenTiming.latency_s: from
   handing the step to the head until its tokens were chosen, taken with time.perf_counter() in
   Asker._steps, not derived from any span) within TOLERANCE: 5 % of the step's latency or 2 ms,
@@ -48,7 +49,7 @@ PROMPT = "The three primary colours are"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"  # ngram drafts are kept
 TOLERANCE_SHARE, TOLERANCE_US = 0.05, 2000.0  # a step's parts vs its measured latency: 5 % or 2 ms
 ROUNDING_US = 0.01  # the trace keeps times to the nanosecond: edges may differ by that rounding
-CRITICAL_PATH = ("queue", "compute", "wire", "sample")
+CRITICAL_PATH = ("queue", "compute", "reroute", "wire", "sample")
 GREEDY = SamplingParams(temperature=0)
 
 
@@ -132,6 +133,8 @@ def _check_step(spans: list[dict], node_of: dict[int, str]) -> StepCheck:
         return found[0]
 
     ordered = [take(ASKER, "head queue"), take(ASKER, "head")]
+    ordered += [e for e in path if e["cat"] == "reroute"]
+    assert all(node_of[e["pid"]] == ASKER for e in ordered), f"{whole['name']}: a reroute off the asker"
     route, node = [ASKER], ASKER
     while True:  # follow the crossings: each leaves the node the last one reached
         crossing = [e for e in path if e["cat"] == "wire" and node_of[e["pid"]] == node]
@@ -234,7 +237,13 @@ def moe_local_swarm(tiny_model):
                     threads=1) as swarm:
         async def whole() -> None:  # wait for the plan with both stages and both expert nodes
             link = await SwarmLink.open(swarm.asker_home, alive_check=swarm.check_alive, min_stages=2)
+            deadline = time.monotonic() + 120  # (a complete plan may come before the expert nodes joined)
+            host = link.stages.host  # the newest plan the host pushed
+            while not (host.latest.complete and len(host.latest.experts) == 2) and time.monotonic() < deadline:
+                await host.changed(1.0)
+            plan = host.latest
             await link.close()
+            assert plan.complete and len(plan.experts) == 2, f"no plan with both expert nodes: {plan}"
 
         asyncio.run(whole())
         yield swarm
@@ -242,12 +251,12 @@ def moe_local_swarm(tiny_model):
 
 def test_expert_calls_show_on_the_expert_nodes_inside_the_callers_compute(moe_local_swarm, tmp_path):
     path = tmp_path / "moe.json"
-    r = swarmctl(moe_local_swarm.asker_home.path, "ask", "--raw", "--temperature", "0", "--max-tokens", "6",
+    r = swarmctl(moe_local_swarm.asker_home.path, "ask", "-v", "--raw", "--temperature", "0", "--max-tokens", "6",
                  "--trace", str(path), "Once upon a time")
     assert r.returncode == 0, r.stderr
     trace = json.loads(path.read_text())
     steps = check_trace(trace)
-    assert all(within_tolerance(s) for s in steps), report(steps)
+    assert all(within_tolerance(s) for s in steps), report(steps) + "\n" + r.stderr
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     experts = [e for e in events if e["cat"] == "expert"]
@@ -358,6 +367,26 @@ def test_the_wire_time_is_what_the_round_trip_leaves_split_evenly_and_calls_sit_
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == \
         {"asker", "a: layers [1, 2)", "b", "experts-a", "experts-b"}
     assert within_tolerance(steps[0]) and steps[0].mismatch_us == pytest.approx(100, abs=1)  # the made-up gap
+
+
+def test_a_step_whose_route_failed_shows_its_reroute_between_its_head_and_its_last_sending():
+    gen = Generation(b"r" * 16, 5)
+    first, sent = gen.started + 0.002, gen.started + 1.502  # the first attempt's route failed; 1.5 s to the next
+    trunk = TrunkResult(np.zeros((1, 4), np.float32), (Hop("a", 200, 1000, 1),), 0.003, sent_at=sent,
+                        received_at=sent + 0.003, first_sent_at=first, attempts=2)
+    gen.timings.append(_timing(gen.started + 0.001, head_s=0.0008, trunk=trunk, tail_s=0.001, sample_s=0.0001,
+                               tokens=(7,)))
+    trace = generation_trace(gen, TraceInfo())
+    steps = check_trace(trace)
+    reroute = [e for e in trace["traceEvents"] if e.get("cat") == "reroute"]
+    assert [(e["ts"], e["dur"], e["args"]["attempts"]) for e in reroute] == \
+        [(pytest.approx(2000), pytest.approx(1_500_000), 2)]
+    assert within_tolerance(steps[0]), report(steps)  # the 1.5 s are accounted for, not lost
+    without = TrunkResult(trunk.hidden, trunk.hops, trunk.round_trip_s, sent_at=sent, received_at=trunk.received_at)
+    gen.timings[0] = _timing(gen.started + 0.001, head_s=0.0008, trunk=without, tail_s=0.001, sample_s=0.0001,
+                             tokens=(7,))
+    steps = check_trace(generation_trace(gen, TraceInfo()))
+    assert not within_tolerance(steps[0])  # a reroute the trace did not show would be 1.5 s unaccounted
 
 
 def test_stage_durations_longer_than_the_round_trip_are_squeezed_into_it_and_say_so():

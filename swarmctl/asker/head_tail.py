@@ -56,6 +56,10 @@ class TrunkResult:
     sent_bytes: int = 0  # the frames this process sent and received (0: the trunk is in this process)
     received_bytes: int = 0
     activation_bytes: int = 0  # the activations one crossing carries, in the dtype they travel in
+    # Earlier than sent_at when the step's route failed and the step went again on a new route:
+    # as the first attempt left (what lies between is the reroute); 0 when it went once.
+    first_sent_at: float = 0.0
+    attempts: int = 1
 
 
 class Trunk(Protocol):

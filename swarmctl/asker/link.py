@@ -140,10 +140,12 @@ class SwarmLink:
         self.stats.most_steps_out = max(self.stats.most_steps_out, len(self.steps.of(rid)))
         failures = StepFailures(clock.now() + self.request_timeout)
         replayed = 0
+        first_sent, attempts = 0.0, 0
         try:
             while True:
                 try:
                     t0 = time.perf_counter()
+                    first_sent, attempts = first_sent or t0, attempts + 1
                     attempt = step.failures
                     # Handed over whole even if the asker gives the step up meanwhile (a window in
                     # flight that fell): a replay cut short would leave the stages a gap.
@@ -162,7 +164,8 @@ class SwarmLink:
                     return TrunkResult(np.asarray(result.data, dtype=np.float32), result.hops, received_at - t0,
                                        sent_at=t0, received_at=received_at, sent_bytes=step.sent_bytes,
                                        received_bytes=step.received_bytes,
-                                       activation_bytes=self.dtype.nbytes(*hidden.shape))
+                                       activation_bytes=self.dtype.nbytes(*hidden.shape),
+                                       first_sent_at=first_sent, attempts=attempts)
                 except RouteFailed as e:
                     await self._reroute(rid, step, e, failures)
         finally:  # answered, failed, or given up by the asker (a window in flight that fell)

@@ -6,6 +6,7 @@ complete ("X") event per span. Every step of the request (a generated token, or 
 step's several) shows where its time went, in the order it went there:
 
     asker: head queue, head (embedding + first layers)
+    asker: reroute (only where the step's route failed: from its first sending to the last)
     wire:  asker → first stage                      ┐
     stage: queue, compute (its expert calls inside)  │ the trunk round trip, measured by the asker
     wire:  stage → next stage ... last stage → asker ┘
@@ -42,7 +43,7 @@ STEPS_TRACK = "steps"  # a node's compute track; on the asker, each step's span 
 SEND_TRACK = "send"  # a node's outgoing crossings
 # The categories that make up a step's critical path, end to end; "step" (the whole step),
 # "roundtrip" (the asker waiting on the trunk) and "expert" (inside a stage's compute) overlap them.
-CRITICAL_PATH = ("queue", "compute", "wire", "sample")
+CRITICAL_PATH = ("queue", "compute", "reroute", "wire", "sample")
 WIRE_SPLIT = "even"  # how a round trip's wire time is divided between its crossings (see above)
 
 
@@ -53,7 +54,7 @@ class Span:
     node: str
     track: str
     name: str
-    cat: str  # "step", "queue", "compute", "wire", "sample", "roundtrip" or "expert"
+    cat: str  # "step", "queue", "compute", "reroute", "wire", "sample", "roundtrip" or "expert"
     start_us: float  # from the request's start
     dur_us: float
     args: dict[str, Any] = field(default_factory=dict)  # shown by the viewer when the span is selected
@@ -144,8 +145,14 @@ def trunk_spans(result: TrunkResult, returned: float, origin: float, tag: dict[s
     crossings = len(hops) + 1
     wire_each = max(0.0, total - busy) / crossings
     start = (sent - origin) * 1e6
-    spans = [Span(ASKER, STEPS_TRACK, "trunk round trip", "roundtrip", start, total,
-                  {**tag, "stages": len(hops), "wire_us": round(wire_each * crossings, 3), "wire_split": WIRE_SPLIT})]
+    spans = []
+    if result.first_sent_at and result.first_sent_at < sent:  # the attempts whose route failed, and the wait for a new one
+        first = (result.first_sent_at - origin) * 1e6
+        spans.append(Span(ASKER, STEPS_TRACK, "reroute", "reroute", first, start - first,
+                          {**tag, "attempts": result.attempts}))
+    spans.append(Span(ASKER, STEPS_TRACK, "trunk round trip", "roundtrip", start, total,
+                      {**tag, "stages": len(hops), "wire_us": round(wire_each * crossings, 3),
+                       "wire_split": WIRE_SPLIT}))
     route = [ASKER, *(h.stage for h in hops), ASKER]
     t = start
     for i in range(crossings):
