@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import clock
 from .endpoint import Address
 from .punch import CONTROL, KEEPALIVE_INTERVAL, SharedSocket
 
@@ -76,8 +76,8 @@ class _LinkPort:
         self.ends: dict[bytes, tuple[str, int]] = {}  # token → the address it registered from
         self.transport: asyncio.DatagramTransport | None = None
         self.allowance = float(relay.max_bytes_per_s)
-        self.refilled = time.monotonic()
-        self.last_heard = time.monotonic()
+        self.refilled = clock.now()
+        self.last_heard = clock.now()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -101,7 +101,7 @@ class _LinkPort:
         if not self._spend(len(data)):
             self.link.stats.dropped_rate += 1
             return
-        self.last_heard = time.monotonic()
+        self.last_heard = clock.now()
         self.link.stats.forwarded += 1
         self.link.stats.bytes += len(data)
         if self.link.record:
@@ -114,12 +114,12 @@ class _LinkPort:
             self.link.stats.dropped_stranger += 1
             return
         self.ends[token] = addr  # a new address replaces the old: the end's NAT mapping changed
-        self.last_heard = time.monotonic()
+        self.last_heard = clock.now()
         self.link.stats.registrations += 1
         self.transport.sendto(REGISTERED + token, addr)
 
     def _spend(self, n: int) -> bool:
-        now = time.monotonic()
+        now = clock.now()
         cap = float(self.relay.max_bytes_per_s)
         self.allowance = min(cap, self.allowance + (now - self.refilled) * cap)
         self.refilled = now
@@ -180,7 +180,7 @@ class NatRelay:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(min(self.idle_timeout, KEEPALIVE_INTERVAL) / 2)
-            now = time.monotonic()
+            now = clock.now()
             for link_port in [p for p in self.ports.values() if now - p.last_heard > self.idle_timeout]:
                 self.release(link_port.link)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 
 from cryptography import x509
 
@@ -18,6 +17,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec
 from net.endpoint import Address, serve_member
 from net.identity import cert_pem, revoked_reason, verify_member
+from net import clock
 from net.dispatch import Dispatcher
 from net.protocol import SwarmProtocol
 from net.turn import NatRelay
@@ -75,7 +75,7 @@ class HostService:
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
         # serve, top), so "online" means any of them is open, and revoking closes them all.
         self.connections: dict[SwarmProtocol, None] = {}  # (a dict: in the order they came, not their addresses')
-        self.last_seen: dict[str, float] = {}  # member → time.monotonic() its last connection closed (status)
+        self.last_seen: dict[str, float] = {}  # member → clock.now() as its last connection closed (status)
         self._monitor: asyncio.Task | None = None
         self.server = None
         self.address: Address | None = None
@@ -147,7 +147,7 @@ class HostService:
             del self.connections[conn]
             log.info("member %s disconnected%s", conn.peer_name,
                      "" if conn.peer_name not in self.online() else " (its other connections stay)")
-            self.last_seen[conn.peer_name] = time.monotonic()
+            self.last_seen[conn.peer_name] = clock.now()
         trunk = self.trunks.get(conn.peer_name)
         if trunk is not None and trunk.conn is conn:
             del self.trunks[conn.peer_name]

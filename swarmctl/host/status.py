@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-import time
+from net import clock
 from dataclasses import dataclass, field
 
 from net.messages import FetchStatus, LinkStatus, MemberStatus, RecoveryStatus, Status
@@ -33,7 +33,7 @@ class StatusSources:
     # (trunk, peer) links whose last report carried a measured bandwidth (the others plan at a default)
     bandwidth_measured: set[tuple[str, str]] = field(default_factory=set)
     rendezvous: Rendezvous | None = None  # the paths the host gave members to reach trunks
-    last_seen: dict[str, float] = field(default_factory=dict)  # member → time.monotonic() its last connection closed
+    last_seen: dict[str, float] = field(default_factory=dict)  # member → clock.now() as its last connection closed
     staged: Plan | None = None  # a plan staged to follow ``plan`` (make-before-break: planning.py)
 
 
@@ -75,7 +75,7 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
         planned_ms_per_layer=trunk.planning_speed if trunk else None,
         slice_bytes_sent=trunk.served_bytes if trunk else 0,
         bad_results=src.reports.reports_on(name), bad_result_reporters=src.reports.reporters_of(name),
-        last_seen_s=(round(time.monotonic() - src.last_seen[name], 1)
+        last_seen_s=(round(clock.now() - src.last_seen[name], 1)
                      if name in src.last_seen and name not in src.online else None),
         fetch=_fetch(trunk.fetch) if trunk is not None and trunk.fetch is not None else None,
         cached_tokens=trunk.cached[0] if trunk else 0, cached_kv_bytes=trunk.cached[1] if trunk else 0)
@@ -84,7 +84,7 @@ def member_row(src: StatusSources, name: str, may: str, revoked: bool) -> Member
 def _fetch(report) -> FetchStatus:
     return FetchStatus(what=report.what, done=report.done, total=report.total, bytes_per_s=report.bytes_per_s,
                        eta_s=report.eta_s, finished=report.finished,
-                       age_s=round(time.monotonic() - report.at, 1))
+                       age_s=round(clock.now() - report.at, 1))
 
 
 def _address(src: StatusSources, name: str) -> str:

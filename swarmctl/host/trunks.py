@@ -41,7 +41,7 @@ class FetchReport:
     total: int
     bytes_per_s: float | None
     finished: bool
-    at: float = field(default_factory=time.monotonic)
+    at: float = field(default_factory=clock.now)
 
     @property
     def eta_s(self) -> float | None:
