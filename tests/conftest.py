@@ -25,9 +25,10 @@ sys.addaudithook(_process_watch.audit)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these marks
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         markers.mark(item)
+    markers.leave_out_heavy(config, items)
 
 
 def pytest_runtest_setup(item):

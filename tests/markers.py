@@ -1,7 +1,7 @@
 """Which tests start processes, found by reading their code, and a check that nothing else does.
 
-``python -m pytest -q`` runs every test. ``-m "not slow"`` runs the fast ones alone: no swarm, no
-process, no model loaded into llama.cpp. The marks (registered in pyproject.toml):
+``python -m pytest -q`` runs every test but the heavy tier. ``-m "not slow"`` runs the fast ones
+alone: no swarm, no process, no model loaded into llama.cpp. The marks (registered in pyproject.toml):
 
     swarm  the test, or a fixture it uses, starts processes: swarmctl nodes, a local swarm, the CLI
            in a subprocess. Found here, by reading the test's code, its fixtures' code and the
@@ -10,6 +10,11 @@ process, no model loaded into llama.cpp. The marks (registered in pyproject.toml
     netns  the test builds network namespaces (harness/netns.py; root and iproute2). Found the same way.
     slow   seconds or more in this process (a model loaded, a long search); every swarm and netns
            test is slow too. Given by the modules (``pytestmark``) and SLOW_FIXTURES.
+
+    heavy  a multi-process test of faults (kill -9, SIGSTOP, a revocation mid-ask, a member joining
+           under load) whose ground the simulator now covers, seeded and replayable, in
+           tests/test_sim.py. Given by hand. A run of the whole folder leaves them out; ``-m heavy``
+           runs them, and so does naming their file or test.
 
 The reading can miss a process started some other way, so the check backs it up: a test without
 the slow mark that starts a process anyway fails and says to mark it.
@@ -21,6 +26,7 @@ import ast
 import inspect
 import sys
 import textwrap
+from pathlib import Path
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -85,6 +91,21 @@ def mark(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.swarm)
     if SLOW_FIXTURES & set(item.fixturenames) or any(item.iter_markers("swarm")) or any(item.iter_markers("netns")):
         item.add_marker(pytest.mark.slow)
+
+
+def leave_out_heavy(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``-m``, a run of folders leaves the heavy tier out; a run that names a file or a
+    test runs what it names."""
+    if config.getoption("markexpr") or any(not _is_folder(arg) for arg in config.args):
+        return
+    heavy = [item for item in items if any(item.iter_markers("heavy"))]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = [item for item in items if not any(item.iter_markers("heavy"))]
+
+
+def _is_folder(arg: str) -> bool:
+    return "::" not in arg and Path(arg).is_dir()
 
 
 # Library calls that run a short command and wait for it: not a process a test starts.

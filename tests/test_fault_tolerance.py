@@ -155,6 +155,7 @@ def generate_through(swarm: Swarm, prompts: list[list[int]], max_tokens: int, di
     return asyncio.run(run())
 
 
+@pytest.mark.heavy  # the simulator's 'kill' seeds (tests/test_sim.py)
 def test_eight_concurrent_requests_survive_a_kill(swarm):
     prompts = random_prompts(3)
     want = solo(prompts, 24)
@@ -211,6 +212,7 @@ def test_a_kept_prefix_on_a_killed_stage_costs_a_recompute_not_an_error(swarm):
     swarm.wait_complete(2)
 
 
+@pytest.mark.heavy  # the simulator's 'freeze' seeds (tests/test_sim.py)
 def test_frozen_nodes_under_load_lose_nothing(swarm):
     """SIGSTOP, as a laptop lid or a starved machine does: first the host for 6 s (longer than its
     silence limit: on waking it must not blame the trunks for its own absence), then a serving
@@ -256,6 +258,7 @@ def test_a_host_restart_leaves_members_able_to_reconnect(swarm):
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
+@pytest.mark.heavy  # the simulator's 'kill' seeds (tests/test_sim.py)
 def test_without_spare_capacity_a_request_fails_clearly_within_its_deadline(swarm):
     async def run():
         from swarmctl.model_files.models import default_model_path
@@ -288,6 +291,7 @@ def test_without_spare_capacity_a_request_fails_clearly_within_its_deadline(swar
     swarm.wait_complete(2)
 
 
+@pytest.mark.heavy  # the simulator's 'partition' seeds (tests/test_sim.py)
 def test_lossy_jittery_links_and_a_3s_cut_change_nothing(bundled_model):
     prompt_text = PROMPT
 

@@ -20,6 +20,10 @@ PROMPT = "The three primary colours are"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "2000")
 
 
+# The heavy tier (tests/markers.py): the simulator's seeds 9, 25, 314, 10, 458, 99, 178 and 157
+# revoke an asker while its asks run, reroute or wait, and check that they end with the revocation.
+pytestmark = pytest.mark.heavy
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     with Swarm.two_trunks(tmp_path_factory.mktemp("revoke"), askers=("mallory", "alice")) as s:

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from harness.soak.config import IDLE_STREAMS, PROMPTS, Config
 from harness.soak.run import run_soak
+
+# The heavy tier (tests/markers.py): the simulator's seeds kill, restart and freeze trunks under
+# asks and check the same (exact tokens or a clear error, nothing held afterwards), replayably.
+pytestmark = pytest.mark.heavy
 
 SHORT = Config(minutes=0.8, deadline_s=120.0, askers=2, friend_askers=1, api_clients=1, join=False, poll_s=3.0,
                kill_at=0.15, freeze_at=0.5)
