@@ -11,8 +11,7 @@ alone: no swarm, no process, no model loaded into llama.cpp. The marks (register
     slow   seconds or more in this process (a model loaded, a long search); every swarm and netns
            test is slow too. Given by the modules (``pytestmark``) and SLOW_FIXTURES.
 
-    heavy  a multi-process test of faults (kill -9, SIGSTOP, a revocation mid-ask, a member joining
-           under load) whose ground the simulator now covers, seeded and replayable, in
+    heavy  a multi-process test of faults (kill -9, a revocation mid-ask, lossy links and a cut) whose ground the simulator now covers, seeded and replayable, in
            tests/test_sim.py. Given by hand. A run of the whole folder leaves them out; ``-m heavy``
            runs them, and so does naming their file or test.
 

@@ -212,9 +212,10 @@ def test_a_kept_prefix_on_a_killed_stage_costs_a_recompute_not_an_error(swarm):
     swarm.wait_complete(2)
 
 
-@pytest.mark.heavy  # the simulator's 'freeze' seeds (tests/test_sim.py)
 def test_frozen_nodes_under_load_lose_nothing(swarm):
-    """SIGSTOP, as a laptop lid or a starved machine does: first the host for 6 s (longer than its
+    """SIGSTOP, as a laptop lid or a starved machine does (not in the heavy tier: the simulator's
+    'freeze' stops a node's datagrams while its timers run, a cut, not a stopped process; a host
+    cut off for 6 s does mark its trunks down there): first the host for 6 s (longer than its
     silence limit: on waking it must not blame the trunks for its own absence), then a serving
     trunk for 6 s (marked down; its requests move to the standby, and it rejoins on waking)."""
     prompts = random_prompts(11)
