@@ -11,8 +11,9 @@ alone: no swarm, no process, no model loaded into llama.cpp. The marks (register
     slow   seconds or more in this process (a model loaded, a long search); every swarm and netns
            test is slow too. Given by the modules (``pytestmark``) and SLOW_FIXTURES.
 
-    heavy  a multi-process test of faults (kill -9, a revocation mid-ask, lossy links and a cut) whose ground the simulator now covers, seeded and replayable, in
-           tests/test_sim.py. Given by hand. A run of the whole folder leaves them out; ``-m heavy``
+    heavy  a multi-process test of faults (kill -9, a revocation mid-ask, lossy links and a cut)
+           whose ground the simulator now covers, seeded and replayable, in tests/test_sim.py.
+           Given by hand. A run of the whole folder leaves them out; ``-m heavy``
            runs them, and so does naming their file or test.
 
 The reading can miss a process started some other way, so the check backs it up: a test without
