@@ -163,8 +163,9 @@ class SliceEngine:
         self._requests: dict[bytes, _Request] = {}
         self._graphs: GraphCache[GraphShape] = GraphCache(GRAPH_CACHE_SIZE)  # decode graphs by shape
         # A kept graph serves any requests of its shape, rebound to their caches, where one backend
-        # runs it whole (kernels.graph_bind); else its shape names the requests it was built for.
-        self._rebinds = self.remote_experts is None and self.backend.handle == self.backend.cpu_handle
+        # runs it whole (kernels.graph_bind); else its shape names the requests it was built for
+        # (as it does here too once this is set False: the reference in tests and benchmarks).
+        self.rebind_graphs = self.remote_experts is None and self.backend.handle == self.backend.cpu_handle
         # (shape, layer) → one layer's graph, for remote experts
         self._segments: GraphCache[tuple[GraphShape, int]] = GraphCache(
             GRAPH_CACHE_SIZE * max(1, len(slice_spec.layers)))
@@ -244,8 +245,8 @@ class SliceEngine:
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
         shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head or self.slice.nextn, self.flash,
-                             self._rebinds)
-        order = _shape_order(shape) if self._rebinds else None
+                             self.rebind_graphs)
+        order = _shape_order(shape) if self.rebind_graphs else None
         if order is not None:
             steps, requests, inputs = ([xs[i] for i in order] for xs in (steps, requests, inputs))
             shape = GraphShape(tuple(shape.requests[i] for i in order), (), shape.hidden, shape.flash)
@@ -373,7 +374,7 @@ class SliceEngine:
                 self._graphs.put(shape, entry)
             else:
                 self._transient = entry
-        elif self._rebinds and entry.graph.kv_views is not None:
+        elif self.rebind_graphs and entry.graph.kv_views is not None:
             self.stats.graph_rebinds += entry.graph.kv_views.bind(caches)
         return entry
 

@@ -89,7 +89,7 @@ def test_rebound_graphs_give_the_bits_of_fresh_builds(bundled_model, tiny_model,
         # the reference: graphs kept by the requests they were built for (how an engine whose
         # backend splits graphs between devices keeps them), so each request set builds its own
         with SliceEngine(gguf, whole, n_threads=N_THREADS, placement=placement) as engine:
-            engine._rebinds = False
+            engine.rebind_graphs = False
             fresh = _run(engine, spec, 3)
             assert engine.stats.graph_rebinds == 0 and engine.stats.graph_builds > stats.graph_builds
     assert len(rebound) == len(fresh)
