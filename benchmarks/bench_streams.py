@@ -226,7 +226,10 @@ def row_costs(model: Path, threads: int, repeats: int = 20) -> dict:
     """CPU time per row of one decode step (this thread's, so other processes' load does not
     count): at a trunk slice of the engine, for 1 and 8 requests of one row each and one request
     of 8 rows; and in llama.cpp (plain weight buffers, as the engine uses) for 1 and 8 rows of one
-    sequence. What batching can save at most on this CPU, whatever the asker does."""
+    sequence, whose logits it computes for the last row only (one LM head for 8 rows). What eight
+    streams need is eight sequences of one row each, a logits row each: that, in llama.cpp (its
+    default per-sequence KV streams) and in the engine's whole model, is the like-for-like pair.
+    What batching can save at most on this CPU, whatever the asker does."""
     import numpy as np
 
     from kernels.gguf_file import GGUFFile
@@ -237,20 +240,25 @@ def row_costs(model: Path, threads: int, repeats: int = 20) -> dict:
     out: dict = {}
     with GGUFFile(model) as gguf:
         spec = ModelSpec.from_gguf(gguf)
-        engine = SliceEngine(gguf, SliceSpec(HEAD_LAYERS, spec.n_layer - HEAD_LAYERS), n_threads=threads)
-        try:
-            for name, n_requests, rows in (("1x1", 1, 1), ("8x1", 8, 1), ("1x8", 1, 8)):
-                ids = [f"{name}/{i}".encode() for i in range(n_requests)]
-                engine.forward_batch([Step(i, 0, hidden=np.zeros((16, spec.n_embd), np.float32)) for i in ids])
-                pos, cpu = 16, []
-                for _ in range(repeats):
-                    t0 = time.thread_time()
-                    engine.forward_batch([Step(i, pos, hidden=np.zeros((rows, spec.n_embd), np.float32)) for i in ids])
-                    cpu.append((time.thread_time() - t0) / (n_requests * rows))
-                    pos += rows
-                out[f"engine_trunk_{name}_cpu_ms_per_row"] = round(statistics.median(cpu) * 1e3, 3)
-        finally:
-            engine.close()
+        trunk = SliceSpec(HEAD_LAYERS, spec.n_layer - HEAD_LAYERS)
+        whole = SliceSpec(0, spec.n_layer, has_embedding=True, has_lm_head=True)
+        for label, slice_spec, cases in (("engine_trunk", trunk, (("1x1", 1, 1), ("8x1", 8, 1), ("1x8", 1, 8))),
+                                         ("engine_whole_model", whole, (("1x1", 1, 1), ("8x1", 8, 1)))):
+            with SliceEngine(gguf, slice_spec, n_threads=threads) as engine:
+                for name, n_requests, rows in cases:
+                    def step(rid: bytes, pos: int, n: int) -> Step:
+                        if slice_spec.has_embedding:
+                            return Step(rid, pos, tokens=[5] * n)
+                        return Step(rid, pos, hidden=np.zeros((n, spec.n_embd), np.float32))
+                    ids = [f"{name}/{i}".encode() for i in range(n_requests)]
+                    engine.forward_batch([step(i, 0, 16) for i in ids])
+                    pos, cpu = 16, []
+                    for _ in range(repeats):
+                        t0 = time.thread_time()
+                        engine.forward_batch([step(i, pos, rows) for i in ids])
+                        cpu.append((time.thread_time() - t0) / (n_requests * rows))
+                        pos += rows
+                    out[f"{label}_{name}_cpu_ms_per_row"] = round(statistics.median(cpu) * 1e3, 3)
     llm = load_llama(model, n_ctx=2048, n_threads=threads, n_threads_batch=threads)
     try:
         llm.eval(llm.tokenize(PROMPT.encode()))
@@ -261,11 +269,59 @@ def row_costs(model: Path, threads: int, repeats: int = 20) -> dict:
                 llm.eval([5] * rows)
                 cpu.append((time.thread_time() - t0) / rows)
             out[f"llama_cpp_plain_whole_model_1x{rows}_cpu_ms_per_row"] = round(statistics.median(cpu) * 1e3, 3)
+        out.update(llama_sequences(llm, threads, repeats))
     finally:
         llm.close()
     out["engine_8_requests_over_1"] = round(out["engine_trunk_8x1_cpu_ms_per_row"] / out["engine_trunk_1x1_cpu_ms_per_row"], 3)
     out["llama_cpp_8_rows_over_1"] = round(out["llama_cpp_plain_whole_model_1x8_cpu_ms_per_row"]
                                           / out["llama_cpp_plain_whole_model_1x1_cpu_ms_per_row"], 3)
+    out["engine_whole_model_8_requests_over_1"] = round(out["engine_whole_model_8x1_cpu_ms_per_row"]
+                                                        / out["engine_whole_model_1x1_cpu_ms_per_row"], 3)
+    out["llama_cpp_8_sequences_over_1"] = round(out["llama_cpp_plain_whole_model_8x1_cpu_ms_per_row"]
+                                               / out["llama_cpp_plain_whole_model_1x1_seq_cpu_ms_per_row"], 3)
+    return out
+
+
+def llama_sequences(llm, threads: int, repeats: int) -> dict:
+    """llama.cpp decoding 1 and 8 sequences of one row each, a logits row for each (a context of
+    its own with 8 sequences, over ``llm``'s model): what eight streams ask of it."""
+    import llama_cpp
+
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 8 * 256, 512, 512, 8
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not make a context of 8 sequences")
+
+    def decode(rows: list[tuple[int, int]]) -> float:  # (position, sequence) per row; CPU seconds
+        batch = llama_cpp.llama_batch_init(len(rows), 0, 1)
+        try:
+            for i, (pos, seq) in enumerate(rows):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 5, pos, 1, True
+                batch.seq_id[i][0] = seq
+            batch.n_tokens = len(rows)
+            t0 = time.thread_time()
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            return time.thread_time() - t0
+        finally:
+            llama_cpp.llama_batch_free(batch)
+
+    out = {}
+    try:
+        for seq in range(8):
+            decode([(p, seq) for p in range(16)])
+        pos = [16] * 8
+        for name, n in (("1x1_seq", 1), ("8x1", 8)):
+            cpu = []
+            for _ in range(repeats):
+                cpu.append(decode([(pos[s], s) for s in range(n)]) / n)
+                for s in range(n):
+                    pos[s] += 1
+            out[f"llama_cpp_plain_whole_model_{name}_cpu_ms_per_row"] = round(statistics.median(cpu) * 1e3, 3)
+    finally:
+        llama_cpp.llama_free(ctx)
     return out
 
 

@@ -49,7 +49,8 @@ class InitParams(ctypes.Structure):
 
 
 class TensorStruct(ctypes.Structure):
-    """struct ggml_tensor, read-only use: type, shape, strides, name."""
+    """struct ggml_tensor: read (type, shape, strides, name); written only by kernels.graph_bind,
+    which points a kept graph's views at another cache (view_src, data, buffer, src[0])."""
 
     _fields_ = [
         ("type", c_int),

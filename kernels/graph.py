@@ -23,20 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import ggml
+from .graph_bind import KVViews
 from .kv_cache import KVCache
 from .spec import GATING_SIGMOID, ModelSpec, SliceSpec
 from .weights import LayerWeights, SliceWeights
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class RequestShape:
     """What one request contributes to a graph's shape."""
 
     n_tokens: int
     n_kv: int  # cells attended (padded like llama.cpp's n_kv); 0 for a slice without layers
     n_outputs: int  # rows kept after the model's last layer
-    kv_generation: int  # the cache tensors it reads and writes
+    kv_generation: int  # the cache tensors it reads and writes (0 where the graph is rebound to them)
     rowwise: bool = False  # attention one row at a time (a speculative check: GraphBuilder._attend)
+    kv_cells: int = 0  # the cache's capacity: its tensors' strides, which the graph's views use
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ class GraphShape:
     """Everything a built graph depends on besides input data; equal shapes → reuse the graph."""
 
     requests: tuple[RequestShape, ...]
-    request_ids: tuple[bytes, ...]  # each member's KV cache is wired into the graph
+    # each member's KV cache is wired into the graph; empty where the engine rebinds a kept graph
+    # to whichever caches the batch has (kernels.graph_bind)
+    request_ids: tuple[bytes, ...]
     hidden: bool = False  # also output every row's final hidden state (``extra_outputs["hidden"]``)
     flash: bool = False  # attention by ggml_flash_attn_ext (caches laid out for it: KVCache v_trans False)
 
@@ -94,6 +98,7 @@ class SliceGraph:
         self.output = output  # F32 [n_embd or n_vocab, rows]
         self.shape = shape
         self.extra_outputs = extra_outputs or {}  # a router segment: ffn_in, selected, weights
+        self.kv_views: KVViews | None = None  # its views of the requests' caches (to rebind it)
 
     def close(self) -> None:
         if self.ctx:
@@ -118,6 +123,7 @@ class GraphBuilder:
         for r in shape.requests:
             starts.append(starts[-1] + r.n_tokens)
         self.row_starts = starts  # request m owns stacked rows [starts[m], starts[m + 1])
+        self.kv_views = KVViews(caches)  # every view of a cache made below is recorded in it
 
     @classmethod
     def new(cls, spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, caches: list[KVCache | None],
@@ -128,6 +134,11 @@ class GraphBuilder:
         builder = cls(spec, ctx, graph, caches, shape, _new_inputs(ctx, spec, slice_spec, shape))
         builder.rope_freqs = weights.rope_freqs
         return builder
+
+    def finish(self, output: int, extra_outputs: dict[str, int] | None = None) -> SliceGraph:
+        graph = SliceGraph(self.ctx, self.graph, self.inputs, output, self.shape, extra_outputs)
+        graph.kv_views = self.kv_views
+        return graph
 
     def name(self, tensor: int, label: str, il: int = -1) -> int:
         ggml.set_name(tensor, (f"{label}-{il}" if il >= 0 else label).encode())
@@ -187,18 +198,19 @@ class GraphBuilder:
     def _store_kv(self, cache: KVCache, inp: AttentionInputs, k: int, v: int, il: int) -> None:
         ctx = self.ctx
         n = ggml.tensor_shape(k)[2]
+        kv = self.kv_views.record
         k_rows = ggml.view_2d(ctx, k, cache.k_width, n, ggml.tensor_strides(k)[2], 0)
-        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, cache.k[il], k_rows, inp.k_idxs))
+        ggml.build_forward_expand(self.graph, kv(ggml.set_rows(ctx, cache.k[il], k_rows, inp.k_idxs)))
         if not cache.v_width:  # latent attention: the values are read from the K rows
             return
         if not cache.v_trans:  # flash attention: one row per cell, as K (llama.cpp's cpy_v without v_trans)
             v_rows = ggml.view_2d(ctx, v, cache.v_width, n, ggml.tensor_strides(v)[2], 0)
-            ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, cache.v[il], v_rows, inp.k_idxs))
+            ggml.build_forward_expand(self.graph, kv(ggml.set_rows(ctx, cache.v[il], v_rows, inp.k_idxs)))
             return
         # V is stored transposed: scatter single elements, as llama.cpp's cpy_v does.
         v_elems = ggml.reshape_2d(ctx, v, 1, cache.v_width * n)
-        v_cells = ggml.reshape_2d(ctx, cache.v[il], 1, cache.v_width * cache.capacity)
-        ggml.build_forward_expand(self.graph, ggml.set_rows(ctx, v_cells, v_elems, inp.v_idxs))
+        v_cells = kv(ggml.reshape_2d(ctx, cache.v[il], 1, cache.v_width * cache.capacity))
+        ggml.build_forward_expand(self.graph, kv(ggml.set_rows(ctx, v_cells, v_elems, inp.v_idxs)))
 
     def _attend(self, cache: KVCache, inp: AttentionInputs, q: int, il: int, v_cur: int,
                 v_mla: int | None = None, row: int | None = None) -> int:
@@ -217,11 +229,12 @@ class GraphBuilder:
         k_all, v_all = self._cached_kv(cache, n_kv, il, v_cur)
         if not cache.v_trans and cache.v_width:
             return self._flash(q, k_all, v_all, mask, il)
+        kv = self.kv_views.record
         q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
-        k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
-        v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [n_kv, head_dim, n_head_kv]
+        k_all = kv(ggml.permute(ctx, k_all, 0, 2, 1, 3))  # [head_dim, n_kv, n_head_kv]
+        v_all = kv(ggml.permute(ctx, v_all, 0, 2, 1, 3))  # [n_kv, head_dim, n_head_kv]
         if not cache.v_width:  # values read from the K rows are not transposed: llama.cpp copies them so
-            v_all = self.name(ggml.cont(ctx, ggml.transpose(ctx, v_all)), "v_cont", il)
+            v_all = self.name(ggml.cont(ctx, kv(ggml.transpose(ctx, v_all))), "v_cont", il)
         kq = self.name(ggml.mul_mat(ctx, k_all, q), "kq", il)  # [n_kv, n, n_head]
         ggml.prec_set_acc(kq, ggml.PREC_F32)
         kq = self.name(ggml.soft_max_ext(ctx, kq, mask, s.attention_scale, 0.0), "kq_soft_max", il)
@@ -237,10 +250,10 @@ class GraphBuilder:
         precision on every flash node). Its CPU kernel splits a one-row step's cells between
         the threads once there are 512 or more, so there the bits depend on the thread count,
         as in llama.cpp itself."""
-        ctx = self.ctx
+        ctx, kv = self.ctx, self.kv_views.record
         q = ggml.permute(ctx, q, 0, 2, 1, 3)  # [head_dim, n, n_head]
-        k_all = ggml.permute(ctx, k_all, 0, 2, 1, 3)  # [head_dim, n_kv, n_head_kv]
-        v_all = ggml.permute(ctx, v_all, 0, 2, 1, 3)  # [head_v, n_kv, n_head_kv]
+        k_all = kv(ggml.permute(ctx, k_all, 0, 2, 1, 3))  # [head_dim, n_kv, n_head_kv]
+        v_all = kv(ggml.permute(ctx, v_all, 0, 2, 1, 3))  # [head_v, n_kv, n_head_kv]
         out = self.name(ggml.flash_attn_ext(ctx, q, k_all, v_all, mask, self.spec.attention_scale, 0.0, 0.0),
                         "fattn", il)  # [head_v, n_head, n]
         ggml.prec_set_acc(out, ggml.PREC_F32)
@@ -253,20 +266,20 @@ class GraphBuilder:
         cache without V, the first ``v_cur``-width values of each K row [v_width, n_head_kv, n_kv]
         (llama.cpp's MLA)."""
         s, cap, f16 = self.spec, cache.capacity, ggml.TYPE_F16
-        row = ggml.row_size
-        k = ggml.view_4d(self.ctx, cache.k[il], s.head_dim, s.n_head_kv, n_kv, 1,
-                         row(f16, s.head_dim), row(f16, s.n_embd_kv), row(f16, s.n_embd_kv * cap), 0)
+        row, kv = ggml.row_size, self.kv_views.record
+        k = kv(ggml.view_4d(self.ctx, cache.k[il], s.head_dim, s.n_head_kv, n_kv, 1,
+                            row(f16, s.head_dim), row(f16, s.n_embd_kv), row(f16, s.n_embd_kv * cap), 0))
         if not cache.v_width:
             nb = ggml.tensor_strides(k)
             v = ggml.view_4d(self.ctx, k, ggml.tensor_shape(v_cur)[0], s.n_head_kv, n_kv, 1, nb[1], nb[2], nb[3], 0)
-            return k, v
+            return k, kv(v)
         head_v = s.head_dim_v or s.head_dim
         if not cache.v_trans:
-            return k, ggml.view_4d(self.ctx, cache.v[il], head_v, s.n_head_kv, n_kv, 1, row(f16, head_v),
-                                   row(f16, cache.v_width), row(f16, cache.v_width * cap), 0)
+            return k, kv(ggml.view_4d(self.ctx, cache.v[il], head_v, s.n_head_kv, n_kv, 1, row(f16, head_v),
+                                      row(f16, cache.v_width), row(f16, cache.v_width * cap), 0))
         v = ggml.view_4d(self.ctx, cache.v[il], n_kv, s.n_head_kv, head_v, 1,
                          row(f16, cap * head_v), row(f16, cap), row(f16, cap * cache.v_width), 0)
-        return k, v
+        return k, kv(v)
 
     def swiglu(self, gate: int, up: int, down: int, x: int, il: int, label: str = "ffn_out") -> int:
         """down(silu(gate(x)) * up(x)) (llama.cpp's build_ffn with LLM_FFN_SILU, LLM_FFN_PAR)."""
@@ -425,7 +438,7 @@ def build_slice_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
     for t in (cur, *extra.values()):
         ggml.set_output(t)
         ggml.build_forward_expand(graph, t)
-    return SliceGraph(ctx, graph, inputs, cur, shape, extra)
+    return b.finish(cur, extra)
 
 
 def _last_layer_every_row(b: GraphBuilder, w: LayerWeights, x: int, il: int) -> tuple[int, int]:
@@ -460,7 +473,7 @@ def build_nextn_graph(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeig
     for t in (cur, l_out):
         ggml.set_output(t)
         ggml.build_forward_expand(graph, t)
-    return SliceGraph(ctx, graph, inputs, cur, shape, {"hidden": l_out})
+    return b.finish(cur, {"hidden": l_out})
 
 
 def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceWeights, caches: list[KVCache | None],
@@ -483,7 +496,7 @@ def build_router_segment(spec: ModelSpec, slice_spec: SliceSpec, weights: SliceW
     for t in (ffn_inp, *outputs.values()):
         ggml.set_output(t)
         ggml.build_forward_expand(graph, t)
-    return SliceGraph(ctx, graph, inputs, ffn_inp, shape, outputs)
+    return b.finish(ffn_inp, outputs)
 
 
 def _new_inputs(ctx: int, spec: ModelSpec, s: SliceSpec, shape: GraphShape) -> GraphInputs:

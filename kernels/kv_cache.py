@@ -17,12 +17,18 @@ the filled cells into the larger tensors (a handful of times per request, never 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from . import ggml
 from .backend import Backend
 from .errors import ContextOverflowError
 from .spec import KV_CELL_PAD
+
+# Every allocation of cache tensors gets a number no other allocation in the process gets (a
+# tensor's address can be reused once freed): a kept graph bound to one knows when to rebind.
+_ALLOCATIONS = itertools.count(1)
 
 # How attention is computed (a swarm-wide choice: the two give different bits). plain: llama.cpp
 # without flash attention (KQ matmul, soft_max_ext, KQV matmul over a transposed V); flash:
@@ -58,6 +64,7 @@ class KVCache:
         self.v: dict[int, int] = {}
         self._allocations: list[tuple[int, int]] = []  # (ggml context, backend buffer) per place
         self.generation = 0  # bumps on every reallocation; graphs built on older tensors are stale
+        self.serial = 0  # this allocation's number, unique in the process (kernels.graph_bind)
 
     @property
     def n_bytes(self) -> int:
@@ -108,6 +115,7 @@ class KVCache:
             self._copy_cells(old_k, old_v, old_capacity, k, v, capacity)
         self._allocations, self.k, self.v, self.capacity = allocations, k, v, capacity
         self.generation += 1
+        self.serial = next(_ALLOCATIONS)
         for ctx, buffer in old_allocations:
             _free(ctx, buffer)
 

@@ -8,8 +8,9 @@
 
 Each request owns a KV cache for the slice's layers. Graphs of decode steps are kept (keyed by
 the batch's shape, each with its own compute buffer: kernels.graph_cache, with their host-side
-inputs: kernels.graph_inputs) and reused while the shape holds: a steady
-decode step costs a few input copies and one ``ggml_backend_graph_compute``. Graphs that carry
+inputs: kernels.graph_inputs) and reused while the shape holds, whichever requests the batch
+holds (a kept graph's views of the caches are pointed at the batch's: kernels.graph_bind): a
+steady decode step costs a few input copies and one ``ggml_backend_graph_compute``. Graphs that carry
 prompt chunks are built, run once and freed. A batch runs the requests' tokens through shared matmuls
 and gives each request exactly the bits it would get alone.
 """
@@ -82,6 +83,7 @@ class ForwardStats:
     total_s: float = 0.0
     compute_s: float = 0.0
     graph_builds: int = 0
+    graph_rebinds: int = 0  # request slots of a kept graph pointed at other caches (kernels.graph_bind)
     batched_requests: int = 0
 
     @property
@@ -160,6 +162,10 @@ class SliceEngine:
         self._transient: PlacedGraph | None = None  # a prompt graph, freed after its one run
         self._requests: dict[bytes, _Request] = {}
         self._graphs: GraphCache[GraphShape] = GraphCache(GRAPH_CACHE_SIZE)  # decode graphs by shape
+        # A kept graph serves any requests of its shape, rebound to their caches, where one backend
+        # runs it whole (kernels.graph_bind); else its shape names the requests it was built for
+        # (as it does here too once this is set False: the reference in tests and benchmarks).
+        self.rebind_graphs = self.remote_experts is None and self.backend.handle == self.backend.cpu_handle
         # (shape, layer) → one layer's graph, for remote experts
         self._segments: GraphCache[tuple[GraphShape, int]] = GraphCache(
             GRAPH_CACHE_SIZE * max(1, len(slice_spec.layers)))
@@ -238,7 +244,12 @@ class SliceEngine:
         for step, request, x in zip(steps, requests, inputs):
             if request.kv is not None:
                 request.kv.reserve(step.start_pos + len(x))
-        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head or self.slice.nextn, self.flash)
+        shape = _graph_shape(steps, requests, inputs, self.slice.has_lm_head or self.slice.nextn, self.flash,
+                             self.rebind_graphs)
+        order = _shape_order(shape) if self.rebind_graphs else None
+        if order is not None:
+            steps, requests, inputs = ([xs[i] for i in order] for xs in (steps, requests, inputs))
+            shape = GraphShape(tuple(shape.requests[i] for i in order), (), shape.hidden, shape.flash)
         tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int32) for s in steps]) if self.slice.nextn else None
         if self.remote_experts is not None:
             t1 = time.perf_counter()
@@ -255,6 +266,8 @@ class SliceEngine:
                 outputs = placed.host.read_outputs([self.slice.nextn or step.hidden_rows for step in steps])
             finally:
                 self._free_transient()
+            if order is not None:  # back in the order the steps came
+                outputs = [out for _, out in sorted(zip(order, outputs), key=lambda pair: pair[0])]
         for step, request, x in zip(steps, requests, inputs):
             request.n_filled = step.start_pos + len(x)
             if request.kv is not None:
@@ -353,14 +366,16 @@ class SliceEngine:
     def _graph_for(self, shape: GraphShape, requests: list[_Request]) -> PlacedGraph:
         """The graph for this shape, placed in memory: kept when it is a decode step's, else freed
         after its one run (``_free_transient``)."""
+        caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
         entry = self._graphs.get(shape)
         if entry is None:
-            caches = [r.kv for r in requests] if self.slice.stop > self.slice.start else []
             entry = self._place(build_slice_graph(self.spec, self.slice, self.weights, caches, shape), caches)
             if shape.n_tokens <= CACHED_GRAPH_MAX_TOKENS:
                 self._graphs.put(shape, entry)
             else:
                 self._transient = entry
+        elif self.rebind_graphs and entry.graph.kv_views is not None:
+            self.stats.graph_rebinds += entry.graph.kv_views.bind(caches)
         return entry
 
     def _place(self, graph: SliceGraph, caches: list[KVCache]) -> PlacedGraph:
@@ -446,8 +461,16 @@ def _token_ids(spec: ModelSpec, tokens: Sequence[int] | np.ndarray | None) -> np
     return ids.astype(np.int32)
 
 
+def _shape_order(shape: GraphShape) -> list[int] | None:
+    """The batch's requests in the order of their shapes (None: already so), so that a batch of
+    the same shapes in any order finds one kept graph. (With quantized weights a row's bits do
+    not depend on its neighbours: tests/test_batching.py.)"""
+    order = sorted(range(len(shape.requests)), key=lambda i: shape.requests[i])
+    return None if order == list(range(len(order))) else order
+
+
 def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[np.ndarray],
-                 makes_logits: bool, flash: bool = False) -> GraphShape:
+                 makes_logits: bool, flash: bool = False, rebinds: bool = False) -> GraphShape:
     """The batch's graph shape. ``makes_logits``: the slice has the LM head, and only then may a
     step keep fewer rows than it has tokens. Why not any slice that ends at the model's last
     layer: with no layers at the asker's end (--head-layers 0) that is the last trunk stage, and
@@ -462,6 +485,9 @@ def _graph_shape(steps: Sequence[Step], requests: list[_Request], inputs: list[n
             shapes.append(RequestShape(n, 0, n_outputs, 0))
         else:
             n_kv = min(request.kv.capacity, pad_cells(step.start_pos + n))
-            shapes.append(RequestShape(n, n_kv, n_outputs, request.kv.generation, rowwise=step.verify and n > 1))
-    return GraphShape(tuple(shapes), tuple(step.key for step in steps),
+            shapes.append(RequestShape(n, n_kv, n_outputs, 0 if rebinds else request.kv.generation,
+                                       rowwise=step.verify and n > 1, kv_cells=request.kv.capacity))
+    # ``rebinds``: the graph is pointed at the batch's caches before each run (kernels.graph_bind),
+    # so it is kept by shape alone, not by the requests it was built for
+    return GraphShape(tuple(shapes), () if rebinds else tuple(step.key for step in steps),
                       hidden=makes_logits and any(step.hidden_rows for step in steps), flash=flash)
