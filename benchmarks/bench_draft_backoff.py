@@ -5,9 +5,11 @@ one run, on a story (drafts rarely kept) and on text the answer copies; prints J
 
 The swarm of benchmarks/bench_swarm.py's section g (host + 2 trunks, every link through an
 impairing relay: 20 ms ± 5 ms one way, 0.5 % loss), greedy answers. Modes, in turn within each
-round: ``off``; ``ngram`` (swarmctl/asker/speculate.py's DraftLength as it is); and
-``ngram_model_only``: the policy before drafts were checked against what they gave (the cost
-model alone, retries every 8 plain steps, no back-off), for comparison in the same run. Decode
+round: ``off``; ``ngram`` (swarmctl/asker/speculate.py's policy as it is: DraftLength and the
+MatchGate); ``ngram_no_gate``: DraftLength as it is, but drafting from a match of any length (the
+policy before the gate); and ``ngram_model_only``: the policy before drafts were checked against
+what they gave (the cost model alone, retries every 8 plain steps, no back-off, no gate), for
+comparison in the same run. Decode
 tok/s after the first token, medians over ``--repeats``. ``--busy N`` runs N processes that spin
 on the CPU beside it (the machine busy with other work); this machine is shared and noisy anyway,
 and its load average is recorded.
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_swarm import GREEDY, SPECULATIVE_TASKS, WAN, decode_rate, wan_swarm  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
 from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
-from swarmctl.asker.speculate import DraftLength, NgramDraft, Speculation  # noqa: E402
+from swarmctl.asker.speculate import DraftLength, MatchGate, NgramDraft, Speculation  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 
 TASKS = ("story", "copy_paragraph", "code_rename")
@@ -51,10 +53,18 @@ class ModelOnly(DraftLength):
         pass
 
 
+class NoGate(MatchGate):
+    """Drafts from a match of any length, as before the gate."""
+
+    def allows(self, match: int | None) -> bool:
+        return True
+
+
 MODES = {
     "off": lambda: None,
     "ngram": lambda: Speculation(NgramDraft(), DraftLength(k=4)),
-    "ngram_model_only": lambda: Speculation(NgramDraft(), ModelOnly(k=4)),
+    "ngram_no_gate": lambda: Speculation(NgramDraft(), DraftLength(k=4), NoGate()),
+    "ngram_model_only": lambda: Speculation(NgramDraft(), ModelOnly(k=4), NoGate()),
 }
 
 
