@@ -69,18 +69,19 @@ MODES = {
 }
 
 
-def drafting_over_plain(gen) -> float:
+def drafting_over_plain(gen) -> float | None:
     """What its drafting steps cost a run beyond plain steps, as a share of its decode time: each
     decode step with drafts took its latency where plain steps would have taken the run's median
     plain-step latency per token it chose. Read from one run's own steps, so the machine's load
-    drifting between runs (what makes the ratios of whole runs noisy here) mostly cancels; with
-    windows in flight latencies overlap and this overstates, and a step slowed by a fallen window's
-    compute is not counted. Negative: drafting saved time."""
+    drifting between runs (what makes the ratios of whole runs noisy here) mostly cancels; a step
+    slowed by a fallen window's compute is not counted. Negative: drafting saved time. None where
+    windows were in flight (their latencies overlap) or no plain step was taken."""
     steps = gen.timings[1:]  # after the prompt's step
     plain = [t.latency_s for t in steps if t.drafted == 0 and len(t.tokens) == 1]
     decode_s = gen.timings[-1].done - gen.timings[0].done
-    if not plain or decode_s <= 0:
-        return 0.0
+    overlapped = any(b.started < a.done for a, b in zip(gen.timings, steps))
+    if not plain or decode_s <= 0 or overlapped:
+        return None
     per_token = statistics.median(plain)
     return sum(t.latency_s - len(t.tokens) * per_token for t in steps if t.drafted) / decode_s
 
@@ -116,7 +117,8 @@ async def measure(max_tokens: int, repeats: int, tasks: tuple[str, ...] = TASKS)
                                  "drafted": gens[0].drafted, "accepted": gens[0].accepted,
                                  "steps": len(gens[0].timings), "tokens": len(gens[0].tokens),
                                  "drafting_steps_rounds": [sum(1 for t in g.timings[1:] if t.drafted) for g in gens],
-                                 "drafting_over_plain_rounds": [round(drafting_over_plain(g), 4) for g in gens],
+                                 "drafting_over_plain_rounds": [None if (c := drafting_over_plain(g)) is None else round(c, 4)
+                                                                for g in gens],
                                  "same_tokens_as_off": gens[0].tokens == runs[task]["off"][0].tokens}
                 for mode in MODES:
                     if mode != "off":
