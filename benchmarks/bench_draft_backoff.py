@@ -86,6 +86,10 @@ def drafting_over_plain(gen) -> float | None:
     return sum(t.latency_s - len(t.tokens) * per_token for t in steps if t.drafted) / decode_s
 
 
+def rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def spin(stop_at: float) -> None:
     while time.time() < stop_at:
         pass
@@ -117,8 +121,7 @@ async def measure(max_tokens: int, repeats: int, tasks: tuple[str, ...] = TASKS)
                                  "drafted": gens[0].drafted, "accepted": gens[0].accepted,
                                  "steps": len(gens[0].timings), "tokens": len(gens[0].tokens),
                                  "drafting_steps_rounds": [sum(1 for t in g.timings[1:] if t.drafted) for g in gens],
-                                 "drafting_over_plain_rounds": [None if (c := drafting_over_plain(g)) is None else round(c, 4)
-                                                                for g in gens],
+                                 "drafting_over_plain_rounds": [rounded(drafting_over_plain(g)) for g in gens],
                                  "same_tokens_as_off": gens[0].tokens == runs[task]["off"][0].tokens}
                 for mode in MODES:
                     if mode != "off":

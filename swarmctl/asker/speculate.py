@@ -72,7 +72,7 @@ GAIN_SAMPLES = 3  # drafting steps timed before their measured gain may stop dra
 GAIN_WINDOW = 5  # ... and the latest drafting steps it is the median of
 PLAIN_EVERY = 16  # while drafts often fail, one plain step in this many drafting steps is timed
 BUSY = 0.1  # the stages count as busy when steps queue there for this share of a trip or more
-MATCH_FLOOR = 2  # prompt lookup drafts from matches of at least this many tokens (MatchGate: one-token matches rarely hold)
+MATCH_FLOOR = 2  # prompt lookup drafts from matches of this many tokens or more (MatchGate: one-token ones rarely hold)
 
 
 @dataclass
@@ -571,7 +571,8 @@ class Speculation:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # steps that carried drafts
-    _opening: int | None = field(default=None, repr=False)  # the match the latest proposed step's drafts followed (0: none)
+    # the match the latest proposed step's drafts followed (0: it had none)
+    _opening: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         most = getattr(self.source, "max_ngram", None)
