@@ -1,15 +1,18 @@
-"""Drafts that never cost (swarmctl/asker/speculate.py, DraftLength): the drafting policy fed
-sequences of kept and rejected drafts and step times, no I/O. A step's time here is what the asker
+"""Drafts that never cost (swarmctl/asker/speculate.py, DraftLength and MatchGate): the drafting
+policy fed sequences of kept and rejected drafts and step times, no I/O. A step's time here is what the asker
 measures from a step's start to its logits: a plain step's, and a drafting step's with its extra
 rows, whose real cost (queueing behind other work on a busy machine) the compute-only cost model
 does not see."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
-from swarmctl.asker.speculate import PLAIN_EVERY, RETRY_MAX, DraftLength
+from kernels.sampling import SamplingParams
+from swarmctl.asker.speculate import (PLAIN_EVERY, RETRY_MAX, Draft, DraftLength, MatchGate, NgramDraft,
+                                      Speculation)
 
 
 @dataclass
@@ -116,3 +119,68 @@ def test_drafting_steps_slowed_now_and_then_by_other_work_do_not_stop_drafting()
                  slowed=lambda i: 3.0 if i % 4 == 1 else 1.0)
     assert result.rate_over_plain(0.060) > 2.0, result
     assert result.drafting_steps > 0.9 * 200 - 20
+
+
+# The match gate: prompt lookup drafts only from matches long enough to be kept, and windows in
+# flight only after a full-length one (swarmctl/asker/speculate.py, MatchGate).
+
+A, B, C, D, E, X, Y, Z = range(10, 18)
+GREEDY = SamplingParams(temperature=0)
+
+
+def drafted(speculation: Speculation, context: list[int], k: int = 4) -> Draft:
+    return asyncio.run(speculation.draft(b"r", context, k, GREEDY))
+
+
+def test_a_one_token_match_is_not_drafted_from():
+    speculation = Speculation(NgramDraft(), DraftLength(k=4))
+    assert NgramDraft().propose([A, X, Y, A], 4) == [X, Y, A]  # the lookup alone would draft
+    out = drafted(speculation, [A, X, Y, A])
+    assert out.tokens == [] and out.match == 1
+    assert drafted(speculation, [A, B, X, Y, A, B]).tokens == [X, Y, A, B]  # two tokens: drafted
+
+
+def test_rejected_drafts_from_short_matches_raise_the_bar_and_kept_ones_lower_it():
+    """A story: a two-token match's drafts rejected, then a three-token one's: only four-token
+    matches are drafted from after that; text that turns repetitive keeps those, and the bar comes
+    back down one step per window kept whole."""
+    speculation = Speculation(NgramDraft(), DraftLength(k=4))
+    two, three, four = [A, B, X, Y, A, B], [A, B, C, X, Y, A, B, C], [A, B, C, D, X, Y, A, B, C, D]
+    speculation.record(4, 0, match=drafted(speculation, two).match)
+    assert drafted(speculation, two).tokens == [] and drafted(speculation, three).tokens
+    speculation.record(4, 0, match=drafted(speculation, three).match)
+    assert drafted(speculation, three).tokens == [] and drafted(speculation, four).tokens == [X, Y, A, B]
+    speculation.record(4, 0, match=4)  # a full-length match is always tried: the measured gain rules it
+    assert drafted(speculation, four).tokens
+    speculation.record(4, 2, match=4)  # partly kept (an edit in copied text) says nothing
+    assert speculation.gate.least == 4
+    speculation.record(4, 4, match=4)
+    assert drafted(speculation, three).tokens and not drafted(speculation, two).tokens
+    speculation.record(4, 4, match=4)
+    speculation.record(4, 4, match=4)
+    assert drafted(speculation, two).tokens and speculation.gate.least == 2  # never below two
+
+
+def test_windows_go_in_flight_only_after_a_full_length_match_or_a_models_drafts():
+    length = DraftLength(k=4, k_max=8)
+    length.observe(1, 0.010, 0.060)  # a trip holds six steps' compute, the stages idle
+    assert length.windows() > 1
+    speculation = Speculation(NgramDraft(), length)
+    asyncio.run(speculation.propose(b"r", [A, B, X, Y, A, B], 8, GREEDY))
+    assert speculation.windows() == 1
+    asyncio.run(speculation.propose(b"r", [A, B, C, D, X, Y, A, B, C, D], 8, GREEDY))
+    assert speculation.windows() == length.windows() > 1
+    asyncio.run(speculation.propose(b"r", [A, B, C, D, Z], 8, GREEDY))  # nothing to draft: no guess either
+    assert speculation.windows() == 1
+    fixed = Speculation(NgramDraft(), DraftLength(k=4, fixed_windows=3))
+    asyncio.run(fixed.propose(b"r", [A, B, X, Y, A, B], 8, GREEDY))
+    assert fixed.windows() == 3  # windows asked for are windows given
+
+
+def test_the_gate_leaves_a_models_drafts_alone_and_fits_a_shorter_lookup():
+    gate = MatchGate()
+    gate.learn(None, 4, 0)
+    assert gate.allows(None) and gate.sure(None) and gate.least == 2
+    short = Speculation(NgramDraft(max_ngram=3), DraftLength(k=4))
+    short.record(4, 0, match=3)
+    assert short.gate.least == 3 and drafted(short, [A, B, C, X, Y, A, B, C]).tokens  # its longest still drafts

@@ -569,7 +569,7 @@ class Asker:
                 timing.drafted, timing.kept = len(checked.tokens), kept
                 if speculation is not None:
                     speculation.record(len(checked.tokens), kept, timing if len(window.lead) == 1 else None,
-                                       len(window.lead) + len(window.draft.tokens))
+                                       len(window.lead) + len(window.draft.tokens), checked.match)
                     gen.drafted, gen.accepted = speculation.drafted, speculation.accepted
                     if hidden is not None:  # the rows of the lead and the drafts kept were computed on kept tokens
                         speculation.saw(rid, window.start, hidden[:len(window.lead) + kept])
@@ -604,11 +604,11 @@ class Asker:
         one on the guess that every window out keeps all its drafts, and send it before their
         verdicts. ``left``: tokens still to generate."""
         while (guess := flight.guess(left, speculation.windows(), speculation.length.k)) is not None:
-            proposal = await speculation.source.draft(rid, guess.context, guess.k + 1, sampling)
+            proposal = await speculation.draft(rid, guess.context, guess.k + 1, sampling)
             if not proposal.tokens:
                 return
             rest = Draft(proposal.tokens[1:], [proposal.q[i] if i < len(proposal.q) else None
-                                               for i in range(1, len(proposal.tokens))])
+                                               for i in range(1, len(proposal.tokens))], proposal.match)
             flight.add(self.u.launch(rid, guess.start, proposal.tokens[:1], rest, trunk,
                                    guess_q=proposal.q[0] if proposal.q else None, hidden_rows=speculation.wants_hidden))
 

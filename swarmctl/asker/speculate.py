@@ -72,6 +72,7 @@ GAIN_SAMPLES = 3  # drafting steps timed before their measured gain may stop dra
 GAIN_WINDOW = 5  # ... and the latest drafting steps it is the median of
 PLAIN_EVERY = 16  # while drafts often fail, one plain step in this many drafting steps is timed
 BUSY = 0.1  # the stages count as busy when steps queue there for this share of a trip or more
+MATCH_FLOOR = 2  # prompt lookup drafts from matches of this many tokens or more (MatchGate: one-token ones rarely hold)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     q: list[Candidates | None] = field(default_factory=list)
+    match: int | None = None  # prompt lookup: how many context tokens the drafts' n-gram matched (None: a model's)
 
     def q_of(self, i: int) -> Candidates:
         return self.q[i] if i < len(self.q) and self.q[i] is not None else Candidates.only(self.tokens[i])
@@ -87,7 +89,7 @@ class Draft:
     def then(self, token: int, q: Candidates | None) -> "Draft":
         """These drafts and one more after them (a window in flight's guessed first token)."""
         return Draft(self.tokens + [token], [self.q[i] if i < len(self.q) else None
-                                             for i in range(len(self.tokens))] + [q])
+                                             for i in range(len(self.tokens))] + [q], self.match)
 
 
 @dataclass
@@ -102,8 +104,12 @@ class NgramDraft:
         suffix (of ``max_ngram`` tokens down to one) — the latest occurrence with k tokens after
         it, else the one with the most (a recent match inside the answer being written is often
         cut short by the end of the context); [] when nothing matches."""
+        return self.lookup(context, k)[0]
+
+    def lookup(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """``propose``'s tokens and the length of the suffix they follow (0: nothing matched)."""
         if k <= 0:
-            return []
+            return [], 0
         window = list(context[-self.lookback:])
         n_ctx = len(window)
         for n in range(min(self.max_ngram, n_ctx - 1), 0, -1):
@@ -117,11 +123,12 @@ class NgramDraft:
                     if len(best) == k:
                         break
             if best:
-                return best
-        return []
+                return best, n
+        return [], 0
 
     async def draft(self, rid: bytes, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft:
-        return Draft(self.propose(context, k))
+        tokens, n = self.lookup(context, k)
+        return Draft(tokens, match=n)
 
     async def release(self, rid: bytes) -> None:
         pass
@@ -490,16 +497,17 @@ class DraftLength:
                 max(self.retry_after, self.retry_every // 2)
             self._retrying = False
 
-    def windows(self) -> int:
+    def windows(self, sure: bool = True) -> int:
         """How many windows to keep in flight: window n + 1 stands only if window n keeps
         all its drafts and the guess after them. How often a window keeps them all is measured
         (drafts are not kept independently: copied text keeps whole windows, then misses at an
         edit). The i-th extra window goes out while the chain before it stands often enough
         (WINDOW_WORTH_*, stricter while the stages are busy with others) and the trip holds it (a
-        step's time over its compute: on one machine about 1, and windows would only queue)."""
+        step's time over its compute: on one machine about 1, and windows would only queue).
+        ``sure`` False: the step's drafts came from a weak source (a short lookup match), one window."""
         if self.fixed_windows is not None:
             return self.fixed_windows
-        if self.k == 0 or self.fill is None:
+        if self.k == 0 or self.fill is None or not sure:
             return 1
         stands = self.stood / (self.stood + self.fell)
         worth = WINDOW_WORTH_BUSY if self.busy >= BUSY else WINDOW_WORTH_IDLE
@@ -517,23 +525,81 @@ class DraftLength:
 
 
 @dataclass
+class MatchGate:
+    """The shortest prompt-lookup match a request drafts from. How often the first draft after a
+    match was kept, by the match's length, over every position of the four answers of
+    bench_swarm's speculative tasks (greedy, the bundled model, worked out offline): one token 8
+    of 48, two 7 of 17, three 5 of 8, four 191 of 201. A story's matches are one to three tokens
+    long and rarely right; text the answer copies matches four. A draft checked costs its rows
+    through every stage whether kept or not (more on a busy machine), so a request starts
+    drafting from two-token matches; a draft whose first token is rejected raises the least
+    length to one past its match (at most ``most``, the lookup's longest: a full-length match is
+    always tried, and the measured gain (``DraftLength``) rules those); one that keeps every
+    draft lowers it by one, not below ``floor``."""
+
+    floor: int = MATCH_FLOOR
+    least: int = MATCH_FLOOR
+    most: int = MAX_NGRAM
+
+    def allows(self, match: int | None) -> bool:
+        """None: drafts from a model, which the gate does not judge."""
+        return match is None or match >= self.least
+
+    def sure(self, match: int | None) -> bool:
+        """A full-length match (or a model's drafts): worth windows in flight after it. After a
+        shorter one even the first draft is kept less than half the time, and a window in flight
+        stands only if all of them and the guess are."""
+        return match is None or match >= self.most
+
+    def learn(self, match: int | None, drafted: int, accepted: int) -> None:
+        if match is None or drafted == 0:
+            return
+        if accepted == 0:
+            self.least = max(self.least, min(self.most, match + 1))
+        elif accepted == drafted:
+            self.least = max(self.floor, self.least - 1)
+
+
+@dataclass
 class Speculation:
-    """A request's drafting: the source, the adaptive length, and what it achieved."""
+    """A request's drafting: the source, the adaptive length, the shortest match it drafts from
+    (prompt lookup), and what it achieved."""
 
     source: NgramDraft | ModelDraft | MtpDraft
     length: DraftLength = field(default_factory=DraftLength)
+    gate: MatchGate = field(default_factory=MatchGate)
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # steps that carried drafts
+    # the match the latest proposed step's drafts followed (0: it had none)
+    _opening: int | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        most = getattr(self.source, "max_ngram", None)
+        if most is not None:  # a lookup that never matches more cannot clear a higher bar
+            self.gate.most = min(self.gate.most, most)
+            self.gate.floor = min(self.gate.floor, most)
+            self.gate.least = min(self.gate.least, most)
 
     async def propose(self, rid: bytes, context: Sequence[int], room: int, sampling: SamplingParams) -> Draft:
         """Drafts for the next step; ``room``: how many tokens may still be generated after the
         one the step is sure to produce."""
-        k = min(self.length.next(), room)
-        return await self.source.draft(rid, context, k, sampling) if k > 0 else Draft()
+        out = await self.draft(rid, context, min(self.length.next(), room), sampling)
+        self._opening = out.match if out.tokens else 0
+        return out
+
+    async def draft(self, rid: bytes, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft:
+        """Up to ``k`` drafts after ``context`` (a step's, or a window in flight's guess and its
+        drafts), none where the lookup's match is shorter than the gate allows."""
+        if k <= 0:
+            return Draft()
+        out = await self.source.draft(rid, context, k, sampling)
+        return out if self.gate.allows(out.match) else Draft(match=out.match)
 
     def windows(self) -> int:
-        return self.length.windows()
+        """Windows in flight after the step just proposed: one unless its drafts followed a match
+        the gate is sure of (or came from a model), else as the length policy says."""
+        return self.length.windows(self.gate.sure(self._opening))
 
     @property
     def wants_hidden(self) -> bool:
@@ -544,15 +610,17 @@ class Speculation:
         """Hidden states of positions the target kept, from ``start`` (sources that want them)."""
         self.source.saw(rid, start, hidden)
 
-    def record(self, drafted: int, accepted: int, timing=None, rows: int = 1) -> None:
+    def record(self, drafted: int, accepted: int, timing=None, rows: int = 1, match: int | None = None) -> None:
         """After a step of ``rows`` rows: what it checked and kept (a window in flight's guessed first
         token counts as a draft of the window before); ``timing`` (a swarmctl.asker.TokenTiming) of a
-        decode step (one token and its drafts, not a prompt chunk) feeds the cost model."""
+        decode step (one token and its drafts, not a prompt chunk) feeds the cost model; ``match``:
+        the lookup match the step's drafts followed (``Draft.match``)."""
         if timing is not None:
             self.length.observe(rows, timing.compute_s, timing.total_s, timing.trunk_queued_s)
             if drafted and rows > 1:
                 self.length.yielded(accepted + 1, timing.total_s)
         self.length.update(drafted, accepted)
+        self.gate.learn(match, drafted, accepted)
         if drafted:
             self.drafted += drafted
             self.accepted += accepted
