@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import threading
 import time
 import weakref
 
@@ -81,7 +82,7 @@ class VirtualSelector(selectors.BaseSelector):
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
         loop._now += ITERATION_S
-        if loop.threads_busy:  # the clock stands still until the thread is back
+        if loop.threads_busy > loop.threads_waiting:  # the clock stands still until the thread is back
             return self.real.select(0 if timeout == 0 else None)
         if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
             return []
@@ -109,6 +110,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         # the loop (a mixture-of-experts stage calling remote experts) needs real threads (False).
         self.inline_threads = True
         self.threads_busy = 0  # executor calls not yet back on the loop
+        self.threads_waiting = 0  # of those, waiting on a coroutine they handed the loop (LoopWaits)
         self.turns = 0  # turns of the loop so far
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
@@ -171,6 +173,40 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def _thread_back(self, _future) -> None:
         self.threads_busy -= 1
+
+
+class LoopWaits:
+    """While on, for a loop with real threads: a thread that hands the loop a coroutine
+    (``asyncio.run_coroutine_threadsafe``: a mixture-of-experts stage's compute thread calling its
+    expert nodes) counts as waiting on the loop until the coroutine's result is set, and the clock
+    moves on meanwhile as when no thread is out (the coroutine's datagrams need virtual time to
+    arrive; with the clock frozen they never would). The waiter is counted once the coroutine is
+    on the loop's queue, so the loop cannot jump ahead of it. Nothing changes for inline threads."""
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.real = asyncio.run_coroutine_threadsafe
+
+    def __enter__(self) -> "LoopWaits":
+        if not self.loop.inline_threads:
+            asyncio.run_coroutine_threadsafe = self._counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe = self.real
+
+    def _counted(self, coro, loop):
+        future = self.real(coro, loop)
+        if loop is self.loop and threading.get_ident() != getattr(loop, "_thread_id", None):
+            with self.lock:
+                loop.threads_waiting += 1
+            future.add_done_callback(self._back)
+        return future
+
+    def _back(self, _future) -> None:
+        with self.lock:
+            self.loop.threads_waiting -= 1
 
 
 def new_loop(start: float = EPOCH) -> VirtualClockLoop:

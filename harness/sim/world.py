@@ -38,16 +38,39 @@ TRUNK_MEMORY = 2 * 1024 ** 3  # what each trunk offers (fixed: a run must not de
 
 @dataclass(frozen=True)
 class WorldSpec:
-    trunks: int = 3
+    trunks: int = 3  # started with the swarm
     askers: tuple[str, ...] = ("alice", "mallory")
     n_layer: int = 8
     head_layers: int = 1
     n_embd: int = 64
     vocab: int = 2048  # the tokenizer's first tokens only: every node parses the file's vocabulary
+    spare_trunks: int = 0  # members with a home but not started with the swarm (a 'join' fault starts one)
+    verify: float = 0.0  # > 0: every asker checks this share of its trunk steps (swarmctl ask --verify)
+    n_expert: int = 0  # > 0: a mixture-of-experts model (tiny qwen3moe), of this many experts per layer
+    expert_nodes: int = 0  # of the trunks, this many hold experts instead of layers (PlannerSettings)
 
     @property
     def trunk_names(self) -> list[str]:
         return [f"trunk-{i + 1}" for i in range(self.trunks)]
+
+    @property
+    def spare_names(self) -> list[str]:
+        return [f"trunk-{self.trunks + i + 1}" for i in range(self.spare_trunks)]
+
+    @property
+    def stages(self) -> int:
+        """How many trunks the plan runs layers on once the swarm serves."""
+        return self.trunks - self.expert_nodes
+
+
+# The worlds a sweep can run (python -m harness.sim --world NAME): which faults each can draw is
+# harness/sim/schedule.py's kinds_for.
+WORLDS = {
+    "plain": WorldSpec(),
+    "late": WorldSpec(spare_trunks=1),  # one trunk more, not started with the swarm
+    "verified": WorldSpec(spare_trunks=1, verify=1.0),  # askers check every step: a lying trunk can be drawn
+    "moe": WorldSpec(n_expert=8, expert_nodes=1),  # tiny qwen3moe; one of the three trunks an expert node
+}
 
 
 def scratch_dir() -> str | None:
@@ -71,17 +94,19 @@ class Template:
         self.spec = spec
         self.root = Path(tempfile.mkdtemp(prefix="swarmctl-sim-", dir=scratch_dir()))
         atexit.register(shutil.rmtree, self.root, True)
+        moe = {"arch": "qwen3moe", "n_expert": spec.n_expert, "n_expert_used": 2} if spec.n_expert else {}
         self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd,
-                                                                                   vocab_limit=spec.vocab),
+                                                                                   vocab_limit=spec.vocab, **moe),
                                       default_model_path())
         host_address = self.host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
         host = SwarmHome(self.root / "homes" / "host")
         create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
-                     model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers))
+                     model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers,
+                                                             expert_nodes=spec.expert_nodes))
         with GGUFFile(self.model) as gguf:  # the host's hashes of the model, in its home: no run's host reads it all
             model_hashes(gguf, ModelSpec.from_gguf(gguf).n_layer, host.file(HASH_CACHE_FOLDER))
         config = host.load_config()
-        for i, name in enumerate([*spec.trunk_names, *spec.askers]):
+        for i, name in enumerate([*spec.trunk_names, *spec.askers, *spec.spare_names]):
             role = "trunk" if name.startswith("trunk-") else "asker"
             key, cert, ca_cert = issue_direct(host, name, role=role)
             home = SwarmHome(self.root / "homes" / name)
