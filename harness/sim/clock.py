@@ -16,6 +16,7 @@ import selectors
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 from harness.sim.network import CURRENT_NODE, SimNetwork
 
@@ -82,7 +83,7 @@ class VirtualSelector(selectors.BaseSelector):
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
         loop._now += ITERATION_S
-        if loop.threads_busy > loop.threads_waiting:  # the clock stands still until the thread is back
+        if loop.threads_busy and loop.threads.computing():  # the clock stands still until the thread is back
             return self.real.select(0 if timeout == 0 else None)
         if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
             return []
@@ -110,7 +111,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         # the loop (a mixture-of-experts stage calling remote experts) needs real threads (False).
         self.inline_threads = True
         self.threads_busy = 0  # executor calls not yet back on the loop
-        self.threads_waiting = 0  # of those, waiting on a coroutine they handed the loop (LoopWaits)
+        self.threads = ThreadJobs()  # those calls: started or queued, waiting on the loop or not
         self.turns = 0  # turns of the loop so far
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
@@ -166,13 +167,78 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
             except Exception as e:  # noqa: BLE001 - the caller's to handle, as from a thread
                 future.set_exception(e)
             return future
-        future = super().run_in_executor(executor, func, *args)
+        job = self.threads.submitted(executor if executor is not None else self._default_executor)
+        future = super().run_in_executor(executor, self.threads.run, job, func, *args)
         self.threads_busy += 1
-        future.add_done_callback(self._thread_back)
+        future.add_done_callback(lambda _future: self._thread_back(job))
         return future
 
-    def _thread_back(self, _future) -> None:
+    def _thread_back(self, job: "_Job") -> None:
         self.threads_busy -= 1
+        self.threads.back(job)
+
+
+@dataclass(eq=False)
+class _Job:
+    executor: object  # (None: the loop's default executor, not made yet)
+    started: bool = False
+    waiting: int = 0  # coroutines it handed the loop and waits on (LoopWaits)
+
+
+class ThreadJobs:
+    """The executor calls out on threads, for when the clock may move with real threads: not while
+    one computes (or has finished and its result is not back on the loop yet), nor while one is
+    queued where a worker is free to start it; yes while every one waits on the loop (LoopWaits)
+    or is queued behind workers that all do (a mixture-of-experts stage's compute thread waiting
+    for its expert calls, and the next batch of that stage queued behind it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.jobs: list[_Job] = []
+        self.local = threading.local()  # the job a thread runs
+
+    def submitted(self, executor) -> _Job:
+        job = _Job(executor)
+        with self.lock:
+            self.jobs.append(job)
+        return job
+
+    def run(self, job: _Job, func, *args):
+        """On the worker thread."""
+        with self.lock:
+            job.started = True
+        self.local.job = job
+        try:
+            return func(*args)
+        finally:
+            self.local.job = None
+
+    def back(self, job: _Job) -> None:
+        """On the loop, once the call's result (or its cancellation) is there."""
+        with self.lock:
+            if job in self.jobs:
+                self.jobs.remove(job)
+
+    def waits(self, delta: int) -> bool:
+        """The calling thread hands the loop a coroutine (+1) or has its result (-1); False when
+        the thread runs no job of ours."""
+        job = getattr(self.local, "job", None)
+        if job is None:
+            return False
+        with self.lock:
+            job.waiting += delta
+        return True
+
+    def computing(self) -> bool:
+        with self.lock:
+            if any(job.started and job.waiting <= 0 for job in self.jobs):
+                return True
+            for job in self.jobs:
+                if not job.started:
+                    workers = getattr(job.executor, "_max_workers", 1 << 30)
+                    if sum(1 for j in self.jobs if j.started and j.executor is job.executor) < workers:
+                        return True  # (a worker is free: it starts any moment)
+            return False
 
 
 class LoopWaits:
@@ -185,7 +251,6 @@ class LoopWaits:
 
     def __init__(self, loop: VirtualClockLoop) -> None:
         self.loop = loop
-        self.lock = threading.Lock()
         self.real = asyncio.run_coroutine_threadsafe
 
     def __enter__(self) -> "LoopWaits":
@@ -198,15 +263,17 @@ class LoopWaits:
 
     def _counted(self, coro, loop):
         future = self.real(coro, loop)
-        if loop is self.loop and threading.get_ident() != getattr(loop, "_thread_id", None):
-            with self.lock:
-                loop.threads_waiting += 1
-            future.add_done_callback(self._back)
+        if loop is self.loop and self.loop.threads.waits(+1):
+            job = self.loop.threads.local.job
+            future.add_done_callback(lambda _future: self._back(job))
+            # (the loop may have looked before the count and be waiting for this thread: wake it
+            # to look again, now that the clock may move)
+            loop._write_to_self()
         return future
 
-    def _back(self, _future) -> None:
-        with self.lock:
-            self.loop.threads_waiting -= 1
+    def _back(self, job: _Job) -> None:
+        with self.loop.threads.lock:
+            job.waiting -= 1
 
 
 def new_loop(start: float = EPOCH) -> VirtualClockLoop:

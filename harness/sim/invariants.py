@@ -83,7 +83,8 @@ def _plan_complete_again(result: RunResult) -> list[str]:
         return [f"the plan was complete again at {span.complete_at:.2f}, but not at the end of the run"]
     # A trunk that rejoined or joined late is used again, unless the host's damping holds it out (a
     # member back within a minute of leaving, a second time; one that missed a ready deadline:
-    # plans/hysteresis.py), which is the product's design, not a failure
+    # plans/hysteresis.py), or a failed check of the host's refuses it a while (swarmctl/host/checks.py): the
+    # product's design, not a failure
     left_out = sorted(set(result.trunks_alive) - set(result.planned or ()) - set(result.held_out))
     if result.planned is not None and left_out:
         return [f"trunks alive but not in the host's plan at the end: {', '.join(left_out)} "

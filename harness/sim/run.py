@@ -20,7 +20,7 @@ from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.standin import engines
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import FIGURES, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, \
+from harness.sim.world import FIGURES, TRUNK_MEMORY, NodeComputeThreads, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, \
     seeded_randomness, udp_free
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
@@ -101,6 +101,7 @@ class SimRun:
         # A mixture-of-experts stage's compute thread waits on the loop for its expert calls: real
         # threads, the clock moving on while every busy thread waits on the loop (LoopWaits)
         self.loop.inline_threads = not spec.expert_nodes
+        self.compute_threads = NodeComputeThreads(not self.loop.inline_threads)
         self.network = SimNetwork(self.loop, random.Random(schedule.seed), schedule.conditions)
         self.loop.network = self.network
         self.t0 = 0.0  # virtual time the swarm first served
@@ -136,7 +137,7 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            with engines(self.compute), HEADERS, LoopWaits(self.loop):
+            with engines(self.compute), HEADERS, LoopWaits(self.loop), self.compute_threads:
                 self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
                 self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
                 with FIGURES, SMALL_PROBES, seeded_randomness(self.schedule.seed):
@@ -211,6 +212,8 @@ class SimRun:
             self.result.planned = sorted({s.member for s in plan.stages} | {e.member for e in plan.experts})
             self.result.held_out = {name: hold.why for name, hold in self.host_service.planning.staging.holds.items()
                                     if hold.until > self.loop.time()}
+            self.result.held_out.update({name: trunk.refused for name, trunk in self.host_service.trunks.items()
+                                         if trunk.refused})  # (a failed check of the host's: refused a while)
         self.result.leftovers = {name: self._held(service) for name, service in self.trunks.items()
                                  if name not in self.network.down and not service.fatal}
 
@@ -477,6 +480,7 @@ class SimRun:
         if self.asker is not None:
             self.asker.close()
         self.loop.close()
+        self.compute_threads.close()
 
 
 _REFERENCE: dict[tuple[WorldSpec, str], dict[tuple, list[int]]] = {}  # fault-free tokens, per process and compute

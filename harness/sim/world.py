@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -18,6 +19,7 @@ import os
 import random
 import shutil
 import socket
+import threading
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,6 +230,47 @@ def move_host(homes: dict[str, SwarmHome], address: str) -> None:
         if name == config.host_name:
             config = dataclasses.replace(config, listen=address)
         home.save_config(dataclasses.replace(config, host_addresses=[address]))
+
+
+class NodeComputeThreads:
+    """One compute thread per node, as each node is a process of its own (swarmctl/batching.py
+    compute_thread: "all engines of a process compute on one thread"). Only with real threads
+    (``VirtualClockLoop.inline_threads = False``): shared by every node of the simulator's one
+    process, a stage's compute thread waiting for its expert calls held the thread the expert
+    node's answer had to be computed on, until the call's wall-clock timeout."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def _compute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        # (called on a compute thread, where the node's context is not: a stage loading its runner)
+        thread = threading.current_thread().name
+        node = thread[len("ggml-"):].rpartition("_")[0] if thread.startswith("ggml-") else CURRENT_NODE.get() or "-"
+        if node not in self.executors:
+            self.executors[node] = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                         thread_name_prefix=f"ggml-{node}")
+        return self.executors[node]
+
+    def __enter__(self) -> "NodeComputeThreads":
+        import swarmctl.batching as batching
+        import swarmctl.trunk.service as trunk_service
+
+        self.modules = (batching, trunk_service)
+        self.real = batching.compute_thread
+        if self.on:
+            for module in self.modules:
+                module.compute_thread = self._compute_thread
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.modules:
+            module.compute_thread = self.real
+
+    def close(self) -> None:
+        """After the run's teardown (its nodes' last calls)."""
+        for executor in self.executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 def run_as(node: str, coro) -> asyncio.Task:
