@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 from harness.sim.network import CURRENT_NODE, SimNetwork
 
@@ -196,6 +197,7 @@ class ThreadJobs:
         self.lock = threading.Lock()
         self.jobs: list[_Job] = []
         self.local = threading.local()  # the job a thread runs
+        self.on_wait: Callable[[], None] | None = None  # told (on the waiting thread) when a job starts to wait
 
     def submitted(self, executor) -> _Job:
         job = _Job(executor)
@@ -227,6 +229,8 @@ class ThreadJobs:
             return False
         with self.lock:
             job.waiting += delta
+        if delta > 0 and self.on_wait is not None:
+            self.on_wait()
         return True
 
     def computing(self) -> bool:

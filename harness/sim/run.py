@@ -36,6 +36,7 @@ SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free
 PLAN_BOUND_S = 30.0  # once the faults stop, the host's plan is complete again within this (a trunk lives)
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
+MID_CALL_WAIT_S = 20.0  # an 'expert_kill' waits this long at most for a stage to call its expert nodes
 STOP_BOUND_S = 10.0  # a trunk told to stop (Ctrl-C) has stopped within this
 SWARM_STARTS_S = 1.0  # virtual seconds after the loop's start: the host and trunks start then in every run
 GREEDY = SamplingParams(temperature=0.0)
@@ -346,11 +347,13 @@ class SimRun:
             if fault.node not in self.running:
                 self._start_trunk(fault.node)
         elif fault.kind == "expert_kill":
+            mid_call = await self._next_expert_call()
             node = self._expert_node(fault.node)
             if node is None:
                 self.event("   no expert node in the plan now: nothing to kill")
                 return
-            self.event(f"   the expert node is {node}")
+            self.event(f"   kill -9 of the expert node {node}, " + ("mid-call" if mid_call else
+                       f"no stage having called an expert node within {MID_CALL_WAIT_S:.0f} s"))
             self._kill(node)
             await asyncio.sleep(fault.lasts)
             self.event(f"   fault over: {node} starts again from its home")
@@ -416,6 +419,24 @@ class SimRun:
                 task.cancel()
             await asyncio.wait(left, timeout=1.0)
         kill_node(self.loop, self.network, name)
+
+    async def _next_expert_call(self) -> bool:
+        """Until a stage's compute thread next waits on an expert call (within MID_CALL_WAIT_S):
+        whether one did. (Told on that thread as it hands the loop the call; set here on the
+        loop, after the call's coroutine, which has sent its first datagrams by then.)"""
+        called = self.loop.create_future()
+        threads = self.loop.threads
+
+        def waits() -> None:
+            self.loop.call_soon_threadsafe(lambda: called.done() or called.set_result(True))
+
+        threads.on_wait = waits
+        try:
+            return await asyncio.wait_for(called, MID_CALL_WAIT_S)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            threads.on_wait = None
 
     def _expert_node(self, wanted: str) -> str | None:
         """``wanted`` if the host's plan has it as an expert node, the plan's first one otherwise."""
