@@ -84,7 +84,7 @@ class VirtualSelector(selectors.BaseSelector):
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
         loop._now += ITERATION_S
-        if loop.threads_busy and loop.threads.computing():  # the clock stands still until the thread is back
+        if loop.threads.jobs and loop.threads.computing():  # the clock stands still until the thread is back
             return self.real.select(0 if timeout == 0 else None)
         if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
             return []
@@ -112,7 +112,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         # the loop (a mixture-of-experts stage calling remote experts) needs real threads (False).
         self.inline_threads = True
         self.threads_busy = 0  # executor calls not yet back on the loop
-        self.threads = ThreadJobs()  # those calls: started or queued, waiting on the loop or not
+        self.threads = ThreadJobs(self._write_to_self)  # those calls: started or queued, waiting on the loop or not
         self.turns = 0  # turns of the loop so far
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
@@ -184,6 +184,8 @@ class _Job:
     executor: object  # (None: the loop's default executor, not made yet)
     started: bool = False
     waiting: int = 0  # coroutines it handed the loop and waits on (LoopWaits)
+    finished: bool = False  # its thread is done with it
+    back: bool = False  # its result (or its caller's cancellation) is on the loop
 
 
 class ThreadJobs:
@@ -191,9 +193,14 @@ class ThreadJobs:
     one computes (or has finished and its result is not back on the loop yet), nor while one is
     queued where a worker is free to start it; yes while every one waits on the loop (LoopWaits)
     or is queued behind workers that all do (a mixture-of-experts stage's compute thread waiting
-    for its expert calls, and the next batch of that stage queued behind it)."""
+    for its expert calls, and the next batch of that stage queued behind it).
 
-    def __init__(self) -> None:
+    A job is done once its thread is and its result is back on the loop, in either order: a
+    caller cancelled (a killed node's task) leaves its thread running, and holding its worker,
+    until the job ends (seed 14 of the moe world waited for a queued job that could not start)."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self.wake = wake  # (from a thread: the loop looks again at whether its clock may move)
         self.lock = threading.Lock()
         self.jobs: list[_Job] = []
         self.local = threading.local()  # the job a thread runs
@@ -214,12 +221,20 @@ class ThreadJobs:
             return func(*args)
         finally:
             self.local.job = None
+            with self.lock:
+                job.finished = True
+                self._forget(job)
+            self.wake()
 
     def back(self, job: _Job) -> None:
         """On the loop, once the call's result (or its cancellation) is there."""
         with self.lock:
-            if job in self.jobs:
-                self.jobs.remove(job)
+            job.back = True
+            self._forget(job)
+
+    def _forget(self, job: _Job) -> None:
+        if job.back and (job.finished or not job.started) and job in self.jobs:
+            self.jobs.remove(job)  # (not started and cancelled: the executor never runs it)
 
     def waits(self, delta: int) -> bool:
         """The calling thread hands the loop a coroutine (+1) or has its result (-1); False when
@@ -235,12 +250,15 @@ class ThreadJobs:
 
     def computing(self) -> bool:
         with self.lock:
-            if any(job.started and job.waiting <= 0 for job in self.jobs):
+            if any(job.started and not job.finished and job.waiting <= 0 for job in self.jobs):
                 return True
+            if any(job.finished and not job.back for job in self.jobs):
+                return True  # (its result is on its way to the loop)
             for job in self.jobs:
-                if not job.started:
+                if not job.started and not job.back:
                     workers = getattr(job.executor, "_max_workers", 1 << 30)
-                    if sum(1 for j in self.jobs if j.started and j.executor is job.executor) < workers:
+                    busy = sum(1 for j in self.jobs if j.started and not j.finished and j.executor is job.executor)
+                    if busy < workers:
                         return True  # (a worker is free: it starts any moment)
             return False
 
