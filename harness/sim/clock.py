@@ -204,7 +204,7 @@ class ThreadJobs:
         self.lock = threading.Lock()
         self.jobs: list[_Job] = []
         self.local = threading.local()  # the job a thread runs
-        self.on_wait: Callable[[], None] | None = None  # told (on the waiting thread) when a job starts to wait
+        self.on_wait: list[Callable[[], None]] = []  # told (on the waiting thread) when a job starts to wait
 
     def submitted(self, executor) -> _Job:
         job = _Job(executor)
@@ -244,8 +244,9 @@ class ThreadJobs:
             return False
         with self.lock:
             job.waiting += delta
-        if delta > 0 and self.on_wait is not None:
-            self.on_wait()
+        if delta > 0:
+            for told in list(self.on_wait):
+                told()
         return True
 
     def computing(self) -> bool:

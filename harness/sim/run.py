@@ -20,8 +20,8 @@ from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.standin import engines
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import FIGURES, TRUNK_MEMORY, NodeComputeThreads, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, \
-    seeded_randomness, udp_free
+from harness.sim.world import FIGURES, TRUNK_MEMORY, NodeComputeThreads, Template, WorldSpec, free_udp_port, \
+    kill_node, move_host, run_as, seeded_randomness, udp_free
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -430,13 +430,13 @@ class SimRun:
         def waits() -> None:
             self.loop.call_soon_threadsafe(lambda: called.done() or called.set_result(True))
 
-        threads.on_wait = waits
+        threads.on_wait.append(waits)
         try:
             return await asyncio.wait_for(called, MID_CALL_WAIT_S)
         except asyncio.TimeoutError:
             return False
         finally:
-            threads.on_wait = None
+            threads.on_wait.remove(waits)
 
     def _expert_node(self, wanted: str) -> str | None:
         """``wanted`` if the host's plan has it as an expert node, the plan's first one otherwise."""
