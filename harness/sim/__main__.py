@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain (3 trunks, 2 askers; default), late (a 4th trunk not started with the swarm), "
                              "verified (late, and askers that verify every step), moe (a tiny qwen3moe, one of "
                              "the trunks an expert node; the tiny compute only)")
-    parser.add_argument("--kinds", choices=("all", "classic"), default="all",
-                        help="draw faults of every kind the world allows (default), or of the seven the seeds "
-                             "recorded in docs/simulator.md and tests/test_sim.py were drawn with")
+    parser.add_argument("--kinds", choices=("all", "classic", "new"), default="all",
+                        help="draw faults of every kind the world allows (default); of the seven the seeds "
+                             "recorded in docs/simulator.md and tests/test_sim.py were drawn with; or of the "
+                             "world's others only (rejoin, join, wrong, expert_kill)")
     args = parser.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != "0":  # (sets of strings iterate in one order every time)
         os.environ["PYTHONHASHSEED"] = "0"
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = WORLDS[args.world]
     if spec.n_expert and args.compute != "tiny":
         parser.error("the stand-in compute has no mixture of experts: --world moe runs with --compute tiny")
-    kinds = kinds_for(spec) if args.kinds == "all" else CLASSIC
+    kinds = {"all": kinds_for(spec), "classic": CLASSIC,
+             "new": tuple(k for k in kinds_for(spec) if k not in CLASSIC)}[args.kinds]
     if args.seeds is not None:
         failed = []
         for seed in args.seeds:
