@@ -361,15 +361,19 @@ def test_a_thread_waiting_on_the_loop_lets_virtual_time_pass():
     assert end - start == pytest.approx(5.0, abs=0.01)
 
 
-@pytest.mark.parametrize("seed", [4])
-def test_an_expert_node_killed_mid_call(seed):
+@pytest.mark.parametrize("seed,new_only", [(4, False), (41, True)])
+def test_an_expert_node_killed_mid_call(seed, new_only):
     """The moe world (tiny qwen3moe, one trunk of three an expert node, the real engine on real
     threads): seed 4 kills the expert node as a stage's compute thread waits on its call (alice's
     first ask), and starts it again 12.9 s later; a partition follows. Every ask returns the
-    fault-free tokens or a clear error, and the plan is complete again."""
+    fault-free tokens or a clear error, and the plan is complete again. Seed 41 (--kinds new: two
+    expert kills, then trunk-3 stops cleanly and rejoins) aborted the process in 3 of 4 runs before
+    BatchRunner failed a batch queued behind its engine's close (tests/test_batching.py)."""
     spec = WORLDS["moe"]
-    schedule = draw(seed, spec, kinds=kinds_for(spec))
+    kinds = tuple(k for k in kinds_for(spec) if k not in CLASSIC) if new_only else kinds_for(spec)
+    schedule = draw(seed, spec, kinds=kinds)
     assert "expert_kill" in {f.kind for f in schedule.faults}
     result = play(schedule, spec)
-    assert result.ok, f"python -m harness.sim --seed {seed} --world moe:\n" + "\n".join(result.failures)
+    assert result.ok, (f"python -m harness.sim --seed {seed} --world moe{' --kinds new' * new_only}:\n"
+                       + "\n".join(result.failures))
     assert any("mid-call" in line for line in result.log), "\n".join(result.log)
