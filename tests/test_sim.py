@@ -41,8 +41,11 @@ SPEC = WorldSpec()
 # 6.5 s after the revocation, 0.6 s after that); 178 and 157 (five faults) revoke
 # mallory while asks of hers reroute, connecting to a new route's stages (a dead or very slow one):
 # the asks went on until those connects gave up, 17 to 45 s later.
+# 74 (five faults): trunk-3 slow (2 s a datagram) while the host restarts: its registration timed
+# out after it had connected, and the open, unregistered connection was pinged forever: trunk-3
+# was out of every plan (the invariant that every live trunk is planned found it).
 SEEDS = [(2, 3), (4, 3), (5, 3), (7, 3), (9, 3), (25, 3), (28, 3), (314, 5), (10, 5), (458, 5),
-         (99, 5), (178, 5), (157, 5)]  # (seed, faults at most)
+         (99, 5), (178, 5), (157, 5), (74, 5)]  # (seed, faults at most)
 
 
 def _run(loop: VirtualClockLoop, coro):
