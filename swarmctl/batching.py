@@ -298,6 +298,9 @@ class BatchRunner:
 
     def _run_batch(self, steps: list[Step]) -> list[np.ndarray | Exception]:
         """In the engine thread: drop steps that fail their checks, run the rest as one batch."""
+        if self._closed:  # (a batch queued behind the job that closed this runner and its engine: ggml
+            # would abort the process on the freed backend; found by the simulator, moe seed 41)
+            return [EngineClosedError("this engine is closed")] * len(steps)
         results: list[np.ndarray | Exception | None] = [None] * len(steps)
         good = []
         for i, step in enumerate(steps):

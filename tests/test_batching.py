@@ -100,3 +100,32 @@ def test_an_invalid_step_rejects_the_batch_before_anything_runs(bundled_model):
             engine.forward_batch([Step(b"x" * 16, 3, tokens=[4]), Step(b"y" * 16, 5, tokens=[9])])
         assert engine.n_requests == 1  # the unknown request was not created ...
         engine.forward(b"x" * 16, start_pos=3, tokens=[4])  # ... and x still continues at 3
+
+
+def test_a_batch_queued_behind_the_engine_s_close_fails_cleanly(tiny_model):
+    """A trunk stopping (or reloading) closes its runner and engine on the compute thread; a batch
+    the runner queued after that job ran on the closed engine, and ggml aborted the whole process
+    (GGML_ASSERT(backend), found by the simulator: moe world, seed 41 with --kinds new). It now
+    fails with EngineClosedError."""
+    import asyncio
+
+    from swarmctl.batching import BatchRunner, EngineClosedError, compute_thread
+
+    engine = SliceEngine.open(tiny_model("llama-f32"), SliceSpec(0, 2, has_embedding=True), n_threads=N_THREADS)
+    runner = BatchRunner(engine)
+
+    def close_both() -> None:  # (what Assignment.unload does on the compute thread)
+        runner.close()
+        engine.close()
+
+    async def scenario() -> str:
+        step = asyncio.ensure_future(runner.run(Step(b"r", 0, tokens=[1, 2, 3])))
+        await asyncio.sleep(0)  # (the step is queued, and the runner's batch task made, not run yet)
+        compute_thread().submit(close_both).result()  # (so the batch goes to the thread after the close)
+        try:
+            await step
+            return "ran"
+        except EngineClosedError as e:
+            return str(e)
+
+    assert asyncio.run(scenario()) == "this engine is closed"

@@ -6,6 +6,8 @@ with its schedule, its event log (virtual seconds, node, what happened) and what
     python -m harness.sim --seed 42 --shrink        a failing run: the fewest events that still fail
     python -m harness.sim --seeds 0:200             many runs; one line each, the failing seeds at the end
     python -m harness.sim --seeds 0:200 --compute stand-in    the same with the stand-in compute (faster)
+    python -m harness.sim --seeds 0:100 --world verified        askers that verify every step; lying trunks
+    python -m harness.sim --seed 9 --kinds classic  the seven kinds the seeds recorded before "rejoin" were drawn with
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import os
 import sys
 
 from harness.sim.run import play
-from harness.sim.schedule import draw
+from harness.sim.schedule import CLASSIC, draw, kinds_for
 from harness.sim.shrink import shrink
 from harness.sim.standin import COMPUTE_KINDS
-from harness.sim.world import WorldSpec
+from harness.sim.world import WORLDS
 
 
 def _seeds(text: str) -> range:
@@ -41,22 +43,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute", choices=COMPUTE_KINDS, default="tiny",
                         help="the real engine on a tiny model (default), or the stand-in: outputs a cheap "
                              "function of the inputs (harness/sim/standin.py)")
+    parser.add_argument("--world", choices=sorted(WORLDS), default="plain",
+                        help="plain (3 trunks, 2 askers; default), late (a 4th trunk not started with the swarm), "
+                             "verified (late, and askers that verify every step), moe (a tiny qwen3moe, one of "
+                             "the trunks an expert node; the tiny compute only)")
+    parser.add_argument("--kinds", choices=("all", "classic", "new"), default="all",
+                        help="draw faults of every kind the world allows (default); of the seven the seeds "
+                             "recorded in docs/simulator.md and tests/test_sim.py were drawn with; or of the "
+                             "world's others only (rejoin, join, wrong, expert_kill)")
     args = parser.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != "0":  # (sets of strings iterate in one order every time)
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "harness.sim", *(sys.argv[1:] if argv is None else argv)])
-    spec = WorldSpec()
+    spec = WORLDS[args.world]
+    if spec.n_expert and args.compute != "tiny":
+        parser.error("the stand-in compute has no mixture of experts: --world moe runs with --compute tiny")
+    kinds = {"all": kinds_for(spec), "classic": CLASSIC,
+             "new": tuple(k for k in kinds_for(spec) if k not in CLASSIC)}[args.kinds]
     if args.seeds is not None:
         failed = []
         for seed in args.seeds:
-            result = play(draw(seed, spec, asks=args.asks, faults=args.faults), spec, compute=args.compute)
+            result = play(draw(seed, spec, asks=args.asks, faults=args.faults, kinds=kinds), spec, compute=args.compute)
             print(f"seed {seed}: {'ok' if result.ok else 'FAILED'} ({result.wall_s:.2f} s)"
                   + "".join(f"\n    {f}" for f in result.failures), flush=True)
             if not result.ok:
                 failed.append(seed)
         print(f"{len(args.seeds) - len(failed)} of {len(args.seeds)} runs passed; failed: {failed or 'none'}")
         return 1 if failed else 0
-    schedule = draw(args.seed, spec, asks=args.asks, faults=args.faults)
+    schedule = draw(args.seed, spec, asks=args.asks, faults=args.faults, kinds=kinds)
     print(schedule.describe())
     result = play(schedule, spec, verbose=args.verbose, compute=args.compute)
     print("\n".join(result.log))

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import threading
 import time
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 from harness.sim.network import CURRENT_NODE, SimNetwork
 
@@ -81,7 +84,7 @@ class VirtualSelector(selectors.BaseSelector):
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
         loop._now += ITERATION_S
-        if loop.threads_busy:  # the clock stands still until the thread is back
+        if loop.threads.jobs and loop.threads.computing():  # the clock stands still until the thread is back
             return self.real.select(0 if timeout == 0 else None)
         if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
             return []
@@ -109,6 +112,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         # the loop (a mixture-of-experts stage calling remote experts) needs real threads (False).
         self.inline_threads = True
         self.threads_busy = 0  # executor calls not yet back on the loop
+        self.threads = ThreadJobs(self._write_to_self)  # those calls: started or queued, waiting on the loop or not
         self.turns = 0  # turns of the loop so far
         self.stuck_polls = 0  # times the loop had nothing at all to wait for (see STUCK_POLL_S)
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
@@ -164,13 +168,135 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
             except Exception as e:  # noqa: BLE001 - the caller's to handle, as from a thread
                 future.set_exception(e)
             return future
-        future = super().run_in_executor(executor, func, *args)
+        job = self.threads.submitted(executor if executor is not None else self._default_executor)
+        future = super().run_in_executor(executor, self.threads.run, job, func, *args)
         self.threads_busy += 1
-        future.add_done_callback(self._thread_back)
+        future.add_done_callback(lambda _future: self._thread_back(job))
         return future
 
-    def _thread_back(self, _future) -> None:
+    def _thread_back(self, job: "_Job") -> None:
         self.threads_busy -= 1
+        self.threads.back(job)
+
+
+@dataclass(eq=False)
+class _Job:
+    executor: object  # (None: the loop's default executor, not made yet)
+    started: bool = False
+    waiting: int = 0  # coroutines it handed the loop and waits on (LoopWaits)
+    finished: bool = False  # its thread is done with it
+    back: bool = False  # its result (or its caller's cancellation) is on the loop
+
+
+class ThreadJobs:
+    """The executor calls out on threads, for when the clock may move with real threads: not while
+    one computes (or has finished and its result is not back on the loop yet), nor while one is
+    queued where a worker is free to start it; yes while every one waits on the loop (LoopWaits)
+    or is queued behind workers that all do (a mixture-of-experts stage's compute thread waiting
+    for its expert calls, and the next batch of that stage queued behind it).
+
+    A job is done once its thread is and its result is back on the loop, in either order: a
+    caller cancelled (a killed node's task) leaves its thread running, and holding its worker,
+    until the job ends (seed 14 of the moe world waited for a queued job that could not start)."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self.wake = wake  # (from a thread: the loop looks again at whether its clock may move)
+        self.lock = threading.Lock()
+        self.jobs: list[_Job] = []
+        self.local = threading.local()  # the job a thread runs
+        self.on_wait: list[Callable[[], None]] = []  # told (on the waiting thread) when a job starts to wait
+
+    def submitted(self, executor) -> _Job:
+        job = _Job(executor)
+        with self.lock:
+            self.jobs.append(job)
+        return job
+
+    def run(self, job: _Job, func, *args):
+        """On the worker thread."""
+        with self.lock:
+            job.started = True
+        self.local.job = job
+        try:
+            return func(*args)
+        finally:
+            self.local.job = None
+            with self.lock:
+                job.finished = True
+                self._forget(job)
+            self.wake()
+
+    def back(self, job: _Job) -> None:
+        """On the loop, once the call's result (or its cancellation) is there."""
+        with self.lock:
+            job.back = True
+            self._forget(job)
+
+    def _forget(self, job: _Job) -> None:
+        if job.back and (job.finished or not job.started) and job in self.jobs:
+            self.jobs.remove(job)  # (not started and cancelled: the executor never runs it)
+
+    def waits(self, delta: int) -> bool:
+        """The calling thread hands the loop a coroutine (+1) or has its result (-1); False when
+        the thread runs no job of ours."""
+        job = getattr(self.local, "job", None)
+        if job is None:
+            return False
+        with self.lock:
+            job.waiting += delta
+        if delta > 0:
+            for told in list(self.on_wait):
+                told()
+        return True
+
+    def computing(self) -> bool:
+        with self.lock:
+            if any(job.started and not job.finished and job.waiting <= 0 for job in self.jobs):
+                return True
+            if any(job.finished and not job.back for job in self.jobs):
+                return True  # (its result is on its way to the loop)
+            for job in self.jobs:
+                if not job.started and not job.back:
+                    workers = getattr(job.executor, "_max_workers", 1 << 30)
+                    busy = sum(1 for j in self.jobs if j.started and not j.finished and j.executor is job.executor)
+                    if busy < workers:
+                        return True  # (a worker is free: it starts any moment)
+            return False
+
+
+class LoopWaits:
+    """While on, for a loop with real threads: a thread that hands the loop a coroutine
+    (``asyncio.run_coroutine_threadsafe``: a mixture-of-experts stage's compute thread calling its
+    expert nodes) counts as waiting on the loop until the coroutine's result is set, and the clock
+    moves on meanwhile as when no thread is out (the coroutine's datagrams need virtual time to
+    arrive; with the clock frozen they never would). The waiter is counted once the coroutine is
+    on the loop's queue, so the loop cannot jump ahead of it. Nothing changes for inline threads."""
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        self.loop = loop
+        self.real = asyncio.run_coroutine_threadsafe
+
+    def __enter__(self) -> "LoopWaits":
+        if not self.loop.inline_threads:
+            asyncio.run_coroutine_threadsafe = self._counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe = self.real
+
+    def _counted(self, coro, loop):
+        future = self.real(coro, loop)
+        if loop is self.loop and self.loop.threads.waits(+1):
+            job = self.loop.threads.local.job
+            future.add_done_callback(lambda _future: self._back(job))
+            # (the loop may have looked before the count and be waiting for this thread: wake it
+            # to look again, now that the clock may move)
+            loop._write_to_self()
+        return future
+
+    def _back(self, job: _Job) -> None:
+        with self.loop.threads.lock:
+            job.waiting -= 1
 
 
 def new_loop(start: float = EPOCH) -> VirtualClockLoop:

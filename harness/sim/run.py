@@ -13,15 +13,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from harness.sim.clock import VirtualClockLoop, WallLimit
+from harness.sim.clock import LoopWaits, VirtualClockLoop, WallLimit
 from harness.sim.headers import HEADERS
 from harness.sim.network import CURRENT_NODE, Conditions, NetStats, SimNetwork
 from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.standin import engines
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import FIGURES, TRUNK_MEMORY, Template, WorldSpec, free_udp_port, kill_node, move_host, run_as, \
-    seeded_randomness, udp_free
+from harness.sim.world import FIGURES, TRUNK_MEMORY, NodeComputeThreads, Template, WorldSpec, free_udp_port, \
+    kill_node, move_host, run_as, seeded_randomness, udp_free
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
 from net import messages as m
@@ -36,6 +36,8 @@ SETTLE_S = 25.0  # after the last ask and the last fault: for the stages to free
 PLAN_BOUND_S = 30.0  # once the faults stop, the host's plan is complete again within this (a trunk lives)
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
+MID_CALL_WAIT_S = 20.0  # an 'expert_kill' waits this long at most for a stage to call its expert nodes
+STOP_BOUND_S = 10.0  # a trunk told to stop (Ctrl-C) has stopped within this
 SWARM_STARTS_S = 1.0  # virtual seconds after the loop's start: the host and trunks start then in every run
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -66,6 +68,9 @@ class RunResult:
     plan: PlanSpan | None = None  # when the plan was complete again after the faults stopped
     over_budget: list[str] = field(default_factory=list)  # members found holding more than a budget allows
     trunks_alive: list[str] = field(default_factory=list)  # at the end
+    left_running: list[str] = field(default_factory=list)  # what a trunk stopped cleanly left behind
+    planned: list[str] | None = None  # the members in the host's plan at the end (None: no host then)
+    held_out: dict[str, str] = field(default_factory=dict)  # members the host leaves out of plans at the end, why
 
     @property
     def ok(self) -> bool:
@@ -94,12 +99,18 @@ class SimRun:
         self.template = Template.of(spec)
         self.result = RunResult(schedule, [AskResult(a) for a in schedule.asks], {})
         self.loop = VirtualClockLoop()
+        # A mixture-of-experts stage's compute thread waits on the loop for its expert calls: real
+        # threads, the clock moving on while every busy thread waits on the loop (LoopWaits)
+        self.loop.inline_threads = not spec.expert_nodes
+        self.compute_threads = NodeComputeThreads(not self.loop.inline_threads)
         self.network = SimNetwork(self.loop, random.Random(schedule.seed), schedule.conditions)
         self.loop.network = self.network
         self.t0 = 0.0  # virtual time the swarm first served
         self.trunks: dict = {}  # name → its running TrunkService
         self.stops: dict[str, asyncio.Event] = {}
+        self.serving: dict[str, asyncio.Task] = {}  # trunk → the task running its service
         self.links: dict = {}
+        self.trunk_of: dict = {}  # asker → what its asks run through (its link, or a verifier around it)
         self.asker = None
         self.killed: set[str] = set()  # nodes killed at some point of the run
         self.running: set[str] = set()  # host and trunks started and not killed since
@@ -127,7 +138,7 @@ class SimRun:
         self.loop.set_exception_handler(self._unhandled)
         self.loop.limit_wall(WALL_LIMIT_S)
         try:
-            with engines(self.compute), HEADERS:
+            with engines(self.compute), HEADERS, LoopWaits(self.loop), self.compute_threads:
                 self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
                 self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
                 with FIGURES, SMALL_PROBES, seeded_randomness(self.schedule.seed):
@@ -197,6 +208,13 @@ class SimRun:
                    if span.complete_at is not None else "the plan was never complete again after the faults stopped")
         self.result.over_budget = self.watch.over_budget
         self.result.trunks_alive = sorted(self.trunks)
+        if self.host_service is not None:
+            plan = self.host_service.plan
+            self.result.planned = sorted({s.member for s in plan.stages} | {e.member for e in plan.experts})
+            self.result.held_out = {name: hold.why for name, hold in self.host_service.planning.staging.holds.items()
+                                    if hold.until > self.loop.time()}
+            self.result.held_out.update({name: trunk.refused for name, trunk in self.host_service.trunks.items()
+                                         if trunk.refused})  # (a failed check of the host's: refused a while)
         self.result.leftovers = {name: self._held(service) for name, service in self.trunks.items()
                                  if name not in self.network.down and not service.fatal}
 
@@ -260,17 +278,22 @@ class SimRun:
         self.running.add(name)
         self.network.down.discard(name)
         stop = self.stops[name] = asyncio.Event()
-        run_as(name, serve())
+        self.serving[name] = run_as(name, serve())
 
     async def _open_links(self) -> None:
         from swarmctl.asker.link import SwarmLink
 
         async def open_link(name: str):
-            return await SwarmLink.open(self.homes[name], ready_timeout=READY_BOUND_S, min_stages=self.spec.trunks,
+            return await SwarmLink.open(self.homes[name], ready_timeout=READY_BOUND_S, min_stages=self.spec.stages,
                                         request_timeout=ASK_TIMEOUT_S)
 
         for name in self.spec.askers:
-            self.links[name] = await run_as(name, open_link(name))
+            self.links[name] = self.trunk_of[name] = await run_as(name, open_link(name))
+            if self.spec.verify:  # (swarmctl ask --verify P: the asker checks that share of its steps)
+                from swarmctl.asker.verify import VerifyingTrunk
+
+                self.trunk_of[name] = VerifyingTrunk(self.links[name], self.asker.gguf, share=self.spec.verify,
+                                                     n_threads=1, max_context=self.asker.max_context)
 
     def _kill(self, node: str) -> None:
         if node == "host":
@@ -296,7 +319,7 @@ class SimRun:
         self.event(f"{result.ask.asker:>8} ask {result.started:.2f}: {result.ask.describe()}")
         try:
             result.tokens = [t async for t in self.asker.generate(
-                list(result.ask.prompt), self.links[result.ask.asker], max_tokens=result.ask.max_tokens,
+                list(result.ask.prompt), self.trunk_of[result.ask.asker], max_tokens=result.ask.max_tokens,
                 sampling=GREEDY, timeout=ASK_TIMEOUT_S, ignore_eos=True)]
         except EngineError as e:
             result.error, result.error_type = str(e), type(e).__name__
@@ -318,7 +341,24 @@ class SimRun:
             await asyncio.sleep(fault.lasts)
             self.event(f"   fault over: {fault.node} starts again from its home")
             self._start_host() if fault.node == "host" else self._start_trunk(fault.node)
-        elif fault.kind == "lie":  # (the stage's test hook: noise on every result it passes on)
+        elif fault.kind == "rejoin":
+            await self._rejoin(fault)
+        elif fault.kind == "join":
+            if fault.node not in self.running:
+                self._start_trunk(fault.node)
+        elif fault.kind == "expert_kill":
+            mid_call = await self._next_expert_call()
+            node = self._expert_node(fault.node)
+            if node is None:
+                self.event("   no expert node in the plan now: nothing to kill")
+                return
+            self.event(f"   kill -9 of the expert node {node}, " + ("mid-call" if mid_call else
+                       f"no stage having called an expert node within {MID_CALL_WAIT_S:.0f} s"))
+            self._kill(node)
+            await asyncio.sleep(fault.lasts)
+            self.event(f"   fault over: {node} starts again from its home")
+            self._start_trunk(node)
+        elif fault.kind in ("lie", "wrong"):  # (the stage's test hook: noise on every result it passes on)
             service = self.trunks.get(fault.node)
             if service is not None:
                 service.requests._test_corrupt = 1.0
@@ -342,6 +382,68 @@ class SimRun:
                 net.slow.pop(fault.node, None)
             else:
                 net.heal(fault.node, fault.other)
+
+    async def _rejoin(self, fault: Fault) -> None:
+        """What a user's Ctrl-C does to 'swarmctl run trunk' (its stop event, swarmctl/commands/run.py),
+        then, after the pause, the same command from the same home."""
+        name = fault.node
+        if name not in self.running:
+            return
+        self.stops[name].set()
+        try:  # (the service closes its connections, tells the host, frees its engine)
+            await asyncio.wait_for(asyncio.shield(self.serving[name]), STOP_BOUND_S)
+        except asyncio.TimeoutError:
+            self.result.left_running.append(f"{name} was still stopping {STOP_BOUND_S:.0f} s after it was told to")
+            self._kill(name)
+        except Exception as e:  # noqa: BLE001 - its own crash is reported by the loop's handler; say so here too
+            self.result.crashes.append(f"{name}: stopping raised {e!r}")
+        self.running.discard(name)
+        self.trunks.pop(name, None)
+        await self._process_exits(name)
+        await asyncio.sleep(fault.lasts)
+        self.event(f"   fault over: {name} starts again from its home")
+        if name not in self.running:  # (another fault may have started it meanwhile)
+            self._start_trunk(name)
+
+    async def _process_exits(self, name: str) -> None:
+        """What follows ``run()`` returning in 'swarmctl run trunk': asyncio.run cancels the tasks
+        still pending and waits for them, and the process's sockets close as it exits. (Tasks a
+        trunk's shutdown leaves pending, such as a request's handler still sending, are the
+        process's to end, not the service's: the log names them.)"""
+        current = asyncio.current_task()
+        left = [t for t in self.loop.node_tasks.get(name, {}).values() if not t.done() and t is not current]
+        if left:
+            self.event(f"{name:>8} exits with {len(left)} tasks pending, cancelled as asyncio.run does: "
+                       + ", ".join(sorted({t.get_coro().__qualname__ for t in left})))
+            for task in left:
+                task.cancel()
+            await asyncio.wait(left, timeout=1.0)
+        kill_node(self.loop, self.network, name)
+
+    async def _next_expert_call(self) -> bool:
+        """Until a stage's compute thread next waits on an expert call (within MID_CALL_WAIT_S):
+        whether one did. (Told on that thread as it hands the loop the call; set here on the
+        loop, after the call's coroutine, which has sent its first datagrams by then.)"""
+        called = self.loop.create_future()
+        threads = self.loop.threads
+
+        def waits() -> None:
+            self.loop.call_soon_threadsafe(lambda: called.done() or called.set_result(True))
+
+        threads.on_wait.append(waits)
+        try:
+            return await asyncio.wait_for(called, MID_CALL_WAIT_S)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            threads.on_wait.remove(waits)
+
+    def _expert_node(self, wanted: str) -> str | None:
+        """``wanted`` if the host's plan has it as an expert node, the plan's first one otherwise."""
+        host = self.host_service
+        experts = [e.member for e in host.plan.experts] if host is not None else []
+        experts = [e for e in experts if e in self.running]
+        return wanted if wanted in experts else (experts[0] if experts else None)
 
     def _host_hears(self) -> bool:
         return "host" in self.running and "host" not in self.network.down
@@ -393,9 +495,13 @@ class SimRun:
             self.loop.run_until_complete(asyncio.sleep(1.0))
         except WallLimit:
             pass  # (reported already: the run itself did not finish)
+        for trunk in self.trunk_of.values():
+            if trunk not in self.links.values():
+                trunk.close()
         if self.asker is not None:
             self.asker.close()
         self.loop.close()
+        self.compute_threads.close()
 
 
 _REFERENCE: dict[tuple[WorldSpec, str], dict[tuple, list[int]]] = {}  # fault-free tokens, per process and compute

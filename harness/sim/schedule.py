@@ -20,8 +20,21 @@ FAULTS = {
     "slow": "a node's datagrams take longer for a while (a slow member)",
     "partition": "two nodes cannot reach each other for a while",
 }
-# Not drawn (every ask it touches must fail): for showing that the invariants catch wrong tokens.
+# Drawn only where the world allows and the kinds asked for include them (kinds_for; every seed
+# recorded before these existed was drawn from FAULTS alone, and still is by default).
+MORE_FAULTS = {
+    "rejoin": "a trunk stops the way a user stops it (its stop event: Ctrl-C, SIGTERM), then starts "
+              "again from its home after a pause and rejoins",
+    "join": "a member not started with the swarm starts now and joins (worlds with spare trunks)",
+    "wrong": "a trunk's results are wrong for a while: noise of their own size on every row it passes on "
+             "(worlds whose askers verify every step)",
+    "expert_kill": "kill -9 of an expert node, mid-call or not; started again from its home after a pause "
+                   "(worlds with expert nodes)",
+}
+# Not drawn in a world whose askers do not check their steps (every ask it touches must fail
+# there): for showing that the invariants catch wrong tokens. Drawn as 'wrong' where they check.
 LIE = "lie"  # a trunk adds noise to every result it passes on, for a while
+CLASSIC = tuple(sorted(FAULTS))  # the kinds a plain draw picks from
 REVOKED_ASKER = "mallory"  # the asker a 'revoke' fault revokes (the other askers must be unaffected)
 
 
@@ -71,8 +84,25 @@ class Schedule:
         return "\n".join(lines)
 
 
-def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s: float = 60.0) -> Schedule:
-    """The schedule of ``seed``: ``asks`` asks and up to ``faults`` faults within ``window_s``."""
+def kinds_for(spec: WorldSpec) -> tuple[str, ...]:
+    """Every kind a run of ``spec`` can be given and keep its invariants: 'wrong' only where the
+    askers check every step (nothing else in the product catches a trunk's wrong rows before they
+    become tokens), 'join' where a member was left out at the start, 'expert_kill' where there are
+    expert nodes."""
+    more = ["rejoin"]
+    more += ["join"] if spec.spare_trunks else []
+    more += ["wrong"] if spec.verify >= 1.0 else []
+    more += ["expert_kill"] if spec.expert_nodes else []
+    return tuple(sorted((*FAULTS, *more)))
+
+
+def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s: float = 60.0,
+         kinds: tuple[str, ...] = CLASSIC) -> Schedule:
+    """The schedule of ``seed``: ``asks`` asks and up to ``faults`` faults within ``window_s``, of
+    ``kinds`` (CLASSIC: the seven every recorded seed was drawn with; kinds_for(spec): all of the
+    world's). The host's planner picks which trunks are expert nodes, so 'expert_kill' names a
+    trunk the run takes if the plan has it as an expert node when the fault plays, and the plan's
+    first expert node otherwise."""
     rng = random.Random(seed)
     conditions = Conditions(delay_s=rng.choice([0.0005, 0.002, 0.02]), jitter_s=rng.choice([0.0, 0.001, 0.01]),
                             loss=rng.choice([0.0, 0.0, 0.01, 0.05]), duplicate=rng.choice([0.0, 0.01]),
@@ -82,12 +112,16 @@ def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s
                                    rng.randint(4, 32)) for _ in range(asks)), key=lambda a: a.at))
     drawn_faults = []
     for _ in range(rng.randint(0, faults)):
-        kind = rng.choice(sorted(FAULTS))
+        kind = rng.choice(sorted(kinds))
         trunk = rng.choice(spec.trunk_names)
         at = round(rng.uniform(0, window_s / 2), 2)
         lasts = round(rng.uniform(1, 20), 1)
         if kind == "kill":
             drawn_faults.append(Fault(at, kind, trunk))
+        elif kind in ("rejoin", "wrong", "expert_kill"):  # (expert_kill: the run picks the expert node then)
+            drawn_faults.append(Fault(at, kind, trunk, lasts=lasts))
+        elif kind == "join":
+            drawn_faults.append(Fault(at, kind, rng.choice(spec.spare_names)))
         elif kind in ("restart", "freeze"):
             drawn_faults.append(Fault(at, kind, rng.choice([trunk, "host"]) if kind == "freeze" else trunk,
                                       lasts=lasts))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -18,6 +19,7 @@ import os
 import random
 import shutil
 import socket
+import threading
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,16 +40,39 @@ TRUNK_MEMORY = 2 * 1024 ** 3  # what each trunk offers (fixed: a run must not de
 
 @dataclass(frozen=True)
 class WorldSpec:
-    trunks: int = 3
+    trunks: int = 3  # started with the swarm
     askers: tuple[str, ...] = ("alice", "mallory")
     n_layer: int = 8
     head_layers: int = 1
     n_embd: int = 64
     vocab: int = 2048  # the tokenizer's first tokens only: every node parses the file's vocabulary
+    spare_trunks: int = 0  # members with a home but not started with the swarm (a 'join' fault starts one)
+    verify: float = 0.0  # > 0: every asker checks this share of its trunk steps (swarmctl ask --verify)
+    n_expert: int = 0  # > 0: a mixture-of-experts model (tiny qwen3moe), of this many experts per layer
+    expert_nodes: int = 0  # of the trunks, this many hold experts instead of layers (PlannerSettings)
 
     @property
     def trunk_names(self) -> list[str]:
         return [f"trunk-{i + 1}" for i in range(self.trunks)]
+
+    @property
+    def spare_names(self) -> list[str]:
+        return [f"trunk-{self.trunks + i + 1}" for i in range(self.spare_trunks)]
+
+    @property
+    def stages(self) -> int:
+        """How many trunks the plan runs layers on once the swarm serves."""
+        return self.trunks - self.expert_nodes
+
+
+# The worlds a sweep can run (python -m harness.sim --world NAME): which faults each can draw is
+# harness/sim/schedule.py's kinds_for.
+WORLDS = {
+    "plain": WorldSpec(),
+    "late": WorldSpec(spare_trunks=1),  # one trunk more, not started with the swarm
+    "verified": WorldSpec(spare_trunks=1, verify=1.0),  # askers check every step: a lying trunk can be drawn
+    "moe": WorldSpec(n_expert=8, expert_nodes=1),  # tiny qwen3moe; one of the three trunks an expert node
+}
 
 
 def scratch_dir() -> str | None:
@@ -71,17 +96,19 @@ class Template:
         self.spec = spec
         self.root = Path(tempfile.mkdtemp(prefix="swarmctl-sim-", dir=scratch_dir()))
         atexit.register(shutil.rmtree, self.root, True)
+        moe = {"arch": "qwen3moe", "n_expert": spec.n_expert, "n_expert_used": 2} if spec.n_expert else {}
         self.model = write_tiny_model(self.root / "tiny.gguf", TinyConfig(n_layer=spec.n_layer, n_embd=spec.n_embd,
-                                                                                   vocab_limit=spec.vocab),
+                                                                                   vocab_limit=spec.vocab, **moe),
                                       default_model_path())
         host_address = self.host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
         host = SwarmHome(self.root / "homes" / "host")
         create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
-                     model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers))
+                     model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers,
+                                                             expert_nodes=spec.expert_nodes))
         with GGUFFile(self.model) as gguf:  # the host's hashes of the model, in its home: no run's host reads it all
             model_hashes(gguf, ModelSpec.from_gguf(gguf).n_layer, host.file(HASH_CACHE_FOLDER))
         config = host.load_config()
-        for i, name in enumerate([*spec.trunk_names, *spec.askers]):
+        for i, name in enumerate([*spec.trunk_names, *spec.askers, *spec.spare_names]):
             role = "trunk" if name.startswith("trunk-") else "asker"
             key, cert, ca_cert = issue_direct(host, name, role=role)
             home = SwarmHome(self.root / "homes" / name)
@@ -203,6 +230,47 @@ def move_host(homes: dict[str, SwarmHome], address: str) -> None:
         if name == config.host_name:
             config = dataclasses.replace(config, listen=address)
         home.save_config(dataclasses.replace(config, host_addresses=[address]))
+
+
+class NodeComputeThreads:
+    """One compute thread per node, as each node is a process of its own (swarmctl/batching.py
+    compute_thread: "all engines of a process compute on one thread"). Only with real threads
+    (``VirtualClockLoop.inline_threads = False``): shared by every node of the simulator's one
+    process, a stage's compute thread waiting for its expert calls held the thread the expert
+    node's answer had to be computed on, until the call's wall-clock timeout."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def _compute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        # (called on a compute thread, where the node's context is not: a stage loading its runner)
+        thread = threading.current_thread().name
+        node = thread[len("ggml-"):].rpartition("_")[0] if thread.startswith("ggml-") else CURRENT_NODE.get() or "-"
+        if node not in self.executors:
+            self.executors[node] = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                         thread_name_prefix=f"ggml-{node}")
+        return self.executors[node]
+
+    def __enter__(self) -> "NodeComputeThreads":
+        import swarmctl.batching as batching
+        import swarmctl.trunk.service as trunk_service
+
+        self.modules = (batching, trunk_service)
+        self.real = batching.compute_thread
+        if self.on:
+            for module in self.modules:
+                module.compute_thread = self._compute_thread
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.modules:
+            module.compute_thread = self.real
+
+    def close(self) -> None:
+        """After the run's teardown (its nodes' last calls)."""
+        for executor in self.executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 def run_as(node: str, coro) -> asyncio.Task:
