@@ -290,12 +290,14 @@ class SliceEngine:
         return x
 
     def release(self, request_id: bytes | str) -> bool:
-        """Free a request's KV cache and the graphs that used it. Returns False if the id was unknown."""
+        """Free a request's KV cache and the graphs that used it (graphs rebound batch by batch name
+        no request: they go with the last request, so an idle engine holds no compute buffers and
+        no view of a freed cache). Returns False if the id was unknown."""
         key = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
         request = self._requests.pop(key, None)
         if request is None:
             return False
-        self._graphs.drop_where(lambda shape: key in shape.request_ids)
+        self._graphs.drop_where(lambda shape: key in shape.request_ids or not self._requests)
         self._segments.drop_where(lambda seg: key in seg[0].request_ids)
         if request.kv is not None:
             request.kv.close()
