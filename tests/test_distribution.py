@@ -98,7 +98,6 @@ def test_status_and_plan_show_the_planners_figures(swarm):
     assert "bottleneck:" in r.stdout and "ms per token" in r.stdout
 
 
-@pytest.mark.heavy  # the simulator's 'join' seeds: a trunk joins while asks run (tests/test_sim.py)
 def test_a_third_trunk_replans_and_no_request_hangs(swarm, inproc_answer):
     long_ask = subprocess.Popen([sys.executable, "-m", "swarmctl", "ask", "--raw", "--temperature", "0",
                                  "--max-tokens", "400", "Once upon a time"], stdout=subprocess.PIPE,
