@@ -139,14 +139,12 @@ class SwarmLink:
         step = self.steps.add(rid, start_pos)
         self.stats.most_steps_out = max(self.stats.most_steps_out, len(self.steps.of(rid)))
         failures = StepFailures(clock.now() + self.request_timeout)
-        replayed = 0
-        first_sent, attempts = 0.0, 0
+        replayed, first_sent, attempts = 0, 0.0, 0
         try:
             while True:
                 try:
                     t0 = time.perf_counter()
-                    first_sent, attempts = first_sent or t0, attempts + 1
-                    attempt = step.failures
+                    first_sent, attempts, attempt = first_sent or t0, attempts + 1, step.failures
                     # Handed over whole even if the asker gives the step up meanwhile (a window in
                     # flight that fell): a replay cut short would leave the stages a gap.
                     hand_over = asyncio.ensure_future(self.sender.hand_over(rid, start_pos, hidden, rewind, verify,
