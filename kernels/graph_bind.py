@@ -36,6 +36,13 @@ class _View:
     src_is_root: bool  # its src[0] is the cache tensor itself (a first view, not a view of a view)
 
 
+def _cache_tensors(cache: KVCache):
+    """(kind, layer, tensor) for each of a cache's K and V tensors."""
+    for kind, tensors in ((K_TENSOR, cache.k), (V_TENSOR, cache.v)):
+        for il, t in tensors.items():
+            yield kind, il, t
+
+
 class KVViews:
     """The views of each request slot's cache in one graph, recorded while it is built, and the
     cache allocation each slot is bound to now."""
@@ -48,9 +55,8 @@ class KVViews:
         for slot, cache in enumerate(caches):
             if cache is None:
                 continue
-            for kind, tensors in ((K_TENSOR, cache.k), (V_TENSOR, cache.v)):
-                for il, t in tensors.items():
-                    self._roots[t] = (slot, kind, il)
+            for kind, il, t in _cache_tensors(cache):
+                self._roots[t] = (slot, kind, il)
 
     def record(self, tensor: int) -> int:
         """Note ``tensor`` (a view of some slot's cache, or of a view of it) and return it."""
@@ -79,10 +85,9 @@ class KVViews:
             if cache is None or self._bound[slot] == cache.serial:
                 continue
             roots = {}
-            for kind, tensors in ((K_TENSOR, cache.k), (V_TENSOR, cache.v)):
-                for il, t in tensors.items():
-                    s = ggml.tensor_view(t)
-                    roots[kind, il] = (t, s.data, s.buffer)
+            for kind, il, t in _cache_tensors(cache):
+                s = ggml.tensor_view(t)
+                roots[kind, il] = (t, s.data, s.buffer)
             for v in self._views[slot]:
                 root, data, buffer = roots[v.kind, v.layer]
                 v.tensor.view_src = root
@@ -98,7 +103,7 @@ class KVViews:
 def cache_views_in(graph: int, caches: list[KVCache | None]) -> set[int]:
     """Every node of ``graph`` whose data lies in one of ``caches``' tensors (a slow scan: what
     ``KVViews`` must have recorded, for the tests)."""
-    roots = {t for c in caches if c is not None for tensors in (c.k, c.v) for t in tensors.values()}
+    roots = {t for c in caches if c is not None for _, _, t in _cache_tensors(c)}
     found = set()
     for i in range(ggml.graph_n_nodes(graph)):
         node = ggml.graph_node(graph, i)
