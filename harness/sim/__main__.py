@@ -6,6 +6,7 @@ with its schedule, its event log (virtual seconds, node, what happened) and what
     python -m harness.sim --seed 42 --shrink        a failing run: the fewest events that still fail
     python -m harness.sim --seeds 0:200             many runs; one line each, the failing seeds at the end
     python -m harness.sim --seeds 0:200 --compute stand-in    the same with the stand-in compute (faster)
+    python -m harness.sim --seeds 0:200 --jobs 2    the same in two worker processes (one line per seed, in order)
     python -m harness.sim --seeds 0:100 --world verified        askers that verify every step; lying trunks
     python -m harness.sim --seed 9 --kinds classic  the seven kinds the seeds recorded before "rejoin" were drawn with
 """
@@ -13,8 +14,12 @@ with its schedule, its event log (virtual seconds, node, what happened) and what
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
 
 from harness.sim.run import play
 from harness.sim.schedule import CLASSIC, draw, kinds_for
@@ -31,6 +36,33 @@ def _seeds(text: str) -> range:
         raise argparse.ArgumentTypeError(f"{text!r} is not a seed range (FIRST:LAST, e.g. 0:100)") from None
 
 
+@dataclass(frozen=True)
+class SeedOutcome:
+    """What one run of a seed range reports: small enough to come back from a worker process."""
+
+    seed: int
+    ok: bool
+    wall_s: float
+    failures: tuple[str, ...]
+
+
+def _run_seed(seed: int, *, spec_name: str, asks: int, faults: int, kinds: tuple[str, ...], compute: str) -> SeedOutcome:
+    spec = WORLDS[spec_name]
+    result = play(draw(seed, spec, asks=asks, faults=faults, kinds=kinds), spec, compute=compute)
+    return SeedOutcome(seed, result.ok, result.wall_s, tuple(result.failures))
+
+
+def _outcomes(seeds: range, jobs: int, run_one) -> Iterator[SeedOutcome]:
+    """The seeds' outcomes in seed order, from this process or from `jobs` forked workers (each run
+    is a fresh swarm on its own virtual clock, so runs share nothing and a seed replays the same
+    wherever it ran)."""
+    if jobs <= 1:
+        yield from map(run_one, seeds)
+        return
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        yield from pool.imap(run_one, seeds, chunksize=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.sim", description=__doc__.splitlines()[0])
     which = parser.add_mutually_exclusive_group(required=True)
@@ -38,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--seeds", type=_seeds, help="run FIRST:LAST (one line per seed)")
     parser.add_argument("--asks", type=int, default=8, help="asks per run (default 8)")
     parser.add_argument("--faults", type=int, default=3, help="faults per run, at most (default 3)")
+    parser.add_argument("--jobs", type=int, default=1, help="with --seeds: worker processes (default 1)")
     parser.add_argument("--verbose", action="store_true", help="every node's info log in the event log")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing schedule")
     parser.add_argument("--compute", choices=COMPUTE_KINDS, default="tiny",
@@ -55,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("PYTHONHASHSEED") != "0":  # (sets of strings iterate in one order every time)
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "harness.sim", *(sys.argv[1:] if argv is None else argv)])
+    if args.jobs < 1:
+        parser.error(f"--jobs takes a number of worker processes, 1 or more (not {args.jobs})")
     spec = WORLDS[args.world]
     if spec.n_expert and args.compute != "tiny":
         parser.error("the stand-in compute has no mixture of experts: --world moe runs with --compute tiny")
@@ -62,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
              "new": tuple(k for k in kinds_for(spec) if k not in CLASSIC)}[args.kinds]
     if args.seeds is not None:
         failed = []
-        for seed in args.seeds:
-            result = play(draw(seed, spec, asks=args.asks, faults=args.faults, kinds=kinds), spec, compute=args.compute)
-            print(f"seed {seed}: {'ok' if result.ok else 'FAILED'} ({result.wall_s:.2f} s)"
-                  + "".join(f"\n    {f}" for f in result.failures), flush=True)
-            if not result.ok:
-                failed.append(seed)
+        run_one = partial(_run_seed, spec_name=args.world, asks=args.asks, faults=args.faults, kinds=kinds,
+                          compute=args.compute)
+        for outcome in _outcomes(args.seeds, args.jobs, run_one):
+            print(f"seed {outcome.seed}: {'ok' if outcome.ok else 'FAILED'} ({outcome.wall_s:.2f} s)"
+                  + "".join(f"\n    {f}" for f in outcome.failures), flush=True)
+            if not outcome.ok:
+                failed.append(outcome.seed)
         print(f"{len(args.seeds) - len(failed)} of {len(args.seeds)} runs passed; failed: {failed or 'none'}")
         return 1 if failed else 0
     schedule = draw(args.seed, spec, asks=args.asks, faults=args.faults, kinds=kinds)
