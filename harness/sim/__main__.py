@@ -9,6 +9,7 @@ with its schedule, its event log (virtual seconds, node, what happened) and what
     python -m harness.sim --seeds 0:200 --jobs 2    the same in two worker processes (one line per seed, in order)
     python -m harness.sim --seeds 0:100 --world verified        askers that verify every step; lying trunks
     python -m harness.sim --seed 9 --kinds classic  the seven kinds the seeds recorded before "rejoin" were drawn with
+    python -m harness.sim --seed 68 --kinds pre-stop  every kind but "stop" (seeds recorded with "all" before it)
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain (3 trunks, 2 askers; default), late (a 4th trunk not started with the swarm), "
                              "verified (late, and askers that verify every step), moe (a tiny qwen3moe, one of "
                              "the trunks an expert node; the tiny compute only)")
-    parser.add_argument("--kinds", choices=("all", "classic", "new"), default="all",
+    parser.add_argument("--kinds", choices=("all", "classic", "new", "pre-stop"), default="all",
                         help="draw faults of every kind the world allows (default); of the seven the seeds "
-                             "recorded in docs/simulator.md and tests/test_sim.py were drawn with; or of the "
-                             "world's others only (rejoin, join, wrong, expert_kill)")
+                             "recorded in docs/simulator.md and tests/test_sim.py were drawn with; of the "
+                             "world's others as first added (rejoin, join, wrong, expert_kill); or of every kind "
+                             "but stop (seeds recorded with 'all' before stop existed)")
     args = parser.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != "0":  # (sets of strings iterate in one order every time)
         os.environ["PYTHONHASHSEED"] = "0"
@@ -93,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = WORLDS[args.world]
     if spec.n_expert and args.compute != "tiny":
         parser.error("the stand-in compute has no mixture of experts: --world moe runs with --compute tiny")
-    kinds = {"all": kinds_for(spec), "classic": CLASSIC,
-             "new": tuple(k for k in kinds_for(spec) if k not in CLASSIC)}[args.kinds]
+    kinds = {"all": kinds_for(spec), "classic": CLASSIC, "new": tuple(k for k in kinds_for(spec, stop=False) if k not in CLASSIC),
+             "pre-stop": kinds_for(spec, stop=False)}[args.kinds]
     if args.seeds is not None:
         failed = []
         run_one = partial(_run_seed, spec_name=args.world, asks=args.asks, faults=args.faults, kinds=kinds,

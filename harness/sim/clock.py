@@ -12,6 +12,7 @@ into virtual time.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import selectors
 import threading
 import time
@@ -84,6 +85,8 @@ class VirtualSelector(selectors.BaseSelector):
                             f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
                             f"{loop.threads_busy} out; {_threads()})")
         loop._now += ITERATION_S
+        if loop.stopped and loop.hold_stopped():  # (the timeout was worked out with them: look again)
+            return []
         if loop.threads.jobs and loop.threads.computing():  # the clock stands still until the thread is back
             return self.real.select(0 if timeout == 0 else None)
         if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
@@ -121,6 +124,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self.node_tasks: dict[str, weakref.WeakValueDictionary[int, asyncio.Task]] = {}
         self._tasks_started = 0
         self.set_task_factory(self._new_task)
+        # Nodes stopped as by SIGSTOP: none of their callbacks or timers runs until they go on;
+        # node → (its ready callbacks, its timers), held out of the loop's queues meanwhile
+        self.stopped: set[str] = set()
+        self._held: dict[str, tuple[list[asyncio.Handle], list[asyncio.TimerHandle]]] = {}
 
     def _new_task(self, loop, coro, **kwargs) -> asyncio.Task:
         task = asyncio.Task(coro, loop=loop, **kwargs)
@@ -142,6 +149,40 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         transport = self.network.bind(protocol, sock, local_addr)
         protocol.connection_made(transport)
         return transport, protocol
+
+    def stop_node(self, node: str) -> None:
+        """SIGSTOP: from the next turn of the loop, nothing of ``node``'s runs (what its sockets
+        receive meanwhile is the network's to hold: SimNetwork.stop)."""
+        self.stopped.add(node)
+        self._held.setdefault(node, ([], []))
+
+    def continue_node(self, node: str) -> None:
+        """SIGCONT: its callbacks run again, first those that were ready, then its timers, every
+        one that came due meanwhile at once."""
+        self.stopped.discard(node)
+        ready, timers = self._held.pop(node, ([], []))
+        self._ready.extend(ready)
+        for timer in timers:
+            heapq.heappush(self._scheduled, timer)
+
+    def hold_stopped(self) -> bool:
+        """Moves the stopped nodes' callbacks and timers out of the loop's queues (each runs in
+        its node's context, CURRENT_NODE); True if any moved."""
+        moved = False
+        ready = [h for h in self._ready if h._context.get(CURRENT_NODE, "") in self.stopped]
+        if ready:
+            moved = True
+            for handle in ready:
+                self._held[handle._context.get(CURRENT_NODE, "")][0].append(handle)
+            self._ready = type(self._ready)(h for h in self._ready if h._context.get(CURRENT_NODE, "") not in self.stopped)
+        timers = [h for h in self._scheduled if h._context.get(CURRENT_NODE, "") in self.stopped]
+        if timers:
+            moved = True
+            for timer in timers:
+                self._held[timer._context.get(CURRENT_NODE, "")][1].append(timer)
+            self._scheduled = [h for h in self._scheduled if h._context.get(CURRENT_NODE, "") not in self.stopped]
+            heapq.heapify(self._scheduled)
+        return moved
 
     def limit_wall(self, seconds: float) -> None:
         self.wall_limit, self.wall_deadline = seconds, time.perf_counter() + seconds

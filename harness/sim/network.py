@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 CURRENT_NODE: contextvars.ContextVar[str] = contextvars.ContextVar("sim_node", default="")
+# Datagrams a stopped node's sockets hold until it goes on; later ones are dropped, as a full
+# receive buffer drops them (Linux's default 208 KiB holds about this many full-size datagrams).
+RECEIVE_BUFFER_DATAGRAMS = 128
 
 
 @dataclass
@@ -43,6 +46,7 @@ class NetStats:
     lost: int = 0
     duplicated: int = 0
     cut: int = 0  # dropped by a partition or a dead or frozen node
+    overflowed: int = 0  # dropped at a stopped node whose receive buffer was full
     unbound: int = 0  # nobody listening at the address
 
 
@@ -104,6 +108,8 @@ class SimNetwork:
     cut_off: set[frozenset[str]] = field(default_factory=set)  # pairs of nodes that cannot reach each other
     down: set[str] = field(default_factory=set)  # nodes whose datagrams go nowhere (dead, frozen)
     slow: dict[str, float] = field(default_factory=dict)  # node → seconds added to each datagram to or from it
+    # stopped node → the datagrams its sockets received meanwhile, unread
+    stopped: dict[str, list[tuple[str, tuple[str, int], tuple[str, int], bytes]]] = field(default_factory=dict)
     stats: NetStats = field(default_factory=NetStats)
 
     def ip_of(self, node: str) -> str:
@@ -136,6 +142,17 @@ class SimNetwork:
             self.cut_off.clear()
         else:
             self.cut_off.discard(frozenset((a, b)))
+
+    def stop(self, node: str) -> None:
+        """What arrives for ``node`` waits in its sockets, unread, until ``go_on``."""
+        self.stopped.setdefault(node, [])
+
+    def go_on(self, node: str, *, read: bool = True) -> None:
+        """The node reads what waited (``read=False``: it never will, killed while stopped)."""
+        unread = self.stopped.pop(node, [])
+        if read:
+            for datagram in unread:
+                self.loop.call_soon(self._deliver, *datagram)
 
     def endpoints_of(self, node: str) -> list[SimTransport]:
         return [t for t in self.endpoints.values() if t.node == node]
@@ -170,6 +187,13 @@ class SimNetwork:
             return
         if node in self.down or target.node in self.down or frozenset((node, target.node)) in self.cut_off:
             self.stats.cut += 1
+            return
+        if target.node in self.stopped:
+            unread = self.stopped[target.node]
+            if len(unread) < RECEIVE_BUFFER_DATAGRAMS:
+                unread.append((node, source, destination, data))
+            else:
+                self.stats.overflowed += 1
             return
         self.stats.delivered += 1
         token = CURRENT_NODE.set(target.node)  # what the receiver starts from here runs as the receiver

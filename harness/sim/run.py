@@ -296,6 +296,9 @@ class SimRun:
                                                      n_threads=1, max_context=self.asker.max_context)
 
     def _kill(self, node: str) -> None:
+        if node in self.loop.stopped:  # (its unread datagrams die with it; its tasks are cancelled below)
+            self.network.go_on(node, read=False)
+            self.loop.continue_node(node)
         if node == "host":
             self.host_service = None
         self.killed.add(node)
@@ -366,6 +369,8 @@ class SimRun:
                 service.requests._test_corrupt = 0.0
         elif fault.kind == "revoke":
             await run_as("host-cli", self._revoke(fault.node))
+        elif fault.kind == "stop":
+            await self._stop(fault)
         elif fault.kind in ("freeze", "slow", "partition"):
             if fault.kind == "freeze":
                 net.down.add(fault.node)
@@ -382,6 +387,22 @@ class SimRun:
                 net.slow.pop(fault.node, None)
             else:
                 net.heal(fault.node, fault.other)
+
+    async def _stop(self, fault: Fault) -> None:
+        """SIGSTOP, then SIGCONT after ``lasts``: none of the node's code runs meanwhile, its timers
+        included, and what reaches its sockets waits there; then it reads that and every timer that
+        came due fires at once. (Skipped for a node not running, or stopped already.)"""
+        node = fault.node
+        if node in self.loop.stopped or node not in self.running:
+            return
+        self.loop.stop_node(node)
+        self.network.stop(node)
+        await asyncio.sleep(fault.lasts)
+        if node not in self.loop.stopped:  # (killed meanwhile)
+            return
+        self.event(f"   fault over: {fault.describe()}")
+        self.network.go_on(node)
+        self.loop.continue_node(node)
 
     async def _rejoin(self, fault: Fault) -> None:
         """What a user's Ctrl-C does to 'swarmctl run trunk' (its stop event, swarmctl/commands/run.py),

@@ -30,7 +30,12 @@ MORE_FAULTS = {
              "(worlds whose askers verify every step)",
     "expert_kill": "kill -9 of an expert node, mid-call or not; started again from its home after a pause "
                    "(worlds with expert nodes)",
+    "stop": "a trunk or the host stopped as by SIGSTOP (no code of its runs, its timers included; what "
+            "reaches it waits in its sockets), then continued after a while (SIGCONT)",
 }
+# The kinds drawn before 'stop' existed: the seeds recorded then with --kinds all replay with these
+# ('--kinds pre-stop'; a kind added to a draw changes what every later choice in it picks).
+STOP = "stop"
 # Not drawn in a world whose askers do not check their steps (every ask it touches must fail
 # there): for showing that the invariants catch wrong tokens. Drawn as 'wrong' where they check.
 LIE = "lie"  # a trunk adds noise to every result it passes on, for a while
@@ -84,12 +89,12 @@ class Schedule:
         return "\n".join(lines)
 
 
-def kinds_for(spec: WorldSpec) -> tuple[str, ...]:
+def kinds_for(spec: WorldSpec, *, stop: bool = True) -> tuple[str, ...]:
     """Every kind a run of ``spec`` can be given and keep its invariants: 'wrong' only where the
     askers check every step (nothing else in the product catches a trunk's wrong rows before they
     become tokens), 'join' where a member was left out at the start, 'expert_kill' where there are
-    expert nodes."""
-    more = ["rejoin"]
+    expert nodes. ``stop=False``: as drawn before 'stop' existed (the seeds recorded then)."""
+    more = ["rejoin"] + ([STOP] if stop else [])
     more += ["join"] if spec.spare_trunks else []
     more += ["wrong"] if spec.verify >= 1.0 else []
     more += ["expert_kill"] if spec.expert_nodes else []
@@ -122,8 +127,8 @@ def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s
             drawn_faults.append(Fault(at, kind, trunk, lasts=lasts))
         elif kind == "join":
             drawn_faults.append(Fault(at, kind, rng.choice(spec.spare_names)))
-        elif kind in ("restart", "freeze"):
-            drawn_faults.append(Fault(at, kind, rng.choice([trunk, "host"]) if kind == "freeze" else trunk,
+        elif kind in ("restart", "freeze", STOP):
+            drawn_faults.append(Fault(at, kind, trunk if kind == "restart" else rng.choice([trunk, "host"]),
                                       lasts=lasts))
         elif kind == "host_restart":
             drawn_faults.append(Fault(at, kind, "host", lasts=lasts))
