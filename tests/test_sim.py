@@ -224,6 +224,22 @@ def test_a_host_stopped_reads_its_sockets_before_its_timers_and_a_frozen_one_doe
     assert down == {"trunk-2"}
 
 
+def test_a_trunk_planned_out_while_slow_comes_back_once_fast():
+    """The churn world (layers placed by speed): trunk-2 serves 10x slower for 20 s, so the host
+    re-plans without it; once it is fast again, it serves nothing, so no batch can say so: it
+    measures again while idle and the host plans it back in. (Before, it stayed out for good, and
+    the run failed: alive but not in the plan at the end.)"""
+    spec = WORLDS["churn"]
+    asks = tuple(Ask(1.0 + 2.5 * i, ("alice", "mallory")[i % 2], (5 + i, 6, 7), 24) for i in range(12))
+    result = play(Schedule(0, Conditions(), asks, (Fault(2.0, "churn", "trunk-2", lasts=20.0, factor=10.0),)),
+                  spec, compute="stand-in", verbose=True)
+    assert result.ok, "\n".join(result.failures)
+    plans = [line.split("plan v", 1)[1] for line in result.log if re.search(r"host info .*: plan v\d+: trunk", line)]
+    out = next(i for i, p in enumerate(plans) if "left out trunk-2" in p)
+    assert any("trunk-2[" in p for p in plans[out + 1:]), plans
+    assert any("trunk-2 info" in line and "measured again: 5.000" in line for line in result.log)
+
+
 @pytest.mark.parametrize("compute", ["tiny", "stand-in"])
 def test_the_invariants_catch_a_trunk_that_lies(compute):
     """A trunk adding noise to its results: the asks it serves meanwhile return other tokens, and

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", choices=sorted(WORLDS), default="plain",
                         help="plain (3 trunks, 2 askers; default), late (a 4th trunk not started with the swarm), "
                              "verified (late, and askers that verify every step), moe (a tiny qwen3moe, one of "
-                             "the trunks an expert node; the tiny compute only)")
+                             "the trunks an expert node; the tiny compute only), churn (layers placed by speed; "
+                             "trunks whose speed changes)")
     parser.add_argument("--kinds", choices=("all", "classic", "new", "pre-stop"), default="all",
                         help="draw faults of every kind the world allows (default); of the seven the seeds "
                              "recorded in docs/simulator.md and tests/test_sim.py were drawn with; of the "

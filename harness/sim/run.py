@@ -141,7 +141,8 @@ class SimRun:
             with engines(self.compute), HEADERS, LoopWaits(self.loop), self.compute_threads:
                 self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
                 self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
-                with FIGURES, SMALL_PROBES, seeded_randomness(self.schedule.seed):
+                churn = any(f.kind == "churn" for f in self.schedule.faults)
+                with FIGURES.of(self.spec, churn), SMALL_PROBES, seeded_randomness(self.schedule.seed):
                     self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
@@ -371,6 +372,11 @@ class SimRun:
             await run_as("host-cli", self._revoke(fault.node))
         elif fault.kind == "stop":
             await self._stop(fault)
+        elif fault.kind == "churn":  # (what its stage reports from its batches: FixedFigures)
+            FIGURES.slower[fault.node] = fault.factor
+            await asyncio.sleep(fault.lasts)
+            self.event(f"   fault over: {fault.describe()}")
+            FIGURES.slower.pop(fault.node, None)
         elif fault.kind in ("freeze", "slow", "partition"):
             if fault.kind == "freeze":
                 net.down.add(fault.node)
@@ -403,6 +409,7 @@ class SimRun:
         self.event(f"   fault over: {fault.describe()}")
         self.network.go_on(node)
         self.loop.continue_node(node)
+        self._host_hears_again()
 
     async def _rejoin(self, fault: Fault) -> None:
         """What a user's Ctrl-C does to 'swarmctl run trunk' (its stop event, swarmctl/commands/run.py),
@@ -467,10 +474,10 @@ class SimRun:
         return wanted if wanted in experts else (experts[0] if experts else None)
 
     def _host_hears(self) -> bool:
-        return "host" in self.running and "host" not in self.network.down
+        return "host" in self.running and "host" not in self.network.down and "host" not in self.loop.stopped
 
     def _host_hears_again(self) -> None:
-        """A revocation made while the host was down or frozen counts from when it runs and hears
+        """A revocation made while the host was down, frozen or stopped counts from when it runs and hears
         again: until then neither it nor anyone it tells can act on it."""
         if self.revoke_pending and self._host_hears():
             self.result.revoked_at, self.revoke_pending = self._revocation_counts_from(), False

@@ -30,11 +30,14 @@ MORE_FAULTS = {
              "(worlds whose askers verify every step)",
     "expert_kill": "kill -9 of an expert node, mid-call or not; started again from its home after a pause "
                    "(worlds with expert nodes)",
+    "churn": "a trunk's stage serves slower or faster for a while (its speed reports from its batches say "
+             "so); the host's re-plan gate is shortened in such a run so that it can re-plan on speed "
+             "(worlds whose planner places layers by speed)",
     "stop": "a trunk or the host stopped as by SIGSTOP (no code of its runs, its timers included; what "
             "reaches it waits in its sockets), then continued after a while (SIGCONT)",
 }
-# The kinds drawn before 'stop' existed: the seeds recorded then with --kinds all replay with these
-# ('--kinds pre-stop'; a kind added to a draw changes what every later choice in it picks).
+# The kind added last: the seeds recorded before it, with --kinds all, replay without it ('--kinds
+# pre-stop'; a kind added to a draw changes what every later choice in it picks).
 STOP = "stop"
 # Not drawn in a world whose askers do not check their steps (every ask it touches must fail
 # there): for showing that the invariants catch wrong tokens. Drawn as 'wrong' where they check.
@@ -62,10 +65,12 @@ class Fault:
     other: str = ""  # the second node of a partition
     lasts: float = 0.0  # how long until it is undone (restart, freeze, slow, partition)
     extra_delay: float = 0.0  # for 'slow': added to each of its datagrams
+    factor: float = 0.0  # for 'churn': what its speed figure is multiplied by
 
     def describe(self) -> str:
         what = {"partition": f"{self.node} <-/-> {self.other}",
-                "slow": f"{self.node} +{self.extra_delay * 1e3:.0f} ms per datagram"}.get(self.kind, self.node)
+                "slow": f"{self.node} +{self.extra_delay * 1e3:.0f} ms per datagram",
+                "churn": f"{self.node} at {self.factor:g}x its time per layer"}.get(self.kind, self.node)
         return f"{self.kind} {what}" + (f" for {self.lasts:.1f} s" if self.lasts else "")
 
 
@@ -93,8 +98,10 @@ def kinds_for(spec: WorldSpec, *, stop: bool = True) -> tuple[str, ...]:
     """Every kind a run of ``spec`` can be given and keep its invariants: 'wrong' only where the
     askers check every step (nothing else in the product catches a trunk's wrong rows before they
     become tokens), 'join' where a member was left out at the start, 'expert_kill' where there are
-    expert nodes. ``stop=False``: as drawn before 'stop' existed (the seeds recorded then)."""
-    more = ["rejoin"] + ([STOP] if stop else [])
+    expert nodes, 'churn' where the planner places layers by speed (a world made after 'stop').
+    ``stop=False``: as drawn before 'stop' existed (the seeds recorded then)."""
+    more = ["rejoin", *([STOP] if stop else [])]
+    more += ["churn"] if spec.objective != "even" else []
     more += ["join"] if spec.spare_trunks else []
     more += ["wrong"] if spec.verify >= 1.0 else []
     more += ["expert_kill"] if spec.expert_nodes else []
@@ -127,7 +134,7 @@ def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s
             drawn_faults.append(Fault(at, kind, trunk, lasts=lasts))
         elif kind == "join":
             drawn_faults.append(Fault(at, kind, rng.choice(spec.spare_names)))
-        elif kind in ("restart", "freeze", STOP):
+        elif kind in ("restart", "freeze", "stop"):
             drawn_faults.append(Fault(at, kind, trunk if kind == "restart" else rng.choice([trunk, "host"]),
                                       lasts=lasts))
         elif kind == "host_restart":
@@ -138,6 +145,8 @@ def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s
             drawn_faults.append(Fault(round(at + rng.uniform(0.05, 1.0), 2), kind, REVOKED_ASKER))
         elif kind == "slow":
             drawn_faults.append(Fault(at, kind, trunk, lasts=lasts, extra_delay=rng.choice([0.05, 0.5, 2.0])))
+        elif kind == "churn":
+            drawn_faults.append(Fault(at, kind, trunk, lasts=lasts, factor=rng.choice([0.25, 4.0, 10.0])))
         else:
             others = [n for n in [*spec.trunk_names, "host", *spec.askers] if n != trunk]
             drawn_faults.append(Fault(at, kind, trunk, other=rng.choice(others), lasts=lasts))

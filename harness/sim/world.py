@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import random
 import shutil
@@ -50,6 +51,10 @@ class WorldSpec:
     verify: float = 0.0  # > 0: every asker checks this share of its trunk steps (swarmctl ask --verify)
     n_expert: int = 0  # > 0: a mixture-of-experts model (tiny qwen3moe), of this many experts per layer
     expert_nodes: int = 0  # of the trunks, this many hold experts instead of layers (PlannerSettings)
+    # what the host's planner optimises: 'even' spreads layers by memory (every trunk a stage, whatever
+    # its speed); 'throughput' places them by speed, so a trunk's speed reports move layers
+    objective: str = "even"
+    ms_per_layer: float = 0.033  # the decode figure every trunk reports (FixedFigures)
 
     @property
     def trunk_names(self) -> list[str]:
@@ -72,6 +77,9 @@ WORLDS = {
     "late": WorldSpec(spare_trunks=1),  # one trunk more, not started with the swarm
     "verified": WorldSpec(spare_trunks=1, verify=1.0),  # askers check every step: a lying trunk can be drawn
     "moe": WorldSpec(n_expert=8, expert_nodes=1),  # tiny qwen3moe; one of the three trunks an expert node
+    # layers placed by speed, every trunk a stage (a layer's 5 ms outweighs a hop's cost): a 'churn'
+    # fault can move them
+    "churn": WorldSpec(objective="throughput", ms_per_layer=5.0),
 }
 
 
@@ -103,7 +111,7 @@ class Template:
         host_address = self.host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
         host = SwarmHome(self.root / "homes" / "host")
         create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
-                     model=str(self.model), planner=PlannerSettings(objective="even", head_layers=spec.head_layers,
+                     model=str(self.model), planner=PlannerSettings(objective=spec.objective, head_layers=spec.head_layers,
                                                              expert_nodes=spec.expert_nodes))
         with GGUFFile(self.model) as gguf:  # the host's hashes of the model, in its home: no run's host reads it all
             model_hashes(gguf, ModelSpec.from_gguf(gguf).n_layer, host.file(HASH_CACHE_FOLDER))
@@ -141,50 +149,99 @@ class FixedFigures:
     cheaper, a run's plan does not depend on how busy the machine is, and a replay in a fresh
     process sends the same datagrams as the run in a sweep (measured in the run, the datagram
     cost took 1.3 virtual seconds and its datagrams' draws from the network's seed, in the first
-    run of each process only)."""
+    run of each process only).
 
-    MS_PER_LAYER = 0.033  # a decode token through one layer
+    A 'churn' fault makes one node's figures ``slower[node]`` times the usual while it lasts:
+    what it measures, and what its stage reports from its batches, at most once every
+    ``CHURN_REPORT_S`` virtual seconds (the host plans with the best of the last few), then the
+    usual figure once when it is over. A run with such a fault has the host's re-plan gate and an
+    idle trunk's re-measuring at the churn bounds below (the product's 90 s, 60 s and 60 s are
+    longer than a run's minute)."""
+
+    MS_PER_LAYER = WorldSpec.ms_per_layer  # a decode token through one layer (a world may say otherwise)
     PROMPT_MS_PER_ROW = 0.004  # a prompt row through one layer
     US_PER_DATAGRAM = 500.0  # a 1350-byte datagram, both ends of a hop
+    CHURN_REPORT_S = 3.0
+    CHURN_SUSTAIN_S = 5.0  # the gain held this long (plans/hysteresis.py SUSTAIN_S)
+    CHURN_SETTLE_S = 10.0  # and the plan in use stood this long (SETTLE_S)
+    CHURN_IDLE_REMEASURE_S = 5.0  # an idle trunk on a served figure measures again (kernels/speed.py)
 
     def __init__(self) -> None:
+        import swarmctl.host.planning as planning
         import swarmctl.trunk.service as trunk_service
         import swarmctl.trunk.speed_report as speed_report
 
-        self.module, self.service = speed_report, trunk_service
+        self.module, self.service, self.planning = speed_report, trunk_service, planning
         self.real = (speed_report.measure_speed, speed_report.measure_prompt_rate)
         self.real_cost = trunk_service.measure_datagram_cost
         self.real_tracker = speed_report.SpeedTracker
+        self.real_gate = planning.ReplanGate
+
+        self.ms_per_layer = self.MS_PER_LAYER  # this run's (``of``)
+        self.churn = False  # this run has a 'churn' fault
+        self.slower: dict[str, float] = {}  # node → its figures' factor, while a 'churn' fault lasts
+        figures = self
 
         class FixedTracker(speed_report.SpeedTracker):
+            def __init__(self, **kwargs) -> None:
+                super().__init__(**kwargs)
+                if figures.churn:
+                    self.idle_remeasure_s = figures.CHURN_IDLE_REMEASURE_S
+
             def observe(self, batches, n_layers, **kwargs) -> None:
                 pass  # (a batch's wall time says nothing under the virtual clock)
 
+            def serving_report(self, reported: float | None, now: float | None = None) -> float | None:
+                figure, usual = figures.node_ms_per_layer(), figures.ms_per_layer
+                now = asyncio.get_running_loop().time()
+                if figure == usual and reported == figure or now - self.last_report < figures.CHURN_REPORT_S:
+                    return None
+                self.last_report = now
+                return figure
+
         self.tracker = FixedTracker
 
+    def node_ms_per_layer(self) -> float:
+        """The figure of the node whose code runs now."""
+        return self.ms_per_layer * self.slower.get(CURRENT_NODE.get(), 1.0)
+
+    def _measure_speed(self, gguf, **kwargs):
+        return self._measurement(self.node_ms_per_layer(), kwargs.get("n_threads"))
+
+    def _measure_prompt_rate(self, gguf, **kwargs):
+        return self._measurement(self.PROMPT_MS_PER_ROW, kwargs.get("n_threads"))
+
     @staticmethod
-    def _figure(ms: float):
+    def _measurement(ms: float, n_threads: int | None):
         from kernels.speed import SpeedMeasurement
 
-        return lambda gguf, **kwargs: SpeedMeasurement(ms, repeats=(), starved=(), contended=False, seconds=0.0,
-                                                       n_threads=kwargs.get("n_threads") or 1)
+        return SpeedMeasurement(ms, repeats=(), starved=(), contended=False, seconds=0.0, n_threads=n_threads or 1)
 
     async def _datagram_cost(self, *args, **kwargs):
         from net.packet_cost import DEFAULT_DATAGRAM_SIZE, DatagramCost
 
         return DatagramCost(self.US_PER_DATAGRAM, DEFAULT_DATAGRAM_SIZE, ())
 
+    def of(self, spec: "WorldSpec", churn: bool = False) -> "FixedFigures":
+        """The figures of a run in ``spec``'s world, with a 'churn' fault or not (entered next)."""
+        self.ms_per_layer, self.churn, self.slower = spec.ms_per_layer, churn, {}
+        return self
+
     def __enter__(self) -> "FixedFigures":
-        self.module.measure_speed = self._figure(self.MS_PER_LAYER)
-        self.module.measure_prompt_rate = self._figure(self.PROMPT_MS_PER_ROW)
+        self.module.measure_speed = self._measure_speed
+        self.module.measure_prompt_rate = self._measure_prompt_rate
         self.service.measure_datagram_cost = self._datagram_cost
         self.module.SpeedTracker = self.tracker
+        if self.churn:
+            self.planning.ReplanGate = functools.partial(self.real_gate, sustain_s=self.CHURN_SUSTAIN_S,
+                                                         settle_s=self.CHURN_SETTLE_S)
         return self
 
     def __exit__(self, *exc) -> None:
         self.module.measure_speed, self.module.measure_prompt_rate = self.real
         self.service.measure_datagram_cost = self.real_cost
         self.module.SpeedTracker = self.real_tracker
+        self.planning.ReplanGate = self.real_gate
 
 
 FIGURES = FixedFigures()

@@ -18,6 +18,7 @@ from pathlib import Path
 from kernels.gguf_file import GGUFFile
 from kernels.speed import (REPORT_FACTOR, SERVED_REPORT_FACTOR, SpeedTracker, measure_prompt_rate, measure_ram_rate,
                            measure_speed, worth_reporting)
+from net import clock
 from net import messages as m
 from swarmctl.trunk.context import TrunkContext
 
@@ -31,6 +32,7 @@ class SpeedReport:
         self.device = ctx.device  # measured where the slices will run
         self.ms_per_layer_token: float | None = None  # the figure the host has
         self.prompt_ms_per_layer_row: float | None = None  # a prompt row's, measured with it (plans/prefill.py)
+        self.figure_served = False  # the host's figure came from the batches served, not a measurement
         self.tracker = SpeedTracker()
         self._executor = ctx.executor
         self._tell_host = tell_host
@@ -78,14 +80,19 @@ class SpeedReport:
 
     def refresh(self, serving: tuple[object, int] | None, idle: bool) -> None:
         """Keep the host's figure current. ``serving``: (the batch runner, the stage's layer count)
-        of a stage serving its own layers; ``idle``: nothing loaded, so measuring again disturbs nobody."""
+        of a stage serving its own layers; ``idle``: nothing loaded, so measuring again disturbs nobody.
+        An idle trunk whose figure came from its batches measures again now and then: a slow spell
+        may have planned it out, and a trunk that serves nothing has no batch to say it is fast again."""
         if serving is not None:
             runner, n_layers = serving
             engine = getattr(runner, "engine", None)
             threads = engine.backend.n_threads if engine is not None else None
             self.tracker.observe(runner.stats.recent, n_layers, n_threads=threads, one_row_ms=self.ms_per_layer_token)
             self._report(self.tracker.serving_report(self.ms_per_layer_token), "while serving", serving=True)
-        elif idle and self.model_path.exists() and self.tracker.take_remeasure():
+        can_measure = idle and self.model_path.exists()
+        contended_again = can_measure and self.tracker.take_remeasure()
+        served_again = self.tracker.take_idle_remeasure(can_measure and self.figure_served, clock.now())
+        if contended_again or served_again:
             self._spawn(self._remeasure())
 
     async def _remeasure(self) -> None:
@@ -99,7 +106,7 @@ class SpeedReport:
             news = worth_reporting(figure, self.ms_per_layer_token, SERVED_REPORT_FACTOR)
             (log.info if news else log.debug)("%s: %.3f ms per layer (the host had %s)", how, figure,
                                               f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
-            self.ms_per_layer_token = figure
+            self.ms_per_layer_token, self.figure_served = figure, serving
             if serving:  # the prompt batches it served since, if any, ride along (plans/prefill.py)
                 self.prompt_ms_per_layer_row = self.tracker.prompt_estimate() or self.prompt_ms_per_layer_row
             self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure, serving=serving,
