@@ -291,9 +291,9 @@ REPORT_INTERVAL_S = 30.0  # at most one serving figure per 30 s (under load the 
 RESEND_S = 60.0  # a served figure is sent again this often while it holds: the host judges by the last few
 REMEASURE_AFTER_S = 10.0  # a contended first measurement is repeated after 10, 20, 40, 80 s
 MAX_REMEASURES = 4
-# A trunk given no layers while the host's figure for it is one its batches served (a slow spell
-# that may have planned it out: it serves nothing, so no batch can say it is fast again) measures
-# again after 60 s idle, then 120, 240, ... up to every 16 minutes, until a measurement is news.
+# A trunk given no layers (a slow spell, at its start or in the batches it served, may have planned
+# it out: it serves nothing, so no batch can say it is fast again) measures again after 60 s idle,
+# then 120, 240, ... up to every 16 minutes (a third of a second of compute each, on an idle machine).
 IDLE_REMEASURE_S = 60.0
 IDLE_REMEASURE_MAX_S = 960.0
 PROMPT_MIN_ROWS = 16  # a batch with this many rows counts as a prompt's (its rows share the weights' read)
@@ -343,7 +343,7 @@ class SpeedTracker:
     contended: bool = False  # the last micro-benchmark never had the CPU to itself
     remeasures: int = 0
     next_remeasure: float = math.inf  # time.monotonic()
-    idle_remeasure_s: float = IDLE_REMEASURE_S  # the first wait of an idle trunk on a served figure
+    idle_remeasure_s: float = IDLE_REMEASURE_S  # the first wait of a trunk given no layers
     idle_wait_s: float = 0.0  # the wait under way
     next_idle_remeasure: float = math.inf  # the loop's clock (net/clock.py); inf: not waiting
     last_report: float = -math.inf  # time.monotonic() of the last serving figure reported
@@ -366,8 +366,8 @@ class SpeedTracker:
         return True
 
     def take_idle_remeasure(self, waiting: bool, now: float) -> bool:
-        """True (once per wait) when an idle trunk whose figure came from its batches should measure
-        again. ``waiting``: it is idle on such a figure now (False resets the waits)."""
+        """True (once per wait) when a trunk given no layers should measure again. ``waiting``: it
+        is idle now and can measure (False resets the waits)."""
         if not waiting:
             self.next_idle_remeasure = math.inf
             return False

@@ -359,6 +359,23 @@ def test_seeded_runs_of_the_new_kinds_keep_every_invariant(seed, world, kind):
         assert any("returned a wrong result" in line for line in result.log), "\n".join(result.log)
 
 
+# Seeds of every kind, 'stop' and 'churn' included (--kinds all): 106 (plain) stops the host for
+# 15.6 s while mallory is revoked, whose ask then ends with the revocation as the host goes on; 75
+# (churn) restarts trunk-2 during a 4x slow spell: measured slow at start, it is planned out, and
+# comes back once it measures again while idle (before: it stayed out for good).
+LATEST_KIND_SEEDS = [(106, "plain", "stop"), (75, "churn", "churn")]
+
+
+@pytest.mark.parametrize("seed,world,kind", LATEST_KIND_SEEDS)
+def test_seeded_runs_of_the_latest_kinds_keep_every_invariant(seed, world, kind):
+    spec = WORLDS[world]
+    schedule = draw(seed, spec, kinds=kinds_for(spec))
+    assert kind in {f.kind for f in schedule.faults}
+    result = play(schedule, spec, compute="stand-in")
+    assert result.ok, (f"python -m harness.sim --seed {seed} --world {world} --compute stand-in:\n"
+                       + "\n".join(result.failures))
+
+
 def test_classic_draws_are_unchanged():
     """The recorded seeds replay: without kinds, a draw picks from the seven first kinds only, as
     before 'rejoin' and the others existed (seed 45 kills, as test_a_seed_replays_exactly says)."""

@@ -280,10 +280,10 @@ def test_a_contended_measurement_is_repeated_a_few_times_further_apart():
     assert gaps == [REMEASURE_AFTER_S * 2 ** i for i in range(MAX_REMEASURES)]
 
 
-def test_a_trunk_planned_out_on_a_served_figure_measures_again_while_idle():
-    """A slow spell's served figure can plan a trunk out, and then no batch can say it is fast
-    again: idle on such a figure, it measures again after 60 s, 120 s, ... up to every 16 minutes,
-    and the waits start over once it is not (serving, or its figure a measurement)."""
+def test_a_trunk_given_no_layers_measures_again_now_and_then():
+    """A slow spell can plan a trunk out, and then no batch can say it is fast again: given no
+    layers, it measures again after 60 s, 120 s, ... up to every 16 minutes, and the waits start
+    over once it serves again."""
     from kernels.speed import IDLE_REMEASURE_MAX_S, IDLE_REMEASURE_S
 
     tracker = SpeedTracker()
@@ -319,7 +319,7 @@ def test_a_stage_tells_the_host_the_speed_it_serves_at():
     report.refresh((runner, 22), idle=False)
     assert [as_dict(message) for message in sent] == [{"type": "speed", "ms_per_layer_token": pytest.approx(0.9),
                                                        "serving": True, "prompt_ms_per_layer_row": pytest.approx(0.05)}]
-    assert report.ms_per_layer_token == pytest.approx(0.9) and report.figure_served
+    assert report.ms_per_layer_token == pytest.approx(0.9)
 
 
 def test_the_host_replans_on_a_material_change_only(tmp_path):

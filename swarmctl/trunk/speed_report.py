@@ -32,7 +32,6 @@ class SpeedReport:
         self.device = ctx.device  # measured where the slices will run
         self.ms_per_layer_token: float | None = None  # the figure the host has
         self.prompt_ms_per_layer_row: float | None = None  # a prompt row's, measured with it (plans/prefill.py)
-        self.figure_served = False  # the host's figure came from the batches served, not a measurement
         self.tracker = SpeedTracker()
         self._executor = ctx.executor
         self._tell_host = tell_host
@@ -81,8 +80,9 @@ class SpeedReport:
     def refresh(self, serving: tuple[object, int] | None, idle: bool) -> None:
         """Keep the host's figure current. ``serving``: (the batch runner, the stage's layer count)
         of a stage serving its own layers; ``idle``: nothing loaded, so measuring again disturbs nobody.
-        An idle trunk whose figure came from its batches measures again now and then: a slow spell
-        may have planned it out, and a trunk that serves nothing has no batch to say it is fast again."""
+        An idle trunk measures again now and then: a slow spell (at its start, or in the batches it
+        served) may have planned it out, and a trunk that serves nothing has no batch to say it is
+        fast again."""
         if serving is not None:
             runner, n_layers = serving
             engine = getattr(runner, "engine", None)
@@ -91,8 +91,8 @@ class SpeedReport:
             self._report(self.tracker.serving_report(self.ms_per_layer_token), "while serving", serving=True)
         can_measure = idle and self.model_path.exists()
         contended_again = can_measure and self.tracker.take_remeasure()
-        served_again = self.tracker.take_idle_remeasure(can_measure and self.figure_served, clock.now())
-        if contended_again or served_again:
+        idle_again = self.tracker.take_idle_remeasure(can_measure, clock.now())
+        if contended_again or idle_again:
             self._spawn(self._remeasure())
 
     async def _remeasure(self) -> None:
@@ -106,7 +106,7 @@ class SpeedReport:
             news = worth_reporting(figure, self.ms_per_layer_token, SERVED_REPORT_FACTOR)
             (log.info if news else log.debug)("%s: %.3f ms per layer (the host had %s)", how, figure,
                                               f"{self.ms_per_layer_token:.3f}" if self.ms_per_layer_token else "none")
-            self.ms_per_layer_token, self.figure_served = figure, serving
+            self.ms_per_layer_token = figure
             if serving:  # the prompt batches it served since, if any, ride along (plans/prefill.py)
                 self.prompt_ms_per_layer_row = self.tracker.prompt_estimate() or self.prompt_ms_per_layer_row
             self._spawn(self._tell_host(m.Speed(ms_per_layer_token=figure, serving=serving,
