@@ -240,6 +240,22 @@ def test_a_trunk_planned_out_while_slow_comes_back_once_fast():
     assert any("trunk-2 info" in line and "measured again: 5.000" in line for line in result.log)
 
 
+def test_an_asker_gives_a_silent_host_up_before_quic_does():
+    """Seed 68's schedule turned on an asker: alice's datagrams take 2 s for 10 s (QUIC's idle
+    timeout grows to three probe timeouts of that round trip), then the host is killed and started
+    again. Alice gives the old process's connection up after IDLE_TIMEOUT of silence and connects
+    to the new one, so her asks 15 s later get its plan at once. (Before, she kept the dead
+    connection 36 s more: the ask at 30 s rerouted for 22 s on the old plan, and the one at 45 s
+    ended with a stage's refusal of it.)"""
+    asks = (Ask(1.0, "alice", (5, 6, 7), 8), Ask(30.0, "alice", (8, 9), 8), Ask(45.0, "alice", (10, 11), 8))
+    faults = (Fault(2.0, "slow", "alice", lasts=10.0, extra_delay=2.0), Fault(13.0, "host_restart", "host", lasts=2.0))
+    result = play(Schedule(0, Conditions(), asks, faults), SPEC, compute="stand-in")
+    assert result.ok, "\n".join(result.failures)
+    assert all(r.tokens is not None and r.ended - r.started < 2.0 for r in result.asks), \
+        [(r.ask.at, r.ended, r.error) for r in result.asks]
+    assert any("alice warning" in line and "the host has been silent for" in line for line in result.log)
+
+
 @pytest.mark.parametrize("compute", ["tiny", "stand-in"])
 def test_the_invariants_catch_a_trunk_that_lies(compute):
     """A trunk adding noise to its results: the asks it serves meanwhile return other tokens, and

@@ -302,6 +302,7 @@ class SwarmLink:
                 self.steps.fail(f"stage {tick.member} went silent", self.table.waiting())
             elif tick == CHECK_STALLS:
                 self._fail_stalled()
+            self.host.give_up_if_silent(silences)  # (before QUIC's idle timeout, which a slow link stretches)
             if not self.host.is_open and not self.refused:  # (a revoked member knocks no more)
                 try:
                     self._plan_arrived(await self.host.connect())

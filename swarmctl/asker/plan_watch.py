@@ -13,6 +13,7 @@ from net import messages as m
 from net.dispatch import Dispatcher
 from net.endpoint import NoAddressAnswered
 from net.identity import Credentials
+from net.liveness import IDLE_TIMEOUT, SilenceClock
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import WireError, decode_control
 from plans.plan import Plan
@@ -58,12 +59,24 @@ class PlanWatch:
         self.connect_with = connect_with or \
             (lambda addresses: connect_host(self.config, self.creds, self.handler, addresses=addresses))
         self._changed = asyncio.Event()
+        self._given_up: SwarmProtocol | None = None  # a connection closed here for the host's silence
         # What the host sends on the watch stream (net/dispatch.py): a plan, or an error.
         self.from_host = Dispatcher({m.PlanPush: self._plan, m.Error: lambda error: None})
 
     @property
     def is_open(self) -> bool:
-        return self.conn is not None and self.conn.is_open
+        return self.conn is not None and self.conn.is_open and self.conn is not self._given_up
+
+    def give_up_if_silent(self, silence: SilenceClock) -> None:
+        """The host not heard for IDLE_TIMEOUT: its connection is given up here (and connected
+        again), not left to QUIC, whose idle timeout is three probe timeouts of the round trip it
+        measured: after 10 s of 2-second datagrams an asker kept the connection of a host that
+        had restarted meanwhile for 36 s more, and asked with that process's last plan until then
+        (the simulator; a trunk's HostLink does the same for its registration)."""
+        if self.is_open and (quiet := silence.silence(self.conn)) > IDLE_TIMEOUT:
+            log.warning("the host has been silent for %.0f s: connecting again", quiet)
+            self._given_up = self.conn
+            self.conn.close_with(f"silent for {quiet:.0f} s")
 
     async def connect(self) -> Plan | None:
         """Connect (to the first advertised address that answers, even on the host's own machine)
