@@ -293,9 +293,8 @@ class SwarmLink:
         while True:
             await asyncio.sleep(PING_INTERVAL)
             silences.tick()
-            for conn in each_once(self.host.conn, self.first_conn, self.last_conn):
-                if conn.is_open:
-                    asyncio.ensure_future(quiet_ping(conn))
+            for conn in (c for c in each_once(self.host.conn, self.first_conn, self.last_conn) if c.is_open):
+                asyncio.ensure_future(quiet_ping(conn))
             heard = [(c.peer_name, silences.silence(c)) for c in (self.first_conn, self.last_conn) if c is not None]
             tick = on_tick(bool(self.table.waiting()), heard, self.policy)
             if isinstance(tick, Silent):
