@@ -98,7 +98,19 @@ def test_status_and_plan_show_the_planners_figures(swarm):
     assert "bottleneck:" in r.stdout and "ms per token" in r.stdout
 
 
+def _two_trunks_serving(swarm: Swarm) -> None:
+    """What the module's first test leaves running (trunk-a, and trunk-b on its fetched slice), for a
+    test run without it (``-m heavy``)."""
+    running = {node.home.name for node in swarm.nodes if node.alive}
+    for name in ("trunk-a", "trunk-b"):
+        if name not in running:
+            swarm.start_trunk(name, "--memory", "4G", capture=False)
+    swarm.wait_complete(2, timeout=120)
+
+
+@pytest.mark.heavy  # the simulator's 'join' seeds (tests/test_sim.py, the late world)
 def test_a_third_trunk_replans_and_no_request_hangs(swarm, inproc_answer):
+    _two_trunks_serving(swarm)
     long_ask = subprocess.Popen([sys.executable, "-m", "swarmctl", "ask", "--raw", "--temperature", "0",
                                  "--max-tokens", "400", "Once upon a time"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True,

@@ -212,10 +212,9 @@ def test_a_kept_prefix_on_a_killed_stage_costs_a_recompute_not_an_error(swarm):
     swarm.wait_complete(2)
 
 
+@pytest.mark.heavy  # the simulator's 'stop' (tests/test_sim.py: the host stopped 6 s, a trunk 20 s)
 def test_frozen_nodes_under_load_lose_nothing(swarm):
-    """SIGSTOP, as a laptop lid or a starved machine does (not in the heavy tier: the simulator's
-    'freeze' stops a node's datagrams while its timers run, a cut, not a stopped process; a host
-    cut off for 6 s does mark its trunks down there): first the host for 6 s (longer than its
+    """SIGSTOP, as a laptop lid or a starved machine does: first the host for 6 s (longer than its
     silence limit: on waking it must not blame the trunks for its own absence), then a serving
     trunk for 6 s (marked down; its requests move to the standby, and it rejoins on waking)."""
     prompts = random_prompts(11)
@@ -250,6 +249,7 @@ def test_frozen_nodes_under_load_lose_nothing(swarm):
     assert all(v <= 3 for v in streams.values()), streams
 
 
+@pytest.mark.heavy  # the simulator's 'host_restart' seeds (tests/test_sim.py)
 def test_a_host_restart_leaves_members_able_to_reconnect(swarm):
     kill_9(swarm, "host")
     swarm.start_host()
