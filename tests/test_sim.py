@@ -224,20 +224,41 @@ def test_a_host_stopped_reads_its_sockets_before_its_timers_and_a_frozen_one_doe
     assert down == {"trunk-2"}
 
 
-def test_a_trunk_planned_out_while_slow_comes_back_once_fast():
-    """The churn world (layers placed by speed): trunk-2 serves 10x slower for 20 s, so the host
-    re-plans without it; once it is fast again, it serves nothing, so no batch can say so: it
-    measures again while idle and the host plans it back in. (Before, it stayed out for good, and
-    the run failed: alive but not in the plan at the end.)"""
-    spec = WORLDS["churn"]
-    asks = tuple(Ask(1.0 + 2.5 * i, ("alice", "mallory")[i % 2], (5 + i, 6, 7), 24) for i in range(12))
-    result = play(Schedule(0, Conditions(), asks, (Fault(2.0, "churn", "trunk-2", lasts=20.0, factor=10.0),)),
-                  spec, compute="stand-in", verbose=True)
+CHURN_ASKS = tuple(Ask(1.0 + 2.5 * i, ("alice", "mallory")[i % 2], (5 + i, 6, 7), 24) for i in range(12))
+
+
+@pytest.mark.parametrize("faults", [
+    (Fault(2.0, "churn", "trunk-2", lasts=20.0, factor=10.0),),
+    (Fault(3.0, "churn", "trunk-2", lasts=10.0, factor=4.0), Fault(4.0, "restart", "trunk-2", lasts=3.0)),
+], ids=["slow-while-serving", "restarted-while-slow"])
+def test_a_trunk_planned_out_while_slow_comes_back_once_fast(faults):
+    """The churn world (layers placed by speed): trunk-2 gets slow, its batches say so (or, restarted
+    in its slow spell, its measurement at start does: churn seed 75), and the host re-plans without
+    it; once it is fast again it serves nothing, so no batch can say so: it measures again while
+    given no layers, and the host plans it back in. (Before, it stayed out for good: alive but not
+    in the plan at the end.)"""
+    result = play(Schedule(0, Conditions(), CHURN_ASKS, faults), WORLDS["churn"], compute="stand-in", verbose=True)
     assert result.ok, "\n".join(result.failures)
     plans = [line.split("plan v", 1)[1] for line in result.log if re.search(r"host info .*: plan v\d+: trunk", line)]
-    out = next(i for i, p in enumerate(plans) if "left out trunk-2" in p)
+    out = next(i for i, p in enumerate(plans) if "trunk-2[" not in p)
     assert any("trunk-2[" in p for p in plans[out + 1:]), plans
     assert any("trunk-2 info" in line and "measured again: 5.000" in line for line in result.log)
+
+
+def test_a_staged_plan_whose_member_never_loads_is_given_up_and_the_plan_in_use_serves():
+    """The churn world's short deadlines (10 s): trunk-2's loads hang for 25 s, and trunk-1 gets slow,
+    so the host stages a plan that gives trunk-2 new layers. Trunk-2 never says ready: at the staged
+    plan's deadline the host gives it up and leaves trunk-2 out (excused at the end: held out, with
+    its reason); no asker ever gets the staged plan, and every ask returns its tokens meanwhile."""
+    faults = (Fault(2.0, "stall", "trunk-2", lasts=25.0), Fault(2.5, "churn", "trunk-1", lasts=20.0, factor=10.0))
+    result = play(Schedule(0, Conditions(), CHURN_ASKS, faults), WORLDS["churn"], compute="stand-in", verbose=True)
+    assert result.ok, "\n".join(result.failures)
+    given_up = {m.group(1) for line in result.log
+                if (m := re.search(r"trunk trunk-2 did not load layers \[\d+, \d+\) of plan v(\d+) within 10 s", line))}
+    assert given_up, "\n".join(result.log)
+    assert any(re.search(rf"host info .*: plan v{v} staged: .*trunk-2\[", line) for v in given_up for line in result.log)
+    assert not any(re.search(rf"(alice|mallory) info .*swarm plan v{v}:", line) for v in given_up for line in result.log)
+    assert "trunk-2" in result.held_out and all(r.tokens is not None for r in result.asks)
 
 
 def test_an_asker_gives_a_silent_host_up_before_quic_does():
@@ -375,11 +396,11 @@ def test_seeded_runs_of_the_new_kinds_keep_every_invariant(seed, world, kind):
         assert any("returned a wrong result" in line for line in result.log), "\n".join(result.log)
 
 
-# Seeds of every kind, 'stop' and 'churn' included (--kinds all): 106 (plain) stops the host for
-# 15.6 s while mallory is revoked, whose ask then ends with the revocation as the host goes on; 75
-# (churn) restarts trunk-2 during a 4x slow spell: measured slow at start, it is planned out, and
-# comes back once it measures again while idle (before: it stayed out for good).
-LATEST_KIND_SEEDS = [(106, "plain", "stop"), (75, "churn", "churn")]
+# Seeds of every kind, 'stop' included (--kinds all): 106 (plain) stops the host for 15.6 s while
+# mallory is revoked, whose ask then ends with the revocation as the host goes on. (Churn seed 75
+# is test_a_trunk_planned_out_while_slow_comes_back_once_fast's second schedule: 'stall' joined the
+# churn world's kinds after it, so that seed draws another schedule now.)
+LATEST_KIND_SEEDS = [(106, "plain", "stop")]
 
 
 @pytest.mark.parametrize("seed,world,kind", LATEST_KIND_SEEDS)

@@ -20,7 +20,7 @@ from harness.sim.probes import SMALL_PROBES
 from harness.sim.schedule import Ask, Fault, Schedule
 from harness.sim.standin import engines
 from harness.sim.watch import PlanSpan, Watch
-from harness.sim.world import FIGURES, TRUNK_MEMORY, NodeComputeThreads, Template, WorldSpec, free_udp_port, \
+from harness.sim.world import FIGURES, HOST_BOUNDS, TRUNK_MEMORY, NodeComputeThreads, Template, WorldSpec, free_udp_port, \
     kill_node, move_host, run_as, seeded_randomness, udp_free
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
@@ -142,7 +142,8 @@ class SimRun:
                 self.loop.run_until_complete(self._prepare())  # (before the seed's draws: the first run's only)
                 self.loop.jump_to(self.loop.start + SWARM_STARTS_S)
                 churn = any(f.kind == "churn" for f in self.schedule.faults)
-                with FIGURES.of(self.spec, churn), SMALL_PROBES, seeded_randomness(self.schedule.seed):
+                with FIGURES.of(self.spec, churn), HOST_BOUNDS.of(self.spec, churn), SMALL_PROBES, \
+                        seeded_randomness(self.schedule.seed):
                     self.loop.run_until_complete(self._main())
         except WallLimit as e:
             busy = sorted({repr(h)[:160] for h in [*list(self.loop._ready)[:10], *self.loop._scheduled[:5]]})
@@ -372,6 +373,8 @@ class SimRun:
             await run_as("host-cli", self._revoke(fault.node))
         elif fault.kind == "stop":
             await self._stop(fault)
+        elif fault.kind == "stall":
+            await self._stall(fault)
         elif fault.kind == "churn":  # (what its stage reports from its batches: FixedFigures)
             FIGURES.slower[fault.node] = fault.factor
             await asyncio.sleep(fault.lasts)
@@ -393,6 +396,26 @@ class SimRun:
                 net.slow.pop(fault.node, None)
             else:
                 net.heal(fault.node, fault.other)
+
+    async def _stall(self, fault: Fault) -> None:
+        """The trunk's reads of the layers it is given (its model file, or a slice it fetches) hang
+        until the fault is over: a load for the plan in use or a staged one starts and does not end,
+        so the host's deadlines for it pass. (The service running now only: a restart ends it.)"""
+        service = self.trunks.get(fault.node)
+        if service is None:
+            return
+        fetch, over = service.held.fetch, asyncio.Event()
+        real = fetch.stage_file
+
+        async def stalled(*args, **kwargs):
+            await over.wait()
+            return await real(*args, **kwargs)
+
+        fetch.stage_file = stalled
+        await asyncio.sleep(fault.lasts)
+        self.event(f"   fault over: {fault.describe()}")
+        fetch.stage_file = real
+        over.set()
 
     async def _stop(self, fault: Fault) -> None:
         """SIGSTOP, then SIGCONT after ``lasts``: none of the node's code runs meanwhile, its timers

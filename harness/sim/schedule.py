@@ -33,6 +33,9 @@ MORE_FAULTS = {
     "churn": "a trunk's stage serves slower or faster for a while (its speed reports from its batches say "
              "so); the host's re-plan gate is shortened in such a run so that it can re-plan on speed "
              "(worlds whose planner places layers by speed)",
+    "stall": "a trunk's loads of the layers it is given hang for a while (a disk or fetch that stalls), "
+             "so the host's deadline for a staged plan or a stage's readiness passes (worlds with short "
+             "deadlines)",
     "stop": "a trunk or the host stopped as by SIGSTOP (no code of its runs, its timers included; what "
             "reaches it waits in its sockets), then continued after a while (SIGCONT)",
 }
@@ -98,10 +101,12 @@ def kinds_for(spec: WorldSpec, *, stop: bool = True) -> tuple[str, ...]:
     """Every kind a run of ``spec`` can be given and keep its invariants: 'wrong' only where the
     askers check every step (nothing else in the product catches a trunk's wrong rows before they
     become tokens), 'join' where a member was left out at the start, 'expert_kill' where there are
-    expert nodes, 'churn' where the planner places layers by speed (a world made after 'stop').
+    expert nodes, 'churn' where the planner places layers by speed, 'stall' where the host's
+    deadlines are short (the churn world, made after 'stop', has both).
     ``stop=False``: as drawn before 'stop' existed (the seeds recorded then)."""
     more = ["rejoin", *([STOP] if stop else [])]
     more += ["churn"] if spec.objective != "even" else []
+    more += ["stall"] if spec.deadlines_s else []
     more += ["join"] if spec.spare_trunks else []
     more += ["wrong"] if spec.verify >= 1.0 else []
     more += ["expert_kill"] if spec.expert_nodes else []
@@ -130,7 +135,7 @@ def draw(seed: int, spec: WorldSpec, *, asks: int = 8, faults: int = 3, window_s
         lasts = round(rng.uniform(1, 20), 1)
         if kind == "kill":
             drawn_faults.append(Fault(at, kind, trunk))
-        elif kind in ("rejoin", "wrong", "expert_kill"):  # (expert_kill: the run picks the expert node then)
+        elif kind in ("rejoin", "wrong", "expert_kill", "stall"):  # (expert_kill: the run picks the expert node then)
             drawn_faults.append(Fault(at, kind, trunk, lasts=lasts))
         elif kind == "join":
             drawn_faults.append(Fault(at, kind, rng.choice(spec.spare_names)))

@@ -55,6 +55,9 @@ class WorldSpec:
     # its speed); 'throughput' places them by speed, so a trunk's speed reports move layers
     objective: str = "even"
     ms_per_layer: float = 0.033  # the decode figure every trunk reports (FixedFigures)
+    # > 0: the host's deadlines for a staged plan and for a stage to get ready, this short (the
+    # product's 600 s and 60 s are longer than a run), so that a 'stall' fault can make them pass
+    deadlines_s: float = 0.0
 
     @property
     def trunk_names(self) -> list[str]:
@@ -79,7 +82,7 @@ WORLDS = {
     "moe": WorldSpec(n_expert=8, expert_nodes=1),  # tiny qwen3moe; one of the three trunks an expert node
     # layers placed by speed, every trunk a stage (a layer's 5 ms outweighs a hop's cost): a 'churn'
     # fault can move them
-    "churn": WorldSpec(objective="throughput", ms_per_layer=5.0),
+    "churn": WorldSpec(objective="throughput", ms_per_layer=5.0, deadlines_s=10.0),
 }
 
 
@@ -154,28 +157,24 @@ class FixedFigures:
     A 'churn' fault makes one node's figures ``slower[node]`` times the usual while it lasts:
     what it measures, and what its stage reports from its batches, at most once every
     ``CHURN_REPORT_S`` virtual seconds (the host plans with the best of the last few), then the
-    usual figure once when it is over. A run with such a fault has the host's re-plan gate and an
-    idle trunk's re-measuring at the churn bounds below (the product's 90 s, 60 s and 60 s are
-    longer than a run's minute)."""
+    usual figure once when it is over. A run with such a fault has an idle trunk's re-measuring
+    at ``CHURN_IDLE_REMEASURE_S`` (the product's 60 s is most of a run), and the host's re-plan
+    gate at HostBounds'."""
 
     MS_PER_LAYER = WorldSpec.ms_per_layer  # a decode token through one layer (a world may say otherwise)
     PROMPT_MS_PER_ROW = 0.004  # a prompt row through one layer
     US_PER_DATAGRAM = 500.0  # a 1350-byte datagram, both ends of a hop
     CHURN_REPORT_S = 3.0
-    CHURN_SUSTAIN_S = 5.0  # the gain held this long (plans/hysteresis.py SUSTAIN_S)
-    CHURN_SETTLE_S = 10.0  # and the plan in use stood this long (SETTLE_S)
-    CHURN_IDLE_REMEASURE_S = 5.0  # an idle trunk on a served figure measures again (kernels/speed.py)
+    CHURN_IDLE_REMEASURE_S = 5.0  # a trunk given no layers measures again (kernels/speed.py)
 
     def __init__(self) -> None:
-        import swarmctl.host.planning as planning
         import swarmctl.trunk.service as trunk_service
         import swarmctl.trunk.speed_report as speed_report
 
-        self.module, self.service, self.planning = speed_report, trunk_service, planning
+        self.module, self.service = speed_report, trunk_service
         self.real = (speed_report.measure_speed, speed_report.measure_prompt_rate)
         self.real_cost = trunk_service.measure_datagram_cost
         self.real_tracker = speed_report.SpeedTracker
-        self.real_gate = planning.ReplanGate
 
         self.ms_per_layer = self.MS_PER_LAYER  # this run's (``of``)
         self.churn = False  # this run has a 'churn' fault
@@ -232,19 +231,50 @@ class FixedFigures:
         self.module.measure_prompt_rate = self._measure_prompt_rate
         self.service.measure_datagram_cost = self._datagram_cost
         self.module.SpeedTracker = self.tracker
-        if self.churn:
-            self.planning.ReplanGate = functools.partial(self.real_gate, sustain_s=self.CHURN_SUSTAIN_S,
-                                                         settle_s=self.CHURN_SETTLE_S)
         return self
 
     def __exit__(self, *exc) -> None:
         self.module.measure_speed, self.module.measure_prompt_rate = self.real
         self.service.measure_datagram_cost = self.real_cost
         self.module.SpeedTracker = self.real_tracker
-        self.planning.ReplanGate = self.real_gate
 
 
 FIGURES = FixedFigures()
+
+
+class HostBounds:
+    """The host's bounds that are longer than a run's minute, shortened where a run needs them to
+    pass: with a 'churn' fault, the re-plan gate (plans/hysteresis.py: a gain sustained 90 s, the
+    plan in use standing 60 s); in a world with ``deadlines_s``, the staged plan's and a stage's
+    ready deadlines (600 s and 60 s). Nothing changes otherwise."""
+
+    CHURN_SUSTAIN_S = 5.0
+    CHURN_SETTLE_S = 10.0
+
+    def __init__(self) -> None:
+        import swarmctl.host.planning as planning
+
+        self.planning = planning
+        self.real = (planning.ReplanGate, planning.STAGED_DEADLINE_S, planning.READY_DEADLINE_S)
+        self.churn, self.deadlines_s = False, 0.0
+
+    def of(self, spec: "WorldSpec", churn: bool) -> "HostBounds":
+        self.churn, self.deadlines_s = churn, spec.deadlines_s
+        return self
+
+    def __enter__(self) -> "HostBounds":
+        if self.churn:
+            self.planning.ReplanGate = functools.partial(self.real[0], sustain_s=self.CHURN_SUSTAIN_S,
+                                                         settle_s=self.CHURN_SETTLE_S)
+        if self.deadlines_s:
+            self.planning.STAGED_DEADLINE_S = self.planning.READY_DEADLINE_S = self.deadlines_s
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.planning.ReplanGate, self.planning.STAGED_DEADLINE_S, self.planning.READY_DEADLINE_S = self.real
+
+
+HOST_BOUNDS = HostBounds()
 
 
 @contextlib.contextmanager
