@@ -38,6 +38,7 @@ IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run tr
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
 MID_CALL_WAIT_S = 20.0  # an 'expert_kill' waits this long at most for a stage to call its expert nodes
 STOP_BOUND_S = 10.0  # a trunk told to stop (Ctrl-C) has stopped within this
+STALL_ARMED_S = 30.0  # a 'stall' hangs the trunk's next load within this long, if it loads at all
 SWARM_STARTS_S = 1.0  # virtual seconds after the loop's start: the host and trunks start then in every run
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -398,24 +399,32 @@ class SimRun:
                 net.heal(fault.node, fault.other)
 
     async def _stall(self, fault: Fault) -> None:
-        """The trunk's reads of the layers it is given (its model file, or a slice it fetches) hang
-        until the fault is over: a load for the plan in use or a staged one starts and does not end,
-        so the host's deadlines for it pass. (The service running now only: a restart ends it.)"""
+        """The trunk's next read of the layers it is given (its model file, or a slice it fetches),
+        within STALL_ARMED_S, hangs for ``lasts``, and any other meanwhile: a load for the plan in use
+        or a staged one starts and does not end, so the host's deadline for it can pass. (The service
+        running now only: a restart ends it.)"""
         service = self.trunks.get(fault.node)
         if service is None:
             return
-        fetch, over = service.held.fetch, asyncio.Event()
+        fetch, hung, over = service.held.fetch, asyncio.Event(), asyncio.Event()
         real = fetch.stage_file
 
         async def stalled(*args, **kwargs):
+            hung.set()
             await over.wait()
             return await real(*args, **kwargs)
 
         fetch.stage_file = stalled
-        await asyncio.sleep(fault.lasts)
-        self.event(f"   fault over: {fault.describe()}")
-        fetch.stage_file = real
-        over.set()
+        try:
+            await asyncio.wait_for(hung.wait(), STALL_ARMED_S)
+            self.event(f"   {fault.node}'s load hangs for {fault.lasts:.1f} s")
+            await asyncio.sleep(fault.lasts)
+            self.event(f"   fault over: {fault.describe()}")
+        except asyncio.TimeoutError:
+            self.event(f"   {fault.node} loaded nothing within {STALL_ARMED_S:.0f} s: nothing stalled")
+        finally:
+            fetch.stage_file = real
+            over.set()
 
     async def _stop(self, fault: Fault) -> None:
         """SIGSTOP, then SIGCONT after ``lasts``: none of the node's code runs meanwhile, its timers

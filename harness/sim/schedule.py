@@ -33,9 +33,9 @@ MORE_FAULTS = {
     "churn": "a trunk's stage serves slower or faster for a while (its speed reports from its batches say "
              "so); the host's re-plan gate is shortened in such a run so that it can re-plan on speed "
              "(worlds whose planner places layers by speed)",
-    "stall": "a trunk's loads of the layers it is given hang for a while (a disk or fetch that stalls), "
-             "so the host's deadline for a staged plan or a stage's readiness passes (worlds with short "
-             "deadlines)",
+    "stall": "a trunk's next load of the layers it is given (within 30 s) hangs for a while (a disk or "
+             "fetch that stalls), so the host's deadline for a staged plan or a stage's readiness can pass "
+             "(worlds with short deadlines)",
     "stop": "a trunk or the host stopped as by SIGSTOP (no code of its runs, its timers included; what "
             "reaches it waits in its sockets), then continued after a while (SIGCONT)",
 }
