@@ -457,6 +457,53 @@ def test_a_thread_waiting_on_the_loop_lets_virtual_time_pass():
     assert end - start == pytest.approx(5.0, abs=0.01)
 
 
+def test_a_stopped_node_s_thread_result_waits_for_it_and_the_clock_moves_on():
+    """With real threads (the moe world): trunk-2's compute finishes while trunk-2 is stopped. Its
+    result waits with trunk-2's other callbacks, the clock moves on for the others (a 5 s sleep
+    elsewhere passes), and trunk-2 gets the result once it goes on. (Before, the loop waited for the
+    result to come back, which a stopped node's callbacks never did: moe seed 20 hung for good.)"""
+    import threading
+
+    loop = VirtualClockLoop()
+    loop.inline_threads = False
+    loop.limit_wall(20)  # (before the fix: WallLimit here, not a hang)
+    started, release, computed = threading.Event(), threading.Event(), threading.Event()
+
+    def compute() -> str:
+        started.set()
+        release.wait(30)
+        computed.set()
+        return "rows"
+
+    async def stage() -> tuple[float, str]:
+        result = await loop.run_in_executor(None, compute)
+        return loop.time(), result
+
+    async def scenario() -> tuple[float, float, str]:
+        task = loop.create_task(stage(), context=_context_of("trunk-2"))
+        while not started.is_set():
+            await asyncio.sleep(0)
+        loop.stop_node("trunk-2")
+        release.set()  # (its thread finishes while it is stopped)
+        await asyncio.sleep(5)  # the clock moves on while trunk-2's result waits
+        assert computed.is_set() and not task.done()
+        went_on = loop.time()
+        loop.continue_node("trunk-2")
+        got_at, result = await task
+        return went_on, got_at, result
+
+    went_on, got_at, result = _run(loop, scenario())
+    assert result == "rows" and got_at >= went_on >= loop.start + 5
+
+
+def _context_of(node: str):
+    import contextvars
+
+    context = contextvars.copy_context()
+    context.run(CURRENT_NODE.set, node)
+    return context
+
+
 @pytest.mark.parametrize("seed,new_only", [(4, False), (41, True)])
 def test_an_expert_node_killed_mid_call(seed, new_only):
     """The moe world (tiny qwen3moe, one trunk of three an expert node, the real engine on real

@@ -80,15 +80,20 @@ class VirtualSelector(selectors.BaseSelector):
         if loop is None:
             return self.real.select(0)
         loop.turns += 1
-        if loop.wall_deadline and not loop.turns % WALL_CHECK_TURNS and time.perf_counter() > loop.wall_deadline:
-            raise WallLimit(f"still running after {loop.wall_limit:g} s of wall time, at virtual "
-                            f"{loop.time() - loop.start:.3f} s (a livelock, or a thread that never came back: "
-                            f"{loop.threads_busy} out; {_threads()})")
+        if not loop.turns % WALL_CHECK_TURNS:
+            loop.check_wall()
         loop._now += ITERATION_S
         if loop.stopped and loop.hold_stopped():  # (the timeout was worked out with them: look again)
             return []
-        if loop.threads.jobs and loop.threads.computing():  # the clock stands still until the thread is back
-            return self.real.select(0 if timeout == 0 else None)
+        if loop.threads.jobs and loop.threads.computing(loop.stopped):  # the clock stands still until the thread is back
+            if timeout == 0:
+                return self.real.select(0)
+            # (until the thread wakes the loop, or the wall-time limit passes: a thread whose result
+            # never comes back is reported, not waited for forever)
+            events = self.real.select(loop.wall_left())
+            if not events:
+                loop.check_wall()
+            return events
         if timeout == 0:  # callbacks are ready: real I/O waits for the loop's next idle turn (a syscall saved)
             return []
         events = self.real.select(0)
@@ -187,6 +192,16 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def limit_wall(self, seconds: float) -> None:
         self.wall_limit, self.wall_deadline = seconds, time.perf_counter() + seconds
 
+    def wall_left(self) -> float | None:
+        """Real seconds until the wall-time limit (None: no limit)."""
+        return max(0.0, self.wall_deadline - time.perf_counter()) if self.wall_deadline else None
+
+    def check_wall(self) -> None:
+        if self.wall_deadline and time.perf_counter() > self.wall_deadline:
+            raise WallLimit(f"still running after {self.wall_limit:g} s of wall time, at virtual "
+                            f"{self.time() - self.start:.3f} s (a livelock, or a thread that never came back: "
+                            f"{self.threads_busy} out; {_threads()})")
+
     def time(self) -> float:
         return self._now
 
@@ -209,7 +224,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
             except Exception as e:  # noqa: BLE001 - the caller's to handle, as from a thread
                 future.set_exception(e)
             return future
-        job = self.threads.submitted(executor if executor is not None else self._default_executor)
+        job = self.threads.submitted(executor if executor is not None else self._default_executor, CURRENT_NODE.get())
         future = super().run_in_executor(executor, self.threads.run, job, func, *args)
         self.threads_busy += 1
         future.add_done_callback(lambda _future: self._thread_back(job))
@@ -223,6 +238,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 @dataclass(eq=False)
 class _Job:
     executor: object  # (None: the loop's default executor, not made yet)
+    node: str = ""  # whose code asked for it
     started: bool = False
     waiting: int = 0  # coroutines it handed the loop and waits on (LoopWaits)
     finished: bool = False  # its thread is done with it
@@ -247,8 +263,8 @@ class ThreadJobs:
         self.local = threading.local()  # the job a thread runs
         self.on_wait: list[Callable[[], None]] = []  # told (on the waiting thread) when a job starts to wait
 
-    def submitted(self, executor) -> _Job:
-        job = _Job(executor)
+    def submitted(self, executor, node: str = "") -> _Job:
+        job = _Job(executor, node)
         with self.lock:
             self.jobs.append(job)
         return job
@@ -290,11 +306,13 @@ class ThreadJobs:
                 told()
         return True
 
-    def computing(self) -> bool:
+    def computing(self, stopped: set[str] | frozenset[str] = frozenset()) -> bool:
+        """``stopped``: nodes stopped as by SIGSTOP, whose finished jobs' results wait with the rest
+        of their callbacks (VirtualClockLoop.hold_stopped) until they go on: the clock moves meanwhile."""
         with self.lock:
             if any(job.started and not job.finished and job.waiting <= 0 for job in self.jobs):
                 return True
-            if any(job.finished and not job.back for job in self.jobs):
+            if any(job.finished and not job.back and job.node not in stopped for job in self.jobs):
                 return True  # (its result is on its way to the loop)
             for job in self.jobs:
                 if not job.started and not job.back:
