@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -129,7 +130,10 @@ class SimRun:
         wall = time.perf_counter()
         root = self.template.copy_homes()
         self.homes = {p.name: SwarmHome(p) for p in (root / "homes").iterdir()}
-        if not udp_free(self.template.host_address):  # (another process took the template's port: one free now)
+        # (another process took the template's port, or may, forked after the template was made beside
+        # others: a port free now; two forked workers both found the template's free and one's host
+        # could not bind it)
+        if self.template.pid != os.getpid() or not udp_free(self.template.host_address):
             move_host(self.homes, f"127.0.0.2:{free_udp_port('127.0.0.2')}")
         handler = _RunLog(self, logging.INFO if self.verbose else logging.WARNING)
         logging.getLogger().addHandler(handler)

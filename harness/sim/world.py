@@ -112,6 +112,7 @@ class Template:
                                                                                    vocab_limit=spec.vocab, **moe),
                                       default_model_path())
         host_address = self.host_address = f"127.0.0.2:{free_udp_port('127.0.0.2')}"
+        self.pid = os.getpid()  # (a process forked after it shares its host port with its siblings)
         host = SwarmHome(self.root / "homes" / "host")
         create_swarm(host, swarm_name="sim", host_name="host", listen=host_address, advertise=[host_address],
                      model=str(self.model), planner=PlannerSettings(objective=spec.objective, head_layers=spec.head_layers,
