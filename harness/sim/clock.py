@@ -173,21 +173,27 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def hold_stopped(self) -> bool:
         """Moves the stopped nodes' callbacks and timers out of the loop's queues (each runs in
         its node's context, CURRENT_NODE); True if any moved."""
-        moved = False
-        ready = [h for h in self._ready if h._context.get(CURRENT_NODE, "") in self.stopped]
-        if ready:
-            moved = True
-            for handle in ready:
-                self._held[handle._context.get(CURRENT_NODE, "")][0].append(handle)
-            self._ready = type(self._ready)(h for h in self._ready if h._context.get(CURRENT_NODE, "") not in self.stopped)
-        timers = [h for h in self._scheduled if h._context.get(CURRENT_NODE, "") in self.stopped]
-        if timers:
-            moved = True
-            for timer in timers:
-                self._held[timer._context.get(CURRENT_NODE, "")][1].append(timer)
-            self._scheduled = [h for h in self._scheduled if h._context.get(CURRENT_NODE, "") not in self.stopped]
+        ready, held_ready = self._partition(self._ready, 0)
+        timers, held_timers = self._partition(self._scheduled, 1)
+        if held_ready:
+            self._ready = type(self._ready)(ready)
+        if held_timers:
+            self._scheduled = timers
             heapq.heapify(self._scheduled)
-        return moved
+        return bool(held_ready or held_timers)
+
+    def _partition(self, handles, which: int) -> tuple[list, int]:
+        """``handles`` not of a stopped node, and how many of a stopped node's went to its held
+        list ``which`` (0: ready callbacks, 1: timers)."""
+        kept, held = [], 0
+        for handle in handles:
+            node = handle._context.get(CURRENT_NODE, "")
+            if node in self.stopped:
+                self._held[node][which].append(handle)
+                held += 1
+            else:
+                kept.append(handle)
+        return kept, held
 
     def limit_wall(self, seconds: float) -> None:
         self.wall_limit, self.wall_deadline = seconds, time.perf_counter() + seconds

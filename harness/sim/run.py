@@ -304,8 +304,7 @@ class SimRun:
 
     def _kill(self, node: str) -> None:
         if node in self.loop.stopped:  # (its unread datagrams die with it; its tasks are cancelled below)
-            self.network.go_on(node, read=False)
-            self.loop.continue_node(node)
+            self._continue(node, read=False)
         if node == "host":
             self.host_service = None
         self.killed.add(node)
@@ -443,9 +442,15 @@ class SimRun:
         if node not in self.loop.stopped:  # (killed meanwhile)
             return
         self.event(f"   fault over: {fault.describe()}")
-        self.network.go_on(node)
-        self.loop.continue_node(node)
+        self._continue(node)
         self._host_hears_again()
+
+    def _continue(self, node: str, read: bool = True) -> None:
+        """SIGCONT, in the order a real loop sees it: the callbacks that were ready run first, then
+        the node reads what waited in its sockets (``read``), then its overdue timers fire (they
+        reach the ready queue at the end of the next turn, behind both)."""
+        self.loop.continue_node(node)
+        self.network.go_on(node, read=read)
 
     async def _rejoin(self, fault: Fault) -> None:
         """What a user's Ctrl-C does to 'swarmctl run trunk' (its stop event, swarmctl/commands/run.py),
