@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_swarm import GREEDY, PROMPT, decode_rate, llama_cpp_decode  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
-from swarmctl.asker.head_tail import Asker, generate_all  # noqa: E402
+from kernels.slice import Placement  # noqa: E402
+from swarmctl.asker.head_tail import Asker, Generation, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
 from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
@@ -58,20 +59,24 @@ def layouts(cpus: int, width: int) -> tuple[dict[str, LocalLayout], dict[str, st
 class Running:
     """One layout, up: its local swarm, the asker's link and the asker."""
 
-    def __init__(self, model: Path, layout: LocalLayout) -> None:
+    def __init__(self, model: Path, layout: LocalLayout, planner: PlannerSettings = PlannerSettings(head_layers=4)) -> None:
         self.layout = layout
-        self.swarm = LocalSwarm(model=str(model), n_trunks=layout.trunks, planner=PlannerSettings(head_layers=4),
-                                threads=layout.trunk_threads)
+        self.swarm = LocalSwarm(model=str(model), n_trunks=layout.trunks, planner=planner, threads=layout.trunk_threads)
         self.link = None
         self.asker: Asker | None = None
 
     async def start(self, model: Path) -> None:
         self.link = await open_local_link(self.swarm, min_stages=self.layout.trunks)
-        self.asker = Asker(model, self.link.head_layers, n_threads=self.layout.asker_threads, max_in_flight=64)
+        # (the plan's kernels and attention, as `ask` gives its head and tail)
+        placement = Placement(kernels=self.link.plan.kernels, attention=self.link.plan.attention)
+        self.asker = Asker(model, self.link.head_layers, n_threads=self.layout.asker_threads, max_in_flight=64,
+                           placement=placement)
+
+    async def generate(self, prompt: list[int], n: int) -> Generation:
+        return await generate_all(self.asker, prompt, self.link, ignore_eos=True, max_tokens=n, sampling=GREEDY)
 
     async def decode(self, prompt: list[int], n: int) -> float:
-        return decode_rate(await generate_all(self.asker, prompt, self.link, ignore_eos=True, max_tokens=n,
-                                              sampling=GREEDY))
+        return decode_rate(await self.generate(prompt, n))
 
     async def aggregate(self, prompt: list[int], n: int, c: int) -> float:
         t0 = time.perf_counter()
