@@ -229,6 +229,34 @@ def test_revoked_member_is_cut_off(swarm):
     assert r.returncode != 0 and r.stdout == ""
 
 
+def test_a_revocation_the_running_host_did_not_hear_is_read_from_its_records(swarm):
+    """`swarmctl revoke` writes the record, then tells the running host; when that message never
+    arrives (the host stopped or too busy to answer the CLI in time), the host still finds the
+    revocation in its member records and closes the member's live connection."""
+    from swarmctl.host.revocations import RECORDS_POLL_S
+    from swarmctl.node.membership import revoke
+
+    grace_home = swarm.join("grace")
+    creds = SwarmHome(grace_home).credentials()
+
+    async def connection_after_record_written() -> tuple[bool, str, list[int]]:
+        conn = await connect_member(Address("127.0.0.1", swarm.host_port), creds, "host", RequestOnlyHandler())
+        try:
+            await conn.request(encode_control({"type": "status"}))
+            record = revoke(SwarmHome(swarm.host_home), "grace")  # the record alone: no message to the host
+            try:
+                await asyncio.wait_for(conn.wait_closed(), RECORDS_POLL_S + 3)
+            except asyncio.TimeoutError:
+                return False, "", []
+            return True, conn.close_reason, [record.serial]
+        finally:
+            await close(conn)
+
+    closed, reason, serial = asyncio.run(connection_after_record_written())
+    assert closed and "revoked" in reason, reason
+    assert serial[0] in swarm.plan()["revoked_serials"]  # what tells the stages
+
+
 def test_bad_invites_are_refused_and_leave_the_swarm_as_it_was(swarm):
     members_before = (swarm.host_home / "members.json").read_text()
 

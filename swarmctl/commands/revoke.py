@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     record = revoke(home, args.name)
     closed = asyncio.run(_tell_running_host(home))
     if closed is None:
-        done = "; the host is not running (it refuses the certificate when it starts)"
+        done = ("; no host answered: a running one finds it in its member records within seconds and closes "
+                "the member's connections, one that starts refuses the certificate")
     else:
         done = f"; the running host closed its {closed} connection{'' if closed == 1 else 's'} and tells the trunks"
     print(f"revoked {record.name} (certificate serial {record.serial:x}){done}")

@@ -3,7 +3,8 @@ part whose job it is: PlanKeeper (planning.py) keeps the plan, ClaimChecks (chec
 trunks claim, TrunkReports (trunk_reports.py) takes what trunks say of themselves, SliceServer
 (slices.py) serves the model file, Reaching (reaching.py) links and routes, Accusations
 (accusations.py) what members report against others. Membership (join, revocations, new settings)
-and the plan's readers are answered here."""
+and the plan's readers are answered here; revocations the CLI could not tell are read from the
+member records (revocations.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from .planning import PlanKeeper
 from .reaching import Reaching
 from .rendezvous import Rendezvous
 from .replies import error, ok, reply
+from .revocations import watch_revocations
 from .reports import AskerReports
 from .model_hashes import CACHE_FOLDER as HASH_CACHE_FOLDER, model_hashes
 from .slices import SliceServer
@@ -77,6 +79,7 @@ class HostService:
         self.connections: dict[SwarmProtocol, None] = {}  # (a dict: in the order they came, not their addresses')
         self.last_seen: dict[str, float] = {}  # member → clock.now() as its last connection closed (status)
         self._monitor: asyncio.Task | None = None
+        self._records: asyncio.Task | None = None  # revocations written while this host did not hear the CLI
         self.server = None
         self.address: Address | None = None
         # What the host answers (net/dispatch.py). Some only certain certificates may send
@@ -108,13 +111,16 @@ class HostService:
         self.reaching.rendezvous = Rendezvous(self.config.name, self.trunks, NatRelay(listen.host), advertised.host,
                                               account=lambda name: self.plan.account(name))
         self._monitor = asyncio.ensure_future(watch_trunks(self.trunks, self.planning, self.reports.recovery))
+        self._records = asyncio.ensure_future(watch_revocations(
+            self.home, known=lambda: frozenset(self.plan.revoked_serials), revoke=self.revoke))
         log.info("host %s listening on %s (model %s, %d layers)", self.config.name, self.address,
                  self.plan.model_name, self.plan.n_layer)
         return self.address
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
+        for task in (self._monitor, self._records):
+            if task is not None:
+                task.cancel()
         self.checks.close()
         self.planning.close()
         self.reaching.close()
@@ -223,7 +229,11 @@ class HostService:
         if not self._from_host_itself(conn):
             reply(conn, stream_id, m.Error(message="only the host may announce revocations"))
             return
-        revoked = self.home.revoked_serials()
+        ok(conn, stream_id, closed=self.revoke(self.home.revoked_serials()))
+
+    def revoke(self, revoked: frozenset[int]) -> int:
+        """Every connection of a revoked certificate closed and its trunk out of the plan, now, and a
+        new plan pushed (its revoked serials tell the stages); returns how many connections closed."""
         self.plan.revoked_serials = sorted(revoked)
         closed = 0
         for live in list(self.connections):
@@ -233,8 +243,8 @@ class HostService:
         for name, trunk in list(self.trunks.items()):  # out of the plan now, not when the close completes
             if trunk.conn.peer_cert is not None and trunk.conn.peer_cert.serial_number in revoked:
                 del self.trunks[name]
-        ok(conn, stream_id, closed=closed)
         self.planning.replan(force_push=True)
+        return closed
 
     def _reconfigure(self, conn: SwarmProtocol, stream_id: int, message: m.Message) -> None:
         """The host's own CLI after 'swarmctl config': the planner's settings again from node.json,

@@ -1,0 +1,61 @@
+"""Revocations reach the running host two ways: its own CLI tells it (`swarmctl revoke` sends
+``Revoked``), and the host reads its member records again whenever they change on disk. The second
+way covers a CLI that found no host to tell although one was running (stopped for a while, or too
+busy to answer within the CLI's wait): the revoked member then kept its live connections and its
+place in the plan until the host restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+from swarmctl.node.home import HomeError, SwarmHome
+
+log = logging.getLogger("swarmctl.host")
+
+RECORDS_POLL_S = 2.0  # how often the host looks whether members.json changed (a stat; read only if it did)
+
+
+class FileStamp:
+    """Whether a file changed since the last look: its modification time, size and inode."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def changed(self) -> bool:
+        now = self._stamp()
+        if now == self.seen:
+            return False
+        self.seen = now
+        return True
+
+
+async def watch_revocations(home: SwarmHome, known: Callable[[], frozenset[int]],
+                            revoke: Callable[[frozenset[int]], int]) -> None:
+    """Every RECORDS_POLL_S: if the member records changed and name a revoked certificate the host
+    does not know of (``known``), ``revoke`` with every revoked serial."""
+    stamp = FileStamp(home.file("members.json"))
+    while True:
+        await asyncio.sleep(RECORDS_POLL_S)
+        if not stamp.changed():
+            continue
+        try:
+            revoked = home.revoked_serials()
+        except HomeError as e:  # (written half-way: the next change reads it whole)
+            log.warning("the member records could not be read: %s", e)
+            continue
+        if revoked - known():
+            closed = revoke(revoked)
+            log.warning("a revocation found in the member records (the CLI did not reach this host): %d "
+                        "connection%s closed", closed, "" if closed == 1 else "s")
