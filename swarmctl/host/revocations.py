@@ -24,7 +24,9 @@ class FileStamp:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.seen = self._stamp()
+        # (not looked at yet: the first look reads the file, so that a change between the host
+        # reading its records at start and this watch starting is not missed)
+        self.seen: tuple[int, int, int] | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
