@@ -186,6 +186,25 @@ def test_a_revoked_asker_s_running_ask_ends_with_the_revocation():
     assert all(r.tokens is not None for r in result.asks if r.ask.asker == "alice")
 
 
+def test_a_revocation_made_while_the_host_is_stopped_is_applied_when_it_continues():
+    """'swarmctl revoke' while the host process is stopped (SIGSTOP, 12 s): the CLI gets no answer
+    and gives up, but the record is written; once continued, the host finds it in its member
+    records and tells the stages (a new plan naming her certificate). Before, it never learned:
+    Mallory's own link gave up once the host refused her reconnection (her honest code), but the
+    stages would have gone on serving her connections to them."""
+    asks = (Ask(1.0, REVOKED_ASKER, (11, 12, 13), 40), Ask(1.2, "alice", (21, 22), 40),
+            Ask(14.5, REVOKED_ASKER, (31,), 8), Ask(16.0, "alice", (41, 42, 43), 12))
+    faults = (Fault(1.5, "stop", "host", lasts=12.0), Fault(2.0, "revoke", REVOKED_ASKER))
+    result = play(Schedule(0, Conditions(), asks, faults), SPEC, compute="stand-in", verbose=True)
+    assert result.ok, "\n".join(result.failures)  # (her ask at 14.5 s served would be one)
+    assert any("host-cli revoke: the host did not answer" in line for line in result.log)
+    assert result.revoked_at is not None and result.revoked_at > 13.0  # counted from the host continuing
+    assert any("a revocation found in the member records" in line for line in result.log)
+    later = next(r for r in result.asks if r.ask.asker == REVOKED_ASKER and r.ask.at > 14)
+    assert "membership revoked: member 'mallory' was revoked by the host" in later.error
+    assert all(r.tokens is not None for r in result.asks if r.ask.asker == "alice")
+
+
 def test_a_revoked_member_still_served_fails_the_run():
     """Her ask returning its tokens well after her revocation is a failure, not a pass: before, only
     an ask that ended with an error was held to the revocation's bound."""
