@@ -57,7 +57,12 @@ async def watch_revocations(home: SwarmHome, known: Callable[[], frozenset[int]]
         except HomeError as e:  # (written half-way: the next change reads it whole)
             log.warning("the member records could not be read: %s", e)
             continue
-        if revoked - known():
+        if not revoked - known():
+            continue  # (a join, or a revocation the CLI told already)
+        try:
             closed = revoke(revoked)
-            log.warning("a revocation found in the member records (the CLI did not reach this host): %d "
-                        "connection%s closed", closed, "" if closed == 1 else "s")
+        except Exception:  # noqa: BLE001 - the watch must outlive any one bad re-plan
+            log.exception("applying a revocation from the member records failed")
+            continue
+        log.warning("a revocation found in the member records before the CLI told this host: %d connection%s "
+                    "closed", closed, "" if closed == 1 else "s")
