@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
 from swarmctl.node.home import HomeError, SwarmHome
+
+from .model_hashes import FileIdentity
 
 log = logging.getLogger("swarmctl.host")
 
@@ -20,23 +21,19 @@ RECORDS_POLL_S = 2.0  # how often the host looks whether members.json changed (a
 
 
 class FileStamp:
-    """Whether a file changed since the last look: its modification time, size and inode."""
+    """Whether a file changed since the last look (its ``FileIdentity``: inode, size, modification time)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         # (not looked at yet: the first look reads the file, so that a change between the host
         # reading its records at start and this watch starting is not missed)
-        self.seen: tuple[int, int, int] | None = None
-
-    def _stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size, st.st_ino
+        self.seen: FileIdentity | None = None
 
     def changed(self) -> bool:
-        now = self._stamp()
+        try:
+            now = FileIdentity.of(self.path)
+        except OSError:
+            now = None
         if now == self.seen:
             return False
         self.seen = now
