@@ -37,7 +37,8 @@ from kernels.slice import Placement  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
-from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus  # noqa: E402
+from kernels.backend import usable_cores  # noqa: E402
+from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm  # noqa: E402
 from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
 
@@ -136,7 +137,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", type=int, default=48, help="tokens decoded per single-stream run")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--cpus", type=int, default=usable_cpus(), help="cores to size for (default: this process's)")
+    p.add_argument("--cpus", type=int, default=usable_cores(), help="cores to size for (default: this process's)")
     p.add_argument("--concurrent", type=int, default=0, metavar="C", help="also C concurrent requests per layout")
     p.add_argument("--model", type=Path, default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
     p.add_argument("--wide", action="store_true",

@@ -47,6 +47,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .backend import usable_cores
 from .devices import Device
 from .gguf_file import GGUFFile
 
@@ -162,13 +163,6 @@ class _Clocks:
         return time.perf_counter(), time.process_time(), self.machine_busy_s()
 
 
-def n_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | None = None,
                   repeats: int = REPEATS, budget_s: float = BUDGET_S, min_repeat_s: float = MIN_REPEAT_S,
                   device: Device | None = None, rows: int = 1) -> SpeedMeasurement:
@@ -184,7 +178,7 @@ def measure_speed(gguf: GGUFFile, *, n_threads: int | None = None, layer: int | 
     il = layer if layer is not None else present[len(present) // 2]
     rng = np.random.default_rng(0)
     clocks = _Clocks()
-    cpus = n_cpus()
+    cpus = usable_cores()
     with SliceEngine(gguf, SliceSpec(il, il + 1), n_threads=n_threads, max_context=256 + 6 * rows,
                      placement=Placement(device=device)) as engine:
         threads = engine.backend.n_threads
@@ -347,7 +341,7 @@ class SpeedTracker:
     idle_wait_s: float = 0.0  # the wait under way
     next_idle_remeasure: float = math.inf  # the loop's clock (net/clock.py); inf: not waiting
     last_report: float = -math.inf  # time.monotonic() of the last serving figure reported
-    cpus: int = field(default_factory=lambda: n_cpus())
+    cpus: int = field(default_factory=lambda: usable_cores())
     # (rows, ms per layer per row beyond the first) of recent prompt batches that had the CPU (plans/prefill.py)
     prompt_samples: deque = field(default_factory=lambda: deque(maxlen=PROMPT_WINDOW))
 

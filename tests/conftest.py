@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import compileall
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -11,11 +13,35 @@ import numpy as np
 import pytest
 
 from harness.tiny_models import TINY_CONFIGS, write_tiny_model
+from kernels.backend import THREADS_ENV, usable_cores
 from kernels.slice import SliceEngine
 from swarmctl.model_files.models import default_model_path
 from tests import markers
 
-N_THREADS = 2
+# One compute thread in this process and, through $SWARMCTL_THREADS, in every process a test starts
+# without --threads. A local swarm is three or four such processes on this machine's cores; with
+# every one taking every core, their ggml threads wait at barriers for one another: the 64-request
+# test of test_pipelining.py took 105 s of CPU in 58 s at two threads, 53 s in 45 s at one.
+N_THREADS = 1
+os.environ.setdefault(THREADS_ENV, str(N_THREADS))
+
+# `python -m pytest -q -n auto` (README) runs the tests in worker processes, a test module's tests
+# all in one worker (they share its module fixtures: a local swarm, a loaded model).
+MAX_WORKERS = 4  # each worker holds a model or two and starts local swarms of 3-4 processes
+
+
+def pytest_xdist_auto_num_workers(config):
+    return min(usable_cores(), MAX_WORKERS)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # once, in the process that starts the workers
+        # Every process a test starts imports the project's modules. Where bytecode is not written
+        # (PYTHONDONTWRITEBYTECODE) each would compile them again, some 0.2 s of CPU a process;
+        # compiled here once, they are read.
+        root = Path(__file__).resolve().parent.parent
+        for package in ("swarmctl", "kernels", "net", "plans", "harness", "tests", "benchmarks"):
+            compileall.compile_dir(root / package, quiet=2, workers=1)
 
 
 # --- marks: swarm, netns, slow (tests/markers.py); `-m "not slow"` runs the fast tests alone ---
@@ -28,6 +54,7 @@ sys.addaudithook(_process_watch.audit)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         markers.mark(item)
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     markers.leave_out_heavy(config, items)
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
-from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm, usable_cpus
+from kernels.backend import THREADS_ENV, default_threads, usable_cores
+from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm
 from swarmctl.asker.session import SessionOptions, open_session
 from harness.oracle import oracle_greedy
 
@@ -52,17 +53,30 @@ def test_explicit_trunk_nodes_and_threads_win():
         size_local_swarm(4, trunks=0)
 
 
-def test_usable_cpus_are_the_affinity_not_the_machine():
+def test_usable_cores_are_the_affinity_not_the_machine():
     """Under taskset (or a container's cpuset) the local swarm sizes itself to the cores it may use."""
     import os
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "from swarmctl.node.local_swarm import usable_cpus; print(usable_cpus())"],
+    r = subprocess.run([sys.executable, "-c", "from kernels.backend import usable_cores; print(usable_cores())"],
                        capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == 1
-    assert usable_cpus() == len(os.sched_getaffinity(0))
+    assert usable_cores() == len(os.sched_getaffinity(0))
+
+
+def test_threads_default_to_the_environment_else_the_usable_cores(monkeypatch):
+    """$SWARMCTL_THREADS caps every process's compute threads where --threads is not given; a bad
+    value is a one-line error, not a thread count."""
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert default_threads() == usable_cores()
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert default_threads() == 3
+    for bad in ("0", "-1", "two", ""):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(EngineError, match=THREADS_ENV):
+            default_threads()
 
 
 # --- readiness: real processes ---

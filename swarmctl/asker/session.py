@@ -155,7 +155,8 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
 @asynccontextmanager
 async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.node.home import SwarmHome
-    from swarmctl.node.local_swarm import LocalSwarm, size_local_swarm, usable_cpus
+    from kernels.backend import usable_cores
+    from swarmctl.node.local_swarm import LocalSwarm, size_local_swarm
     from plans.options import PlannerSettings
     from swarmctl.model_files.models import checked_model
     from swarmctl.asker.link import SwarmLink
@@ -180,7 +181,7 @@ async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
             drafting = _drafting(options, model, threads)  # a draft that cannot serve: one line, before nodes start
             # The local trunks and this process share this machine's cores (swarmctl/node/local_swarm.py).
             spec = _header_spec(model)
-            layout = size_local_swarm(usable_cpus(), trunks=options.trunk_nodes, threads=options.threads,
+            layout = size_local_swarm(usable_cores(), trunks=options.trunk_nodes, threads=options.threads,
                                       streams=options.streams, width=spec.n_embd)
             head_layers = HEAD_LAYERS if options.head_layers is None else options.head_layers
             _check_local_head_layers(spec.n_layer, head_layers, layout.trunks)

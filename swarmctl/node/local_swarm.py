@@ -55,14 +55,6 @@ class LocalLayout:
                 f"thread{'s' if self.trunk_threads != 1 else ''}, asker {self.asker_threads}")
 
 
-def usable_cpus() -> int:
-    """The cores this process may run on (its affinity, as taskset or a container's cpuset sets it)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def size_local_swarm(cpus: int, *, trunks: int | None = None, threads: int | None = None, streams: int = 1,
                      width: int = 0) -> LocalLayout:
     """How many trunk processes a local swarm on ``cpus`` cores starts, and their threads, for
