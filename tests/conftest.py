@@ -54,7 +54,6 @@ sys.addaudithook(_process_watch.audit)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         markers.mark(item)
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     markers.leave_out_heavy(config, items)
 
 

@@ -19,9 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from kernels.backend import usable_cores
 from kernels.gguf_file import GGUFFile
 from kernels.speed import (BUDGET_S, MAX_REMEASURES, REMEASURE_AFTER_S, REPEATS, REPORT_INTERVAL_S, Repeat,
-                           SpeedMeasurement, SpeedTracker, classify, collect, measure_ram_rate, measure_speed, n_cpus,
+                           SpeedMeasurement, SpeedTracker, classify, collect, measure_ram_rate, measure_speed,
                            robust_figure, worth_reporting)
 from net.messages import Speed, as_dict
 from net.wire import FrameDecoder, decode_control
@@ -386,7 +387,7 @@ def test_repeats_run_while_other_processes_hold_the_cores_are_recognised(bundled
     """The defect's cause, reproduced: other processes keep every core busy for the whole
     measurement. Whatever the steps' times say, each repeat is seen as starved, so the figure is
     marked contended (and the trunk measures again later) instead of being trusted."""
-    cpus = n_cpus()
+    cpus = usable_cores()
     burners = [subprocess.Popen([sys.executable, "-c", "print('on', flush=True)\nwhile True: pass"],
                                 stdout=subprocess.PIPE, text=True) for _ in range(cpus)]
     try:
