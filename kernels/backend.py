@@ -39,9 +39,9 @@ THREADS_ENV = "SWARMCTL_THREADS"
 def default_threads() -> int:
     """Compute threads where none are given: $SWARMCTL_THREADS, else every core this process may
     run on (its affinity, as taskset or a container's cpuset sets it)."""
-    value = os.environ.get(THREADS_ENV)
-    if value is not None:
-        if not value.strip().isdigit() or int(value) < 1:
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:  # (set but empty: as if unset)
+        if not value.isdigit() or int(value) < 1:
             raise EngineError(f"{THREADS_ENV}={value!r}: give a whole number of threads, 1 or more")
         return int(value)
     return usable_cores()

@@ -73,7 +73,9 @@ def test_threads_default_to_the_environment_else_the_usable_cores(monkeypatch):
     assert default_threads() == usable_cores()
     monkeypatch.setenv(THREADS_ENV, "3")
     assert default_threads() == 3
-    for bad in ("0", "-1", "two", ""):
+    monkeypatch.setenv(THREADS_ENV, "")  # set but empty: unset
+    assert default_threads() == usable_cores()
+    for bad in ("0", "-1", "two"):
         monkeypatch.setenv(THREADS_ENV, bad)
         with pytest.raises(EngineError, match=THREADS_ENV):
             default_threads()
