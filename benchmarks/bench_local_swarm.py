@@ -37,7 +37,7 @@ from kernels.slice import Placement  # noqa: E402
 from swarmctl.asker.head_tail import Asker, Generation, generate_all  # noqa: E402
 from swarmctl.batching import compute_thread  # noqa: E402
 from swarmctl.asker.local_link import open_local_link  # noqa: E402
-from kernels.backend import usable_cores  # noqa: E402
+from kernels.threads import usable_cores  # noqa: E402
 from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm  # noqa: E402
 from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402

@@ -47,7 +47,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .backend import usable_cores
+from .threads import usable_cores
 from .devices import Device
 from .gguf_file import GGUFFile
 
@@ -341,7 +341,7 @@ class SpeedTracker:
     idle_wait_s: float = 0.0  # the wait under way
     next_idle_remeasure: float = math.inf  # the loop's clock (net/clock.py); inf: not waiting
     last_report: float = -math.inf  # time.monotonic() of the last serving figure reported
-    cpus: int = field(default_factory=lambda: usable_cores())
+    cpus: int = field(default_factory=usable_cores)
     # (rows, ms per layer per row beyond the first) of recent prompt batches that had the CPU (plans/prefill.py)
     prompt_samples: deque = field(default_factory=lambda: deque(maxlen=PROMPT_WINDOW))
 

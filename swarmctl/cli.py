@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from kernels.threads import default_threads
 from swarmctl import __version__
 from swarmctl.errors import UsageError
 
@@ -126,6 +127,9 @@ def _main(argv: Sequence[str] | None) -> int:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                             format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         logging.getLogger("quic").setLevel(logging.WARNING if args.verbose else logging.ERROR)
+        # A bad $SWARMCTL_THREADS is one line here, before a command starts nodes that would each
+        # fail on it (a local swarm's `ask` waited on them instead).
+        default_threads()
         return int(module.run(args) or EXIT_OK)
     except UsageError as e:
         print(str(e), file=sys.stderr)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from harness.tiny_models import TINY_CONFIGS, write_tiny_model
-from kernels.backend import THREADS_ENV, usable_cores
+from kernels.threads import THREADS_ENV, usable_cores
 from kernels.slice import SliceEngine
 from swarmctl.model_files.models import default_model_path
 from tests import markers
@@ -21,7 +21,7 @@ from tests import markers
 # One compute thread in this process and, through $SWARMCTL_THREADS, in every process a test starts
 # without --threads. A local swarm is three or four such processes on this machine's cores; with
 # every one taking every core, their ggml threads wait at barriers for one another: the 64-request
-# test of test_pipelining.py took 105 s of CPU in 58 s at two threads, 53 s in 45 s at one.
+# test of test_pipelining.py took 107 s of CPU in 59 s at two threads, 55 s in 45 s at one.
 N_THREADS = 1
 os.environ.setdefault(THREADS_ENV, str(N_THREADS))
 

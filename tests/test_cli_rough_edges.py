@@ -247,3 +247,12 @@ def test_config_tells_a_running_host_which_replans(tmp_path):
         assert "settings changed: objective throughput" in swarm.nodes[0].log()
     finally:
         swarm.close()
+
+
+@pytest.mark.parametrize("value", ["two", "0"])
+def test_a_bad_threads_variable_is_one_line_before_any_node_starts(value):
+    """`ask` with no swarm starts a local one, whose nodes would each fail on $SWARMCTL_THREADS;
+    it waited on them until its deadline. The CLI reads the variable first."""
+    r = swarmctl(None, "ask", "--max-tokens", "2", "hi", timeout=60, env_extra={"SWARMCTL_THREADS": value})
+    assert r.returncode == 1
+    assert _one_line_error(r) == f"swarmctl: error: SWARMCTL_THREADS='{value}': give a whole number of threads, 1 or more"

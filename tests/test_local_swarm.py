@@ -14,7 +14,7 @@ import pytest
 
 from kernels.errors import EngineError
 from kernels.sampling import SamplingParams
-from kernels.backend import THREADS_ENV, default_threads, usable_cores
+from kernels.threads import THREADS_ENV, default_threads, usable_cores
 from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm
 from swarmctl.asker.session import SessionOptions, open_session
 from harness.oracle import oracle_greedy
@@ -59,7 +59,7 @@ def test_usable_cores_are_the_affinity_not_the_machine():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "from kernels.backend import usable_cores; print(usable_cores())"],
+    r = subprocess.run([sys.executable, "-c", "from kernels.threads import usable_cores; print(usable_cores())"],
                        capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == 1

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kernels.backend import usable_cores
+from kernels.threads import usable_cores
 from kernels.gguf_file import GGUFFile
 from kernels.speed import (BUDGET_S, MAX_REMEASURES, REMEASURE_AFTER_S, REPEATS, REPORT_INTERVAL_S, Repeat,
                            SpeedMeasurement, SpeedTracker, classify, collect, measure_ram_rate, measure_speed,

@@ -155,7 +155,7 @@ async def _open_inproc(options: SessionOptions) -> AsyncIterator[Session]:
 @asynccontextmanager
 async def _open_swarm(options: SessionOptions) -> AsyncIterator[Session]:
     from swarmctl.node.home import SwarmHome
-    from kernels.backend import usable_cores
+    from kernels.threads import usable_cores
     from swarmctl.node.local_swarm import LocalSwarm, size_local_swarm
     from plans.options import PlannerSettings
     from swarmctl.model_files.models import checked_model

@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory this trunk offers, e.g. 12G: 12 GB of 10^9 bytes, as 'status' shows it (16GiB "
                              "for binary units; default: what is available). On a GPU: host RAM for the routed "
                              "experts of a mixture-of-experts model that the device cannot hold (default: none)")
-    parser.add_argument("--threads", type=int, default=None, help="compute threads (default: $SWARMCTL_THREADS, else every core this process may use)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads (default: $SWARMCTL_THREADS, else every core this process may use)")
     add_device_option(parser, "a trunk's slices")
     parser.add_argument("--gpu-memory", metavar="SIZE", type=_size_text,
                         help="trunk on a GPU: device memory its slices may take (default: what the device reports "
