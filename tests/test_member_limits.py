@@ -134,7 +134,12 @@ def test_a_member_cannot_fill_a_stage_with_kv_caches(swarm):
     print(f"eve's ask: {mine.stderr.strip()}")
     assert mine.returncode != 0 and mine.stdout == ""
     assert f"the swarm refused the request: over budget at {first['member']}: member 'eve'" in mine.stderr, mine.stderr
-    assert len(mine.stderr.strip().splitlines()) == 1, mine.stderr
+    # One line of error. Before it, at most the warnings of a connection that timed out and was tried
+    # again: on a loaded box (two test workers on two cores) the busy first stage's handshake once
+    # did; the refusal itself is never retried.
+    *before, error_line = mine.stderr.strip().splitlines()
+    assert error_line.startswith("swarmctl: error: the swarm refused the request: over budget"), mine.stderr
+    assert all("cannot reach" in line and line.endswith("trying again") for line in before), mine.stderr
     # Eve's connections closed: what she held goes, at both stages (and Alice's ask ended: hers too).
     for stage in (first, second):
         stats = _settled(swarm, stage["member"], lambda s: not s["budget"]["members"] and not s["kv_bytes"])
