@@ -26,7 +26,7 @@ N_THREADS = 1
 os.environ.setdefault(THREADS_ENV, str(N_THREADS))
 
 # `python -m pytest -q -n auto` (README) runs the tests in worker processes, a test module's tests
-# all in one worker (they share its module fixtures: a local swarm, a loaded model).
+# all in one worker (pyproject's --dist loadfile), where they share its module fixtures.
 MAX_WORKERS = 4  # each worker holds a model or two and starts local swarms of 3-4 processes
 
 
