@@ -15,7 +15,10 @@ What a trace must satisfy (``check_trace``):
   handing the step to the head until its tokens were chosen, taken with time.perf_counter() in
   Asker._steps, not derived from any span) within TOLERANCE: 5 % of the step's latency or 2 ms,
   whichever is larger. What the tolerance covers is the asker's own bookkeeping between the parts
-  (coroutine wake-ups, handing the step between its runners), which no span measures.
+  (coroutine wake-ups, handing the step between its runners), which no span measures. On a loaded
+  machine the asker can also lose the CPU between two parts for a few ms (seen: 6.5 ms of a 73.6 ms
+  step with a second test worker on 2 cores), so a run may have one step in ten past the tolerance,
+  none past LOADED_SHARE; a span that is never recorded misses in every step and still fails.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from harness.swarm import swarmctl
 PROMPT = "The three primary colours are"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"  # ngram drafts are kept
 TOLERANCE_SHARE, TOLERANCE_US = 0.05, 2000.0  # a step's parts vs its measured latency: 5 % or 2 ms
+LOADED_SHARE, LOADED_STEPS = 0.25, 0.1  # a step that lost the CPU between parts: at most 25 %, one step in ten
 ROUNDING_US = 0.01  # the trace keeps times to the nanosecond: edges may differ by that rounding
 CRITICAL_PATH = ("queue", "compute", "reroute", "wire", "sample")
 GREEDY = SamplingParams(temperature=0)
@@ -161,6 +165,13 @@ def within_tolerance(step: StepCheck) -> bool:
     return step.mismatch_us <= max(TOLERANCE_SHARE * step.latency_us, TOLERANCE_US)
 
 
+def steps_add_up(steps: list[StepCheck]) -> bool:
+    """Every step within the tolerance, but for at most one in ten (at least one) within LOADED_SHARE."""
+    missed = [s for s in steps if not within_tolerance(s)]
+    return (len(missed) <= max(1, int(LOADED_STEPS * len(steps)))
+            and all(s.mismatch_us <= max(LOADED_SHARE * s.latency_us, TOLERANCE_US) for s in missed))
+
+
 def report(steps: list[StepCheck]) -> str:
     worst = max(steps, key=lambda s: s.mismatch_us)
     return (f"worst mismatch {worst.mismatch_us:.0f} us of {worst.latency_us:.0f} us ({worst.label}); "
@@ -203,7 +214,7 @@ def test_a_tokens_spans_add_up_to_its_measured_latency(traced_ask):
     trace, run = traced_ask
     steps = check_trace(trace)
     print(report(steps))
-    assert all(within_tolerance(s) for s in steps), report(steps)
+    assert steps_add_up(steps), report(steps)
     # And the measurements themselves against the CLI's own clock (-v: "N generated in X s"):
     # the steps run one after another, so their latencies fit in the request's time.
     elapsed_s = float(re.search(r"generated in ([\d.]+)s", run.stderr).group(1))
@@ -216,7 +227,7 @@ def test_a_speculative_steps_spans_are_labelled_with_the_tokens_it_produced(tmp_
                  "--speculate", "ngram", "--trace", str(path), COUNTING)
     assert r.returncode == 0, r.stderr
     steps = check_trace(json.loads(path.read_text()))
-    assert all(within_tolerance(s) for s in steps), report(steps)
+    assert steps_add_up(steps), report(steps)
     several = [s for s in steps if s.label.startswith("tokens ")]
     assert several, [s.label for s in steps]  # the counting repeats: drafts are kept
     covered = []
@@ -256,7 +267,7 @@ def test_expert_calls_show_on_the_expert_nodes_inside_the_callers_compute(moe_lo
     assert r.returncode == 0, r.stderr
     trace = json.loads(path.read_text())
     steps = check_trace(trace)
-    assert all(within_tolerance(s) for s in steps), report(steps) + "\n" + r.stderr
+    assert steps_add_up(steps), report(steps) + "\n" + r.stderr
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     experts = [e for e in events if e["cat"] == "expert"]
@@ -302,7 +313,7 @@ def test_serve_writes_one_trace_per_request_named_after_its_request_id(tmp_path)
         steps = check_trace(json.loads(path.read_text()))
         assert [s.label for s in steps] == [f"token {i}" for i in range(1, 6)]
         assert all(s.route == [ASKER, "stage-1", "stage-2", ASKER] for s in steps)  # --transport inproc's stages
-        assert all(within_tolerance(s) for s in steps), report(steps)
+        assert steps_add_up(steps), report(steps)
         assert [p.name for p in folder.iterdir()] == [path.name]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -400,3 +411,14 @@ def test_stage_durations_longer_than_the_round_trip_are_squeezed_into_it_and_say
     check_trace(trace)  # still in order, nothing overlapping
     compute = next(e for e in trace["traceEvents"] if e.get("cat") == "compute" and e["pid"] == 2)
     assert compute["args"]["squeezed_to"] == pytest.approx(3000 / 3500, abs=1e-4)
+
+
+def test_one_step_that_lost_the_cpu_passes_and_a_span_missing_from_every_step_fails():
+    def steps(mismatches_us: list[float]) -> list[StepCheck]:
+        return [StepCheck(f"token {i + 1}", 50_000.0, 50_000.0 - m, [ASKER], [i]) for i, m in enumerate(mismatches_us)]
+
+    assert steps_add_up(steps([100.0] * 16))
+    assert steps_add_up(steps([100.0] * 15 + [6_500.0]))  # one step descheduled for 6.5 ms of 50
+    assert not steps_add_up(steps([100.0] * 15 + [20_000.0]))  # 40 %: not a wake-up, a lost part
+    assert not steps_add_up(steps([100.0] * 13 + [6_500.0] * 3))  # three steps in sixteen
+    assert not steps_add_up(steps([3_000.0] * 16))  # a 3 ms span missing from every step
