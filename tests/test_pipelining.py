@@ -26,8 +26,10 @@ def local_swarm(bundled_model):
 
 
 def mixed_requests(n: int, seed: int = 5) -> list[tuple[list[int], int]]:
+    """Prompts of 3-39 tokens, 4-15 new tokens each: lengths mixed enough that requests join and
+    leave the stages' batches at every step (longer ones only cost the suite time)."""
     rng = np.random.default_rng(seed)
-    return [([int(t) for t in rng.integers(100, 40000, int(rng.integers(3, 60)))], int(rng.integers(4, 24)))
+    return [([int(t) for t in rng.integers(100, 40000, int(rng.integers(3, 40)))], int(rng.integers(4, 16)))
             for _ in range(n)]
 
 
