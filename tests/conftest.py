@@ -55,6 +55,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         markers.mark(item)
     markers.leave_out_heavy(config, items)
+    markers.long_modules_first(items)
 
 
 def pytest_runtest_setup(item):
