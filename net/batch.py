@@ -11,6 +11,7 @@ already holds at that moment.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from typing import Callable, Protocol
@@ -40,6 +41,14 @@ def defer(conn: Flushable) -> bool:
     if conn not in _pending:
         _pending.append(conn)
     return True
+
+
+def readable(transport: asyncio.BaseTransport, sock: socket.socket) -> socket.socket | None:
+    """``sock`` where ``transport`` reads it (asyncio's datagram transports say so: extra info
+    "socket"); None where the transport gets its datagrams from elsewhere (an in-memory network's,
+    harness/sim), so nothing waits on the socket and reading it for more would cost a failed
+    system call per datagram."""
+    return sock if transport.get_extra_info("socket") is not None else None
 
 
 def drain(sock: socket.socket, data: bytes, addr, deliver: Callable[[bytes, tuple], None]) -> None:

@@ -109,10 +109,14 @@ class DrainingServer(QuicServer):
 
     def __init__(self, sock: socket.socket, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.sock = sock
+        self.sock: socket.socket | None = sock
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.sock = batch.readable(transport, self.sock)
 
     def datagram_received(self, data, addr) -> None:
-        if batch.active():
+        if batch.active() or self.sock is None:
             super().datagram_received(data, addr)
         else:
             batch.drain(self.sock, data, addr, super().datagram_received)
@@ -194,7 +198,7 @@ async def _connect(address: Address, config: QuicConfiguration, handler: Connect
     sock = _bound_socket(family, ("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
     transport, protocol = await loop.create_datagram_endpoint(
         lambda: SwarmProtocol(connection, handler=handler, max_frame=max_frame), sock=sock)
-    protocol.own_socket = sock
+    protocol.own_socket = batch.readable(transport, sock)
     protocol.connect(addr)
     try:
         await asyncio.wait_for(protocol.wait_connected(), CONNECT_TIMEOUT)

@@ -106,6 +106,7 @@ class SharedSocket:
     def __init__(self) -> None:
         self.transport: asyncio.DatagramTransport | None = None
         self.sock: socket.socket | None = None  # the socket itself, for datagrams with a TTL of their own
+        self.batch_sock: socket.socket | None = None  # the socket, where the transport reads it (net/batch.py)
         self.server: QuicServer | None = None
         self.clients: dict[bytes, SwarmProtocol] = {}  # connection ID → a connection we opened
         self.handlers: dict[bytes, ControlHandler] = {PROBE: self._probe_received,
@@ -122,8 +123,8 @@ class SharedSocket:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
-        if self.sock is not None and not batch.active():  # read what else waits on the socket (net/batch.py)
-            batch.drain(self.sock, data, addr, self.datagram_received)
+        if self.batch_sock is not None and not batch.active():  # read what else waits on the socket (net/batch.py)
+            batch.drain(self.batch_sock, data, addr, self.datagram_received)
             return
         if data[:1] == CONTROL:
             handler = self.handlers.get(data[:4])
@@ -284,8 +285,9 @@ class SharedSocket:
 async def open_shared(sock: socket.socket) -> SharedSocket:
     """Wrap a bound UDP socket (made by the caller: its port, its network namespace)."""
     sock.setblocking(False)
-    _, shared = await asyncio.get_running_loop().create_datagram_endpoint(SharedSocket, sock=sock)
+    transport, shared = await asyncio.get_running_loop().create_datagram_endpoint(SharedSocket, sock=sock)
     shared.sock = sock
+    shared.batch_sock = batch.readable(transport, sock)
     return shared
 
 
