@@ -126,8 +126,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self.network: SimNetwork | None = None  # where datagram endpoints bind (None: the kernel)
         # node → the tasks it started, oldest first (a kill cancels them in that order on every
         # replay: a WeakSet's order is that of the tasks' addresses)
-        self.node_tasks: dict[str, weakref.WeakValueDictionary[int, asyncio.Task]] = {}
-        self._tasks_started = 0
+        self.node_tasks: dict[str, NodeTasks] = {}
         self.set_task_factory(self._new_task)
         # Nodes stopped as by SIGSTOP: none of their callbacks or timers runs until they go on;
         # node → (its ready callbacks, its timers), held out of the loop's queues meanwhile
@@ -137,11 +136,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def _new_task(self, loop, coro, **kwargs) -> asyncio.Task:
         task = asyncio.Task(coro, loop=loop, **kwargs)
         node = kwargs["context"].get(CURRENT_NODE, "") if kwargs.get("context") else CURRENT_NODE.get()
-        self._tasks_started += 1
         tasks = self.node_tasks.get(node)
-        if tasks is None:  # (not setdefault: a dictionary made for every task was a cost of its own)
-            tasks = self.node_tasks[node] = weakref.WeakValueDictionary()
-        tasks[self._tasks_started] = task
+        if tasks is None:  # (not setdefault: an object made for every task was a cost of its own)
+            tasks = self.node_tasks[node] = NodeTasks()
+        tasks.add(task)
         return task
 
     async def create_datagram_endpoint(self, protocol_factory, local_addr=None, remote_addr=None, *, sock=None,
@@ -239,6 +237,29 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def _thread_back(self, job: "_Job") -> None:
         self.threads_busy -= 1
         self.threads.back(job)
+
+
+class NodeTasks:
+    """A node's tasks, oldest first, held weakly (a finished task is not kept for a kill that may
+    never come). Weak references in a list, not a WeakValueDictionary: a run starts thousands of
+    tasks, and the dictionary's bookkeeping for each (a keyed reference with its callback) cost
+    more than starting the task did."""
+
+    PRUNE_FLOOR = 64  # dead references are cleared out once there are this many, or as many as the live ones
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[asyncio.Task]] = []
+        self._prune_at = self.PRUNE_FLOOR
+
+    def add(self, task: asyncio.Task) -> None:
+        self._refs.append(weakref.ref(task))
+        if len(self._refs) >= self._prune_at:  # (amortised: the list stays within twice the live tasks)
+            self._refs = [ref for ref in self._refs if ref() is not None]
+            self._prune_at = max(self.PRUNE_FLOOR, 2 * len(self._refs))
+
+    def values(self) -> list[asyncio.Task]:
+        """The tasks still alive, oldest first."""
+        return [task for ref in self._refs if (task := ref()) is not None]
 
 
 @dataclass(eq=False)
