@@ -161,23 +161,24 @@ class SimNetwork:
 
     def send(self, source: SimTransport, data: bytes, destination: tuple[str, int]) -> None:
         self.stats.sent += 1
-        c, rng = self.conditions, self.rng
+        c, draw = self.conditions, self.rng.random
         # Every draw is made whatever happens to the datagram, so one fault does not shift the
         # randomness of every later datagram (a shrunk schedule stays close to the original).
-        lost, dup, held = rng.random() < c.loss, rng.random() < c.duplicate, rng.random() < c.reorder
-        delays = [c.delay_s + rng.random() * c.jitter_s for _ in range(2)]
+        lost, dup, held = draw() < c.loss, draw() < c.duplicate, draw() < c.reorder
+        first, second = c.delay_s + draw() * c.jitter_s, c.delay_s + draw() * c.jitter_s
         if lost:
             self.stats.lost += 1
             return
         if held:
-            delays[0] *= 10
+            first *= 10
         if self.slow:
             target = self.endpoints.get(destination)
             extra = self.slow.get(source.node, 0.0) + (self.slow.get(target.node, 0.0) if target else 0.0)
-            delays = [d + extra for d in delays]
-        for delay in delays[:2 if dup else 1]:
-            self.loop.call_at(self.loop.time() + delay, self._deliver, source.node, source.address, destination, data)
+            first, second = first + extra, second + extra
+        now = self.loop.time()
+        self.loop.call_at(now + first, self._deliver, source.node, source.address, destination, data)
         if dup:
+            self.loop.call_at(now + second, self._deliver, source.node, source.address, destination, data)
             self.stats.duplicated += 1
 
     def _deliver(self, node: str, source: tuple[str, int], destination: tuple[str, int], data: bytes) -> None:
@@ -185,7 +186,8 @@ class SimNetwork:
         if target is None:
             self.stats.unbound += 1
             return
-        if node in self.down or target.node in self.down or frozenset((node, target.node)) in self.cut_off:
+        if self.down and (node in self.down or target.node in self.down) \
+                or self.cut_off and frozenset((node, target.node)) in self.cut_off:
             self.stats.cut += 1
             return
         if target.node in self.stopped:
