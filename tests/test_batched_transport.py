@@ -127,3 +127,20 @@ def test_a_burst_of_tiny_datagrams_at_the_socket_does_not_stall_a_transfer():
 
     answer, sent = asyncio.run(scenario())
     assert answer == {"type": "echo", "n": 1 << 20, "sum": 0} and sent > 1000
+
+
+def test_only_a_socket_the_transport_reads_is_read_for_more():
+    """A transport with no socket of its own (harness/sim's in-memory network) gets its datagrams
+    from elsewhere: reading the socket behind it would only fail, once per datagram."""
+    sock, other = _udp_pair()
+
+    async def scenario():
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(asyncio.DatagramProtocol, sock=sock)
+        try:
+            return batch.readable(transport, sock), batch.readable(asyncio.DatagramTransport(), sock)
+        finally:
+            transport.close()
+
+    real, in_memory = asyncio.run(scenario())
+    other.close()
+    assert real is sock and in_memory is None
