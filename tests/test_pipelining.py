@@ -10,7 +10,7 @@ import pytest
 
 from kernels.sampling import SamplingParams
 from net.endpoint import Address, ask_member
-from swarmctl.asker.head_tail import Asker, BusyError, InprocTrunk, generate_all, u_split
+from swarmctl.asker.head_tail import PREFILL_CHUNK, Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.node.local_swarm import LocalSwarm
 from plans.options import PlannerSettings
 from swarmctl.asker.link import ReroutePolicy, SwarmLink
@@ -33,9 +33,9 @@ def mixed_requests(n: int, seed: int = 5) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def solo_outputs(bundled_model, requests) -> list[list[int]]:
+def solo_outputs(bundled_model, requests, prefill_chunk: int = PREFILL_CHUNK) -> list[list[int]]:
     """Each request alone, in one process (in-process and swarm runs are bit-identical: tested elsewhere)."""
-    asker = Asker(bundled_model, 4, n_threads=N_THREADS)
+    asker = Asker(bundled_model, 4, n_threads=N_THREADS, prefill_chunk=prefill_chunk)
     trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
                         max_context=asker.max_context)
 
@@ -242,19 +242,21 @@ def long_prompt(n: int, seed: int = 21) -> list[int]:
 
 def test_a_long_prompt_streams_its_chunks_through_the_stages_and_survives_a_broken_route(
         local_swarm, bundled_model, monkeypatch):
-    """1,100 prompt tokens are three chunks of a step each (512, 512, 76): the link has them out
+    """280 prompt tokens are three chunks of a step each (128, 128, 24; an asker's chunk is 512 by
+    default, lowered here so that the prompts cost less: the code path is the same): the link has them out
     together, and the tokens are those of one chunk at a time in one process. Then the same prompt
     again, with the first stage's connection closed under it while chunks are out: the link
     reroutes, replays what was answered and sends the chunks out again in order, and the tokens
     are the same again; the stages end idle."""
     policy = ReroutePolicy(same_route_retry_s=0.5)  # (a dropped link, same plan: retried after this)
-    prompt = long_prompt(1100)
-    want = solo_outputs(bundled_model, [(prompt, 6)])[0]
+    chunk = 128
+    prompt = long_prompt(280)
+    want = solo_outputs(bundled_model, [(prompt, 6)], prefill_chunk=chunk)[0]
 
     async def scenario():
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
                                     policy=policy)
-        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, prefill_chunk=chunk)
         try:
             streamed = await generate_all(asker, prompt, link, max_tokens=6, sampling=GREEDY)
             most_out = link.stats.most_steps_out
@@ -264,7 +266,7 @@ def test_a_long_prompt_streams_its_chunks_through_the_stages_and_survives_a_brok
                 steps_in_flight = link.steps_in_flight
 
                 async def forward(self, rid, hidden, start_pos, **kwargs):
-                    if start_pos == 512 and not broken.done():
+                    if start_pos == chunk and not broken.done():
                         asyncio.get_running_loop().call_soon(link.first_conn.close)
                         broken.set_result(None)
                     return await link.forward(rid, hidden, start_pos, **kwargs)

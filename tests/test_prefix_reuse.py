@@ -20,7 +20,7 @@ from kernels.gguf_file import GGUFFile
 from kernels.sampling import SamplingParams
 from kernels.slice import SliceEngine, Step
 from kernels.spec import SliceSpec
-from swarmctl.asker.head_tail import Asker, Generation, InprocTrunk, u_split
+from swarmctl.asker.head_tail import PREFILL_CHUNK, Asker, Generation, InprocTrunk, u_split
 from swarmctl.asker.link import SwarmLink
 from swarmctl.asker.speculate import speculation_for
 from swarmctl.asker.prefixes import PrefixCache, PrefixEntry, Steps, chunk_bounds, resume_point
@@ -36,6 +36,7 @@ from tests.conftest import N_THREADS, run_split
 
 GREEDY = SamplingParams(temperature=0)
 CHUNK = 512
+SMALL_CHUNK = 128  # the swarm and conversation tests: prompts a quarter as long cross a chunk the same way
 
 
 # --- which cells may be reused: never a one-row step where a plain run has several ---
@@ -127,10 +128,10 @@ def test_a_moved_cache_answers_as_one_computed_there(bundled_model):
 # --- a conversation in one process: the same answers as without reuse, and as the oracle ---
 
 async def _turns(model, prompts: list[list[int]], max_tokens: int, context: int,
-                 speculate: bool = False) -> list[tuple[list[int], int, list[int]]]:
+                 speculate: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> list[tuple[list[int], int, list[int]]]:
     """Each prompt with reuse, then without: (tokens with reuse, cached tokens, tokens without).
     ``speculate``: ngram drafts with three windows always in flight."""
-    asker = Asker(model, 4, n_threads=N_THREADS, max_context=context)
+    asker = Asker(model, 4, n_threads=N_THREADS, max_context=context, prefill_chunk=prefill_chunk)
     trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
                         max_context=context)
     cache = PrefixCache()
@@ -196,12 +197,13 @@ def test_a_conversation_answers_as_without_reuse_and_as_the_oracle(bundled_model
 
 def test_a_conversation_past_a_prefill_chunk_answers_as_without_reuse(bundled_model):
     rng = np.random.default_rng(11)
-    history = [int(t) for t in rng.integers(100, 40000, 300)]
+    history = [int(t) for t in rng.integers(100, 40000, 75)]
     prompts = []
-    for n in (300, 420, 200, 1):  # 300, 720 (past a chunk), 920, and one new token
+    for n in (75, 105, 50, 1):  # 75, 180 (past a chunk of 128), 230, and one new token
         history = history[:len(history)] + [int(t) for t in rng.integers(100, 40000, n)] if prompts else history
         prompts.append(list(history))
-    results = asyncio.run(_turns(bundled_model, prompts, 6, 1024))
+    # (chunks of 128, not the asker's 512: the same code path, a quarter of the prompt tokens)
+    results = asyncio.run(_turns(bundled_model, prompts, 6, 512, prefill_chunk=SMALL_CHUNK))
     for reused, cached, plain in results:
         assert reused == plain
     assert [c for _, c, _ in results][1:] == [len(p) for p in prompts[:-1]][:2] + [len(prompts[3]) - 2]
@@ -305,7 +307,7 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
 
     async def run():
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2)
-        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, max_context=1024)
+        asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, max_context=512, prefill_chunk=SMALL_CHUNK)
         cache = PrefixCache()
         rng = np.random.default_rng(2)
         history = [int(t) for t in rng.integers(100, 40000, 40)]
@@ -313,7 +315,7 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
         try:
             for turn in range(4):
                 if turn:
-                    history += [int(t) for t in rng.integers(100, 40000, 600 if turn == 1 else 30)]
+                    history += [int(t) for t in rng.integers(100, 40000, 150 if turn == 1 else 30)]  # 190: past a chunk
                 if turn == 3:  # the stages never kept this id: as after an eviction or a restart
                     for entry in cache._entries.values():
                         entry.prefix = secrets.token_bytes(16)
@@ -336,12 +338,12 @@ def test_a_swarm_keeps_the_prefix_and_a_lost_one_costs_a_replay(local_swarm, bun
     got, stats, recoveries, status = asyncio.run(run())
     for reused, cached, plain, n, _ in got:
         assert reused == plain, (cached, n)
-    assert [g[1] for g in got] == [0, 40, 640, 670]
+    assert [g[1] for g in got] == [0, 40, 190, 220]
     assert [g[4] for g in got] == [False, False, False, True]  # (usage then reports none cached)
     assert recoveries == 1  # the lost prefix: replayed from position 0
     for s in stats:  # each stage shows what it keeps for the member (the orphaned one, and the last turn's)
         member = s["budget"]["members"]["asker"]
-        assert member["cached_tokens"] >= 670 and member["requests"] == 0
+        assert member["cached_tokens"] >= 220 and member["requests"] == 0
         assert s["budget"]["cached_tokens"] == member["cached_tokens"]
     # `status` (the host, told by each trunk) shows what each stage keeps
     table = format_table(status)
@@ -384,3 +386,8 @@ def test_status_and_top_show_what_a_stage_keeps():
     console = Console(width=220, record=True)
     console.print(table.render())
     assert "3912 tok cached" in console.export_text()
+
+
+def test_a_prefill_chunk_below_one_is_refused(bundled_model):
+    with pytest.raises(ValueError, match="prefill_chunk must be 1 or more, not 0"):
+        Asker(bundled_model, 4, prefill_chunk=0)

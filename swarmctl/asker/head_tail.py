@@ -395,10 +395,14 @@ class Asker:
 
     def __init__(self, model_path: str | Path, head_layers: int, *, n_threads: int | None = None,
                  max_context: int | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 placement: Placement = ON_THE_CPU) -> None:
+                 placement: Placement = ON_THE_CPU, prefill_chunk: int = PREFILL_CHUNK) -> None:
         """``uplink_transform`` (set it after): rewrites the head's activations before they leave
         this process. ``placement``: where the head and tail compute (default the CPU) and with which kernels
-        (a swarm's asker: the plan's, as its trunks)."""
+        (a swarm's asker: the plan's, as its trunks). ``prefill_chunk``: prompt tokens per step
+        (llama.cpp's n_ubatch); the chunks decide the bits, so compare runs only at one chunk size."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be 1 or more, not {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.gguf = GGUFFile(model_path)
         self.head: SliceEngine | None = None
         self.tail: SliceEngine | None = None
@@ -492,7 +496,7 @@ class Asker:
             del self.in_flight[gen.request_id]
             self._admission.release()
             if prefixes is not None and gen.prompt_done:
-                for start, rows in chunk_bounds(gen.cached_tokens, len(prompt), PREFILL_CHUNK):
+                for start, rows in chunk_bounds(gen.cached_tokens, len(prompt), self.prefill_chunk):
                     filled = filled.then(start, rows)
                 await self._keep(gen.request_id, prompt, filled.exact(), trunk, prefixes)
             else:
@@ -506,7 +510,7 @@ class Asker:
         # A draft from the final hidden states (--speculate mtp) is shown those of every kept row.
         hidden_rows = speculation is not None and speculation.wants_hidden
         # The chunks a plain run from 0 cuts: the same bits (swarmctl/asker/prefixes.py)
-        bounds = chunk_bounds(start, len(prompt), PREFILL_CHUNK)
+        bounds = chunk_bounds(start, len(prompt), self.prefill_chunk)
         chunks = [prompt[a:a + n] for a, n in bounds]
         prompt_result = None  # the last chunk's logits and timing, when the chunks streamed through together
         if len(chunks) > 1 and trunk is not None and trunk.steps_in_flight > 1:
@@ -617,7 +621,7 @@ class Asker:
         """Start request ``rid`` from the kept prefix ``prompt`` shares the most with: its cells
         move into the request's caches here and at every stage. Returns the first position to
         compute and the steps that computed those before it ((0, none) without one)."""
-        found = prefixes.take(prompt, PREFILL_CHUNK)
+        found = prefixes.take(prompt, self.prefill_chunk)
         if found is None:
             return 0, Steps()
         entry, start = found.entry, found.start
