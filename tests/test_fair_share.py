@@ -149,6 +149,7 @@ def test_a_split_step_keeps_its_order_its_chunks_and_only_joinable_steps_split()
     assert sum(k for _, k in fair_batch([_pending("bob", 8) for _ in range(100)], 1024, FairShare())) == 800
 
 
+@pytest.mark.slow  # the bundled model, chunked and whole: 3.5 s
 def test_the_runner_joins_a_split_steps_chunks_into_its_own_output(bundled_model):
     """A trunk slice fed a prefill larger than a batch runs it in chunks, another member's step in
     between, and returns the rows it returns for the prefill run whole."""

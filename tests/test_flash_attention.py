@@ -70,6 +70,7 @@ def test_plain_attention_differs_from_the_flash_oracle(bundled_model):
     llm.close()
 
 
+@pytest.mark.slow  # the bundled model past a cache growth: 4 s
 def test_flash_decode_steps_past_a_cache_growth(bundled_model):
     """A 250-token prompt (256 cells), then one-token steps to position 270: the cache grows to
     512 cells (its untransposed V copied over) and every step attends over 512, where ggml splits

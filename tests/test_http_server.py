@@ -125,6 +125,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_off(echo):
         assert time.monotonic() - start < SHORT + 5
 
 
+@pytest.mark.slow  # waits out the body deadline: 3 s
 def test_a_body_that_stops_arriving_is_a_408(echo):
     with socket.create_connection(("127.0.0.1", echo.port)) as s:
         s.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"a" * 10)

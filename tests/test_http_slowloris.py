@@ -228,6 +228,7 @@ def test_a_trickled_head_is_cut_at_the_head_deadline(deadline_server):
     assert was_closed, f"a head trickled for 20 s ({lines} lines) was never cut"
 
 
+@pytest.mark.slow  # waits out a head deadline: 4.5 s
 def test_a_kept_alive_connection_waits_idle_but_its_next_head_has_the_deadline(deadline_server):
     """After an answer, a kept-alive connection may wait in silence (the keep-alive timer, not the
     head deadline); the deadline starts at the first byte of its next head."""

@@ -167,6 +167,7 @@ def test_a_home_folder_is_made_private_even_if_it_existed_loose(tmp_path):
     assert stat.S_IMODE((home / "ca.key").stat().st_mode) == 0o600
 
 
+@pytest.mark.slow  # hundreds of QUIC handshakes: 7-9 s
 def test_anonymous_connections_are_capped_and_a_member_still_gets_in():
     """Issue 30 item 5: 200 connections without a member's certificate (joiners) added 63 MB to the
     host. A server keeps at most MAX_ANONYMOUS_CONNECTIONS of them (the oldest are closed), and a

@@ -109,6 +109,7 @@ def test_a_resumed_request_names_its_prefix_once_and_replays_from_zero_after_a_f
     assert link.resumed_under == {b"t": 1}  # (a route opened under a later plan replays instead)
 
 
+@pytest.mark.slow  # the bundled model in several slices: 5-6 s
 def test_a_moved_cache_answers_as_one_computed_there(bundled_model):
     """The engine hands a request's cells to another id, cut to a position, without copying; a
     step from there gives the bits a fresh prefill gives."""
@@ -195,6 +196,7 @@ def test_a_conversation_answers_as_without_reuse_and_as_the_oracle(bundled_model
                 e.close()
 
 
+@pytest.mark.slow  # the bundled model over 230 tokens, twice: 7 s
 def test_a_conversation_past_a_prefill_chunk_answers_as_without_reuse(bundled_model):
     rng = np.random.default_rng(11)
     history = [int(t) for t in rng.integers(100, 40000, 75)]

@@ -26,6 +26,8 @@ from net.identity import Credentials, make_ca, new_private_key, sign_member, ver
 from net.protocol import RequestOnlyHandler
 from net.wire import decode_control, encode_control
 
+pytestmark = pytest.mark.slow  # every test runs whole swarms on a virtual clock: 54 s in all
+
 SPEC = WorldSpec()
 # Seeds that draw each kind of fault at least once (kill, restart, freeze, host restart, revocation,
 # slow member, partition) over lossy, duplicating, reordering networks; 9 revokes mallory during a

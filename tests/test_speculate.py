@@ -99,6 +99,7 @@ def _single_steps(engine, rid, prompt, n):
     return tokens, np.array(rows)
 
 
+@pytest.mark.slow  # the whole bundled model, step by step: 5 s
 def test_a_checked_step_gives_each_row_the_bits_of_single_steps(whole_engine, bundled_model):
     """A step of 8 positions marked verify equals 8 one-token steps bit for bit (a plain step of 8
     need not: its attention products are summed in another order; swarmctl/asker/speculate.py)."""
@@ -162,6 +163,7 @@ def tiny_pair(tmp_path_factory, bundled_model):
 RUNS = 1200
 
 
+@pytest.mark.slow  # thousands of sampled steps: 15-20 s each
 @pytest.mark.parametrize("windows", [None, 2], ids=["one_window", "two_windows_in_flight"])
 def test_speculative_sampling_keeps_the_target_distribution(tiny_pair, windows):
     """Chi-square: the first three sampled tokens (top-k 3, temperature 1; the second and third come

@@ -456,6 +456,7 @@ def test_monitor_keeps_its_connections_past_128_requests(live_swarm):
     assert answered == 140 and same_connections
 
 
+@pytest.mark.slow  # waits out the screen's retries: 9 s
 def test_unreachable_swarm_shows_a_banner_and_keeps_retrying(tmp_path):
     """A host that never answers (nothing listens at its address): connecting, then
     "unreachable ... retrying", and the app stays up until q."""
