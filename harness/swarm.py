@@ -98,8 +98,8 @@ class Swarm:
         self.homes[name] = home
         return home
 
-    def start_host(self) -> Node:
-        node = Node(self.host_home, "host")
+    def start_host(self, *extra: str) -> Node:
+        node = Node(self.host_home, "host", *extra)
         self.nodes.append(node)
         return node
 

@@ -26,6 +26,8 @@ CASES = {
     "bad listen address": (["init", "--listen", "localhost:notaport"], "invalid address", False),
     "bad member name": (["init", "--name", "Bad Name!"], "invalid member name", False),
     "trunk with a bad memory size": (["run", "--role", "trunk", "--memory", "lots"], "invalid size", True),
+    "host with an upload cap of 0": (["run", "--role", "host", "--upload-mbit", "0"], "must be above 0", True),
+    "host with a bad upload rate": (["run", "--role", "host", "--upload-mbit", "fast"], "invalid rate 'fast'", True),
 }
 
 

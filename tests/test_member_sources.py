@@ -11,12 +11,15 @@ One swarm, four trunks that hold the whole model and one that holds nothing:
     trunk-b     no model file: fetches its layers, and the swarm answers as llama-cpp-python
 
 The model is a tiny GGUF wide enough that each trunk's two layers (8 trunk layers, "even") are
-about 108 chunks of 1 MiB, several batches of 16: every source gets a batch before the end game.
+about 54 chunks of 1 MiB a layer, several batches of 16: every source gets a batch before the end game.
 The host lists holders by how much of the slice they hold, then by name, and the fetcher asks
 them in that order before the host: bad-trunk first, so its first batch is out before anyone
-could take its chunks from it. The two members that serve do so at 4000 Mbit/s: at the default
-10 Mbit/s a 1 MiB chunk takes 0.84 s, and the host on loopback (67 MB/s in one CI run) had sent a
-one-layer slice whole before any member's first chunk arrived (a share of 0 %, no wrong chunk seen).
+could take its chunks from it. The race is set so that the members win a share: they serve at
+4000 Mbit/s and the host at 80 (``--upload-mbit`` on both). With the members at the default 10
+Mbit/s (0.84 s a 1 MiB chunk), and again with them at 4000 but the host uncapped, the host on
+loopback (67 MB/s) sent trunk-b's one-layer slice whole (1 s) before a member's first chunk
+arrived, reaching a member taking longer than that on a loaded box: a share of 0 % and no wrong
+chunk seen, in a CI run and in a full local run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from tests.conftest import make_oracle
 
 PROMPT = "The capital of France is"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "8")
-FAST_UPLOAD = ("--upload-mbit", "4000")  # members as fast as the host on loopback (module docstring)
+FAST_UPLOAD = ("--upload-mbit", "4000")  # members far faster than the host (module docstring)
+HOST_UPLOAD = ("--upload-mbit", "80")  # 10 MB/s: a one-layer slice of 51 MB takes the host 5 s alone
 WIDE = TinyConfig(n_layer=10, n_embd=256, n_head=4, n_head_kv=2, n_ff=16384, qtype="F32", seed=7)  # 54 chunks a layer
 
 
@@ -57,7 +61,7 @@ def swarm(tmp_path_factory, wide_model):
     mp = pytest.MonkeyPatch()
     try:
         s.init("--model", str(wide_model), "--head-layers", "1")
-        s.start_host()
+        s.start_host(*HOST_UPLOAD)
         s.wait_host()
         for name in ("trunk-a", "bad-trunk", "trunk-zero"):
             s.join(name, "--model", str(wide_model))

@@ -1,11 +1,11 @@
-"""A trunk's upload budget for the layers it serves (swarmctl/trunk/layer_share.py UploadBudget),
+"""An upload budget for the model bytes a node serves (swarmctl/model_files/upload_budget.py UploadBudget),
 driven by the clock it is given: each chunk waits until what went before has gone out at the rate."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarmctl.trunk.layer_share import UploadBudget
+from swarmctl.model_files.upload_budget import UploadBudget
 
 
 def test_chunks_queue_behind_each_other_at_the_budgets_rate():

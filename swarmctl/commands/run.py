@@ -3,6 +3,7 @@ of layers).
 
 examples:
   swarmctl run --role host
+  swarmctl run --role host --upload-mbit 40   (slices to members with no model file at 40 Mbit/s at most)
   swarmctl run --role trunk --memory 12G
   swarmctl run --role trunk --device cuda:0 --gpu-memory 20G
   swarmctl run --role trunk --device cuda:0 --memory 96G   (a mixture of experts: the routed experts
@@ -86,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", action="store_true",
                         help="trunk: also relay links that hole punching cannot open (symmetric NATs); "
                              "for a machine others can reach: it forwards their encrypted datagrams")
-    parser.add_argument("--upload-mbit", type=_upload_rate, default=10.0, metavar="MBIT",
-                        help="trunk: upload rate in Mbit/s for serving the layers it holds to members fetching them "
-                             "(default 10; 0: serve none)")
+    parser.add_argument("--upload-mbit", type=_upload_rate, default=None, metavar="MBIT",
+                        help="upload rate in Mbit/s for serving model layers to members fetching them: a trunk's "
+                             "the layers it holds (default 10; 0: serve none), the host's every slice it sends "
+                             "(default: no cap)")
     parser.add_argument("--capture", metavar="DIR", help=argparse.SUPPRESS)  # tests and audits: keep every frame
     # host: write the address it listens on to FILE once it does (a local swarm waits for it: swarmctl/node/local_swarm.py)
     parser.add_argument("--ready-file", metavar="FILE", help=argparse.SUPPRESS)
@@ -102,11 +104,15 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
     if args.role == "host":
         from swarmctl.host import run_host
 
-        await run_host(home, stop, Path(args.ready_file) if args.ready_file else None)
+        if args.upload_mbit == 0:
+            raise UsageError("--upload-mbit 0 would leave members with no model file nothing to fetch from; "
+                             "the host's cap must be above 0 (leave it out for none)")
+        await run_host(home, stop, Path(args.ready_file) if args.ready_file else None, args.upload_mbit)
         return None
     from kernels.devices import choose_device
     from swarmctl.trunk import TrunkService
     from swarmctl.trunk.context import TrunkOptions
+    from swarmctl.trunk.layer_share import DEFAULT_UPLOAD_MBIT
 
     device = choose_device(args.device)
     if args.gpu_memory and device.is_cpu:
@@ -121,7 +127,8 @@ async def _serve(args: argparse.Namespace, home: SwarmHome) -> str | None:
     ram = parse_size(args.memory) if args.memory and not device.is_cpu else 0
     options = TrunkOptions(memory=memory, n_threads=args.threads, device=device,
                            capture_dir=Path(args.capture) if args.capture else None, advertise=args.advertise,
-                           relay=args.relay, ram=ram, upload_mbit=args.upload_mbit)
+                           relay=args.relay, ram=ram,
+                           upload_mbit=DEFAULT_UPLOAD_MBIT if args.upload_mbit is None else args.upload_mbit)
     service = TrunkService(home, options, stop)
     log.info("trunk computes on %s (%s)%s", device.label, device.description or device.name,
              f", offering {service.memory / 1e9:.1f} GB of its memory" if not device.is_cpu else "")

@@ -51,7 +51,7 @@ log = logging.getLogger("swarmctl.host")
 
 
 class HostService:
-    def __init__(self, home: SwarmHome) -> None:
+    def __init__(self, home: SwarmHome, upload_mbit: float | None = None) -> None:
         self.home = home
         self.config = home.load_config()
         self.creds = home.credentials()
@@ -71,7 +71,8 @@ class HostService:
         self.checks = ClaimChecks(self.gguf, self.planning)
         self.reports = AskerReports()
         self.trunk_reports = TrunkReports(self.trunks, self.planning, self.checks)
-        self.slices = SliceServer(self.gguf, self.hashes, self.config.model_url, lambda: self.plan, self.trunks)
+        self.slices = SliceServer(self.gguf, self.hashes, self.config.model_url, lambda: self.plan, self.trunks,
+                                  upload_mbit)
         self.reaching = Reaching(self.trunks, self.planning)
         self.accusations = Accusations(self.trunks, self.planning, self.checks, self.reports)
         # Every authenticated connection: a member may hold several at once (its trunk, two asks,
@@ -280,8 +281,9 @@ class HostService:
                                           last_seen=self.last_seen, staged=self.planning.staged))
 
 
-async def run_host(home: SwarmHome, stop: asyncio.Event, ready_file=None) -> None:
-    service = HostService(home)
+async def run_host(home: SwarmHome, stop: asyncio.Event, ready_file=None, upload_mbit: float | None = None) -> None:
+    """The host until ``stop``; ``upload_mbit``: a cap on the slices it serves (None: none)."""
+    service = HostService(home, upload_mbit)
     address = await service.start()
     if ready_file is not None:
         ready_file.write_text(str(address))

@@ -3,7 +3,8 @@
 
 A slice's manifest is built once and kept: each batch of a fetch names its chunks by it. Chunks
 go out one stream per member at a time (the host's uplink is everyone's): a member's next batch
-waits for its last. A fetch's first request (``want`` []) asks for the manifest alone, and is
+waits for its last, and every chunk to anyone waits its turn within the host's upload budget
+(``swarmctl run --role host --upload-mbit``; none by default). A fetch's first request (``want`` []) asks for the manifest alone, and is
 told which members hold some of its layers too, so the fetcher pulls from them as well; what
 fetchers report of a member that sent wrong chunks (``bad_source``) is counted in
 source_reports.py.
@@ -22,6 +23,7 @@ from net.protocol import SwarmProtocol
 from plans.plan import Plan
 from swarmctl.model_files.distribution import SliceManifest, build_asker_manifest, build_manifest, parse_chunk_ids, serve_slice
 from swarmctl.model_files.expert_slices import build_expert_manifest
+from swarmctl.model_files.upload_budget import UploadBudget
 
 from .model_hashes import ModelHashes
 from .replies import error, ok
@@ -46,8 +48,10 @@ def slice_refusal(plan: Plan, start: int, stop: int, experts: list[int]) -> str 
 
 class SliceServer:
     def __init__(self, gguf: GGUFFile, hashes: ModelHashes, mirror: str, plan: Callable[[], Plan],
-                 trunks: Trunks) -> None:
+                 trunks: Trunks, upload_mbit: float | None = None) -> None:
         self.gguf, self.hashes, self.mirror = gguf, hashes, mirror  # mirror: the model's URL, named in manifests
+        # every chunk to every member waits its turn in one budget: the host's uplink is one (None: no cap)
+        self.budget = UploadBudget.from_mbit(upload_mbit)
         self._plan = plan  # the plan now (it changes)
         self.trunks = trunks
         self.sources = SourceReports()  # who holds which layers for fetches, and reports of wrong chunks
@@ -130,7 +134,8 @@ class SliceServer:
                 sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want, holders)
             else:
                 async with lock:
-                    sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want)
+                    sent = await serve_slice(conn, stream_id, self.gguf, manifest, have, want,
+                                             pace=self.budget.take if self.budget is not None else None)
         except ConnectionError:
             return
         trunk = self.trunks.get(conn.peer_name)

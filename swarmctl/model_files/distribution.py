@@ -355,10 +355,12 @@ def parse_chunk_ids(manifest: SliceManifest, ids: list[str]) -> list[tuple[int, 
 
 async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manifest: SliceManifest,
                       have: set[str], want: list[tuple[int, int]] | None = None,
-                      holders: list[m.Holder] | None = None) -> int:
+                      holders: list[m.Holder] | None = None,
+                      pace: Callable[[int], Awaitable[None]] | None = None) -> int:
     """What a fetch asked for: ``want`` None, the manifest and every chunk not in ``have`` (members
     before batched fetching); ``want`` [], the manifest alone (with ``holders``: members to fetch
-    from too); else just those chunks. Then ``done``. Returns the bytes sent."""
+    from too); else just those chunks, each after ``pace`` lets its bytes go (the host's upload
+    budget). Then ``done``. Returns the bytes sent."""
     if not want:
         conn.send(stream_id, m.encode(m.Manifest(manifest=manifest.to_dict(), holders=holders or [])))
     if want is None:
@@ -368,6 +370,10 @@ async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manif
     for i, j in want:
         data = gguf.tensor_bytes(gguf.tensors[manifest.tensors[i].name])
         piece = bytes(data[j * CHUNK:(j + 1) * CHUNK])
+        if pace is not None:
+            await pace(len(piece))
+            if not conn.is_open:
+                return sent
         conn.send(stream_id, encode_frame(FrameType.DATA, CHUNK_HEADER.pack(i, j * CHUNK) + piece))
         sent += len(piece)
         await conn.drain(stream_id, SEND_BACKLOG)

@@ -27,37 +27,17 @@ from typing import Callable
 from kernels.errors import EngineError
 from kernels.gguf_file import GGUFFile
 from kernels.spec import ModelSpec, layer_of
-from net import clock
 from net import messages as m
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import Frame
 from swarmctl.model_files.distribution import CHUNK, MemberSource, SliceManifest, send_chunks
+from swarmctl.model_files.upload_budget import UploadBudget
 
 log = logging.getLogger("swarmctl.trunk")
 
 DEFAULT_UPLOAD_MBIT = 10.0  # about half a typical home uplink: activations keep the rest
 MAX_STREAMS = 4  # fetch_chunks requests served at once; more wait their turn
 SLICE_NAME = re.compile(r"^([0-9a-f]{16})-layers-(\d+)-(\d+)\.gguf$")  # distribution.slice_path's names
-
-
-class UploadBudget:
-    """Bytes per second for everything this trunk serves of its layers: each chunk waits its turn."""
-
-    def __init__(self, bytes_per_s: float) -> None:
-        self.bytes_per_s = bytes_per_s
-        self._free_at = 0.0  # when what was let go so far has gone out at the budget's rate
-
-    def wait_s(self, n: int, now: float) -> float:
-        """Seconds from ``now`` until ``n`` more bytes may go, booking them: what was let go before
-        must have gone out at the budget's rate first."""
-        start = max(now, self._free_at)
-        self._free_at = start + n / self.bytes_per_s
-        return start - now
-
-    async def take(self, n: int) -> None:
-        wait = self.wait_s(n, clock.now())
-        if wait > 0:
-            await asyncio.sleep(wait)
 
 
 class LayerShare:
