@@ -109,6 +109,11 @@ class Backend:
         ggml.backend_cpu_set_n_threads(self.cpu_handle, self.n_threads)
         self.name = "cpu" if device is None else device.label
 
+    def set_threads(self, n_threads: int) -> None:
+        """CPU work from the next graph on uses ``n_threads`` threads."""
+        self.n_threads = n_threads
+        ggml.backend_cpu_set_n_threads(self.cpu_handle, n_threads)
+
     @property
     def partial(self) -> bool:
         """Some layers on the device, the rest on the CPU; or weights the device could not hold

@@ -129,3 +129,19 @@ def test_a_batch_queued_behind_the_engine_s_close_fails_cleanly(tiny_model):
             return str(e)
 
     assert asyncio.run(scenario()) == "this engine is closed"
+
+
+def test_an_engine_computes_on_more_threads_within_threads_and_the_same_bits(bundled_model):
+    """SliceEngine.threads (the audit's table build): a batch on two threads gives every request the
+    bits it gets alone on one, and the engine is back on its own count after the block."""
+    with GGUFFile(bundled_model) as gguf:
+        with SliceEngine(gguf, SliceSpec(0, 4, has_embedding=True), n_threads=1) as engine:
+            alone = {rid: engine.forward(rid, start_pos=0, tokens=p) for rid, p in PROMPTS.items()}
+            for rid in PROMPTS:
+                engine.release(rid)
+            with engine.threads(2):
+                assert engine.backend.n_threads == 2
+                together = engine.forward_batch([Step(rid, 0, tokens=p) for rid, p in PROMPTS.items()])
+            assert engine.backend.n_threads == 1
+    for rid, got in zip(PROMPTS, together):
+        np.testing.assert_array_equal(got, alone[rid])

@@ -39,7 +39,7 @@ class AttackResult:
 
 def attack(model: str | Path, captures: Mapping[str, Iterable[Path]], *, cache_dir: Path | None = None,
            max_candidates: int = DEFAULT_MAX_CANDIDATES, n_threads: int | None = None,
-           weights: np.ndarray | None = None) -> AttackResult:
+           weights: np.ndarray | None = None, table_threads: int | None = None) -> AttackResult:
     t0 = time.perf_counter()
     received: dict[str, list[ObservedStream]] = {}
     results: dict[str, list[ObservedStream]] = {}
@@ -54,7 +54,7 @@ def attack(model: str | Path, captures: Mapping[str, Iterable[Path]], *, cache_d
     downlink_stage = next((stage for stage, streams in results.items() if streams), None)
     result = AttackResult(uplink_stage, layer, downlink_stage)
     with UplinkInverter(model, layer, cache_dir=cache_dir, max_candidates=max_candidates, n_threads=n_threads,
-                        weights=weights) as inverter:
+                        weights=weights, table_threads=table_threads) as inverter:
         result.table_build_s = inverter.table.build_s
         for stream in received[uplink_stage]:
             if stream.layer_index != layer or not stream.complete:

@@ -61,10 +61,11 @@ class UplinkInverter:
 
     def __init__(self, model: str | Path, layer_index: int, *, cache_dir: Path | None = None,
                  max_candidates: int = DEFAULT_MAX_CANDIDATES, n_threads: int | None = None,
-                 weights: np.ndarray | None = None) -> None:
+                 weights: np.ndarray | None = None, table_threads: int | None = None) -> None:
         """``max_candidates`` 0 means the whole vocabulary. ``weights`` (optional, [n_embd]) scales
         each dimension before distances are taken: against noise of known per-dimension scale,
-        1/scale makes the closest candidate the most likely one."""
+        1/scale makes the closest candidate the most likely one. ``table_threads``: threads for
+        building the inversion table when it is not cached (None: ``n_threads``)."""
         self.gguf = GGUFFile(model)
         self.head: SliceEngine | None = None
         self.rest: SliceEngine | None = None
@@ -74,7 +75,7 @@ class UplinkInverter:
             self.rest = SliceEngine(self.gguf, SliceSpec(layer_index, spec.n_layer, has_lm_head=True),
                                     n_threads=n_threads)
             context, start = _public_tokens(Path(model))
-            self.table: TokenTable = load_or_build(self.head, Path(model), context, cache_dir)
+            self.table: TokenTable = load_or_build(self.head, Path(model), context, cache_dir, table_threads)
             self.first_prediction = self._predict_after(start)
         except BaseException:
             self.close()

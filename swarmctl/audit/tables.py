@@ -10,7 +10,9 @@ the same few outsized dimensions (the "attention sink"). Ranking position 0 igno
 ``sink_dims``, found from a spread of tokens run at position 0.
 
 Building costs n_vocab one-token steps of the head (51 s for SmolLM2 on one core), so
-the table is cached on disk, keyed by the model file, the layer count and the context token.
+the table is cached on disk, keyed by the model file, the layer count and the context token. The
+steps go BATCH at a time, and so gain from a second thread where a lone step does not: 57 s on one
+thread and 37.5 s on two for the bundled model's K = 4 (extrapolated from 4,096 tokens, Zen 4).
 """
 
 from __future__ import annotations
@@ -68,13 +70,19 @@ def _cache_path(model: Path, layers: int, context_token: int, cache_dir: Path) -
     return cache_dir / f"table-{model.stem}-k{layers}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
 
 
-def load_or_build(head: SliceEngine, model: Path, context_token: int, cache_dir: Path | None) -> TokenTable:
-    """``head`` runs the embedding and layers [0, K) of ``model``."""
+def load_or_build(head: SliceEngine, model: Path, context_token: int, cache_dir: Path | None,
+                  build_threads: int | None = None) -> TokenTable:
+    """``head`` runs the embedding and layers [0, K) of ``model``; a build computes on
+    ``build_threads`` (None: the head's own)."""
     path = _cache_path(model, head.slice.stop, context_token, cache_dir) if cache_dir else None
     if path is not None and path.exists():
         with np.load(path) as f:
             return TokenTable(f["states"].astype(np.float32), f["sink_dims"], context_token)
-    table = build(head, context_token)
+    if build_threads is None:
+        table = build(head, context_token)
+    else:
+        with head.threads(build_threads):
+            table = build(head, context_token)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-candidates", type=_non_negative_int, default=128, metavar="N",
                         help="candidate tokens tried per position at most (default 128; 0: the whole vocabulary)")
     parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
-                        help="compute threads of the attack (default 1)")
+                        help="compute threads of the attack's one-token steps (default 1; building the inversion "
+                             "table, once per model, runs its batches on every usable core)")
     parser.add_argument("--cache", type=Path, metavar="DIR",
                         help="where the inversion table is kept (default ~/.cache/swarmctl/audit)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON ('-': JSON on stdout "
