@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kernels.sampling import SamplingParams
+from kernels.threads import usable_cores
 from net.endpoint import Address, ask_member
 from swarmctl.asker.head_tail import PREFILL_CHUNK, Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.node.local_swarm import LocalSwarm
@@ -34,9 +35,12 @@ def mixed_requests(n: int, seed: int = 5) -> list[tuple[list[int], int]]:
 
 
 def solo_outputs(bundled_model, requests, prefill_chunk: int = PREFILL_CHUNK) -> list[list[int]]:
-    """Each request alone, in one process (in-process and swarm runs are bit-identical: tested elsewhere)."""
-    asker = Asker(bundled_model, 4, n_threads=N_THREADS, prefill_chunk=prefill_chunk)
-    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
+    """Each request alone, in one process (in-process and swarm runs are bit-identical: tested elsewhere).
+    On every core: the module's swarm is idle meanwhile, and the 64 requests took 18.3 s on one
+    thread, 12.0 s on two (the same tokens)."""
+    threads = usable_cores()
+    asker = Asker(bundled_model, 4, n_threads=threads, prefill_chunk=prefill_chunk)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=threads,
                         max_context=asker.max_context)
 
     async def run_all():
@@ -139,13 +143,20 @@ def test_interleaved_requests_never_mix_caches(local_swarm, bundled_model):
     assert [g.tokens for g in asyncio.run(concurrent())] == want
 
 
+BUSY_TOKENS = 160
+
+
 def test_admission_waits_then_times_out_with_a_clear_error(local_swarm, bundled_model):
     async def scenario():
         link = await SwarmLink.open(local_swarm.asker_home, min_stages=2)
         asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS, max_in_flight=2)
         prompt = [int(t) for t in range(200, 230)]
         try:
-            busy = [asyncio.ensure_future(generate_all(asker, prompt, link, max_tokens=40, sampling=GREEDY))
+            # Busy for longer than the 0.3 + 1 s below on any machine: with 40 tokens each (and EOS
+            # allowed), a quiet box finished both within that, and the third request was let in
+            # and then ran past its own 1 s deadline instead.
+            busy = [asyncio.ensure_future(generate_all(asker, prompt, link, max_tokens=BUSY_TOKENS,
+                                                       sampling=GREEDY, ignore_eos=True))
                     for _ in range(2)]
             await asyncio.sleep(0.3)
             assert len(asker.in_flight) == 2
@@ -159,7 +170,7 @@ def test_admission_waits_then_times_out_with_a_clear_error(local_swarm, bundled_
             await link.close()
             asker.close()
 
-    assert asyncio.run(scenario()) == [40, 40, 4]  # the waiting request ran once a slot freed
+    assert asyncio.run(scenario()) == [BUSY_TOKENS, BUSY_TOKENS, 4]  # the waiting request ran once a slot freed
 
 
 def test_one_link_serves_more_requests_than_quic_has_streams(local_swarm, bundled_model):
