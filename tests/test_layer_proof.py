@@ -427,6 +427,7 @@ def test_a_trunk_that_proves_nothing_leaves_the_plan_in_use_alone(swarm, inproc_
     assert answer.returncode == 0 and answer.stdout == inproc_answer, answer.stderr
 
 
+@pytest.mark.heavy  # the simulator's 'stall' (tests/test_sim.py: a staged plan whose member never loads)
 def test_a_proven_member_that_never_loads_its_layers_leaves_the_plan_in_use_serving(swarm, inproc_answer,
                                                                                    bundled_model):
     """Issue 30 item 2b, make-before-break: a member that holds the model and passes every check,

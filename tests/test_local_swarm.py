@@ -20,7 +20,10 @@ from swarmctl.asker.session import SessionOptions, open_session
 from harness.oracle import oracle_greedy
 
 PROMPT = "The three primary colours are"
-HOST_DELAY_S = 15.0  # longer than the connect timeout (net.endpoint.CONNECT_TIMEOUT, 10 s) the old code raced
+# The connect timeout the old code raced (net.endpoint.CONNECT_TIMEOUT, 10 s), made 2 s in this process
+# for the late-host test, and a host later than that: 15 s and 10 s took the test 18.5 s.
+SHORT_CONNECT_TIMEOUT_S = 2.0
+HOST_DELAY_S = 5.0
 
 
 # --- sizing: pure, no process ---
@@ -112,6 +115,8 @@ async def _ask_local(text: str, max_tokens: int) -> tuple[list[int], list[int]]:
 def test_a_local_swarm_whose_host_starts_late_is_waited_for(monkeypatch, oracle, caplog):
     """The first ask on a loaded machine: the host listens only after the connect timeout has
     passed. The asker waits for its ready file (logging progress), then answers as llama-cpp-python."""
+    monkeypatch.setattr("net.endpoint.CONNECT_TIMEOUT", SHORT_CONNECT_TIMEOUT_S)
+    monkeypatch.setattr("swarmctl.node.local_swarm.PROGRESS_EVERY_S", 1.0)
     _start_host_late(monkeypatch, HOST_DELAY_S)
     caplog.set_level("INFO", logger="swarmctl.local")
     prompt, tokens = asyncio.run(_ask_local(PROMPT, 6))
