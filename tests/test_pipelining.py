@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from kernels.sampling import SamplingParams
-from kernels.threads import usable_cores
 from net.endpoint import Address, ask_member
 from swarmctl.asker.head_tail import PREFILL_CHUNK, Asker, BusyError, InprocTrunk, generate_all, u_split
 from swarmctl.node.local_swarm import LocalSwarm
@@ -36,11 +35,13 @@ def mixed_requests(n: int, seed: int = 5) -> list[tuple[list[int], int]]:
 
 def solo_outputs(bundled_model, requests, prefill_chunk: int = PREFILL_CHUNK) -> list[list[int]]:
     """Each request alone, in one process (in-process and swarm runs are bit-identical: tested elsewhere).
-    On every core: the module's swarm is idle meanwhile, and the 64 requests took 18.3 s on one
-    thread, 12.0 s on two (the same tokens)."""
-    threads = usable_cores()
-    asker = Asker(bundled_model, 4, n_threads=threads, prefill_chunk=prefill_chunk)
-    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=threads,
+    On one thread, though two took the 64 requests 12.0 s against 18.3: the asker computes on its
+    executor's thread, and once that thread has run ggml on two threads, every later two-thread
+    compute on another thread of this process ran about 1.8x slower (libgomp counts more threads
+    than cores and makes every barrier sleep; in a full run, test_audit's table build after this
+    module took 55 s instead of 31)."""
+    asker = Asker(bundled_model, 4, n_threads=N_THREADS, prefill_chunk=prefill_chunk)
+    trunk = InprocTrunk(asker.gguf, u_split(asker.spec.n_layer, 4, 2).trunk, n_threads=N_THREADS,
                         max_context=asker.max_context)
 
     async def run_all():
