@@ -366,21 +366,8 @@ async def serve_slice(conn: SwarmProtocol, stream_id: int, gguf: GGUFFile, manif
     if want is None:
         want = [(i, j) for i, entry in enumerate(manifest.tensors) for j in range(-(-entry.n_bytes // CHUNK))
                 if f"{i}:{j}" not in have]
-    sent = 0
-    for i, j in want:
-        data = gguf.tensor_bytes(gguf.tensors[manifest.tensors[i].name])
-        piece = bytes(data[j * CHUNK:(j + 1) * CHUNK])
-        if pace is not None:
-            await pace(len(piece))
-            if not conn.is_open:
-                return sent
-        conn.send(stream_id, encode_frame(FrameType.DATA, CHUNK_HEADER.pack(i, j * CHUNK) + piece))
-        sent += len(piece)
-        await conn.drain(stream_id, SEND_BACKLOG)
-        if not conn.is_open:
-            return sent
-    conn.send(stream_id, m.encode(m.Done(bytes=sent)), end=True)
-    return sent
+    chunks = [(i, j, gguf.tensor_bytes(gguf.tensors[manifest.tensors[i].name])) for i, j in want]
+    return await send_chunks(conn, stream_id, chunks, pace)
 
 
 # --- fetching from several sources at once (which chunk from whom: swarmctl/model_files/fetch_plan.py) ---

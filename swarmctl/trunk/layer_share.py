@@ -49,7 +49,7 @@ class LayerShare:
         self.name = name
         self.model_path = model_path
         self.slices_dir = slices_dir
-        self.budget = UploadBudget(upload_mbit * 1e6 / 8) if upload_mbit > 0 else None
+        self.budget = UploadBudget.from_mbit(upload_mbit) if upload_mbit > 0 else None
         self.model_hash = model_hash
         self.sent_bytes = 0
         self._streams = asyncio.Semaphore(MAX_STREAMS)
