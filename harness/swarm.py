@@ -20,6 +20,7 @@ from net import messages
 from net.endpoint import Address, ask_member
 from swarmctl.commands.status import fetch_status
 from swarmctl.node.home import SwarmHome
+from swarmctl.node.membership import issue_invite
 from swarmctl.node.local_swarm import _die_with_parent, free_udp_port
 
 
@@ -118,9 +119,12 @@ class Swarm:
         return swarmctl(self.host_home, "invite", *args, check=True).stdout.strip()
 
     def join(self, name: str, *extra: str, role: str = "trunk") -> Path:
+        """``swarmctl join`` with a fresh one-use invite of ``role``. The invite is issued from this
+        process, as ``swarmctl invite`` issues it (the same function, on the host's home), which
+        spares a Python start per member; ``invite`` runs the command itself."""
         home = self.root / name
-        swarmctl(home, "join", self.invite("--role", role), "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", *extra,
-                 check=True)
+        code = issue_invite(SwarmHome(self.host_home), ttl_seconds=3600, uses=1, role=role).encode()
+        swarmctl(home, "join", code, "--name", name, "--listen", f"127.0.0.1:{free_udp_port()}", *extra, check=True)
         self.homes[name] = home
         return home
 
