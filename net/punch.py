@@ -46,8 +46,8 @@ from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
-from . import batch, clock, path_mtu
-from .endpoint import CONNECT_TIMEOUT, QUIC_IDLE_TIMEOUT, Address, AnonymousGuard, close_reason, no_answer, resolve
+from . import batch, clock, endpoint, path_mtu
+from .endpoint import QUIC_IDLE_TIMEOUT, Address, AnonymousGuard, close_reason, no_answer, resolve
 from .identity import Credentials
 from .protocol import ConnectionHandler, SwarmProtocol
 from .tls import (ALPN_SWARM, DEFAULT_DATAGRAM_SIZE, CertificateCheck, client_configuration, datagram_size_for,
@@ -308,12 +308,14 @@ def serve_on(shared: SharedSocket, creds: Credentials, handler: ConnectionHandle
 
 async def connect_on(shared: SharedSocket, address: Address, creds: Credentials, peer_name: str,
                      handler: ConnectionHandler, *, max_frame: int = DEFAULT_MAX_FRAME,
-                     max_datagram_size: int | None = None, timeout: float = CONNECT_TIMEOUT,
+                     max_datagram_size: int | None = None, timeout: float | None = None,
                      probe_size: bool = False) -> SwarmProtocol:
     """A member-to-member connection (mTLS) from the shared socket to ``address`` (an IP
     address: the punched peer, or a relay's port for the link). Close it with net.endpoint.close;
     the socket stays open. ``probe_size``: the peer is another member's shared socket, which
-    answers size probes: its datagrams are as large as the path carries (``datagram_size_to``)."""
+    answers size probes: its datagrams are as large as the path carries (``datagram_size_to``).
+    ``timeout`` for the handshake: net.endpoint's CONNECT_TIMEOUT, read at each call as
+    net.endpoint.connect reads it, unless given."""
     address = await resolve(address)
     if not max_datagram_size:
         max_datagram_size = await shared.datagram_size_to(address) if probe_size else datagram_size_for(address.host)
@@ -324,7 +326,7 @@ async def connect_on(shared: SharedSocket, address: Address, creds: Credentials,
     shared.add_client(protocol)
     protocol.connect((address.host, address.port))
     try:
-        await asyncio.wait_for(protocol.wait_connected(), timeout)
+        await asyncio.wait_for(protocol.wait_connected(), endpoint.CONNECT_TIMEOUT if timeout is None else timeout)
     except (ConnectionError, asyncio.TimeoutError) as e:
         reason = close_reason(connection)
         protocol.close()

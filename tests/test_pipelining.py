@@ -345,14 +345,14 @@ def test_a_route_that_cannot_be_reached_again_fails_with_a_clear_error_by_the_de
         local_swarm, bundled_model, monkeypatch):
     """The first stage's connection drops and no new connection can be made (the dialer refuses,
     faked here: the swarm itself stays up for the other tests). The request keeps trying within its
-    deadline (6 s here) and then fails with SwarmError saying why, not with the link's internal
+    deadline (3 s here, a retry every 0.5 s) and then fails with SwarmError saying why, not with the link's internal
     exception, and the link does not hang."""
     from swarmctl.asker.plan_watch import SwarmError
 
 
     async def scenario():
         link = await SwarmLink.open(local_swarm.asker_home, alive_check=local_swarm.check_alive, min_stages=2,
-                                    request_timeout=6, policy=ReroutePolicy(same_route_retry_s=0.5))
+                                    request_timeout=3, policy=ReroutePolicy(same_route_retry_s=0.5))
         asker = Asker(bundled_model, link.head_layers, n_threads=N_THREADS)
 
         async def unreachable(member, address, handler):

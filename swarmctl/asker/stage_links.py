@@ -10,7 +10,7 @@ from typing import Callable, Protocol
 
 from net import clock
 from net import messages as m
-from net.endpoint import close
+from net.endpoint import close, close_all
 from net.protocol import ConnectionHandler, SwarmProtocol
 from net.wire import WireError
 from plans.plan import Plan
@@ -71,8 +71,7 @@ class StageLinks:
                 await self.connect()
                 return
             except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-                for conn in each_once(self.first, self.last):
-                    await close(conn)
+                await close_all(each_once(self.first, self.last))
                 self.first = self.last = None
                 if not self.policy.retry_reach(clock.now(), deadline):
                     raise
@@ -146,7 +145,6 @@ class StageLinks:
             await self.host.changed()
 
     async def close(self) -> None:
-        for conn in each_once(self.host.conn, self.first, self.last):
-            await close(conn)
+        await close_all(each_once(self.host.conn, self.first, self.last))
         if self.dialer is not None:
             self.dialer.close()

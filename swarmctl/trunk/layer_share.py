@@ -196,13 +196,11 @@ class PeerFetches:
 
     async def release(self) -> None:
         """After a fetch: once no other is under way, close the connections they opened."""
-        from net.endpoint import close
+        from net.endpoint import close_all
 
         self._fetches = max(0, self._fetches - 1)
         if self._fetches:
             return
         conns, self._conns = self._conns, {}
         self._streams.clear()
-        for conn in conns.values():
-            if conn.is_open:
-                await close(conn, "fetch done")
+        await close_all([conn for conn in conns.values() if conn.is_open], "fetch done")
