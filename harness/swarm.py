@@ -1,6 +1,7 @@
 """Real swarms for tests: every node a separate `swarmctl` process with its own SWARMCTL_HOME,
-set up only through the CLI (init / invite / join / run), talking QUIC with mTLS on loopback.
-Waiting for the swarm (``status``, ``wait_complete``) asks the host from this process instead."""
+set up only through the CLI (init / join / run), talking QUIC with mTLS on loopback. A join's
+invite is issued from this process as ``swarmctl invite`` issues it, and waiting for the swarm
+(``status``, ``wait_complete``) asks the host from this process too: each spares a Python start."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from net import messages
 from net.endpoint import Address, ask_member
-from swarmctl.commands.status import fetch_status
+from swarmctl.commands.status import as_json, fetch_status
 from swarmctl.node.home import SwarmHome
 from swarmctl.node.membership import issue_invite
 from swarmctl.node.local_swarm import _die_with_parent, free_udp_port
@@ -152,9 +152,7 @@ class Swarm:
             status = _run(fetch_status(SwarmHome(self.host_home)))
         except Exception:  # (as the subprocess's non-zero exit was: the host not up yet, or refusing)
             return {}
-        shown = messages.as_dict(status)
-        shown.pop("type")
-        return json.loads(json.dumps(shown))  # (tuples as lists, as the command's JSON gives them)
+        return json.loads(json.dumps(as_json(status)))  # (tuples as lists, as the command's JSON gives them)
 
     def stats_of(self, name: str, via: str = "asker") -> dict:
         """A trunk's own figures (its "stats" control reply), asked over mTLS as member ``via``."""

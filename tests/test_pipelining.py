@@ -345,8 +345,8 @@ def test_a_route_that_cannot_be_reached_again_fails_with_a_clear_error_by_the_de
         local_swarm, bundled_model, monkeypatch):
     """The first stage's connection drops and no new connection can be made (the dialer refuses,
     faked here: the swarm itself stays up for the other tests). The request keeps trying within its
-    deadline (3 s here, a retry every 0.5 s) and then fails with SwarmError saying why, not with the link's internal
-    exception, and the link does not hang."""
+    deadline (3 s here, a retry every 0.5 s) and then fails with SwarmError saying why, not with the
+    link's internal exception, and the link does not hang."""
     from swarmctl.asker.plan_watch import SwarmError
 
 

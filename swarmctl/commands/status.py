@@ -123,12 +123,17 @@ def _incomplete(status: m.Status) -> str:
     return "INCOMPLETE: waiting for expert nodes"
 
 
+def as_json(status: m.Status) -> dict:
+    """What ``--json`` prints: the host's status reply without its message type."""
+    shown = m.as_dict(status)
+    shown.pop("type")
+    return shown
+
+
 def run(args: argparse.Namespace) -> int:
     status = asyncio.run(fetch_status(SwarmHome()))
     if args.json:
-        shown = m.as_dict(status)
-        shown.pop("type")
-        print(json.dumps(shown, indent=2))
+        print(json.dumps(as_json(status), indent=2))
     else:
         print(format_table(status))
     return 0
