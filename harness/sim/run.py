@@ -38,7 +38,8 @@ PLAN_BOUND_S = 30.0  # once the faults stop, the host's plan is complete again w
 IDLE_TIMEOUT_S = 20.0  # a stage frees a request idle this long (swarmctl run trunk's idle timeout, shortened)
 WALL_LIMIT_S = 60.0  # a run still going after this much real time is stopped and reported (a livelock)
 MID_CALL_WAIT_S = 20.0  # an 'expert_kill' waits this long at most for a stage to call its expert nodes
-STOP_BOUND_S = 10.0  # a trunk told to stop (Ctrl-C) has stopped within this
+STOP_BOUND_S = 10.0  # a trunk told to stop (Ctrl-C) has stopped within this, once it can run
+STOPPED_POLL_S = 0.1  # how often a Ctrl-C to a SIGSTOPped trunk looks whether it was continued
 STALL_ARMED_S = 30.0  # a 'stall' hangs the trunk's next load within this long, if it loads at all
 SWARM_STARTS_S = 1.0  # virtual seconds after the loop's start: the host and trunks start then in every run
 GREEDY = SamplingParams(temperature=0.0)
@@ -459,6 +460,10 @@ class SimRun:
         if name not in self.running:
             return
         self.stops[name].set()
+        # A SIGSTOPped process takes its Ctrl-C when it is continued, so the bound counts from then
+        # (seed 40347: 'stop trunk-1 for 17.4 s', then 'rejoin trunk-1' 0.08 s later).
+        while name in self.loop.stopped and name not in self.killed:
+            await asyncio.sleep(STOPPED_POLL_S)
         try:  # (the service closes its connections, tells the host, frees its engine)
             await asyncio.wait_for(asyncio.shield(self.serving[name]), STOP_BOUND_S)
         except asyncio.TimeoutError:
