@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -45,8 +46,12 @@ def capture_swarm(bundled_model):
 
 @pytest.fixture(scope="module")
 def clean_audit(capture_swarm, bundled_model, table_cache):
-    # the table's batched build on every core (the swarm is idle by then): 57 s on one thread, 37.5 on two
-    settings = AuditSettings(head_layers=4, max_tokens=8, cache_dir=table_cache, table_threads=usable_cores())
+    # The table's batched build on every core this process has to itself (the swarm is idle by
+    # then): 57 s on one thread, 37.5 on two. Under `-n auto` the other workers compute beside it,
+    # and two threads then waited at ggml's barriers: the fixture took 145 s on two cores.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    settings = AuditSettings(head_layers=4, max_tokens=8, cache_dir=table_cache,
+                             table_threads=max(1, usable_cores() // workers))
     runs, captures = capture_traffic(capture_swarm, bundled_model, load_prompts(), settings, threads=1)
     return runs, captures, attack_and_score(bundled_model, runs, captures, settings)
 

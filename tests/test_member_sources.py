@@ -4,7 +4,7 @@ those layers (fetch_chunks over member QUIC connections, swarmctl/trunk/layer_sh
 
 One swarm, four trunks that hold the whole model and one that holds nothing:
 
-    trunk-a     serves what it holds, at --upload-mbit 4000 (see below)
+    trunk-a     serves what it holds, at --upload-mbit 40 (see below)
     bad-trunk   sends chunks with a flipped byte (fault injection: SWARMCTL_TEST_SERVE_WRONG_CHUNKS,
                 as a corrupt disk would): dropped for the fetch and reported to the host
     trunk-zero  --upload-mbit 0: the host never lists it, and it refuses a direct request
@@ -14,12 +14,14 @@ The model is a tiny GGUF wide enough that each trunk's two layers (8 trunk layer
 about 54 chunks of 1 MiB a layer, several batches of 16: every source gets a batch before the end game.
 The host lists holders by how much of the slice they hold, then by name, and the fetcher asks
 them in that order before the host: bad-trunk first, so its first batch is out before anyone
-could take its chunks from it. The race is set so that the members win a share: they serve at
-4000 Mbit/s and the host at 80 (``--upload-mbit`` on both). With the members at the default 10
-Mbit/s (0.84 s a 1 MiB chunk), and again with them at 4000 but the host uncapped, the host on
-loopback (67 MB/s) sent trunk-b's one-layer slice whole (1 s) before a member's first chunk
-arrived, reaching a member taking longer than that on a loaded box: a share of 0 % and no wrong
-chunk seen, in a CI run and in a full local run.
+could take its chunks from it. The race is set so that every member has time to be reached and
+win a share: the host and trunk-a serve at 40 Mbit/s each (``--upload-mbit``; the 51 MB slice
+takes them about 5 s together), bad-trunk at 4000. With the members at the default 10 Mbit/s
+(0.84 s a 1 MiB chunk), and again with them at 4000 but the host uncapped, the host on loopback
+(67 MB/s) sent trunk-b's one-layer slice whole (1 s) before a member's first chunk arrived: a
+share of 0 % and no wrong chunk seen, in a CI run and in a full local run. With the host at 80 and
+trunk-a at 4000 the two sent it in 1 s, in a run of the suite in two workers beside other load,
+before trunk-b had reached bad-trunk at all (its first connection to it came 3 s later).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from tests.conftest import make_oracle
 
 PROMPT = "The capital of France is"
 ASK = ("ask", "--raw", "--temperature", "0", "--max-tokens", "8")
-FAST_UPLOAD = ("--upload-mbit", "4000")  # members far faster than the host (module docstring)
-HOST_UPLOAD = ("--upload-mbit", "80")  # 10 MB/s: a one-layer slice of 51 MB takes the host 5 s alone
+FAST_UPLOAD = ("--upload-mbit", "4000")  # bad-trunk: its batch goes out at once (module docstring)
+SLOW_UPLOAD = ("--upload-mbit", "40")  # the host and trunk-a: 5 MB/s each, the 51 MB slice in ~5 s
 WIDE = TinyConfig(n_layer=10, n_embd=256, n_head=4, n_head_kv=2, n_ff=16384, qtype="F32", seed=7)  # 54 chunks a layer
 
 
@@ -61,13 +63,13 @@ def swarm(tmp_path_factory, wide_model):
     mp = pytest.MonkeyPatch()
     try:
         s.init("--model", str(wide_model), "--head-layers", "1")
-        s.start_host(*HOST_UPLOAD)
+        s.start_host(*SLOW_UPLOAD)
         s.wait_host()
         for name in ("trunk-a", "bad-trunk", "trunk-zero"):
             s.join(name, "--model", str(wide_model))
         s.join("trunk-b", "--model", str(s.root / "no-such-model.gguf"))
         s.join("asker", role="asker", *("--model", str(wide_model)))
-        s.start_trunk("trunk-a", *FAST_UPLOAD, capture=False)
+        s.start_trunk("trunk-a", *SLOW_UPLOAD, capture=False)
         with mp.context() as env:  # (Popen copies the environment as it starts)
             env.setenv("SWARMCTL_TEST_SERVE_WRONG_CHUNKS", "1")
             s.start_trunk("bad-trunk", *FAST_UPLOAD, capture=False)
