@@ -436,6 +436,19 @@ def test_seeded_runs_of_the_latest_kinds_keep_every_invariant(seed, world, kind)
                        + "\n".join(result.failures))
 
 
+def test_a_trunk_killed_while_it_stops_is_left_to_the_fault_that_killed_it():
+    """Seed 50059 (plain, 6 faults, 12 asks): 'rejoin trunk-3' tells trunk-3 to stop at 20.41 s,
+    and a 'restart' of trunk-3 drawn earlier kills it at 20.79 s, while it stops. The run died
+    with CancelledError in the harness (a sweep's worker with it); the restart now has the node."""
+    spec = WORLDS["plain"]
+    schedule = draw(50059, spec, asks=12, faults=6, kinds=kinds_for(spec))
+    assert {"rejoin", "restart"} <= {f.kind for f in schedule.faults if f.node == "trunk-3"}
+    result = play(schedule, spec, compute="stand-in")
+    assert result.ok, ("python -m harness.sim --seed 50059 --faults 6 --asks 12 --compute stand-in:\n"
+                       + "\n".join(result.failures))
+    assert any("trunk-3 was killed while it stopped" in line for line in result.log), "\n".join(result.log)
+
+
 def test_classic_draws_are_unchanged():
     """The recorded seeds replay: without kinds, a draw picks from the seven first kinds only, as
     before 'rejoin' and the others existed (seed 45 kills, as test_a_seed_replays_exactly says)."""
