@@ -449,6 +449,19 @@ def test_a_trunk_killed_while_it_stops_is_left_to_the_fault_that_killed_it():
     assert any("trunk-3 was killed while it stopped" in line for line in result.log), "\n".join(result.log)
 
 
+def test_a_run_the_harness_itself_breaks_is_that_seed_s_failure_not_the_sweep_s(monkeypatch):
+    """A BaseException out of a run (seed 50059's CancelledError, before the fix above) is reported
+    as the seed's failure: in a --jobs sweep it had killed the worker, and the sweep waited for good."""
+    import harness.sim.__main__ as sim_main
+
+    def broken(*args, **kwargs):
+        raise asyncio.CancelledError()
+
+    monkeypatch.setattr(sim_main, "play", broken)
+    outcome = sim_main._run_seed(7, spec_name="plain", asks=1, faults=0, kinds=CLASSIC, compute="stand-in")
+    assert not outcome.ok and outcome.seed == 7 and "CancelledError" in outcome.failures[0]
+
+
 def test_classic_draws_are_unchanged():
     """The recorded seeds replay: without kinds, a draw picks from the seven first kinds only, as
     before 'rejoin' and the others existed (seed 45 kills, as test_a_seed_replays_exactly says)."""

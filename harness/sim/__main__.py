@@ -18,6 +18,7 @@ import argparse
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -49,7 +50,15 @@ class SeedOutcome:
 
 def _run_seed(seed: int, *, spec_name: str, asks: int, faults: int, kinds: tuple[str, ...], compute: str) -> SeedOutcome:
     spec = WORLDS[spec_name]
-    result = play(draw(seed, spec, asks=asks, faults=faults, kinds=kinds), spec, compute=compute)
+    started = time.monotonic()
+    try:
+        result = play(draw(seed, spec, asks=asks, faults=faults, kinds=kinds), spec, compute=compute)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the harness's own failure is this seed's, not the sweep's
+        # (a CancelledError, a BaseException, escaped a run once and took a --jobs worker with it:
+        # the pool never heard of that seed again and the sweep waited for good)
+        return SeedOutcome(seed, False, time.monotonic() - started, (f"the harness raised {e!r}",))
     return SeedOutcome(seed, result.ok, result.wall_s, tuple(result.failures))
 
 
