@@ -27,9 +27,9 @@ SETTLE_S = 3.0  # the plan unchanged this long with both trunks checked: the swa
 def wait_checked(swarm: Swarm, timeout: float = 120) -> dict:
     """The status once both trunks' claims were checked, the plan is complete and it has stayed
     the same plan for SETTLE_S: what joining changes, it has changed by then. (Without the settling,
-    a run beside other load saw plan v1 on trunk-a, then v2 one second later moving the layers to
-    trunk-b, whose check had measured it 2.3 ms a token faster: a change from joining, before the
-    load began, that the test then blamed on the load.)"""
+    a run beside other load took plan v1, on trunk-a, as its "before", and one second later v2 put
+    the layers on trunk-b, saying trunk-a alone would make each token 2.3 ms slower. Why the host
+    moved them so soon after the trunks were checked was not traced.)"""
     deadline = time.monotonic() + timeout
     settled: tuple[int, float] | None = None  # (plan version, since when it held with both checked)
     while time.monotonic() < deadline:
