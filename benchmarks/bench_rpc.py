@@ -17,10 +17,11 @@ first token, at each thread count T:
                   plain) by -fa 0,1: what one process gets
 
 The variants run in turn within each round (one repetition of llama-bench each), so a machine whose
-load changes affects them alike; quoted: medians over the rounds and ``swarm_over_rpc`` (the better
-swarm over the better RPC). Both sides
-move every token's activations between three processes over loopback; the swarm's QUIC with mutual
-TLS, llama.cpp's RPC plain TCP.
+load changes affects them alike. Each swarm measurement starts a swarm of its own and closes it
+after, so nothing of ours runs beside the variant being measured. Quoted: medians over the rounds
+and ``swarm_over_rpc`` (the better swarm over the better RPC). Both sides move every token's
+activations between three processes over loopback; the swarm's QUIC with mutual TLS, llama.cpp's
+RPC plain TCP.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from swarmctl.node.local_swarm import LocalLayout  # noqa: E402
 
 BENCH_TIMEOUT_S = 300
 SERVER_START_S = 30.0
+SETTLE_S = 3.0
 
 
 def free_port() -> int:
@@ -104,24 +106,34 @@ def llama_bench_tg(binary: Path, model: Path, threads: int, n_decode: int, extra
     return {f"fa{int(row['flash_attn'])}": float(row["samples_ts"][0]) for row in json.loads(proc.stdout)}
 
 
+async def swarm_generation(model: Path, prompt: list[int], threads: int, attention: str, n_decode: int):
+    """One measured generation on a local swarm started for it and closed after it. Only one swarm
+    is ever up: an idle swarm beside the measured one is not idle (its members ping each other every
+    second, and a trunk whose first speed measurement had to share the CPU measures again 10, 20,
+    40 and 80 s later, kernels/speed.py), and at two threads any process that wakes stalls the
+    computing one's thread barriers."""
+    swarm = Running(model, LocalLayout(2, threads, threads), PlannerSettings(head_layers=4, attention=attention))
+    try:
+        await swarm.start(model)
+        await swarm.decode(prompt, 8)  # warm-up: graphs built, caches placed
+        await asyncio.sleep(SETTLE_S)  # what joining starts (the host's layer checks) is over by then
+        return await swarm.generate(prompt, n_decode)
+    finally:
+        await swarm.close()
+
+
 async def measure(args: argparse.Namespace, model: Path, prompt: list[int]) -> dict:
     out: dict = {}
     for t in args.threads:
         samples: dict[str, list[float]] = {}  # swarm: counted as bench_swarm counts (decode_rate)
         generations: dict[str, list] = {}
-        servers = RpcServers(args.rpc_server, t)
-        swarms = {f"swarm_{attention}": Running(model, LocalLayout(2, t, t),
-                                                PlannerSettings(head_layers=4, attention=attention))
-                  for attention in ("plain", "flash")}
+        servers = RpcServers(args.rpc_server, t)  # (idle rpc-servers block in accept: they cost nothing)
         try:
-            for swarm in swarms.values():
-                await swarm.start(model)
-                await swarm.decode(prompt, 8)  # warm-up
             for _ in range(args.rounds):
-                for name, swarm in swarms.items():
-                    gen = await swarm.generate(prompt, args.decode)
-                    samples.setdefault(name, []).append(decode_rate(gen))
-                    generations.setdefault(name, []).append(gen)
+                for attention in ("plain", "flash"):
+                    gen = await swarm_generation(model, prompt, t, attention, args.decode)
+                    samples.setdefault(f"swarm_{attention}", []).append(decode_rate(gen))
+                    generations.setdefault(f"swarm_{attention}", []).append(gen)
                 rpc = llama_bench_tg(args.llama_bench, model, t, args.decode,
                                      ["-ngl", "99", "--rpc", ",".join(servers.endpoints)])
                 for fa, v in rpc.items():
@@ -130,8 +142,6 @@ async def measure(args: argparse.Namespace, model: Path, prompt: list[int]) -> d
                 for fa, v in one.items():
                     samples.setdefault(f"llama_bench_{fa}", []).append(v)
         finally:
-            for swarm in swarms.values():
-                await swarm.close()
             servers.close()
         med = {k: round(statistics.median(v), 2) for k, v in samples.items()}
         swarm = max(med["swarm_plain"], med["swarm_flash"])
