@@ -14,6 +14,9 @@ from plans.plan import ExpertAssignment, Plan, StageAssignment
 from swarmctl.commands import config as config_command
 from swarmctl.errors import UsageError
 from swarmctl.host.proposals import apply_proposal
+from swarmctl.host.service import HostService
+from swarmctl.node.home import SwarmHome
+from swarmctl.node.membership import create_swarm
 from swarmctl.trunk.assignment_core import AssignmentCore, HeldLayers
 
 
@@ -69,3 +72,18 @@ def test_a_trunk_holding_the_other_attention_loads_its_stage_again():
     # a staged plan with the other attention: an engine loads beside the one in use
     assert AssignmentCore.serves_already(HeldLayers(2, 6, False, "plain", "flash"), stage, plan)
     assert not AssignmentCore.serves_already(HeldLayers(2, 6, False, "plain", "plain"), stage, plan)
+
+
+def test_the_hosts_first_plan_already_names_the_swarms_kernels_and_attention(tmp_path, bundled_model):
+    """Plan version 0, before any trunk: an asker watching from the start (a local swarm, `serve`
+    started with the swarm) took its plain default for the swarm's setting and, at the first real
+    plan, warned that its head and tail keep plain, before it had loaded them."""
+    home = SwarmHome(tmp_path / "host")
+    create_swarm(home, swarm_name="s", host_name="host", listen="127.0.0.1:0", advertise=["127.0.0.1:7470"],
+                 model=str(bundled_model), planner=PlannerSettings(kernels="repack", attention="flash"))
+    service = HostService(home)
+    try:
+        plan = service.plan
+        assert (plan.version, plan.stages, plan.kernels, plan.attention) == (0, [], "repack", "flash")
+    finally:
+        service.close()

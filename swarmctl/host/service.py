@@ -26,6 +26,7 @@ from net.tls import ALPN_JOIN
 from net import messages as m
 from net.wire import Frame, FrameType, WireError, decode_control
 from plans.layout import ModelLayout
+from plans.options import PlannerSettings
 from plans.plan import Plan
 from swarmctl.node.home import SwarmHome
 from swarmctl.node.membership import JoinRefused, accounts, admit
@@ -60,11 +61,16 @@ class HostService:
         spec = ModelSpec.from_gguf(self.gguf)
         # every tensor's hash, read once and kept in the home (a restart on the same file reads none)
         self.hashes, _ = model_hashes(self.gguf, spec.n_layer, home.file(HASH_CACHE_FOLDER))
+        # Version 0 already names the swarm's kernels and attention: an asker watching from the start
+        # (a local swarm, `serve` started with the swarm) would otherwise see the setting change at
+        # the first real plan and warn that its head and tail keep the old one, before it loaded them.
+        settings = PlannerSettings.from_config(self.config)
         plan = Plan(version=0, model_name=model_path.name, n_layer=spec.n_layer,
                     head_layers=self.config.head_layers, layer_hashes=self.hashes.layers,
                     revoked_serials=sorted(home.revoked_serials()),
                     model_hash=self.hashes.model_hash,
-                    objective=self.config.objective, n_expert=spec.n_expert)
+                    objective=self.config.objective, n_expert=spec.n_expert,
+                    kernels=settings.kernels, attention=settings.attention)
         self.trunks: Trunks = {}
         self.planning = PlanKeeper(home, self.config, ModelLayout.from_gguf(model_path), plan, self.trunks,
                                    stage_requests=lambda: stage_requests(self.plan, self.trunks))
