@@ -14,19 +14,22 @@ model (or --model) through a local swarm laid out
 
 next to llama-cpp-python (whole model, ``cpus`` threads and 1 thread) in the same rounds. The
 layouts run in turn within each round, so a machine whose load changes (this one is shared) affects
-them alike; medians over the rounds. With ``--concurrent C``: aggregate tok/s of C concurrent
-requests on each layout too (what `serve` sees under load).
+them alike; medians over the rounds. Each layout's swarm is started for its measurement and closed
+after it (``alone``): nothing else of ours runs beside it. With ``--concurrent C``: aggregate tok/s
+of C concurrent requests on each layout too (what `serve` sees under load).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +44,8 @@ from kernels.threads import usable_cores  # noqa: E402
 from swarmctl.node.local_swarm import LocalLayout, LocalSwarm, size_local_swarm  # noqa: E402
 from plans.options import PlannerSettings  # noqa: E402
 from swarmctl.model_files.models import default_model_path  # noqa: E402
+
+SETTLE_S = 3.0  # after a swarm's warm-up, before it is measured
 
 
 def layouts(cpus: int, width: int) -> tuple[dict[str, LocalLayout], dict[str, str]]:
@@ -93,31 +98,42 @@ class Running:
         self.swarm.close()
 
 
+@contextlib.asynccontextmanager
+async def alone(model: Path, layout: LocalLayout, prompt: list[int],
+                planner: PlannerSettings = PlannerSettings(head_layers=4)) -> AsyncIterator[Running]:
+    """A local swarm of ``layout`` started for one measurement, warmed up and settled, and closed
+    after it, so that only one swarm is ever up. An idle swarm beside the measured one is not idle:
+    its members ping each other every second, and a trunk whose first speed measurement had to
+    share the CPU measures again 10, 20, 40 and 80 s later (kernels/speed.py); where processes share
+    cores, any that wakes stalls the computing one (and, at two threads or more, its barriers)."""
+    running = Running(model, layout, planner)
+    try:
+        await running.start(model)
+        await running.decode(prompt, 8)  # warm-up: graphs built, caches placed
+        await asyncio.sleep(SETTLE_S)  # what joining starts (the host's layer checks) is over by then
+        yield running
+    finally:
+        await running.close()
+
+
 async def measure(model: Path, prompt: list[int], width: int, args: argparse.Namespace) -> dict:
     measured, chosen = layouts(args.cpus, width)
-    running = {name: Running(model, layout) for name, layout in measured.items()}
     # llama-cpp-python with every core, and with one thread (what each process of a split layout has on 2 cores)
     llama_threads = {"llama_cpp_python": args.cpus, "llama_cpp_python_1_thread": 1}
-    samples: dict[str, list[float]] = {name: [] for name in [*llama_threads, *running]}
-    aggregate: dict[str, list[float]] = {name: [] for name in running}
-    try:
-        for r in running.values():
-            await r.start(model)
-            await r.decode(prompt, 8)  # warm-up
-        for _ in range(args.rounds):
-            for name, threads in llama_threads.items():
-                samples[name].append(compute_thread().submit(
-                    llama_cpp_decode, model, prompt, args.decode, threads).result())
-            for name, r in running.items():
+    samples: dict[str, list[float]] = {name: [] for name in [*llama_threads, *measured]}
+    aggregate: dict[str, list[float]] = {name: [] for name in measured}
+    for _ in range(args.rounds):
+        for name, threads in llama_threads.items():
+            samples[name].append(compute_thread().submit(
+                llama_cpp_decode, model, prompt, args.decode, threads).result())
+        for name, layout in measured.items():
+            async with alone(model, layout, prompt) as r:
                 samples[name].append(await r.decode(prompt, args.decode))
                 if args.concurrent:
                     aggregate[name].append(await r.aggregate(prompt, 24, args.concurrent))
-    finally:
-        for r in running.values():
-            await r.close()
     out = {
-        "layouts": {name: {"trunks": r.layout.trunks, "trunk_threads": r.layout.trunk_threads,
-                           "asker_threads": r.layout.asker_threads} for name, r in running.items()},
+        "layouts": {name: {"trunks": layout.trunks, "trunk_threads": layout.trunk_threads,
+                           "asker_threads": layout.asker_threads} for name, layout in measured.items()},
         "now_started_by": chosen,
         "single_stream_decode_tok_s_median": {k: statistics.median(v) for k, v in samples.items()},
         "single_stream_decode_tok_s_samples": samples,

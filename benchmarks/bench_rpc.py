@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_local_swarm import Running  # noqa: E402
+from benchmarks.bench_local_swarm import alone  # noqa: E402
 from benchmarks.bench_repack import cpu_description  # noqa: E402
 from benchmarks.bench_swarm import PROMPT, breakdown, decode_rate  # noqa: E402
 from benchmarks.common import emit_json  # noqa: E402
@@ -48,7 +48,6 @@ from swarmctl.node.local_swarm import LocalLayout  # noqa: E402
 
 BENCH_TIMEOUT_S = 300
 SERVER_START_S = 30.0
-SETTLE_S = 3.0
 
 
 def free_port() -> int:
@@ -106,22 +105,6 @@ def llama_bench_tg(binary: Path, model: Path, threads: int, n_decode: int, extra
     return {f"fa{int(row['flash_attn'])}": float(row["samples_ts"][0]) for row in json.loads(proc.stdout)}
 
 
-async def swarm_generation(model: Path, prompt: list[int], threads: int, attention: str, n_decode: int):
-    """One measured generation on a local swarm started for it and closed after it. Only one swarm
-    is ever up: an idle swarm beside the measured one is not idle (its members ping each other every
-    second, and a trunk whose first speed measurement had to share the CPU measures again 10, 20,
-    40 and 80 s later, kernels/speed.py), and at two threads any process that wakes stalls the
-    computing one's thread barriers."""
-    swarm = Running(model, LocalLayout(2, threads, threads), PlannerSettings(head_layers=4, attention=attention))
-    try:
-        await swarm.start(model)
-        await swarm.decode(prompt, 8)  # warm-up: graphs built, caches placed
-        await asyncio.sleep(SETTLE_S)  # what joining starts (the host's layer checks) is over by then
-        return await swarm.generate(prompt, n_decode)
-    finally:
-        await swarm.close()
-
-
 async def measure(args: argparse.Namespace, model: Path, prompt: list[int]) -> dict:
     out: dict = {}
     for t in args.threads:
@@ -130,8 +113,10 @@ async def measure(args: argparse.Namespace, model: Path, prompt: list[int]) -> d
         servers = RpcServers(args.rpc_server, t)  # (idle rpc-servers block in accept: they cost nothing)
         try:
             for _ in range(args.rounds):
-                for attention in ("plain", "flash"):
-                    gen = await swarm_generation(model, prompt, t, attention, args.decode)
+                for attention in ("plain", "flash"):  # (one swarm up at a time: bench_local_swarm.alone)
+                    async with alone(model, LocalLayout(2, t, t), prompt,
+                                     PlannerSettings(head_layers=4, attention=attention)) as swarm:
+                        gen = await swarm.generate(prompt, args.decode)
                     samples.setdefault(f"swarm_{attention}", []).append(decode_rate(gen))
                     generations.setdefault(f"swarm_{attention}", []).append(gen)
                 rpc = llama_bench_tg(args.llama_bench, model, t, args.decode,
