@@ -28,8 +28,9 @@ def wait_checked(swarm: Swarm, timeout: float = 120) -> dict:
     """The status once both trunks' claims were checked, the plan is complete and it has stayed
     the same plan for SETTLE_S: what joining changes, it has changed by then. (Without the settling,
     a run beside other load took plan v1, on trunk-a, as its "before", and one second later v2 put
-    the layers on trunk-b, saying trunk-a alone would make each token 2.3 ms slower. Why the host
-    moved them so soon after the trunks were checked was not traced.)"""
+    the layers on trunk-b, saying trunk-a alone would make each token 2.3 ms slower. Read from the
+    code, not traced in that run: a trunk is planned in once its proof passes, and that re-plan
+    starts from scratch, so the second trunk proven takes the layers when its figure reads faster.)"""
     deadline = time.monotonic() + timeout
     settled: tuple[int, float] | None = None  # (plan version, since when it held with both checked)
     while time.monotonic() < deadline:
